@@ -1,0 +1,29 @@
+"""The drafter interface: propose a token tree for a request, hear what was committed, forget it.
+
+A drafter keeps per-request state (a KV cache, an n-gram index) keyed by request id. Its view of a
+request is the committed token sequence; the last committed token is the tree's root, so proposed
+nodes continue after it. "Nothing to say" is the empty tree, never None.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence, runtime_checkable
+
+from specmesh.tree import TokenTree
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    name: str
+
+    def start(self, request_id: str, prompt_ids: Sequence[int]) -> None:
+        """Begin a request whose committed tokens so far are ``prompt_ids``."""
+
+    def propose(self, request_id: str, budget: int) -> TokenTree:
+        """Up to ``budget`` nodes continuing the committed tokens."""
+
+    def commit(self, request_id: str, new_token_ids: Sequence[int]) -> None:
+        """The target committed these tokens after the previous ones."""
+
+    def end(self, request_id: str) -> None:
+        """Free everything held for the request (unknown ids are ignored)."""

@@ -1,0 +1,88 @@
+"""A drafter that runs a small causal LM sharing the target's tokenizer and proposes its greedy chain.
+
+Per request it keeps the model's KV cache and the tokens it covers; before each proposal the cache is
+cut back to the longest prefix shared with the committed tokens, so accepted guesses are never
+recomputed and rejected ones are dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from specmesh.errors import InvalidArgument
+from specmesh.tree import TokenTree
+
+
+@dataclass
+class _State:
+    committed: list[int]
+    cache: object = None  # transformers DynamicCache
+    cached: list[int] = field(default_factory=list)  # tokens whose K/V the cache holds, in order
+
+
+class ModelDrafter:
+    def __init__(self, model: torch.nn.Module, vocab_size: int, name: str = "model", max_chain: int = 8) -> None:
+        """``vocab_size`` is the target's: rows past it (padding in some checkpoints) are never proposed."""
+        model_vocab = model.get_output_embeddings().weight.shape[0]
+        if model_vocab < vocab_size:
+            raise InvalidArgument("drafter", f"drafter {name!r} has {model_vocab} output tokens, target has {vocab_size}")
+        self.name = name
+        self.model = model.eval()
+        self.vocab_size = vocab_size
+        self.max_chain = max_chain
+        self.device = next(model.parameters()).device
+        self._states: dict[str, _State] = {}
+
+    def start(self, request_id: str, prompt_ids: Sequence[int]) -> None:
+        self._states[request_id] = _State(committed=[int(t) for t in prompt_ids])
+
+    def commit(self, request_id: str, new_token_ids: Sequence[int]) -> None:
+        self._states[request_id].committed.extend(int(t) for t in new_token_ids)
+
+    def end(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
+
+    @torch.inference_mode()
+    def propose(self, request_id: str, budget: int) -> TokenTree:
+        from transformers import DynamicCache
+
+        state = self._states[request_id]
+        steps = min(budget, self.max_chain)
+        if steps <= 0:
+            return TokenTree()
+        shared = _common_prefix(state.cached, state.committed)
+        if state.cache is None:
+            state.cache = DynamicCache()
+        # keep at least one committed token uncached: its logits start the chain
+        keep = min(shared, len(state.committed) - 1)
+        state.cache.crop(keep - len(state.cached))  # a negative count: how many entries to drop
+        state.cached = state.committed[:keep]
+        feed = state.committed[keep:]
+        tokens: list[int] = []
+        probs: list[float] = []
+        for _ in range(steps):
+            logits = self._forward(state, feed)  # [vocab]
+            dist = logits[: self.vocab_size].float().softmax(-1)
+            token = int(dist.argmax())
+            tokens.append(token)
+            probs.append(float(dist[token]))
+            feed = [token]
+        return TokenTree.chain(tokens, probs)
+
+    def _forward(self, state: _State, feed: list[int]) -> torch.Tensor:
+        ids = torch.tensor([feed], device=self.device)
+        out = self.model(input_ids=ids, past_key_values=state.cache, use_cache=True)
+        state.cached.extend(feed)
+        return out.logits[0, -1]
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

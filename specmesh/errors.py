@@ -1,0 +1,19 @@
+"""Errors the domain code raises; the services map each one to a gRPC status in one place."""
+
+from __future__ import annotations
+
+
+class SpecmeshError(Exception):
+    """Base of every error specmesh raises on purpose."""
+
+
+class InvalidArgument(SpecmeshError, ValueError):
+    """A caller's argument is wrong. ``field`` names it, the message says what is wrong and what is allowed."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class ResourceExhausted(SpecmeshError):
+    """A limit (concurrent requests, cache capacity, queue length) is reached; retry later."""

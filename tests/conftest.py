@@ -1,0 +1,43 @@
+"""Shared fixtures: tiny randomly initialised Llama models built in memory (seconds, no files)."""
+
+import os
+
+# Triton chooses its interpreter when first imported: set it before any test module imports triton.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def tiny_llama(vocab_size: int = 96, layers: int = 2, seed: int = 0, hidden: int = 64, **overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+        tie_word_embeddings=False,
+        **overrides,
+    )
+    model = LlamaForCausalLM(config).eval()
+    # Random init gives near-uniform logits; sharpen them so greedy paths are meaningful and ties rare.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    return tiny_llama()

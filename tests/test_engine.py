@@ -1,0 +1,148 @@
+"""The speculation loop on tiny random Llama models: greedy output equals plain greedy decoding."""
+
+import random
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from drafting import OracleTreeDrafter
+from specmesh.drafters.model import ModelDrafter
+from specmesh.drafters.ngram import NgramDrafter
+from specmesh.engine import Request, SpeculativeEngine
+from specmesh.errors import InvalidArgument
+from specmesh.models.llama import LlamaRuntime
+from specmesh.sampling import SamplingParams
+
+from conftest import tiny_llama
+
+MAX_TOKENS = 24
+
+
+def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
+            pad_token_id=model.config.pad_token_id,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def ragged_prompts(count: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2, vocab) for _ in range(rng.randint(1, 30))] for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def runtime(tiny_model):
+    return LlamaRuntime(tiny_model)
+
+
+def test_own_plain_decoding_matches_hugging_face(tiny_model, runtime):
+    prompts = ragged_prompts(4, 96, seed=1)
+    engine = SpeculativeEngine(runtime, drafters=[], max_tree_nodes=0)
+    outputs = engine.generate([Request(tuple(p), SamplingParams(max_tokens=MAX_TOKENS)) for p in prompts])
+    for prompt, out in zip(prompts, outputs):
+        assert out.token_ids == hf_greedy(tiny_model, prompt, MAX_TOKENS)
+        assert out.finish_reason == "length"
+        assert out.stats.mean_accepted_length == 1.0
+
+
+@pytest.mark.parametrize("batch_size", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("budget", [1, 4, 16])
+def test_random_trees_give_the_plain_greedy_output(tiny_model, runtime, batch_size, budget):
+    prompts = ragged_prompts(batch_size, 96, seed=batch_size * 100 + budget)
+    answers = {tuple(p): hf_greedy(tiny_model, p, MAX_TOKENS) for p in prompts}
+    drafter = OracleTreeDrafter(answers, vocab_size=96, seed=budget)
+    engine = SpeculativeEngine(runtime, drafters=[drafter], max_tree_nodes=budget)
+    outputs = engine.generate([Request(tuple(p), SamplingParams(max_tokens=MAX_TOKENS)) for p in prompts])
+    for prompt, out in zip(prompts, outputs):
+        assert out.token_ids == answers[tuple(prompt)]
+    steps = sum(o.stats.target_steps for o in outputs)
+    committed = sum(len(o.token_ids) for o in outputs)
+    assert committed > steps or budget == 1, "the oracle's right guesses should have been accepted"
+
+
+def test_model_and_ngram_drafters_together_are_lossless(tiny_model, runtime):
+    draft_model = tiny_llama(layers=1, seed=7)
+    drafters = [ModelDrafter(draft_model, vocab_size=96, name="small"), NgramDrafter()]
+    prompts = [p * 3 for p in ragged_prompts(4, 96, seed=5)]  # repeats give the n-gram drafter hits
+    engine = SpeculativeEngine(runtime, drafters=drafters, max_tree_nodes=6)
+    outputs = engine.generate([Request(tuple(p), SamplingParams(max_tokens=MAX_TOKENS)) for p in prompts])
+    for prompt, out in zip(prompts, outputs):
+        assert out.token_ids == hf_greedy(tiny_model, prompt, MAX_TOKENS)
+
+
+def test_the_target_as_its_own_drafter_is_accepted_almost_entirely(tiny_model, runtime):
+    engine = SpeculativeEngine(runtime, drafters=[ModelDrafter(tiny_model, vocab_size=96)], max_tree_nodes=4)
+    (out,) = engine.generate([Request((5, 6, 7), SamplingParams(max_tokens=MAX_TOKENS))])
+    assert out.token_ids == hf_greedy(tiny_model, [5, 6, 7], MAX_TOKENS)
+    assert out.stats.mean_accepted_length > 3.5
+
+
+def test_end_of_sequence_stops_and_is_included(tiny_model, runtime):
+    prompt = [3, 4, 5]
+    reference = hf_greedy(tiny_model, prompt, MAX_TOKENS)
+    stop_token = reference[5]
+    engine = SpeculativeEngine(
+        runtime, drafters=[OracleTreeDrafter({tuple(prompt): reference}, 96)], max_tree_nodes=8,
+        eos_token_ids=[stop_token],
+    )
+    (out,) = engine.generate([Request(tuple(prompt), SamplingParams(max_tokens=MAX_TOKENS))])
+    assert out.finish_reason == "stop"
+    assert out.token_ids == reference[: reference.index(stop_token) + 1]
+
+
+def test_seeded_sampling_is_reproducible_and_temperature_zero_is_deterministic(runtime):
+    engine = SpeculativeEngine(runtime, drafters=[NgramDrafter()], max_tree_nodes=4)
+    sampled = SamplingParams(temperature=1.0, seed=42, max_tokens=16)
+    first = engine.generate([Request((5, 6, 7, 5, 6), sampled)])[0].token_ids
+    again = engine.generate([Request((5, 6, 7, 5, 6), sampled)])[0].token_ids
+    other = engine.generate([Request((5, 6, 7, 5, 6), SamplingParams(temperature=1.0, seed=43, max_tokens=16))])
+    assert first == again and first != other[0].token_ids
+    greedy = [engine.generate([Request((5, 6, 7), SamplingParams(max_tokens=16))])[0].token_ids for _ in range(2)]
+    assert greedy[0] == greedy[1]
+
+
+def test_sampled_two_token_distribution_end_to_end():
+    """Engine + tiny model: the first two sampled tokens follow the model's exact (top-k) distribution."""
+    vocab, top_k = 32, 4
+    model = tiny_llama(vocab_size=vocab, seed=3)
+    runtime = LlamaRuntime(model)
+    prompt = [2, 9, 4]
+    params = dict(temperature=1.0, top_k=top_k, max_tokens=2)
+    with torch.no_grad():
+        first = torch.softmax(model(torch.tensor([prompt])).logits[0, -1], -1)
+        keep = first.topk(top_k).indices
+        exact = {}
+        p1 = first[keep] / first[keep].sum()
+        for x, px in zip(keep.tolist(), p1.tolist()):
+            second = torch.softmax(model(torch.tensor([prompt + [x]])).logits[0, -1], -1)
+            keep2 = second.topk(top_k).indices
+            p2 = second[keep2] / second[keep2].sum()
+            for y, py in zip(keep2.tolist(), p2.tolist()):
+                exact[(x, y)] = px * py
+    answers = {tuple(prompt): [int(keep[0])]}  # the oracle guesses the mode, then random branches
+    engine = SpeculativeEngine(runtime, drafters=[OracleTreeDrafter(answers, vocab, seed=1)], max_tree_nodes=6)
+    counts = dict.fromkeys(exact, 0)
+    for batch in range(40):
+        requests = [Request(tuple(prompt), SamplingParams(seed=batch * 100 + i, **params)) for i in range(50)]
+        for out in engine.generate(requests):
+            pair = tuple(out.token_ids)
+            assert pair in counts, f"sampled {pair}, outside the target's top-{top_k} support"
+            counts[pair] += 1
+    total = sum(counts.values())
+    mass = sum(exact.values())
+    pvalue = chisquare([counts[k] for k in exact], [exact[k] * total / mass for k in exact]).pvalue
+    assert pvalue > 1e-3, f"speculative sampling changed the distribution (p = {pvalue:.2e})"
+
+
+@pytest.mark.parametrize(
+    "prompt,max_tokens,field",
+    [((), 4, "prompt"), ((5,) * 600, 4, "prompt"), ((5, 6), 600, "max_tokens"), ((5, 500), 4, "prompt")],
+)
+def test_bad_requests_name_the_argument(runtime, prompt, max_tokens, field):
+    engine = SpeculativeEngine(runtime, drafters=[], max_tree_nodes=4)
+    with pytest.raises(InvalidArgument) as err:
+        engine.generate([Request(prompt, SamplingParams(max_tokens=max_tokens))])
+    assert err.value.field == field

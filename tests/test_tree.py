@@ -1,0 +1,56 @@
+import pytest
+import torch
+
+from specmesh.fusion import fuse_trees
+from specmesh.tree import ROOT, TokenTree, compile_tree
+
+
+def test_chain_compiles_to_causal_mask():
+    compiled = compile_tree(7, TokenTree.chain([1, 2, 3]))
+    assert compiled.input_ids.tolist() == [7, 1, 2, 3]
+    assert compiled.depths.tolist() == [0, 1, 2, 3]
+    assert torch.equal(compiled.mask, torch.tril(torch.ones(4, 4, dtype=torch.bool)))
+    assert compiled.retrieve_indices.tolist() == [[0, 1, 2, 3]]
+
+
+def test_branching_tree_mask_positions_and_paths():
+    # root -> a(0) -> c(2); root -> b(1) -> d(3) -> e(4)
+    tree = TokenTree(tokens=(10, 11, 12, 13, 14), parents=(ROOT, ROOT, 0, 1, 3), draft_probs=(0.5,) * 5)
+    compiled = compile_tree(9, tree)
+    assert compiled.depths.tolist() == [0, 1, 1, 2, 2, 3]
+    expected_ancestors = {0: [0], 1: [0, 1], 2: [0, 2], 3: [0, 1, 3], 4: [0, 2, 4], 5: [0, 2, 4, 5]}
+    for row, ancestors in expected_ancestors.items():
+        assert compiled.mask[row].nonzero().flatten().tolist() == ancestors
+    assert compiled.retrieve_indices.tolist() == [[0, 1, 3, -1], [0, 2, 4, 5]]
+    assert compiled.children == [[0, 1], [2], [3], [], [4], []]
+
+
+def test_from_paths_merges_prefixes_and_truncation_stays_a_tree():
+    tree = TokenTree.from_paths([[1, 2, 3], [1, 2, 4], [5]])
+    assert tree.tokens == (1, 2, 3, 4, 5)
+    assert tree.parents == (ROOT, 0, 1, 1, ROOT)
+    assert tree.truncated(3) == TokenTree((1, 2, 3), (ROOT, 0, 1), (1.0, 1.0, 1.0))
+    assert tree.path_to(3) == [0, 1, 3]
+
+
+def test_invalid_trees_are_refused():
+    with pytest.raises(ValueError, match="parents must precede"):
+        TokenTree(tokens=(1, 2), parents=(1, ROOT), draft_probs=(1.0, 1.0))
+    with pytest.raises(ValueError, match="differ in length"):
+        TokenTree(tokens=(1,), parents=(), draft_probs=())
+
+
+def test_fusion_merges_agreeing_drafters_and_keeps_ancestors_first():
+    a = TokenTree.chain([1, 2, 3], [0.9, 0.8, 0.7])
+    b = TokenTree.chain([1, 2, 9], [0.6, 0.5, 0.9])
+    c = TokenTree.chain([4], [0.3])
+    fused = fuse_trees([a, b, c], budget=4)
+    assert len(fused) == 4
+    for i, parent in enumerate(fused.parents):
+        assert parent < i
+    paths = {tuple(fused.tokens[n] for n in fused.path_to(i)) for i in range(len(fused))}
+    # [1] and [1, 2] are backed by two drafters and come first; then the strongest continuation
+    assert {(1,), (1, 2), (1, 2, 3)} <= paths
+    assert fused.tokens[:2] == (1, 2)
+    assert fuse_trees([a, b], budget=0) == TokenTree()
+    assert fuse_trees([], budget=5) == TokenTree()

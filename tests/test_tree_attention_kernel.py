@@ -1,0 +1,108 @@
+"""The Triton tree-attention kernel against its PyTorch reference, on CPU through Triton's interpreter."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+# conftest.py sets TRITON_INTERPRET=1 before anything imports triton; without it this file needs a GPU.
+if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+    pytest.skip("needs CUDA or TRITON_INTERPRET=1 (set by tests/conftest.py)", allow_module_level=True)
+pytest.importorskip("triton", reason="Triton is not installed; the tree-attention kernel cannot be tested")
+
+from specmesh.kernels.tree_attention_reference import tree_attention_reference  # noqa: E402
+from specmesh.kernels.tree_attention_triton import tree_attention_triton  # noqa: E402
+
+
+def random_tree_mask(num_nodes: int, generator: torch.Generator) -> torch.Tensor:
+    """[num_nodes, num_nodes] bool: mask[i, j] iff j is i or an ancestor of i in a random forest."""
+    mask = torch.zeros(num_nodes, num_nodes, dtype=torch.bool)
+    for node in range(num_nodes):
+        parent = int(torch.randint(-1, node, (1,), generator=generator))  # -1: a new root
+        if parent >= 0:
+            mask[node] = mask[parent]
+        mask[node, node] = True
+    return mask
+
+
+def random_inputs(num_heads, num_kv_heads, num_queries, prefix_len, head_dim, dtype=torch.float32, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    num_keys = prefix_len + num_queries
+    query = torch.randn(num_heads, num_queries, head_dim, generator=generator)  # [num_heads, num_queries, head_dim]
+    key = torch.randn(num_kv_heads, num_keys, head_dim, generator=generator)  # [num_kv_heads, num_keys, head_dim]
+    value = torch.randn(num_kv_heads, num_keys, head_dim, generator=generator)  # [num_kv_heads, num_keys, head_dim]
+    tree_mask = random_tree_mask(num_queries, generator)  # [num_queries, num_queries]
+    return query.to(dtype), key.to(dtype), value.to(dtype), tree_mask
+
+
+@pytest.mark.parametrize("num_kv_heads", [4, 2, 1])
+@pytest.mark.parametrize("num_queries", [1, 5, 17])
+@pytest.mark.parametrize("prefix_len", [0, 3, 40])
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_matches_reference(num_kv_heads, num_queries, prefix_len, head_dim):
+    query, key, value, tree_mask = random_inputs(4, num_kv_heads, num_queries, prefix_len, head_dim, seed=num_queries)
+    scale = head_dim**-0.5
+
+    out = tree_attention_triton(query, key, value, tree_mask, scale)
+
+    assert out.shape == query.shape and out.dtype == query.dtype
+    torch.testing.assert_close(out, tree_attention_reference(query, key, value, tree_mask, scale), atol=1e-4, rtol=1e-4)
+
+
+def test_several_query_and_key_blocks():
+    # 70 nodes make two query blocks and two tree key blocks; a 150-key prefix makes three prefix blocks.
+    query, key, value, tree_mask = random_inputs(2, 1, 70, 150, 32, seed=11)
+
+    out = tree_attention_triton(query, key, value, tree_mask, 0.2)
+
+    torch.testing.assert_close(out, tree_attention_reference(query, key, value, tree_mask, 0.2), atol=1e-4, rtol=1e-4)
+
+
+def test_each_node_equals_causal_attention_over_its_path():
+    prefix_len, num_queries, head_dim = 6, 9, 16
+    query, key, value, tree_mask = random_inputs(2, 1, num_queries, prefix_len, head_dim, seed=7)
+    scale = head_dim**-0.5
+
+    out = tree_attention_triton(query, key, value, tree_mask, scale)  # [2, num_queries, head_dim]
+
+    for node in range(num_queries):
+        path = list(range(prefix_len)) + [prefix_len + j for j in tree_mask[node].nonzero().flatten().tolist()]
+        expected = F.scaled_dot_product_attention(
+            query[:, node : node + 1], key[:, path].expand(2, -1, -1), value[:, path].expand(2, -1, -1), scale=scale
+        )
+        torch.testing.assert_close(out[:, node : node + 1], expected, atol=1e-4, rtol=1e-4)
+
+
+BF16_INTERPRETER_BUG = "Triton's interpreter multiplies bf16 bit patterns in tl.dot (triton-lang/triton#11584)"
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.skip(reason=BF16_INTERPRETER_BUG))]
+)
+def test_half_precision_returns_input_dtype(dtype):
+    query, key, value, tree_mask = random_inputs(4, 2, 5, 3, 128, dtype=dtype, seed=3)
+    scale = 128**-0.5
+
+    out = tree_attention_triton(query, key, value, tree_mask, scale)
+
+    assert out.dtype == dtype
+    expected = tree_attention_reference(query.float(), key.float(), value.float(), tree_mask, scale)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_non_contiguous_inputs():
+    query, key, value, tree_mask = random_inputs(2, 2, 5, 3, 16, seed=5)
+    # Same values, transposed storage: [num_queries, num_heads, head_dim] viewed as [num_heads, num_queries, head_dim].
+    query_t, key_t, value_t = (t.transpose(0, 1).contiguous().transpose(0, 1) for t in (query, key, value))
+    assert not query_t.is_contiguous()
+
+    out = tree_attention_triton(query_t, key_t, value_t, tree_mask.t().contiguous().t(), 0.25)
+
+    torch.testing.assert_close(out, tree_attention_reference(query, key, value, tree_mask, 0.25), atol=1e-4, rtol=1e-4)
+
+
+def test_rejects_unsupported_head_dim():
+    query, key, value, tree_mask = random_inputs(2, 2, 3, 2, 24)
+    with pytest.raises(AssertionError, match="power of two"):
+        tree_attention_triton(query, key, value, tree_mask, 0.2)
