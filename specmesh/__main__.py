@@ -1,0 +1,5 @@
+import sys
+
+from specmesh.cli import main
+
+sys.exit(main())

@@ -1,0 +1,148 @@
+"""The ``specmesh`` command line: generate, bench, prepare."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Sequence
+
+from specmesh.errors import InvalidArgument, SpecmeshError
+from specmesh.models.loading import EMBEDDED_DEFAULT
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=EMBEDDED_DEFAULT,
+                        help=f"target: hub id, model directory, .gguf file, or {EMBEDDED_DEFAULT!r} (default)")
+    parser.add_argument("--drafter", action="append", default=None,
+                        help="drafter: 'ngram' (prompt lookup) or a small model sharing the target's tokenizer; "
+                        "repeat for several (default: ngram)")
+    parser.add_argument("--tree-nodes", type=int, default=8, help="tree budget per step; 0 = no speculation (default 8)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: CUDA when present)")
+    parser.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: fp32 on CPU, bf16 on CUDA)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specmesh", description="Lossless speculative decoding.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    gen = commands.add_parser("generate", help="generate text for a prompt or a JSONL file of prompts")
+    gen.add_argument("prompt", nargs="?", help="the user message (chat template applied)")
+    gen.add_argument("--prompts", help="JSONL file: one {'prompt': ..., 'category': ...} a line")
+    _add_model_args(gen)
+    gen.add_argument("--greedy", action="store_true", help="greedy decoding (the default unless --temperature > 0)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--compare-plain", action="store_true",
+                     help="also decode without speculation; report identity and the speed ratio")
+
+    bench = commands.add_parser("bench", help="measure speed against plain and HF assisted decoding")
+    bench.add_argument("--prompts", help="JSONL prompts (default: MT-Bench first turns)")
+    bench.add_argument("--limit", type=int, default=16, help="first N prompts (default 16)")
+    bench.add_argument("--max-tokens", type=int, default=64)
+    bench.add_argument("--json", dest="json_out", help="write the summary (see shared/BENCH.md) here")
+    bench.add_argument("--skip-baselines", action="store_true", help="only the verify cost curve and specmesh")
+    _add_model_args(bench)
+
+    prep = commands.add_parser("prepare", help="convert the embedded default model once (done by make install)")
+    prep.add_argument("--model", default=EMBEDDED_DEFAULT)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download weights at run time
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "generate":
+            return _generate(args)
+        if args.command == "bench":
+            from specmesh.bench import run_bench
+
+            return run_bench(args)
+        if args.command == "prepare":
+            from specmesh.models.loading import resolve_model_dir
+
+            print(resolve_model_dir(args.model)[0])
+            return 0
+    except InvalidArgument as exc:
+        parser.exit(2, f"specmesh: error: {exc}\n")
+    except SpecmeshError as exc:
+        parser.exit(1, f"specmesh: {exc}\n")
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def _sampling_params(args: argparse.Namespace):
+    from specmesh.sampling import SamplingParams
+
+    if args.greedy and args.temperature != 0:
+        raise InvalidArgument("temperature", "--greedy and --temperature > 0 contradict each other")
+    return SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens
+    )
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from specmesh.assembly import assemble, configure_threads
+    from specmesh.engine import Request
+    from specmesh.prompts import Prompt, encode_chat, load_prompts
+
+    if (args.prompt is None) == (args.prompts is None):
+        raise InvalidArgument("prompt", "give either a PROMPT or --prompts FILE.jsonl")
+    params = _sampling_params(args)
+    if args.tree_nodes < 0:
+        raise InvalidArgument("tree_nodes", f"must be >= 0, got {args.tree_nodes}")
+    prompts = [Prompt(args.prompt)] if args.prompt is not None else load_prompts(args.prompts)
+    configure_threads(args.threads)
+    assembly = assemble(args.model, args.drafter or ["ngram"], device=args.device, dtype=args.dtype)
+    speculative = assembly.engine(args.tree_nodes)
+    plain = assembly.engine(0)
+    tokenizer = assembly.target.tokenizer
+    totals = {"tokens": 0, "time": 0.0, "steps": 0, "plain_time": 0.0, "identical": 0}
+    for number, prompt in enumerate(prompts, start=1):
+        ids = tuple(encode_chat(tokenizer, prompt.text))
+        started = time.perf_counter()
+        (result,) = speculative.generate([Request(ids, params)])
+        elapsed = time.perf_counter() - started
+        text = tokenizer.decode(result.token_ids, skip_special_tokens=True)
+        if len(prompts) > 1:
+            print(f"--- [{number}/{len(prompts)}] {prompt.category}")
+        print(text)
+        stats = result.stats
+        speed = len(result.token_ids) / elapsed
+        print(f"[{len(result.token_ids)} tokens, {speed:.1f} tok/s, mean accepted length "
+              f"{stats.mean_accepted_length:.2f}, finish: {result.finish_reason}]")
+        totals["tokens"] += len(result.token_ids)
+        totals["time"] += elapsed
+        totals["steps"] += stats.target_steps
+        if args.compare_plain:
+            started = time.perf_counter()
+            (reference,) = plain.generate([Request(ids, params)])
+            plain_elapsed = time.perf_counter() - started
+            totals["plain_time"] += plain_elapsed
+            same = reference.token_ids == result.token_ids
+            totals["identical"] += same
+            verdict = ("identical" if same else "DIFFERENT") if params.greedy else "n/a (sampling)"
+            plain_speed = len(reference.token_ids) / plain_elapsed
+            print(f"[plain: {plain_speed:.1f} tok/s; outputs {verdict}; speedup {speed / plain_speed:.2f}x]")
+        sys.stdout.flush()
+    if len(prompts) > 1:
+        mean_len = totals["tokens"] / max(totals["steps"], 1)
+        line = f"=== {len(prompts)} prompts: {totals['tokens'] / totals['time']:.1f} tok/s, mean accepted length {mean_len:.2f}"
+        if args.compare_plain and totals["plain_time"]:
+            line += f", speedup {totals['plain_time'] / totals['time']:.2f}x"
+            if params.greedy:
+                line += f", identical {totals['identical']}/{len(prompts)}"
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Generated protobuf and gRPC code for the ``specmesh.v1`` wire schema (``make proto``; do not edit)."""
