@@ -13,7 +13,7 @@ from specmesh.drafters.model import ModelDrafter
 from specmesh.drafters.ngram import NgramDrafter
 from specmesh.engine import SpeculativeEngine
 from specmesh.errors import InvalidArgument
-from specmesh.models.llama import LlamaRuntime
+from specmesh.models.runtime import TargetRuntime, make_runtime
 from specmesh.models.loading import LoadedModel, load_hf_model, tokenizer_fingerprint
 
 MODEL_FREE_DRAFTERS = {"ngram": NgramDrafter}
@@ -22,7 +22,7 @@ MODEL_FREE_DRAFTERS = {"ngram": NgramDrafter}
 @dataclass
 class Assembly:
     target: LoadedModel
-    runtime: LlamaRuntime
+    runtime: TargetRuntime
     drafters: list[Drafter]
 
     def engine(self, max_tree_nodes: int) -> SpeculativeEngine:
@@ -67,5 +67,5 @@ def assemble(
     model: str, drafters: Sequence[str] = ("ngram",), device: str | None = None, dtype: str | None = None
 ) -> Assembly:
     target = load_hf_model(model, dtype=dtype, device=device)
-    runtime = LlamaRuntime(target.model)
+    runtime = make_runtime(target.model)
     return Assembly(target, runtime, [load_drafter(d, target, device, dtype) for d in drafters])

@@ -22,7 +22,8 @@ from tqdm.auto import tqdm
 from specmesh.assembly import Assembly, assemble, configure_threads, eos_token_ids
 from specmesh.engine import Request
 from specmesh.errors import InvalidArgument
-from specmesh.models.llama import LlamaRuntime, TreeBatch
+from specmesh.models.llama import TreeBatch
+from specmesh.models.runtime import TargetRuntime
 from specmesh.prompts import Prompt, encode_chat, load_prompts, mtbench_prompts
 from specmesh.sampling import SamplingParams
 from specmesh.tree import TokenTree, compile_tree
@@ -31,7 +32,7 @@ COST_CURVE_MAX_K = 16
 MODES = ("hf_plain", "hf_assisted", "own_plain", "engine")
 
 
-def verify_cost_curve(runtime: LlamaRuntime, context: list[int], repeats: int = 15) -> dict[str, float]:
+def verify_cost_curve(runtime: TargetRuntime, context: list[int], repeats: int = 15) -> dict[str, float]:
     """Median time to score k+1 tokens (a chain of k guesses) in one pass, over the one-token step."""
     session = runtime.new_session()
     prefix = compile_tree(context[0], TokenTree.chain(context[1:]))

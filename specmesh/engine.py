@@ -18,8 +18,8 @@ from specmesh.acceptance import Verdict, verify_greedy, verify_mss
 from specmesh.drafters.base import Drafter
 from specmesh.errors import InvalidArgument
 from specmesh.fusion import fuse_trees
-from specmesh.models.kv_cache import KVSession
-from specmesh.models.llama import LlamaRuntime, TreeBatch
+from specmesh.models.llama import TreeBatch
+from specmesh.models.runtime import TargetRuntime
 from specmesh.sampling import SamplingParams, target_probabilities
 from specmesh.tree import TokenTree, compile_tree
 
@@ -59,7 +59,7 @@ class Completion:
 @dataclass
 class _Active:
     request: Request
-    session: KVSession
+    session: object  # the runtime's KV session
     generator: torch.Generator | None
     pending: int  # the last committed token: the root of the next tree, not yet in the KV cache
     output: list[int] = field(default_factory=list)
@@ -70,7 +70,7 @@ class _Active:
 class SpeculativeEngine:
     def __init__(
         self,
-        target: LlamaRuntime,
+        target: TargetRuntime,
         drafters: Sequence[Drafter] = (),
         max_tree_nodes: int = 8,
         eos_token_ids: Sequence[int] = (),

@@ -1,0 +1,26 @@
+"""Choosing the target runtime for a loaded model: the lean Llama path where it applies, else HF's forward."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from specmesh.models.hf_runtime import HFRuntime
+from specmesh.models.llama import SUPPORTED_MODEL_TYPES, LlamaRuntime, TreeBatch
+
+
+class TargetRuntime(Protocol):
+    device: torch.device
+    vocab_size: int
+    max_length: int
+
+    def new_session(self): ...
+
+    def forward(self, batch: TreeBatch, logits_rows: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
+def make_runtime(hf_model: torch.nn.Module, lean: bool = True) -> TargetRuntime:
+    if lean and hf_model.config.model_type in SUPPORTED_MODEL_TYPES:
+        return LlamaRuntime(hf_model)
+    return HFRuntime(hf_model)
