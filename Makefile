@@ -34,7 +34,7 @@ test-fast: install
 
 bench: install
 	mkdir -p out
-	$(PY) -m specmesh bench --json out/bench.json
+	$(PY) -m specmesh bench --per-category 2 --json out/bench.json
 
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. \

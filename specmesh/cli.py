@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="measure speed against plain and HF assisted decoding")
     bench.add_argument("--prompts", help="JSONL prompts (default: MT-Bench first turns)")
-    bench.add_argument("--limit", type=int, default=16, help="first N prompts (default 16)")
+    bench.add_argument("--limit", type=int, default=None, help="only the first N prompts")
+    bench.add_argument("--per-category", type=int, default=None, help="only the first N prompts of each category")
     bench.add_argument("--max-tokens", type=int, default=64)
     bench.add_argument("--json", dest="json_out", help="write the summary (see shared/BENCH.md) here")
     bench.add_argument("--skip-baselines", action="store_true", help="only the verify cost curve and specmesh")

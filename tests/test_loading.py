@@ -1,0 +1,64 @@
+"""Loading targets and drafters from local directories; refusing drafters with another vocabulary."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from transformers import AutoTokenizer
+
+from specmesh.assembly import assemble
+from specmesh.errors import InvalidArgument
+from specmesh.models.loading import EMBEDDED_DEFAULT, resolve_model_dir, tokenizer_fingerprint
+
+from conftest import tiny_llama
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    source, _ = resolve_model_dir(EMBEDDED_DEFAULT)
+    return AutoTokenizer.from_pretrained(source)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, tokenizer):
+    """A tiny random Llama with the embedded model's tokenizer, saved as a Hugging Face directory."""
+    path = tmp_path_factory.mktemp("tiny")
+    tiny_llama(vocab_size=len(tokenizer), layers=1, seed=5).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_a_model_directory_loads_as_target_and_as_drafter(tiny_dir):
+    assembly = assemble(str(tiny_dir), drafters=["ngram", str(tiny_dir)])
+    assert [d.name for d in assembly.drafters] == ["ngram", str(tiny_dir)]
+    assert assembly.runtime.vocab_size == len(assembly.target.tokenizer)
+
+
+def test_a_drafter_with_another_vocabulary_is_refused(tiny_dir, tokenizer, tmp_path):
+    other = tmp_path / "other"
+    tiny_llama(vocab_size=len(tokenizer), layers=1, seed=6).save_pretrained(other)
+    tokenizer.save_pretrained(other)
+    data = json.loads((other / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    first, second = [token for token in vocab if token.isalpha() and len(token) > 3][:2]
+    vocab[first], vocab[second] = vocab[second], vocab[first]  # same tokens, two ids swapped
+    (other / "tokenizer.json").write_text(json.dumps(data))
+    assert tokenizer_fingerprint(AutoTokenizer.from_pretrained(other)) != tokenizer_fingerprint(tokenizer)
+    with pytest.raises(InvalidArgument) as err:
+        assemble(str(tiny_dir), drafters=[str(other)])
+    assert err.value.field == "drafter" and "vocabulary" in str(err.value)
+
+
+def test_a_directory_without_config_is_refused(tmp_path):
+    with pytest.raises(InvalidArgument, match="no config.json"):
+        resolve_model_dir(str(tmp_path))
+
+
+def test_cli_generates_with_a_directory_model(tiny_dir):
+    result = subprocess.run(
+        [sys.executable, "-m", "specmesh", "generate", "Hello", "--model", str(tiny_dir), "--max-tokens", "6",
+         "--compare-plain"], capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "outputs identical" in result.stdout
