@@ -24,6 +24,7 @@ from specmesh.sampling import SamplingParams, target_probabilities
 from specmesh.tree import TokenTree, compile_tree
 
 MAX_TREE_NODES = 64
+PREFILL_CHUNK = 512  # prompt tokens per prefill pass: bounds the attention scores' memory
 
 
 @dataclass(frozen=True)
@@ -118,18 +119,27 @@ class SpeculativeEngine:
             active.append(_Active(request, session, generator, pending=request.prompt_ids[-1]))
             for drafter in self.drafters:
                 drafter.start(request.request_id, request.prompt_ids)
-        to_prefill = [a for a in active if len(a.request.prompt_ids) > 1]
-        if to_prefill:
-            started = time.perf_counter()
-            trees = [compile_tree(a.request.prompt_ids[0], TokenTree.chain(a.request.prompt_ids[1:-1])) for a in to_prefill]
-            self.target.forward(
-                TreeBatch.build([a.session for a in to_prefill], trees), logits_rows=torch.empty(0, dtype=torch.long)
-            )
-            elapsed = time.perf_counter() - started
-            for a, tree in zip(to_prefill, trees):
-                a.session.keep_rows(list(range(tree.num_rows)))
-                a.stats.prefill_s = elapsed
+        self._prefill(active)
         return active
+
+    def _prefill(self, active: list[_Active]) -> None:
+        """Cache every prompt but its last token, in chunks so attention memory stays bounded."""
+        started = time.perf_counter()
+        while True:
+            pending = [a for a in active if a.session.length < len(a.request.prompt_ids) - 1]
+            if not pending:
+                break
+            trees = []
+            for a in pending:
+                chunk = a.request.prompt_ids[a.session.length : len(a.request.prompt_ids) - 1][:PREFILL_CHUNK]
+                trees.append(compile_tree(chunk[0], TokenTree.chain(chunk[1:])))
+            self.target.forward(
+                TreeBatch.build([a.session for a in pending], trees), logits_rows=torch.empty(0, dtype=torch.long)
+            )
+            for a, tree in zip(pending, trees):
+                a.session.keep_rows(list(range(tree.num_rows)))
+        for a in active:
+            a.stats.prefill_s = time.perf_counter() - started
 
     def step(self, active: list[_Active]) -> None:
         """One speculation step for every active request: one target forward for all of them."""
