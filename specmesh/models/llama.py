@@ -70,14 +70,16 @@ class _Layer:
 class LlamaRuntime:
     """Target-model runtime: KV sessions and batched tree-scoring for a Llama-family model."""
 
-    def __init__(self, hf_model: torch.nn.Module) -> None:
+    def __init__(self, hf_model: torch.nn.Module, head_weight: torch.Tensor | None = None) -> None:
+        """``hf_model``: a Llama-family causal LM, or its base model with ``head_weight`` [outputs, hidden]
+        (drafters with a head over a vocabulary subset)."""
         config = hf_model.config
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise InvalidArgument(
                 "model",
                 f"model type {config.model_type!r} has no lean runtime yet; supported: {', '.join(SUPPORTED_MODEL_TYPES)}",
             )
-        inner = hf_model.model
+        inner = getattr(hf_model, "model", hf_model)
         self.config = config
         self.device = inner.embed_tokens.weight.device
         self.dtype = inner.embed_tokens.weight.dtype
@@ -90,7 +92,7 @@ class LlamaRuntime:
         self.scale = self.head_dim**-0.5
         self.embed = inner.embed_tokens.weight.detach()  # [vocab, hidden]
         self.final_norm = inner.norm.weight.detach()  # [hidden]
-        self.lm_head = PackedLinear(hf_model.lm_head.weight)  # hidden -> vocab
+        self.lm_head = PackedLinear(head_weight if head_weight is not None else hf_model.lm_head.weight)  # hidden -> outputs
         self.rotary = inner.rotary_emb  # HF's module: knows the model's RoPE variant and scaling
         self.layers = [self._fuse_layer(layer) for layer in inner.layers]
 

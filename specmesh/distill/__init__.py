@@ -1,0 +1,1 @@
+"""Making expert drafters: training prompts, the target's own answers, distillation, evaluation."""

@@ -1,0 +1,70 @@
+"""The target's own greedy answers to training prompts, cached as JSONL and resumable.
+
+Under teacher forcing on its own greedy output, the target's argmax at every position is the next
+token of the answer, so these answers are exactly the labels that top-1 agreement is measured by.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from tqdm.auto import tqdm
+
+from specmesh.engine import Request, SpeculativeEngine
+from specmesh.prompts import Prompt, encode_chat
+from specmesh.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class Example:
+    prompt: str
+    category: str
+    prompt_ids: tuple[int, ...]
+    response_ids: tuple[int, ...]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [*self.prompt_ids, *self.response_ids]
+
+
+def load_examples(path: Path) -> list[Example]:
+    if not path.exists():
+        return []
+    examples = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            row = json.loads(line)
+            examples.append(Example(row["prompt"], row["category"], tuple(row["prompt_ids"]), tuple(row["response_ids"])))
+    return examples
+
+
+def generate_examples(
+    engine: SpeculativeEngine,
+    tokenizer,
+    prompts: Sequence[Prompt],
+    cache_file: Path,
+    max_tokens: int = 192,
+    batch_size: int = 16,
+) -> list[Example]:
+    """Answers for every prompt, reusing those already in ``cache_file`` and appending the new ones."""
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    done = {e.prompt: e for e in load_examples(cache_file)}
+    todo = [p for p in prompts if p.text not in done]
+    params = SamplingParams(max_tokens=max_tokens)
+    with cache_file.open("a", encoding="utf-8") as out, tqdm(total=len(prompts), initial=len(prompts) - len(todo),
+                                                             desc="target answers", unit="prompt") as bar:
+        for start in range(0, len(todo), batch_size):
+            batch = todo[start : start + batch_size]
+            encoded = [tuple(encode_chat(tokenizer, p.text)) for p in batch]
+            results = engine.generate([Request(ids, params) for ids in encoded])
+            for prompt, ids, result in zip(batch, encoded, results):
+                example = Example(prompt.text, prompt.category, ids, tuple(result.token_ids))
+                done[prompt.text] = example
+                out.write(json.dumps({"prompt": example.prompt, "category": example.category,
+                                      "prompt_ids": list(ids), "response_ids": list(example.response_ids)}) + "\n")
+            out.flush()
+            bar.update(len(batch))
+    return [done[p.text] for p in prompts if p.text in done]

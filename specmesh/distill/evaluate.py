@@ -1,0 +1,87 @@
+"""Measuring drafters against the target: agreement, expected tokens per step, cost.
+
+Under teacher forcing on the target's own greedy answers, a drafter is *right* at a position when its
+top-1 guess is the target's next token. A greedy chain of k guesses starting at position t is accepted
+for exactly as many tokens as the run of right positions starting at t (each guess is conditioned on
+the earlier ones, which were right, i.e. on the true prefix), so the expected tokens per verification
+step for a chain of k is 1 + mean over t of min(run length at t, k).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+from typing import Sequence
+
+import torch
+
+from specmesh.distill.data import Example
+from specmesh.drafters.expert import ExpertDrafter, ExpertModel
+
+MAX_K = 8
+
+
+@torch.no_grad()
+def teacher_forced_hits(model: ExpertModel, examples: Sequence[Example]) -> list[list[bool]]:
+    """Per example, per answer position: whether the drafter's top-1 guess is the target's next token."""
+    subset = model.subset_ids
+    fallback = len(subset)
+    hits = []
+    for example in examples:
+        tokens = torch.tensor([example.token_ids])
+        guesses = model(tokens)[0].argmax(-1)  # [seq] subset indices
+        start = len(example.prompt_ids) - 1
+        row = []
+        for position in range(start, len(example.token_ids) - 1):
+            guess = int(guesses[position])
+            row.append(guess != fallback and int(subset[guess]) == example.token_ids[position + 1])
+        hits.append(row)
+    return hits
+
+
+def agreement_by_category(examples: Sequence[Example], hits: Sequence[Sequence[bool]]) -> dict[str, float]:
+    right, total = defaultdict(int), defaultdict(int)
+    for example, row in zip(examples, hits):
+        right[example.category] += sum(row)
+        total[example.category] += len(row)
+    result = {c: round(right[c] / total[c], 4) for c in sorted(total) if total[c]}
+    result["all"] = round(sum(right.values()) / max(sum(total.values()), 1), 4)
+    return result
+
+
+def union_hits(hit_sets: Sequence[Sequence[Sequence[bool]]]) -> list[list[bool]]:
+    """Right where any drafter of the set is right."""
+    return [[any(column) for column in zip(*rows)] for rows in zip(*hit_sets)]
+
+
+def expected_tokens_per_step(hits: Sequence[Sequence[bool]], max_k: int = MAX_K) -> dict[str, float]:
+    """1 + E[min(run of right guesses from t, k)] for k = 1..max_k, over every answer position t."""
+    runs = []
+    for row in hits:
+        run = 0
+        row_runs = []
+        for hit in reversed(row):
+            run = run + 1 if hit else 0
+            row_runs.append(run)
+        runs.extend(row_runs)
+    if not runs:
+        return {str(k): 1.0 for k in range(1, max_k + 1)}
+    return {str(k): round(1 + sum(min(r, k) for r in runs) / len(runs), 3) for k in range(1, max_k + 1)}
+
+
+def step_cost_ms(drafter: ExpertDrafter, context: Sequence[int], steps: int = 40) -> float:
+    """Median milliseconds of one drafting step (one token through the drafter, KV cached)."""
+    drafter.start("cost-probe", context)
+    try:
+        state = drafter._requests["cost-probe"]
+        drafter._catch_up(state)
+        times = []
+        token = context[-1]
+        for _ in range(steps):
+            started = time.perf_counter()
+            drafter._advance(state, token)
+            times.append(time.perf_counter() - started)
+        return statistics.median(times[5:]) * 1e3
+    finally:
+        drafter.end("cost-probe")

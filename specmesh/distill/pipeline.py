@@ -1,0 +1,124 @@
+"""``specmesh distill``: target answers -> trained expert -> evaluation -> a drafter directory."""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from specmesh.assembly import Assembly
+from specmesh.distill.data import Example, generate_examples
+from specmesh.distill.evaluate import agreement_by_category, expected_tokens_per_step, step_cost_ms, teacher_forced_hits, union_hits
+from specmesh.distill.train import TrainConfig, build_student, train_student
+from specmesh.drafters.expert import ExpertDrafter, ExpertModel, ExpertSpec, load_expert, save_expert, subset_for
+from specmesh.errors import InvalidArgument
+from specmesh.models.llama import TreeBatch
+from specmesh.models.loading import cache_root, tokenizer_fingerprint
+from specmesh.prompts import Prompt, mtbench_prompts
+from specmesh.tree import TokenTree, compile_tree
+
+BOOST = 2.0  # extra weight of a position every earlier drafter of the set got wrong
+MTBENCH_ANSWER_TOKENS = 64
+
+
+def target_step_ms(assembly: Assembly, context: Sequence[int], steps: int = 30) -> float:
+    """Median milliseconds of one plain decode step of the target (one token, KV cached)."""
+    runtime = assembly.runtime
+    session = runtime.new_session()
+    prefix = compile_tree(context[0], TokenTree.chain(context[1:-1]))
+    runtime.forward(TreeBatch.build([session], [prefix]), logits_rows=torch.empty(0, dtype=torch.long))
+    session.keep_rows(list(range(prefix.num_rows)))
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        runtime.forward(TreeBatch.build([session], [compile_tree(context[-1], TokenTree())]))
+        times.append(time.perf_counter() - started)
+    session.free()
+    return statistics.median(times[5:]) * 1e3
+
+
+def mtbench_examples(assembly: Assembly, max_tokens: int = MTBENCH_ANSWER_TOKENS) -> list[Example]:
+    """The target's greedy answers to MT-Bench's first turns (cached): the evaluation set."""
+    name = assembly.target.name.replace("/", "_")
+    cache = cache_root() / "eval" / f"mtbench-{name}-{max_tokens}.jsonl"
+    return generate_examples(assembly.engine(0), assembly.target.tokenizer, mtbench_prompts(), cache, max_tokens)
+
+
+def load_experts(directories: Sequence[str | Path], assembly: Assembly) -> list[tuple[ExpertModel, ExpertSpec]]:
+    """Expert models for this target, refusing any trained for another tokenizer."""
+    embedding = assembly.target.model.get_input_embeddings().weight.detach().float()
+    fingerprint = tokenizer_fingerprint(assembly.target.tokenizer)
+    loaded = []
+    for directory in directories:
+        model, spec = load_expert(directory, embedding)
+        if spec.target.get("tokenizer_hash") != fingerprint:
+            raise InvalidArgument("drafter", f"{directory} was trained for another tokenizer than {assembly.target.name!r}")
+        loaded.append((model, spec))
+    return loaded
+
+
+def distill(
+    assembly: Assembly,
+    domain: str,
+    prompts: Sequence[Prompt],
+    out_dir: Path,
+    config: TrainConfig,
+    boost_from: Sequence[str | Path] = (),
+    max_answer_tokens: int = 192,
+) -> ExpertSpec:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    examples = generate_examples(assembly.engine(0), assembly.target.tokenizer, prompts, out_dir / "answers.jsonl",
+                                 max_tokens=max_answer_tokens)
+    rng = random.Random(config.seed)
+    shuffled = examples[:]
+    rng.shuffle(shuffled)
+    held_out = max(1, len(shuffled) // 10)
+    validation, training = shuffled[:held_out], shuffled[held_out:]
+    vocab = assembly.target.model.config.vocab_size
+    subset = subset_for([t for e in training for t in e.response_ids], vocab, config.subset_size)
+    weights = None
+    if boost_from:
+        earlier = [model for model, _ in load_experts(boost_from, assembly)]
+        covered = union_hits([teacher_forced_hits(m, training) for m in earlier])
+        weights = []
+        for example, row in zip(training, covered):
+            w = [1.0] * len(example.token_ids)
+            for offset, hit in enumerate(row):
+                w[len(example.prompt_ids) - 1 + offset] = 1.0 if hit else 1.0 + BOOST
+            weights.append(w)
+    model = build_student(assembly.target.model, subset, config.layers)
+    result = train_student(model, training, config, position_weights=weights)
+
+    held_out_hits = teacher_forced_hits(model, validation)
+    bench = mtbench_examples(assembly)
+    bench_hits = teacher_forced_hits(model, bench)
+    drafter = ExpertDrafter(model, name=out_dir.name, domain=domain)
+    context = list(bench[0].prompt_ids)
+    cost_ms = step_cost_ms(drafter, context)
+    target_ms = target_step_ms(assembly, context)
+    spec = ExpertSpec(
+        name=out_dir.name,
+        domain=domain,
+        target={"name": assembly.target.name, "tokenizer_hash": tokenizer_fingerprint(assembly.target.tokenizer),
+                "vocab_size": vocab},
+        architecture=model.config.to_dict() | {"vocab_size": vocab},
+        measured={
+            "held_out_agreement": agreement_by_category(validation, held_out_hits)["all"],
+            "mtbench_agreement": agreement_by_category(bench, bench_hits),
+            "mtbench_expected_tokens_per_step": expected_tokens_per_step(bench_hits),
+            "cost_ms": round(cost_ms, 3),
+            "target_step_ms": round(target_ms, 3),
+            "cost_fraction": round(cost_ms / target_ms, 4),
+        },
+        training=asdict(config) | {"examples": len(training), "answer_tokens": sum(len(e.response_ids) for e in training),
+                                   "steps": result.steps, "epochs": round(result.epochs, 2),
+                                   "seconds": round(result.seconds, 1), "train_accuracy": round(result.final_accuracy, 4),
+                                   "boosted_from": [Path(d).name for d in boost_from], "subset_size": len(subset)},
+    )
+    save_expert(model, spec, out_dir)
+    return spec

@@ -1,0 +1,206 @@
+"""Expert drafters: small Llama-style models trained by specmesh to imitate the target on one domain.
+
+What makes them cheap: a few layers at the target's width, the target's own (frozen) input embeddings,
+and an output head over a frequency-ranked subset of the vocabulary (the domain's common tokens) plus
+one *fallback* class meaning "the next token is not in my subset" — when it wins, the drafter stops
+guessing instead of proposing a token it cannot know. At run time the model runs on the lean runtime
+(pre-packed linears, KV sessions), like the target.
+
+A drafter directory holds ``drafter.json`` (architecture, domain, target tokenizer hash, the measured
+agreement and cost) and ``weights.safetensors`` (fp16: the layers, the final norm, the head rows and
+the subset's token ids). The input embeddings are read from the target model's safetensors at load.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from specmesh.errors import InvalidArgument
+from specmesh.models.kv_cache import KVSession
+from specmesh.models.llama import LlamaRuntime, TreeBatch
+from specmesh.tree import ROOT, TokenTree, compile_tree
+
+FORMAT = "specmesh-drafter/1"
+
+
+class ExpertModel(nn.Module):
+    """Token ids [batch, seq] -> logits [batch, seq, subset + 1] (last column = fallback)."""
+
+    def __init__(self, config, embedding: torch.Tensor, subset_ids: torch.Tensor) -> None:
+        from transformers import LlamaModel
+
+        super().__init__()
+        self.config = config
+        self.body = LlamaModel(config)
+        self.body.embed_tokens.weight = nn.Parameter(embedding.clone(), requires_grad=False)
+        self.register_buffer("subset_ids", subset_ids.to(torch.long), persistent=False)  # [subset]
+        self.head = nn.Linear(config.hidden_size, len(subset_ids) + 1, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return self.head(hidden)
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        """Everything but the frozen embeddings (which are the target's)."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("body.embed_tokens")}
+
+
+def subset_for(token_ids: Sequence[int] | torch.Tensor, vocab_size: int, size: int) -> torch.Tensor:
+    """The ``size`` most frequent ids of ``token_ids`` (ties broken by id), sorted by frequency."""
+    counts = torch.bincount(torch.as_tensor(list(token_ids), dtype=torch.long), minlength=vocab_size)
+    size = min(size, int((counts > 0).sum()))
+    return torch.argsort(counts, descending=True, stable=True)[:size]
+
+
+@dataclass
+class ExpertSpec:
+    """What ``drafter.json`` says about an expert."""
+
+    name: str
+    domain: str
+    target: dict  # {"name": ..., "tokenizer_hash": ..., "vocab_size": ...}
+    architecture: dict  # LlamaConfig fields
+    measured: dict = field(default_factory=dict)
+    training: dict = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps({"format": FORMAT, **self.__dict__}, indent=2) + "\n"
+
+    @classmethod
+    def read(cls, directory: Path) -> ExpertSpec:
+        file = directory / "drafter.json"
+        if not file.is_file():
+            raise InvalidArgument("drafter", f"{str(directory)!r} has no drafter.json; not a specmesh drafter directory")
+        data = json.loads(file.read_text())
+        if data.pop("format", None) != FORMAT:
+            raise InvalidArgument("drafter", f"{file} is not in format {FORMAT}")
+        return cls(**data)
+
+
+def save_expert(model: ExpertModel, spec: ExpertSpec, directory: Path) -> None:
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to(torch.float16).contiguous() for k, v in model.trainable_state().items()}
+    tensors["subset_ids"] = model.subset_ids.to(torch.int32)
+    save_file(tensors, str(directory / "weights.safetensors"))
+    (directory / "drafter.json").write_text(spec.to_json())
+
+
+def load_expert(directory: str | Path, embedding: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[ExpertModel, ExpertSpec]:
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig
+
+    directory = Path(directory)
+    spec = ExpertSpec.read(directory)
+    tensors = load_file(str(directory / "weights.safetensors"))
+    subset = tensors.pop("subset_ids").to(torch.long)
+    model = ExpertModel(LlamaConfig(**spec.architecture), embedding.to(dtype), subset)
+    missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=False)
+    missing = [k for k in missing if not k.startswith("body.embed_tokens")]
+    if missing or unexpected:
+        raise InvalidArgument("drafter", f"{directory}: weights do not match drafter.json (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    return model.to(dtype).eval(), spec
+
+
+@dataclass
+class _Request:
+    committed: list[int]
+    session: KVSession
+    cached: list[int] = field(default_factory=list)  # tokens whose K/V the session holds
+
+
+class ExpertDrafter:
+    """Drafts a confidence-shaped tree: the top-1 chain, with top-k siblings where the model is unsure."""
+
+    def __init__(
+        self,
+        model: ExpertModel,
+        name: str,
+        domain: str = "general",
+        max_depth: int = 8,
+        branch_below: float = 0.6,
+        branch_width: int = 2,
+    ) -> None:
+        self.name = name
+        self.domain = domain
+        self.runtime = LlamaRuntime(model.body, head_weight=model.head.weight)
+        self.subset_ids = model.subset_ids.tolist()
+        self.fallback = len(self.subset_ids)
+        self.max_depth = max_depth
+        self.branch_below = branch_below
+        self.branch_width = branch_width
+        self._requests: dict[str, _Request] = {}
+
+    def start(self, request_id: str, prompt_ids: Sequence[int]) -> None:
+        self._requests[request_id] = _Request(list(prompt_ids), self.runtime.new_session())
+
+    def commit(self, request_id: str, new_token_ids: Sequence[int]) -> None:
+        self._requests[request_id].committed.extend(int(t) for t in new_token_ids)
+
+    def end(self, request_id: str) -> None:
+        state = self._requests.pop(request_id, None)
+        if state is not None:
+            state.session.free()
+
+    def _catch_up(self, state: _Request) -> torch.Tensor:
+        """Bring the session to all committed tokens; return the distribution after the last one [subset + 1]."""
+        shared = 0
+        for a, b in zip(state.cached, state.committed):
+            if a != b:
+                break
+            shared += 1
+        shared = min(shared, len(state.committed) - 1)  # the last committed token is always fed
+        state.session.rollback(min(shared, state.session.length))
+        feed = state.committed[state.session.length :]
+        tree = compile_tree(feed[0], TokenTree.chain(feed[1:]))
+        logits = self.runtime.forward(TreeBatch.build([state.session], [tree]), logits_rows=torch.tensor([tree.num_rows - 1]))
+        state.session.keep_rows(list(range(tree.num_rows)))
+        state.cached = list(state.committed)
+        return logits[0].softmax(-1)
+
+    def propose(self, request_id: str, budget: int) -> TokenTree:
+        state = self._requests[request_id]
+        if budget <= 0:
+            return TokenTree()
+        probs = self._catch_up(state)
+        tokens: list[int] = []
+        parents: list[int] = []
+        confidences: list[float] = []
+        parent = ROOT
+        for _ in range(self.max_depth):
+            if len(tokens) >= budget:
+                break
+            top = probs.topk(self.branch_width + 1)
+            choices = [(int(i), float(p)) for p, i in zip(top.values, top.indices) if int(i) != self.fallback]
+            if not choices or int(top.indices[0]) == self.fallback:
+                break  # the model expects a token outside its subset: say nothing more
+            best, best_p = choices[0]
+            tokens.append(self.subset_ids[best])
+            parents.append(parent)
+            confidences.append(best_p)
+            chain_node = len(tokens) - 1
+            if best_p < self.branch_below:  # unsure: add the runners-up as leaves beside the guess
+                for index, p in choices[1 : self.branch_width]:
+                    if len(tokens) >= budget:
+                        break
+                    tokens.append(self.subset_ids[index])
+                    parents.append(parent)
+                    confidences.append(p)
+            parent = chain_node
+            probs = self._advance(state, self.subset_ids[best])
+        # the guesses are scratch: the next proposal rolls the session back to the committed tokens
+        return TokenTree(tuple(tokens), tuple(parents), tuple(confidences))
+
+    def _advance(self, state: _Request, token: int) -> torch.Tensor:
+        tree = compile_tree(token, TokenTree())
+        logits = self.runtime.forward(TreeBatch.build([state.session], [tree]))
+        state.session.keep_rows([0])
+        state.cached.append(token)
+        return logits[0].softmax(-1)

@@ -1,0 +1,98 @@
+"""Expert drafters on a tiny target: training, saving, loading, confidence-shaped trees, losslessness."""
+
+import random
+
+import pytest
+import torch
+
+from specmesh.distill.data import Example
+from specmesh.distill.evaluate import agreement_by_category, expected_tokens_per_step, teacher_forced_hits, union_hits
+from specmesh.distill.train import TrainConfig, build_student, labels_for, train_student
+from specmesh.drafters.expert import ExpertDrafter, ExpertSpec, load_expert, save_expert, subset_for
+from specmesh.engine import Request, SpeculativeEngine
+from specmesh.models.llama import LlamaRuntime
+from specmesh.sampling import SamplingParams
+
+from conftest import tiny_llama
+
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(vocab_size=VOCAB, layers=3, seed=21)
+
+
+@pytest.fixture(scope="module")
+def examples(target):
+    rng = random.Random(0)
+    runtime = LlamaRuntime(target)
+    engine = SpeculativeEngine(runtime, [], max_tree_nodes=0)
+    prompts = [tuple(rng.randrange(2, VOCAB) for _ in range(rng.randint(2, 8))) for _ in range(40)]
+    outputs = engine.generate([Request(p, SamplingParams(max_tokens=16)) for p in prompts])
+    return [Example(f"p{i}", "even" if i % 2 == 0 else "odd", p, tuple(o.token_ids))
+            for i, (p, o) in enumerate(zip(prompts, outputs))]
+
+
+@pytest.fixture(scope="module")
+def trained(target, examples):
+    subset = subset_for([t for e in examples for t in e.response_ids], VOCAB, 48)
+    model = build_student(target, subset, layers=1)
+    before = agreement_by_category(examples, teacher_forced_hits(model, examples))["all"]
+    result = train_student(model, examples, TrainConfig(layers=1, minutes=0.15, learning_rate=3e-3, tokens_per_batch=512))
+    return model, before, result
+
+
+def test_subset_is_frequency_ranked():
+    assert subset_for([5, 5, 5, 2, 2, 9], vocab_size=10, size=2).tolist() == [5, 2]
+    assert subset_for([5, 2], vocab_size=10, size=8).tolist() == [2, 5]  # only seen tokens; ties by id
+
+
+def test_labels_cover_answer_positions_with_a_fallback():
+    example = Example("x", "c", (10, 11), (12, 13, 99))
+    labels = labels_for(example, {12: 0, 13: 1}, fallback=2)
+    assert labels == [-100, 0, 1, 2, -100]
+
+
+def test_training_raises_agreement(trained, examples):
+    model, before, result = trained
+    after = agreement_by_category(examples, teacher_forced_hits(model, examples))
+    assert result.steps > 5
+    assert after["all"] > before + 0.1, (before, after)
+    assert set(after) == {"even", "odd", "all"}
+
+
+def test_expected_tokens_follow_runs_of_right_guesses():
+    # runs from each position of [T, T, F, T]: 2, 1, 0, 1
+    assert expected_tokens_per_step([[True, True, False, True]], max_k=3) == {"1": 1.75, "2": 2.0, "3": 2.0}
+    assert union_hits([[[True, False]], [[False, False]]]) == [[True, False]]
+
+
+def test_save_load_round_trip_and_losslessness(trained, target, examples, tmp_path):
+    model, _, _ = trained
+    spec = ExpertSpec(name="tiny", domain="even", target={"tokenizer_hash": "x", "vocab_size": VOCAB},
+                      architecture=model.config.to_dict())
+    save_expert(model, spec, tmp_path / "tiny")
+    loaded, loaded_spec = load_expert(tmp_path / "tiny", target.model.embed_tokens.weight.detach())
+    assert loaded_spec.domain == "even"
+    tokens = torch.tensor([list(examples[0].token_ids)])
+    torch.testing.assert_close(loaded(tokens), model(tokens), atol=2e-2, rtol=2e-2)  # fp16 on disk
+
+    drafter = ExpertDrafter(loaded, name="tiny", branch_below=0.9)
+    engine = SpeculativeEngine(LlamaRuntime(target), [drafter], max_tree_nodes=6)
+    outputs = engine.generate([Request(e.prompt_ids, SamplingParams(max_tokens=16)) for e in examples[:8]])
+    for example, out in zip(examples[:8], outputs):
+        assert tuple(out.token_ids) == example.response_ids
+    assert sum(len(o.token_ids) for o in outputs) > sum(o.stats.target_steps for o in outputs)
+
+
+def test_trees_branch_where_the_drafter_is_unsure(trained, examples):
+    model, _, _ = trained
+    always = ExpertDrafter(model, name="t", branch_below=1.01, branch_width=2)
+    never = ExpertDrafter(model, name="t", branch_below=0.0)
+    for drafter in (always, never):
+        drafter.start("r", examples[0].prompt_ids)
+    wide, chain = always.propose("r", 8), never.propose("r", 8)
+    assert all(parent == index - 1 for index, parent in enumerate(chain.parents))
+    assert len(set(wide.parents)) < len(wide.parents), "siblings expected where every guess is unsure"
+    assert len(wide) <= 8 and len(chain) <= 8
