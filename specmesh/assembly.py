@@ -10,13 +10,13 @@ import torch
 
 from specmesh.drafters.base import Drafter
 from specmesh.drafters.model import ModelDrafter
-from specmesh.drafters.ngram import NgramDrafter
+from specmesh.drafters.ngram import HistoryDrafter, NgramDrafter
 from specmesh.engine import SpeculativeEngine
 from specmesh.errors import InvalidArgument
 from specmesh.models.runtime import TargetRuntime, make_runtime
 from specmesh.models.loading import LoadedModel, load_hf_model, tokenizer_fingerprint
 
-MODEL_FREE_DRAFTERS = {"ngram": NgramDrafter}
+MODEL_FREE_DRAFTERS = {"ngram": NgramDrafter, "history": HistoryDrafter}
 
 
 @dataclass

@@ -53,6 +53,29 @@ def verify_cost_curve(runtime: TargetRuntime, context: list[int], repeats: int =
     return {str(k): round(statistics.median(v) / base, 3) for k, v in times.items()}, base * 1e3
 
 
+def drafter_report(assembly: Assembly, drafters: list, target_ms: float) -> tuple[list[dict], dict]:
+    """Per drafter and MT-Bench category: teacher-forced top-1 agreement with the target's greedy answers,
+    cost per drafted token over a target step, expected tokens per step for a chain of k = 1..8."""
+    from specmesh.distill.evaluate import agreement_by_category, expected_tokens_per_step, interface_hits, union_hits
+    from specmesh.distill.pipeline import mtbench_examples
+
+    examples = mtbench_examples(assembly)
+    rows, all_hits = [], []
+    for drafter in tqdm(drafters, desc="drafters (teacher forcing)", unit="drafter"):
+        hits, ms_per_guess = interface_hits(drafter, examples)
+        all_hits.append(hits)
+        rows.append({
+            "name": drafter.name,
+            "kind": type(drafter).__name__,
+            "domain": getattr(drafter, "domain", "any"),
+            "agreement": agreement_by_category(examples, hits),
+            "cost_fraction": round(ms_per_guess / target_ms, 4),
+            "expected_tokens_per_step": expected_tokens_per_step(hits),
+        })
+    union = agreement_by_category(examples, union_hits(all_hits)) if all_hits else {}
+    return rows, union
+
+
 def first_of_each_category(prompts: list[Prompt], count: int) -> list[Prompt]:
     """The first ``count`` prompts of every category, in file order."""
     taken: dict[str, int] = defaultdict(int)
@@ -113,6 +136,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
     print(f"verify cost curve (k = 0..{COST_CURVE_MAX_K}) ...", flush=True)
     curve, one_step_ms = verify_cost_curve(assembly.runtime, list(encoded[0]))
+    drafter_rows, union = drafter_report(assembly, assembly.drafters, one_step_ms)
     modes = MODES[2:] if args.skip_baselines else MODES
     tokens = {m: defaultdict(int) for m in modes}  # mode -> category -> tokens
     seconds = {m: defaultdict(float) for m in modes}
@@ -148,6 +172,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "engine_tokens_per_s": round(speed("engine"), 2),
         "engine_speedup_vs_own_plain": round(speed("engine") / speed("own_plain"), 3),
         "mean_accepted_length": round(sum(tokens["engine"].values()) / max(sum(engine_steps.values()), 1), 3),
+        "drafter_union_agreement": union.get("all", 0.0),
     }
     if "hf_plain" in modes:
         summary |= {
@@ -167,7 +192,8 @@ def run_bench(args: argparse.Namespace) -> int:
     report = {
         "machine": machine,
         "target": args.model,
-        "drafter_set": [{"name": d.name, "kind": type(d).__name__} for d in assembly.drafters],
+        "drafters": drafter_rows,
+        "drafter_union_agreement": union,
         "tree_nodes": args.tree_nodes,
         "max_tokens": args.max_tokens,
         "prompts": {"source": source, "count": len(prompts)},
@@ -192,5 +218,9 @@ def _print_report(report: dict) -> None:
         print(f"  {key:34s} {value}")
     print("  verify cost (k+1 tokens / 1 token): "
           + " ".join(f"k={k}:{v}" for k, v in curve.items()))
+    for row in report["drafters"]:
+        agreement = " ".join(f"{c}:{v:.2f}" for c, v in row["agreement"].items())
+        print(f"  drafter {row['name']:10s} cost {row['cost_fraction']:.3f} of a step; agreement {agreement}; "
+              f"tokens/step k=1..8: {list(row['expected_tokens_per_step'].values())}")
     for category, row in report["per_category"].items():
         print(f"  {category:12s} speedup {row['speedup_vs_plain']:.2f}x  accepted length {row['mean_accepted_length']:.2f}")

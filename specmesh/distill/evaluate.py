@@ -85,3 +85,24 @@ def step_cost_ms(drafter: ExpertDrafter, context: Sequence[int], steps: int = 40
         return statistics.median(times[5:]) * 1e3
     finally:
         drafter.end("cost-probe")
+
+
+def interface_hits(drafter, examples: Sequence[Example]) -> tuple[list[list[bool]], float]:
+    """Teacher-forced hits of any drafter, through its interface: at each answer position, is its
+    first guess the target's next token? (No guess counts as wrong.) Also the median ms per guess."""
+    hits, times = [], []
+    for number, example in enumerate(examples):
+        request = f"eval-{number}"
+        drafter.start(request, example.prompt_ids)
+        row = []
+        try:
+            for token in example.response_ids:
+                started = time.perf_counter()
+                tree = drafter.propose(request, 1)
+                times.append(time.perf_counter() - started)
+                row.append(len(tree) > 0 and tree.tokens[0] == token)
+                drafter.commit(request, [token])
+        finally:
+            drafter.end(request)
+        hits.append(row)
+    return hits, (statistics.median(times) * 1e3 if times else 0.0)

@@ -1,89 +1,177 @@
-"""Prompt lookup: guess that the text repeats itself.
+"""Model-free drafting: guess that text repeats itself.
 
-Find earlier occurrences of the request's last n tokens (longest n first) and propose what followed
-them. Distinct continuations become branches of the tree; a node's confidence is the share of matches
-that agree with it. Costs no model, and pays where the answer quotes the prompt (code, extraction,
-math).
+``NgramIndex`` maps every n-gram (min_n..max_n tokens) of a set of documents to where it ended, so
+that what followed earlier occurrences of a context's last n tokens can be proposed, longest n first.
+Distinct continuations become branches of the tree; a node's confidence is the share of matches that
+agree with it.
+
+- ``NgramDrafter`` (prompt lookup) indexes each request's own prompt and output: pays where the answer
+  quotes the prompt (code, extraction, math).
+- ``HistoryDrafter`` indexes earlier requests of the same deployment (prompt and answer), bounded in
+  tokens: repeated workloads get long accepted runs for free.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from dataclasses import dataclass, field
+from collections import OrderedDict, defaultdict
 from typing import Sequence
 
 from specmesh.tree import TokenTree
 
 
-@dataclass
-class _Context:
-    tokens: list[int] = field(default_factory=list)
-    # n -> n-gram -> end positions (exclusive) of its occurrences, oldest first
-    index: dict[int, dict[tuple[int, ...], list[int]]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(list)))
-
-
-class NgramDrafter:
-    def __init__(self, min_n: int = 1, max_n: int = 3, max_matches: int = 4, name: str = "ngram") -> None:
+class NgramIndex:
+    def __init__(self, min_n: int = 1, max_n: int = 3) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
-        self.name = name
-        self.min_n, self.max_n, self.max_matches = min_n, max_n, max_matches
-        self._contexts: dict[str, _Context] = {}
+        self.min_n, self.max_n = min_n, max_n
+        self.documents: dict[int, list[int]] = {}
+        # n -> n-gram -> [(document, end position)], oldest first
+        self._ends: dict[int, dict[tuple[int, ...], list[tuple[int, int]]]] = {
+            n: defaultdict(list) for n in range(min_n, max_n + 1)
+        }
 
-    def start(self, request_id: str, prompt_ids: Sequence[int]) -> None:
-        self._contexts[request_id] = _Context()
-        self.commit(request_id, prompt_ids)
+    def extend(self, document: int, tokens: Sequence[int]) -> None:
+        """Append tokens to a document (created on first use) and index the n-grams they complete."""
+        doc = self.documents.setdefault(document, [])
+        for token in tokens:
+            doc.append(int(token))
+            end = len(doc)
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                self._ends[n][tuple(doc[end - n : end])].append((document, end))
 
-    def commit(self, request_id: str, new_token_ids: Sequence[int]) -> None:
-        ctx = self._contexts[request_id]
-        for token in new_token_ids:
-            ctx.tokens.append(int(token))
-            end = len(ctx.tokens)
-            for n in range(self.min_n, self.max_n + 1):
-                if end >= n:
-                    ctx.index[n][tuple(ctx.tokens[end - n : end])].append(end)
+    def continuations(self, context: Sequence[int], length: int, limit: int, skip: tuple[int, int] | None = None) -> list[list[int]]:
+        """What followed the most recent occurrences of the longest matching suffix of ``context``.
 
-    def propose(self, request_id: str, budget: int) -> TokenTree:
-        ctx = self._contexts[request_id]
-        tokens, length = ctx.tokens, len(ctx.tokens)
-        if budget <= 0:
-            return TokenTree()
-        for n in range(min(self.max_n, length), self.min_n - 1, -1):
-            ends = [e for e in ctx.index[n].get(tuple(tokens[length - n :]), ()) if e < length]
-            if not ends:
-                continue
-            recent = ends[-self.max_matches :][::-1]  # newest first: recent text predicts best
-            paths = [tokens[e : e + budget] for e in recent]
-            paths = [p for p in paths if p]
-            if paths:
-                return _tree_by_agreement(paths, budget)
-        return TokenTree()
+        ``skip`` = (document, end) excludes the context's own occurrence (a request looking itself up).
+        """
+        for n in range(min(self.max_n, len(context)), self.min_n - 1, -1):
+            ends = self._ends[n].get(tuple(context[len(context) - n :]), ())
+            found = []
+            for document, end in reversed(ends):  # newest first: recent text predicts best
+                if (document, end) == skip or document not in self.documents:
+                    continue
+                follow = self.documents[document][end : end + length]
+                if follow:
+                    found.append(follow)
+                    if len(found) >= limit:
+                        break
+            if found:
+                return found
+        return []
 
-    def end(self, request_id: str) -> None:
-        self._contexts.pop(request_id, None)
+    def drop(self, document: int) -> None:
+        """Forget a document; its index entries are skipped lazily and purged by ``compact``."""
+        self.documents.pop(document, None)
+
+    def compact(self) -> None:
+        for grams in self._ends.values():
+            for gram in list(grams):
+                kept = [entry for entry in grams[gram] if entry[0] in self.documents]
+                if kept:
+                    grams[gram] = kept
+                else:
+                    del grams[gram]
 
 
-def _tree_by_agreement(paths: list[list[int]], budget: int) -> TokenTree:
-    """Trie of continuations; a node's confidence is the fraction of paths through it, given its parent.
+def tree_by_agreement(paths: list[list[int]], budget: int) -> TokenTree:
+    """Trie of continuations; a node's confidence is the fraction of its parent's paths through it.
 
-    Nodes are kept best-first (highest share of all paths) so the budget keeps the most agreed guesses.
+    Nodes are kept best-first (highest share of all paths) so the budget keeps the most agreed guesses;
+    an ancestor's share is never below its descendants', so the result is still a tree.
     """
     tree = TokenTree.from_paths(paths)
     through = [0] * len(tree)
+    child_of: dict[tuple[int, int], int] = {(p, t): i for i, (p, t) in enumerate(zip(tree.parents, tree.tokens))}
     for path in paths:
         node = -1
         for token in path:
-            node = next(c for c in range(len(tree)) if tree.parents[c] == node and tree.tokens[c] == token)
+            node = child_of[(node, token)]
             through[node] += 1
     total = len(paths)
-    share = [count / total for count in through]
     parent_count = [total if p == -1 else through[p] for p in tree.parents]
-    probs = [through[i] / parent_count[i] for i in range(len(tree))]
-    order = sorted(range(len(tree)), key=lambda i: (-share[i], i))[:budget]  # ancestors have >= share
+    order = sorted(range(len(tree)), key=lambda i: (-through[i], i))[:budget]
     order.sort()  # parents keep preceding children
     remap = {old: new for new, old in enumerate(order)}
     return TokenTree(
         tokens=tuple(tree.tokens[i] for i in order),
         parents=tuple(-1 if tree.parents[i] == -1 else remap[tree.parents[i]] for i in order),
-        draft_probs=tuple(probs[i] for i in order),
+        draft_probs=tuple(through[i] / parent_count[i] for i in order),
     )
+
+
+class NgramDrafter:
+    """Prompt lookup over each request's own tokens."""
+
+    def __init__(self, min_n: int = 1, max_n: int = 3, max_matches: int = 4, name: str = "ngram") -> None:
+        self.name = name
+        self.min_n, self.max_n, self.max_matches = min_n, max_n, max_matches
+        self._indexes: dict[str, NgramIndex] = {}
+
+    def start(self, request_id: str, prompt_ids: Sequence[int]) -> None:
+        self._indexes[request_id] = NgramIndex(self.min_n, self.max_n)
+        self._indexes[request_id].extend(0, prompt_ids)
+
+    def commit(self, request_id: str, new_token_ids: Sequence[int]) -> None:
+        self._indexes[request_id].extend(0, new_token_ids)
+
+    def propose(self, request_id: str, budget: int) -> TokenTree:
+        index = self._indexes[request_id]
+        tokens = index.documents[0]
+        if budget <= 0:
+            return TokenTree()
+        paths = index.continuations(tokens, budget, self.max_matches, skip=(0, len(tokens)))
+        return tree_by_agreement(paths, budget) if paths else TokenTree()
+
+    def end(self, request_id: str) -> None:
+        self._indexes.pop(request_id, None)
+
+
+class HistoryDrafter:
+    """Lookup over earlier requests (prompt + answer) of this deployment, up to ``capacity_tokens``."""
+
+    def __init__(self, min_n: int = 2, max_n: int = 6, max_matches: int = 4, capacity_tokens: int = 1_000_000,
+                 name: str = "history") -> None:
+        self.name = name
+        self.max_matches = max_matches
+        self.capacity_tokens = capacity_tokens
+        self._index = NgramIndex(min_n, max_n)
+        self._active: dict[str, list[int]] = {}
+        self._finished: OrderedDict[int, int] = OrderedDict()  # document -> tokens, oldest first
+        self._stored_tokens = 0
+        self._evicted_tokens = 0  # since the index was last compacted
+        self._next_document = 0
+
+    def start(self, request_id: str, prompt_ids: Sequence[int]) -> None:
+        self._active[request_id] = [int(t) for t in prompt_ids]
+
+    def commit(self, request_id: str, new_token_ids: Sequence[int]) -> None:
+        self._active[request_id].extend(int(t) for t in new_token_ids)
+
+    def propose(self, request_id: str, budget: int) -> TokenTree:
+        if budget <= 0:
+            return TokenTree()
+        paths = self._index.continuations(self._active[request_id], budget, self.max_matches)
+        return tree_by_agreement(paths, budget) if paths else TokenTree()
+
+    def end(self, request_id: str) -> None:
+        """A finished request becomes history that later requests can draft from."""
+        tokens = self._active.pop(request_id, None)
+        if not tokens:
+            return
+        document = self._next_document
+        self._next_document += 1
+        self._index.extend(document, tokens)
+        self._finished[document] = len(tokens)
+        self._stored_tokens += len(tokens)
+        while self._stored_tokens > self.capacity_tokens and len(self._finished) > 1:
+            old, size = self._finished.popitem(last=False)
+            self._index.drop(old)
+            self._stored_tokens -= size
+            self._evicted_tokens += size
+        if self._evicted_tokens > self.capacity_tokens // 4:  # purge stale entries now and then, not per request
+            self._index.compact()
+            self._evicted_tokens = 0
+
+    @property
+    def stored_tokens(self) -> int:
+        return self._stored_tokens
