@@ -4,19 +4,39 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 import torch
 
 from specmesh.drafters.base import Drafter
+from specmesh.drafters.expert import ExpertDrafter, ExpertModel, ExpertSpec, load_expert
 from specmesh.drafters.model import ModelDrafter
 from specmesh.drafters.ngram import HistoryDrafter, NgramDrafter
 from specmesh.engine import SpeculativeEngine
 from specmesh.errors import InvalidArgument
 from specmesh.models.runtime import TargetRuntime, make_runtime
-from specmesh.models.loading import LoadedModel, load_hf_model, tokenizer_fingerprint
+from specmesh.models.loading import EMBEDDED_DEFAULT, LoadedModel, load_hf_model, tokenizer_fingerprint
 
 MODEL_FREE_DRAFTERS = {"ngram": NgramDrafter, "history": HistoryDrafter}
+SHIPPED_EXPERTS = Path(__file__).parent / "experts"  # experts/<target>/<domain>/: made by `specmesh distill`
+
+
+def shipped_experts(target_name: str) -> dict[str, Path]:
+    """Domain -> directory of the experts shipped for a target (the embedded default has three)."""
+    folder = SHIPPED_EXPERTS / target_name.replace("/", "_")
+    if not folder.is_dir():
+        return {}
+    return {d.name: d for d in sorted(folder.iterdir()) if (d / "drafter.json").is_file()}
+
+
+def load_expert_for(directory: str | Path, target: LoadedModel) -> tuple[ExpertModel, ExpertSpec]:
+    """An expert drafter's model, refusing one trained for another tokenizer."""
+    embedding = target.model.get_input_embeddings().weight.detach()
+    model, spec = load_expert(directory, embedding.float())
+    if spec.target.get("tokenizer_hash") != tokenizer_fingerprint(target.tokenizer):
+        raise InvalidArgument("drafter", f"{directory} was trained for another vocabulary than {target.name!r}'s")
+    return model, spec
 
 
 @dataclass
@@ -51,13 +71,20 @@ def eos_token_ids(model: LoadedModel) -> list[int]:
 
 
 def load_drafter(spec: str, target: LoadedModel, device: str | None, dtype: str | None) -> Drafter:
-    """``ngram`` for prompt lookup, else a model reference for a small LM sharing the target's tokenizer."""
+    """A model-free drafter (``ngram``, ``history``), a shipped expert's domain (``code``), a drafter
+    directory made by ``specmesh distill``, or a small LM sharing the target's tokenizer."""
     if spec in MODEL_FREE_DRAFTERS:
         return MODEL_FREE_DRAFTERS[spec]()
+    directory = shipped_experts(target.name).get(spec)
+    if directory is None and (Path(spec) / "drafter.json").is_file():
+        directory = Path(spec)
+    if directory is not None:
+        model, expert = load_expert_for(directory, target)
+        return ExpertDrafter(model, name=expert.name, domain=expert.domain)
     try:
         loaded = load_hf_model(spec, dtype=dtype, device=device)
     except InvalidArgument as exc:
-        raise InvalidArgument("drafter", f"{exc} (drafters: {', '.join(MODEL_FREE_DRAFTERS)} or a model)") from None
+        raise InvalidArgument("drafter", f"{exc} (drafters: {', '.join([*MODEL_FREE_DRAFTERS, *shipped_experts(target.name)])}, a drafter directory or a model)") from None
     if tokenizer_fingerprint(loaded.tokenizer) != tokenizer_fingerprint(target.tokenizer):
         raise InvalidArgument("drafter", f"{spec!r} has a different vocabulary from the target {target.name!r}")
     return ModelDrafter(loaded.model, vocab_size=target.model.config.vocab_size, name=spec)

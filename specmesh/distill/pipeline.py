@@ -11,12 +11,11 @@ from typing import Sequence
 
 import torch
 
-from specmesh.assembly import Assembly
+from specmesh.assembly import Assembly, load_expert_for
 from specmesh.distill.data import Example, generate_examples
 from specmesh.distill.evaluate import agreement_by_category, expected_tokens_per_step, step_cost_ms, teacher_forced_hits, union_hits
 from specmesh.distill.train import TrainConfig, build_student, train_student
-from specmesh.drafters.expert import ExpertDrafter, ExpertModel, ExpertSpec, load_expert, save_expert, subset_for
-from specmesh.errors import InvalidArgument
+from specmesh.drafters.expert import ExpertDrafter, ExpertSpec, save_expert, subset_for
 from specmesh.models.llama import TreeBatch
 from specmesh.models.loading import cache_root, tokenizer_fingerprint
 from specmesh.prompts import Prompt, mtbench_prompts
@@ -49,19 +48,6 @@ def mtbench_examples(assembly: Assembly, max_tokens: int = MTBENCH_ANSWER_TOKENS
     return generate_examples(assembly.engine(0), assembly.target.tokenizer, mtbench_prompts(), cache, max_tokens)
 
 
-def load_experts(directories: Sequence[str | Path], assembly: Assembly) -> list[tuple[ExpertModel, ExpertSpec]]:
-    """Expert models for this target, refusing any trained for another tokenizer."""
-    embedding = assembly.target.model.get_input_embeddings().weight.detach().float()
-    fingerprint = tokenizer_fingerprint(assembly.target.tokenizer)
-    loaded = []
-    for directory in directories:
-        model, spec = load_expert(directory, embedding)
-        if spec.target.get("tokenizer_hash") != fingerprint:
-            raise InvalidArgument("drafter", f"{directory} was trained for another tokenizer than {assembly.target.name!r}")
-        loaded.append((model, spec))
-    return loaded
-
-
 def distill(
     assembly: Assembly,
     domain: str,
@@ -83,7 +69,7 @@ def distill(
     subset = subset_for([t for e in training for t in e.response_ids], vocab, config.subset_size)
     weights = None
     if boost_from:
-        earlier = [model for model, _ in load_experts(boost_from, assembly)]
+        earlier = [load_expert_for(directory, assembly.target)[0] for directory in boost_from]
         covered = union_hits([teacher_forced_hits(m, training) for m in earlier])
         weights = []
         for example, row in zip(training, covered):
