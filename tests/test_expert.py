@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from specmesh.distill.data import Example
+from specmesh.distill.data import Example, target_soft_labels
 from specmesh.distill.evaluate import agreement_by_category, expected_tokens_per_step, teacher_forced_hits, union_hits
 from specmesh.distill.train import TrainConfig, build_student, labels_for, train_student
 from specmesh.drafters.expert import ExpertDrafter, ExpertSpec, load_expert, save_expert, subset_for
@@ -39,13 +39,29 @@ def trained(target, examples):
     subset = subset_for([t for e in examples for t in e.response_ids], VOCAB, 48)
     model = build_student(target, subset, layers=1)
     before = agreement_by_category(examples, teacher_forced_hits(model, examples))["all"]
-    result = train_student(model, examples, TrainConfig(layers=1, minutes=0.15, learning_rate=3e-3, tokens_per_batch=512))
+    soft = target_soft_labels(LlamaRuntime(target), examples, top_k=8)
+    result = train_student(model, examples, TrainConfig(layers=1, minutes=0.15, learning_rate=3e-3, tokens_per_batch=512),
+                           soft_labels=soft)
     return model, before, result
 
 
 def test_subset_is_frequency_ranked():
     assert subset_for([5, 5, 5, 2, 2, 9], vocab_size=10, size=2).tolist() == [5, 2]
     assert subset_for([5, 2], vocab_size=10, size=8).tolist() == [2, 5]  # only seen tokens; ties by id
+
+
+def test_soft_targets_send_mass_outside_the_subset_to_the_fallback(target, examples):
+    from specmesh.distill.train import soft_targets
+
+    soft = target_soft_labels(LlamaRuntime(target), examples[:1], top_k=4)[0]
+    example = examples[0]
+    assert soft.token_ids.shape == (len(example.response_ids), 4)
+    assert soft.token_ids[:, 0].tolist() == list(example.response_ids)  # greedy answer = top-1 under teacher forcing
+    subset = {int(soft.token_ids[0, 0]): 0}
+    positions, classes, probs = soft_targets(example, soft, subset, fallback=1, length=len(example.token_ids))
+    assert positions[0] == len(example.prompt_ids) - 1
+    assert torch.allclose(probs.sum(-1), torch.ones(len(positions)))
+    assert classes[0, 0] == 0 and (classes[1:, :-1] == 1).sum() > 0
 
 
 def test_labels_cover_answer_positions_with_a_fallback():

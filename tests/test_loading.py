@@ -62,3 +62,27 @@ def test_cli_generates_with_a_directory_model(tiny_dir):
     )
     assert result.returncode == 0, result.stderr
     assert "outputs identical" in result.stdout
+
+
+def test_distill_writes_a_drafter_directory_that_generate_uses(tiny_dir, tmp_path):
+    import os
+
+    env = {**os.environ, "SPECMESH_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
+    out = tmp_path / "code-expert"
+    result = subprocess.run(
+        [sys.executable, "-m", "specmesh", "distill", "--target", str(tiny_dir), "--domain", "code", "--count", "12",
+         "--answer-tokens", "12", "--minutes", "0.05", "--subset-size", "64", "--layers", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, env=env,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    spec = json.loads((out / "drafter.json").read_text())
+    assert spec["domain"] == "code" and spec["format"] == "specmesh-drafter/1"
+    assert set(spec["measured"]["mtbench_agreement"]) >= {"coding", "math", "writing", "all"}
+    assert spec["measured"]["cost_fraction"] > 0
+    assert (out / "answers.jsonl").read_text().count("\n") == 12  # cached target answers, resumable
+    result = subprocess.run(
+        [sys.executable, "-m", "specmesh", "generate", "Hi", "--model", str(tiny_dir), "--drafter", str(out),
+         "--max-tokens", "6", "--compare-plain"], capture_output=True, text=True, timeout=300, env=env,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "outputs identical" in result.stdout

@@ -68,3 +68,34 @@ def generate_examples(
             out.flush()
             bar.update(len(batch))
     return [done[p.text] for p in prompts if p.text in done]
+
+
+@dataclass(frozen=True)
+class SoftLabels:
+    """The target's top-k next-token distribution at each answer position (teacher forcing)."""
+
+    token_ids: "torch.Tensor"  # [answer_len, k] long
+    probs: "torch.Tensor"  # [answer_len, k] float32, the target's probabilities (not renormalised)
+
+
+def target_soft_labels(runtime, examples: Sequence[Example], top_k: int = 16) -> list[SoftLabels]:
+    """One teacher-forced target pass per example: its distribution after every answer position's input."""
+    import torch
+
+    from specmesh.models.llama import TreeBatch
+    from specmesh.tree import TokenTree, compile_tree
+
+    labels = []
+    for example in tqdm(examples, desc="target distributions", unit="answer"):
+        tokens = example.token_ids[:-1]
+        first = len(example.prompt_ids) - 1  # input position whose output is the first answer token
+        session = runtime.new_session()
+        try:
+            tree = compile_tree(tokens[0], TokenTree.chain(tokens[1:]))
+            rows = torch.arange(first, len(tokens))
+            logits = runtime.forward(TreeBatch.build([session], [tree]), logits_rows=rows)  # [answer_len, vocab]
+        finally:
+            session.free()
+        top = logits.softmax(-1).topk(top_k, dim=-1)
+        labels.append(SoftLabels(top.indices, top.values))
+    return labels

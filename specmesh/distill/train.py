@@ -1,10 +1,13 @@
 """Distilling an expert drafter from the target's own answers.
 
 The student starts as the target's first layers, final norm and (subset) head rows, over the target's
-frozen input embeddings; it is trained with cross-entropy on the target's greedy next tokens (its own
-answers, so the labels are exactly what top-1 agreement counts), mapped into the head's subset, with
-the fallback class for tokens outside it. Positions can carry weights: collective boost-tuning
-up-weights the positions that earlier drafters of the set got wrong.
+frozen input embeddings. Its loss mixes two views of the target at every answer position:
+- hard: cross-entropy on the target's greedy next token (its own answer, so exactly what top-1
+  agreement counts), mapped into the head's subset, the fallback class for tokens outside it;
+- soft: cross-entropy against the target's top-k next-token distribution (mass outside the subset
+  goes to the fallback class), which carries far more per token than the argmax alone.
+Positions can carry weights: collective boost-tuning up-weights the positions that earlier drafters
+of the set got wrong.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from specmesh.distill.data import Example
+from specmesh.distill.data import Example, SoftLabels
 from specmesh.drafters.expert import ExpertModel
 
 IGNORE = -100
@@ -31,6 +34,7 @@ class TrainConfig:
     subset_size: int = 8192
     minutes: float = 10.0
     learning_rate: float = 1e-3
+    soft_weight: float = 0.5  # share of the soft (distribution) loss; the rest is the hard-label loss
     tokens_per_batch: int = 4096
     max_length: int = 384
     seed: int = 0
@@ -46,6 +50,10 @@ class TrainResult:
 
 def build_student(target_model: torch.nn.Module, subset_ids: torch.Tensor, layers: int) -> ExpertModel:
     """A student initialised from the target: its first ``layers`` layers, final norm and head rows."""
+    if not 1 <= layers <= target_model.config.num_hidden_layers:
+        from specmesh.errors import InvalidArgument
+
+        raise InvalidArgument("layers", f"must be in 1..{target_model.config.num_hidden_layers} (the target's depth), got {layers}")
     config = copy.deepcopy(target_model.config)
     config.num_hidden_layers = layers
     config.tie_word_embeddings = False
@@ -70,7 +78,21 @@ def labels_for(example: Example, subset_index: dict[int, int], fallback: int) ->
     return labels
 
 
-def batches(rows: list[tuple[list[int], list[int], list[float]]], tokens_per_batch: int, generator: torch.Generator):
+def soft_targets(example: Example, soft: SoftLabels, subset_index: dict[int, int], fallback: int, length: int):
+    """Sparse soft targets: (positions [n], classes [n, k+1], probs [n, k+1]); the last column is the
+    fallback's share (everything the subset does not hold, including the tail beyond the top-k)."""
+    first = len(example.prompt_ids) - 1
+    count = min(soft.token_ids.shape[0], max(length - first, 0))
+    classes = torch.tensor([[subset_index.get(int(t), fallback) for t in row] for row in soft.token_ids[:count].tolist()],
+                           dtype=torch.long).reshape(count, -1)
+    probs = soft.probs[:count].float().clone()
+    probs[classes == fallback] = 0.0
+    classes = torch.cat([classes, torch.full((count, 1), fallback, dtype=torch.long)], dim=1)
+    probs = torch.cat([probs, (1.0 - probs.sum(dim=1, keepdim=True)).clamp_min(0.0)], dim=1)
+    return torch.arange(first, first + count), classes, probs
+
+
+def batches(rows: list[tuple], tokens_per_batch: int, generator: torch.Generator):
     """Length-bucketed batches of about ``tokens_per_batch`` padded tokens, in random order."""
     order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]))
     groups, current = [], []
@@ -89,13 +111,28 @@ def batches(rows: list[tuple[list[int], list[int], list[float]]], tokens_per_bat
         labels = torch.full((len(group), width), IGNORE, dtype=torch.long)
         weights = torch.zeros(len(group), width)
         mask = torch.zeros(len(group), width, dtype=torch.long)
+        soft = []  # (batch row, positions, classes, probs)
         for row, index in enumerate(group):
-            tokens, label, weight = rows[index]
+            tokens, label, weight, targets = rows[index]
             ids[row, : len(tokens)] = torch.tensor(tokens)
             labels[row, : len(tokens)] = torch.tensor(label)
             weights[row, : len(tokens)] = torch.tensor(weight)
             mask[row, : len(tokens)] = 1
-        yield ids, labels, weights, mask
+            if targets is not None:
+                soft.append((row, *targets))
+        yield ids, labels, weights, mask, soft
+
+
+def _soft_loss(logits: torch.Tensor, weights: torch.Tensor, soft: list) -> torch.Tensor:
+    """Weighted cross-entropy of the student against the target's (subset-mapped) distribution."""
+    total = logits.new_zeros(())
+    mass = logits.new_zeros(())
+    for row, positions, classes, probs in soft:
+        log_q = logits[row, positions].log_softmax(-1)  # [n, subset + 1]
+        w = weights[row, positions]  # [n]
+        total = total - (w * (probs * log_q.gather(1, classes)).sum(-1)).sum()
+        mass = mass + w.sum()
+    return total / mass.clamp_min(1e-6)
 
 
 def train_student(
@@ -103,6 +140,7 @@ def train_student(
     examples: Sequence[Example],
     config: TrainConfig,
     position_weights: Sequence[Sequence[float]] | None = None,
+    soft_labels: Sequence[SoftLabels] | None = None,
 ) -> TrainResult:
     """Train until the time budget is spent (whole epochs or not); returns what was done."""
     torch.manual_seed(config.seed)
@@ -115,7 +153,8 @@ def train_student(
         tokens = example.token_ids[: config.max_length]
         labels = labels_for(example, subset_index, fallback)[: config.max_length]
         weights = list(position_weights[n][: config.max_length]) if position_weights else [1.0] * len(tokens)
-        rows.append((tokens, labels, weights))
+        targets = soft_targets(example, soft_labels[n], subset_index, fallback, len(tokens)) if soft_labels else None
+        rows.append((tokens, labels, weights, targets))
     total_tokens = sum(sum(1 for l in r[1] if l != IGNORE) for r in rows)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=0.0, betas=(0.9, 0.98))
@@ -127,7 +166,7 @@ def train_student(
     bar = tqdm(total=int(budget), desc="training", unit="s")
     done = False
     while not done:
-        for ids, labels, weights, mask in batches(rows, config.tokens_per_batch, generator):
+        for ids, labels, weights, mask, soft in batches(rows, config.tokens_per_batch, generator):
             elapsed = time.perf_counter() - started
             if elapsed >= budget:
                 done = True
@@ -139,6 +178,8 @@ def train_student(
             per_token = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=IGNORE, reduction="none")
             counted = labels != IGNORE
             loss = (per_token * weights * counted).sum() / (weights * counted).sum().clamp_min(1e-6)
+            if soft:
+                loss = (1.0 - config.soft_weight) * loss + config.soft_weight * _soft_loss(logits, weights, soft)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
