@@ -164,11 +164,12 @@ class SpeculativeEngine:
             a.stats.decode_s += elapsed
 
     def _draft(self, a: _Active) -> TokenTree:
-        budget = min(self.max_tree_nodes, a.request.params.max_tokens - len(a.output) - 1)
-        if budget <= 0 or not self.drafters:
+        # a step commits at most depth + 1 tokens: deeper guesses than the answer has room for are waste
+        max_depth = a.request.params.max_tokens - len(a.output) - 1
+        if self.max_tree_nodes <= 0 or max_depth <= 0 or not self.drafters:
             return TokenTree()
-        trees = [d.propose(a.request.request_id, budget) for d in self.drafters]
-        return fuse_trees(trees, budget)
+        trees = [d.propose(a.request.request_id, self.max_tree_nodes) for d in self.drafters]
+        return fuse_trees(trees, self.max_tree_nodes).within_depth(max_depth)
 
     def _commit(self, a: _Active, verdict: Verdict) -> None:
         new = list(verdict.tokens)

@@ -86,6 +86,18 @@ class TokenTree:
             node = self.parents[node]
         return path[::-1]
 
+    def within_depth(self, max_depth: int) -> TokenTree:
+        """Only the nodes at depth <= ``max_depth`` (renumbered; still a tree)."""
+        keep = [i for i, d in enumerate(self.depths()) if d <= max_depth]
+        if len(keep) == len(self):
+            return self
+        remap = {old: new for new, old in enumerate(keep)}
+        return TokenTree(
+            tuple(self.tokens[i] for i in keep),
+            tuple(ROOT if self.parents[i] == ROOT else remap[self.parents[i]] for i in keep),
+            tuple(self.draft_probs[i] for i in keep),
+        )
+
     def truncated(self, budget: int) -> TokenTree:
         """The first ``budget`` nodes (still a tree, since parents precede children)."""
         return TokenTree(self.tokens[:budget], self.parents[:budget], self.draft_probs[:budget])

@@ -104,13 +104,38 @@ def test_seeded_sampling_is_reproducible_and_temperature_zero_is_deterministic(r
     assert greedy[0] == greedy[1]
 
 
-def test_sampled_two_token_distribution_end_to_end():
-    """Engine + tiny model: the first two sampled tokens follow the model's exact (top-k) distribution."""
+def _drafter_for_distribution_test(kind: str, model, vocab: int, prompt: list[int], mode: int):
+    from specmesh.distill.train import build_student
+    from specmesh.drafters.expert import ExpertDrafter
+    from specmesh.drafters.ngram import HistoryDrafter
+
+    if kind == "oracle":  # guesses the mode first, then random branches
+        return OracleTreeDrafter({tuple(prompt): [mode]}, vocab, seed=1)
+    if kind == "ngram":
+        return NgramDrafter()
+    if kind == "history":
+        history = HistoryDrafter(min_n=1, max_n=3)
+        for i, answer in enumerate([[mode, 5, 6], [7, mode, 9], [mode, 3]]):  # earlier requests to look up
+            history.start(f"old{i}", prompt + answer)
+            history.end(f"old{i}")
+        return history
+    if kind == "model":
+        return ModelDrafter(tiny_llama(vocab_size=vocab, layers=1, seed=8), vocab_size=vocab)
+    if kind == "expert":
+        subset = torch.arange(2, vocab - 4)
+        return ExpertDrafter(build_student(model, subset, layers=1), name="expert", branch_below=1.01)
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("kind", ["oracle", "ngram", "history", "model", "expert"])
+def test_sampled_two_token_distribution_end_to_end(kind):
+    """Engine + tiny model: the first two sampled tokens follow the model's exact (top-k) distribution,
+    whichever drafter proposes the trees."""
     vocab, top_k = 32, 4
     model = tiny_llama(vocab_size=vocab, seed=3)
     runtime = LlamaRuntime(model)
-    prompt = [2, 9, 4]
-    params = dict(temperature=1.0, top_k=top_k, max_tokens=2)
+    prompt = [2, 9, 4, 2, 9]
+    params = dict(temperature=1.0, top_k=top_k, max_tokens=3)
     with torch.no_grad():
         first = torch.softmax(model(torch.tensor([prompt])).logits[0, -1], -1)
         keep = first.topk(top_k).indices
@@ -122,19 +147,22 @@ def test_sampled_two_token_distribution_end_to_end():
             p2 = second[keep2] / second[keep2].sum()
             for y, py in zip(keep2.tolist(), p2.tolist()):
                 exact[(x, y)] = px * py
-    answers = {tuple(prompt): [int(keep[0])]}  # the oracle guesses the mode, then random branches
-    engine = SpeculativeEngine(runtime, drafters=[OracleTreeDrafter(answers, vocab, seed=1)], max_tree_nodes=6)
+    drafter = _drafter_for_distribution_test(kind, model, vocab, prompt, int(keep[0]))
+    engine = SpeculativeEngine(runtime, drafters=[drafter], max_tree_nodes=6)
     counts = dict.fromkeys(exact, 0)
+    drafted = 0
     for batch in range(40):
         requests = [Request(tuple(prompt), SamplingParams(seed=batch * 100 + i, **params)) for i in range(50)]
         for out in engine.generate(requests):
-            pair = tuple(out.token_ids)
+            drafted += out.stats.drafted_nodes
+            pair = tuple(out.token_ids[:2])
             assert pair in counts, f"sampled {pair}, outside the target's top-{top_k} support"
             counts[pair] += 1
     total = sum(counts.values())
     mass = sum(exact.values())
     pvalue = chisquare([counts[k] for k in exact], [exact[k] * total / mass for k in exact]).pvalue
     assert pvalue > 1e-3, f"speculative sampling changed the distribution (p = {pvalue:.2e})"
+    assert drafted > 0, f"the {kind} drafter never proposed anything: the test would prove nothing"
 
 
 @pytest.mark.parametrize(

@@ -54,3 +54,11 @@ def test_fusion_merges_agreeing_drafters_and_keeps_ancestors_first():
     assert fused.tokens[:2] == (1, 2)
     assert fuse_trees([a, b], budget=0) == TokenTree()
     assert fuse_trees([], budget=5) == TokenTree()
+
+
+def test_within_depth_drops_deep_nodes_and_renumbers():
+    tree = TokenTree((1, 2, 3, 4), (ROOT, 0, ROOT, 1), (0.9, 0.8, 0.7, 0.6))
+    shallow = tree.within_depth(1)
+    assert shallow == TokenTree((1, 3), (ROOT, ROOT), (0.9, 0.7))
+    assert tree.within_depth(2) == TokenTree((1, 2, 3), (ROOT, 0, ROOT), (0.9, 0.8, 0.7))
+    assert tree.within_depth(5) is tree
