@@ -12,6 +12,7 @@ from specmesh.drafters.expert import ExpertDrafter, ExpertSpec, load_expert, sav
 from specmesh.engine import Request, SpeculativeEngine
 from specmesh.models.llama import LlamaRuntime
 from specmesh.sampling import SamplingParams
+from specmesh.tree import ROOT
 
 from conftest import tiny_llama
 
@@ -102,13 +103,35 @@ def test_save_load_round_trip_and_losslessness(trained, target, examples, tmp_pa
     assert sum(len(o.token_ids) for o in outputs) > sum(o.stats.target_steps for o in outputs)
 
 
-def test_trees_branch_where_the_drafter_is_unsure(trained, examples):
+def test_trees_branch_where_the_drafter_is_unsure():
+    from specmesh.drafters.shape import confident_tree
+
+    # outputs 0..3 name tokens 10..13; output 4 is the fallback ("not in my subset")
+    sure = torch.tensor([0.9, 0.05, 0.03, 0.01, 0.01])
+    unsure = torch.tensor([0.4, 0.35, 0.15, 0.05, 0.05])
+    stop = torch.tensor([0.1, 0.1, 0.1, 0.1, 0.6])
+    script = iter([unsure, sure, stop])
+    fed = []
+
+    def advance(token):
+        fed.append(token)
+        return next(script)
+
+    tree = confident_tree(sure, advance, [10, 11, 12, 13], budget=8, max_depth=8, branch_below=0.6,
+                          branch_width=3, stop_index=4)
+    # depth 1: sure -> 10 alone; depth 2: unsure -> 10 with siblings 11, 12; depth 3: sure -> 10; then stop
+    assert tree.tokens == (10, 10, 11, 12, 10)
+    assert tree.parents == (ROOT, 0, 0, 0, 1)
+    assert fed == [10, 10, 10]
+    small = confident_tree(unsure, lambda t: sure, None, budget=2, max_depth=8, branch_below=0.6, branch_width=3)
+    assert small.tokens == (0, 1) and small.parents == (ROOT, ROOT)
+
+
+def test_expert_drafter_proposes_within_budget(trained, examples):
     model, _, _ = trained
-    always = ExpertDrafter(model, name="t", branch_below=1.01, branch_width=2)
-    never = ExpertDrafter(model, name="t", branch_below=0.0)
-    for drafter in (always, never):
-        drafter.start("r", examples[0].prompt_ids)
-    wide, chain = always.propose("r", 8), never.propose("r", 8)
-    assert all(parent == index - 1 for index, parent in enumerate(chain.parents))
-    assert len(set(wide.parents)) < len(wide.parents), "siblings expected where every guess is unsure"
-    assert len(wide) <= 8 and len(chain) <= 8
+    drafter = ExpertDrafter(model, name="t", branch_below=1.01, branch_width=2)
+    drafter.start("r", examples[0].prompt_ids)
+    for budget in (1, 3, 8):
+        tree = drafter.propose("r", budget)
+        assert len(tree) <= budget
+    drafter.end("r")

@@ -24,7 +24,8 @@ from torch import nn
 from specmesh.errors import InvalidArgument
 from specmesh.models.kv_cache import KVSession
 from specmesh.models.llama import LlamaRuntime, TreeBatch
-from specmesh.tree import ROOT, TokenTree, compile_tree
+from specmesh.drafters.shape import confident_tree
+from specmesh.tree import TokenTree, compile_tree
 
 FORMAT = "specmesh-drafter/1"
 
@@ -117,7 +118,7 @@ class _Request:
 
 
 class ExpertDrafter:
-    """Drafts a confidence-shaped tree: the top-1 chain, with top-k siblings where the model is unsure."""
+    """Drafts a confidence-shaped tree (see ``shape.py``) with the expert on the lean runtime."""
 
     def __init__(
         self,
@@ -169,34 +170,17 @@ class ExpertDrafter:
         state = self._requests[request_id]
         if budget <= 0:
             return TokenTree()
-        probs = self._catch_up(state)
-        tokens: list[int] = []
-        parents: list[int] = []
-        confidences: list[float] = []
-        parent = ROOT
-        for _ in range(self.max_depth):
-            if len(tokens) >= budget:
-                break
-            top = probs.topk(self.branch_width + 1)
-            choices = [(int(i), float(p)) for p, i in zip(top.values, top.indices) if int(i) != self.fallback]
-            if not choices or int(top.indices[0]) == self.fallback:
-                break  # the model expects a token outside its subset: say nothing more
-            best, best_p = choices[0]
-            tokens.append(self.subset_ids[best])
-            parents.append(parent)
-            confidences.append(best_p)
-            chain_node = len(tokens) - 1
-            if best_p < self.branch_below:  # unsure: add the runners-up as leaves beside the guess
-                for index, p in choices[1 : self.branch_width]:
-                    if len(tokens) >= budget:
-                        break
-                    tokens.append(self.subset_ids[index])
-                    parents.append(parent)
-                    confidences.append(p)
-            parent = chain_node
-            probs = self._advance(state, self.subset_ids[best])
-        # the guesses are scratch: the next proposal rolls the session back to the committed tokens
-        return TokenTree(tuple(tokens), tuple(parents), tuple(confidences))
+        # guesses fed by ``advance`` are scratch: the next proposal rolls the session back to the commits
+        return confident_tree(
+            self._catch_up(state),
+            lambda token: self._advance(state, token),
+            self.subset_ids,
+            budget,
+            self.max_depth,
+            self.branch_below,
+            self.branch_width,
+            stop_index=self.fallback,
+        )
 
     def _advance(self, state: _Request, token: int) -> torch.Tensor:
         tree = compile_tree(token, TokenTree())

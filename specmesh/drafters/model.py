@@ -1,4 +1,5 @@
-"""A drafter that runs a small causal LM sharing the target's tokenizer and proposes its greedy chain.
+"""A drafter that runs a small causal LM sharing the target's tokenizer; its guesses form a tree shaped
+by its confidence (``shape.py``).
 
 Per request it keeps the model's KV cache and the tokens it covers; before each proposal the cache is
 cut back to the longest prefix shared with the committed tokens, so accepted guesses are never
@@ -13,6 +14,7 @@ from typing import Sequence
 import torch
 
 from specmesh.errors import InvalidArgument
+from specmesh.drafters.shape import confident_tree
 from specmesh.tree import TokenTree
 
 
@@ -24,7 +26,8 @@ class _State:
 
 
 class ModelDrafter:
-    def __init__(self, model: torch.nn.Module, vocab_size: int, name: str = "model", max_chain: int = 8) -> None:
+    def __init__(self, model: torch.nn.Module, vocab_size: int, name: str = "model", max_depth: int = 8,
+                 branch_below: float = 0.5, branch_width: int = 2) -> None:
         """``vocab_size`` is the target's: rows past it (padding in some checkpoints) are never proposed."""
         model_vocab = model.get_output_embeddings().weight.shape[0]
         if model_vocab < vocab_size:
@@ -32,7 +35,9 @@ class ModelDrafter:
         self.name = name
         self.model = model.eval()
         self.vocab_size = vocab_size
-        self.max_chain = max_chain
+        self.max_depth = max_depth
+        self.branch_below = branch_below
+        self.branch_width = branch_width
         self.device = next(model.parameters()).device
         self._states: dict[str, _State] = {}
 
@@ -45,32 +50,27 @@ class ModelDrafter:
     def end(self, request_id: str) -> None:
         self._states.pop(request_id, None)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def propose(self, request_id: str, budget: int) -> TokenTree:
         from transformers import DynamicCache
 
         state = self._states[request_id]
-        steps = min(budget, self.max_chain)
-        if steps <= 0:
+        if budget <= 0:
             return TokenTree()
-        shared = _common_prefix(state.cached, state.committed)
         if state.cache is None:
             state.cache = DynamicCache()
-        # keep at least one committed token uncached: its logits start the chain
-        keep = min(shared, len(state.committed) - 1)
+        # keep at least one committed token uncached: its logits start the tree
+        keep = min(_common_prefix(state.cached, state.committed), len(state.committed) - 1)
         state.cache.crop(keep - len(state.cached))  # a negative count: how many entries to drop
         state.cached = state.committed[:keep]
-        feed = state.committed[keep:]
-        tokens: list[int] = []
-        probs: list[float] = []
-        for _ in range(steps):
-            logits = self._forward(state, feed)  # [vocab]
-            dist = logits[: self.vocab_size].float().softmax(-1)
-            token = int(dist.argmax())
-            tokens.append(token)
-            probs.append(float(dist[token]))
-            feed = [token]
-        return TokenTree.chain(tokens, probs)
+        first = self._distribution(state, state.committed[keep:])
+        return confident_tree(
+            first, lambda token: self._distribution(state, [token]), None, budget, self.max_depth,
+            self.branch_below, self.branch_width,
+        )
+
+    def _distribution(self, state: _State, feed: list[int]) -> torch.Tensor:
+        return self._forward(state, feed)[: self.vocab_size].float().softmax(-1)
 
     def _forward(self, state: _State, feed: list[int]) -> torch.Tensor:
         ids = torch.tensor([feed], device=self.device)

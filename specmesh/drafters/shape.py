@@ -1,0 +1,56 @@
+"""Shaping a model drafter's guesses into a tree by its confidence.
+
+Expand the top-1 path; where the top-1 probability is below ``branch_below`` the drafter is unsure,
+so its runners-up join as siblings (leaves) of the guess. SpecInfer's static expansion configs are the
+special case of a fixed width per depth.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from specmesh.tree import ROOT, TokenTree
+
+
+def confident_tree(
+    first: torch.Tensor,  # [outputs]: the drafter's distribution after the committed tokens
+    advance: Callable[[int], torch.Tensor],  # feed a guessed token id, get the next distribution [outputs]
+    token_ids: Sequence[int] | None,  # output index -> token id (None: indices are token ids)
+    budget: int,
+    max_depth: int,
+    branch_below: float,
+    branch_width: int,
+    stop_index: int | None = None,  # an output meaning "no guess" (an expert's fallback class)
+) -> TokenTree:
+    tokens: list[int] = []
+    parents: list[int] = []
+    confidences: list[float] = []
+    probs, parent = first, ROOT
+    for _ in range(max_depth):
+        if len(tokens) >= budget:
+            break
+        top = probs.topk(min(branch_width, probs.shape[-1]))
+        ranked = [(int(i), float(p)) for p, i in zip(top.values, top.indices)]
+        if ranked[0][0] == stop_index:
+            break  # the drafter expects something it cannot name: say nothing more
+        ranked = [(i, p) for i, p in ranked if i != stop_index]
+        (best, best_p), runners_up = ranked[0], ranked[1:]
+        as_token = (lambda i: token_ids[i]) if token_ids is not None else (lambda i: i)
+        tokens.append(as_token(best))
+        parents.append(parent)
+        confidences.append(best_p)
+        guess = len(tokens) - 1
+        if best_p < branch_below:
+            for index, p in runners_up:
+                if len(tokens) >= budget:
+                    break
+                tokens.append(as_token(index))
+                parents.append(parent)
+                confidences.append(p)
+        parent = guess
+        if len(tokens) >= budget:
+            break
+        probs = advance(as_token(best))
+    return TokenTree(tuple(tokens), tuple(parents), tuple(confidences))
