@@ -57,7 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--count", type=int, default=360, help="templated prompts to make when --prompts is absent")
     dist.add_argument("--out", required=True, help="the drafter directory to write")
     dist.add_argument("--minutes", type=float, default=10.0, help="training time budget (default 10)")
-    dist.add_argument("--layers", type=int, default=2)
+    dist.add_argument("--layers", type=int, default=3)
+    dist.add_argument("--learning-rate", type=float, default=2e-3)
+    dist.add_argument("--batch-tokens", type=int, default=2048, help="padded tokens per training batch")
     dist.add_argument("--subset-size", type=int, default=8192, help="output head vocabulary subset (default 8192)")
     dist.add_argument("--answer-tokens", type=int, default=192, help="max tokens of each target answer")
     dist.add_argument("--boost-from", action="append", default=[],
@@ -180,7 +182,12 @@ def _distill(args: argparse.Namespace) -> int:
     prompts = load_prompts(args.prompts) if args.prompts else domain_prompts(args.domain, args.count, args.seed)
     configure_threads(args.threads)
     assembly = assemble(args.target, drafters=[], dtype="float32")
-    config = TrainConfig(layers=args.layers, subset_size=args.subset_size, minutes=args.minutes, seed=args.seed)
+    if not 0 < args.learning_rate < 1:
+        raise InvalidArgument("learning_rate", f"must be in (0, 1), got {args.learning_rate}")
+    if args.batch_tokens < 64:
+        raise InvalidArgument("batch_tokens", f"must be >= 64, got {args.batch_tokens}")
+    config = TrainConfig(layers=args.layers, subset_size=args.subset_size, minutes=args.minutes, seed=args.seed,
+                         learning_rate=args.learning_rate, tokens_per_batch=args.batch_tokens)
     spec = distill(assembly, args.domain, prompts, Path(args.out), config, boost_from=args.boost_from,
                    max_answer_tokens=args.answer_tokens)
     measured = spec.measured

@@ -99,3 +99,31 @@ def target_soft_labels(runtime, examples: Sequence[Example], top_k: int = 16) ->
         top = logits.softmax(-1).topk(top_k, dim=-1)
         labels.append(SoftLabels(top.indices, top.values))
     return labels
+
+
+def cached_soft_labels(runtime, examples: Sequence[Example], cache_file: Path, top_k: int = 16) -> list[SoftLabels]:
+    """``target_soft_labels``, kept in a safetensors file that is reused while the examples are the same."""
+    import hashlib
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    digest = hashlib.sha256(repr([(e.prompt_ids, e.response_ids) for e in examples]).encode()).hexdigest()
+    key = torch.tensor(list(bytes.fromhex(digest)) + [top_k], dtype=torch.int32)
+    if cache_file.exists():
+        stored = load_file(str(cache_file))
+        if torch.equal(stored["key"], key):
+            offsets = stored["offsets"].tolist()
+            return [SoftLabels(stored["token_ids"][a:b].long(), stored["probs"][a:b].float())
+                    for a, b in zip(offsets, offsets[1:])]
+    labels = target_soft_labels(runtime, examples, top_k)
+    offsets = [0]
+    for label in labels:
+        offsets.append(offsets[-1] + label.token_ids.shape[0])
+    save_file({
+        "key": key,
+        "offsets": torch.tensor(offsets, dtype=torch.int64),
+        "token_ids": torch.cat([l.token_ids for l in labels]).to(torch.int32),
+        "probs": torch.cat([l.probs for l in labels]).to(torch.float16),
+    }, str(cache_file))
+    return labels

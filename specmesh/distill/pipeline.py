@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 
 from specmesh.assembly import Assembly, load_expert_for
-from specmesh.distill.data import Example, generate_examples, target_soft_labels
+from specmesh.distill.data import Example, cached_soft_labels, generate_examples
 from specmesh.distill.evaluate import agreement_by_category, expected_tokens_per_step, step_cost_ms, teacher_forced_hits, union_hits
 from specmesh.distill.train import TrainConfig, build_student, train_student
 from specmesh.drafters.expert import ExpertDrafter, ExpertSpec, save_expert, subset_for
@@ -77,7 +77,10 @@ def distill(
             for offset, hit in enumerate(row):
                 w[len(example.prompt_ids) - 1 + offset] = 1.0 if hit else 1.0 + BOOST
             weights.append(w)
-    soft = target_soft_labels(assembly.runtime, training) if config.soft_weight > 0 else None
+    soft = None
+    if config.soft_weight > 0:
+        by_prompt = dict(zip((e.prompt for e in examples), cached_soft_labels(assembly.runtime, examples, out_dir / "soft_labels.safetensors")))
+        soft = [by_prompt[e.prompt] for e in training]
     model = build_student(assembly.target.model, subset, config.layers)
     result = train_student(model, training, config, position_weights=weights, soft_labels=soft)
 

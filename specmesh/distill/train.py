@@ -30,12 +30,12 @@ IGNORE = -100
 
 @dataclass(frozen=True)
 class TrainConfig:
-    layers: int = 2
+    layers: int = 3
     subset_size: int = 8192
     minutes: float = 10.0
-    learning_rate: float = 1e-3
+    learning_rate: float = 2e-3
     soft_weight: float = 0.5  # share of the soft (distribution) loss; the rest is the hard-label loss
-    tokens_per_batch: int = 4096
+    tokens_per_batch: int = 2048
     max_length: int = 384
     seed: int = 0
 
