@@ -10,7 +10,7 @@ from typing import Sequence
 import torch
 
 from specmesh.drafters.base import Drafter
-from specmesh.drafters.expert import ExpertDrafter, ExpertModel, ExpertSpec, load_expert
+from specmesh.drafters.expert import ExpertDrafter, ExpertModel, ExpertSpec, drafter_dtype, load_expert
 from specmesh.drafters.model import ModelDrafter
 from specmesh.drafters.ngram import HistoryDrafter, NgramDrafter
 from specmesh.engine import SpeculativeEngine
@@ -33,7 +33,7 @@ def shipped_experts(target_name: str) -> dict[str, Path]:
 def load_expert_for(directory: str | Path, target: LoadedModel) -> tuple[ExpertModel, ExpertSpec]:
     """An expert drafter's model, refusing one trained for another tokenizer."""
     embedding = target.model.get_input_embeddings().weight.detach()
-    model, spec = load_expert(directory, embedding.float())
+    model, spec = load_expert(directory, embedding, dtype=drafter_dtype(embedding.device))
     if spec.target.get("tokenizer_hash") != tokenizer_fingerprint(target.tokenizer):
         raise InvalidArgument("drafter", f"{directory} was trained for another vocabulary than {target.name!r}'s")
     return model, spec

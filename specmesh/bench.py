@@ -19,7 +19,15 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from specmesh.assembly import Assembly, assemble, configure_threads, eos_token_ids
+from specmesh.assembly import (
+    MODEL_FREE_DRAFTERS,
+    Assembly,
+    assemble,
+    configure_threads,
+    eos_token_ids,
+    load_drafter,
+    shipped_experts,
+)
 from specmesh.engine import Request
 from specmesh.errors import InvalidArgument
 from specmesh.models.llama import TreeBatch
@@ -136,7 +144,10 @@ def run_bench(args: argparse.Namespace) -> int:
 
     print(f"verify cost curve (k = 0..{COST_CURVE_MAX_K}) ...", flush=True)
     curve, one_step_ms = verify_cost_curve(assembly.runtime, list(encoded[0]))
-    drafter_rows, union = drafter_report(assembly, assembly.drafters, one_step_ms)
+    reported = args.report_drafter or [*MODEL_FREE_DRAFTERS, *shipped_experts(assembly.target.name)]
+    drafter_rows, union = drafter_report(
+        assembly, [load_drafter(d, assembly.target, args.device, args.dtype) for d in reported], one_step_ms
+    )
     modes = MODES[2:] if args.skip_baselines else MODES
     tokens = {m: defaultdict(int) for m in modes}  # mode -> category -> tokens
     seconds = {m: defaultdict(float) for m in modes}

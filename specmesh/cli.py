@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-tokens", type=int, default=64)
     bench.add_argument("--json", dest="json_out", help="write the summary (see shared/BENCH.md) here")
     bench.add_argument("--skip-baselines", action="store_true", help="only the verify cost curve and specmesh")
+    bench.add_argument("--report-drafter", action="append", default=None,
+                       help="drafters to measure by teacher forcing (default: the model-free ones and every "
+                       "expert shipped for the target); repeatable")
     _add_model_args(bench)
 
     dist = commands.add_parser("distill", help="train an expert drafter for a target on one domain")

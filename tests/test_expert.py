@@ -42,7 +42,7 @@ def trained(target, examples):
     before = agreement_by_category(examples, teacher_forced_hits(model, examples))["all"]
     soft = target_soft_labels(LlamaRuntime(target), examples, top_k=8)
     result = train_student(model, examples, TrainConfig(layers=1, minutes=0.15, learning_rate=3e-3, tokens_per_batch=512),
-                           soft_labels=soft)
+                           soft_labels=soft, validation=examples[:6], validate_every_s=2.0)
     return model, before, result
 
 
@@ -75,6 +75,7 @@ def test_training_raises_agreement(trained, examples):
     model, before, result = trained
     after = agreement_by_category(examples, teacher_forced_hits(model, examples))
     assert result.steps > 5
+    assert result.best_held_out is not None and 0 <= result.best_held_out <= 1
     assert after["all"] > before + 0.1, (before, after)
     assert set(after) == {"even", "odd", "all"}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 import statistics
 import time
@@ -15,7 +16,7 @@ from specmesh.assembly import Assembly, load_expert_for
 from specmesh.distill.data import Example, cached_soft_labels, generate_examples
 from specmesh.distill.evaluate import agreement_by_category, expected_tokens_per_step, step_cost_ms, teacher_forced_hits, union_hits
 from specmesh.distill.train import TrainConfig, build_student, train_student
-from specmesh.drafters.expert import ExpertDrafter, ExpertSpec, save_expert, subset_for
+from specmesh.drafters.expert import ExpertDrafter, ExpertSpec, drafter_dtype, save_expert, subset_for
 from specmesh.models.llama import TreeBatch
 from specmesh.models.loading import cache_root, tokenizer_fingerprint
 from specmesh.prompts import Prompt, mtbench_prompts
@@ -69,7 +70,7 @@ def distill(
     subset = subset_for([t for e in training for t in e.response_ids], vocab, config.subset_size)
     weights = None
     if boost_from:
-        earlier = [load_expert_for(directory, assembly.target)[0] for directory in boost_from]
+        earlier = [load_expert_for(directory, assembly.target)[0].float() for directory in boost_from]
         covered = union_hits([teacher_forced_hits(m, training) for m in earlier])
         weights = []
         for example, row in zip(training, covered):
@@ -82,12 +83,13 @@ def distill(
         by_prompt = dict(zip((e.prompt for e in examples), cached_soft_labels(assembly.runtime, examples, out_dir / "soft_labels.safetensors")))
         soft = [by_prompt[e.prompt] for e in training]
     model = build_student(assembly.target.model, subset, config.layers)
-    result = train_student(model, training, config, position_weights=weights, soft_labels=soft)
+    result = train_student(model, training, config, position_weights=weights, soft_labels=soft, validation=validation)
 
     held_out_hits = teacher_forced_hits(model, validation)
     bench = mtbench_examples(assembly)
     bench_hits = teacher_forced_hits(model, bench)
-    drafter = ExpertDrafter(model, name=out_dir.name, domain=domain)
+    deployed = copy.deepcopy(model).to(drafter_dtype(assembly.runtime.device))  # as it will run: cost is measured so
+    drafter = ExpertDrafter(deployed, name=out_dir.name, domain=domain)
     context = list(bench[0].prompt_ids)
     cost_ms = step_cost_ms(drafter, context)
     target_ms = target_step_ms(assembly, context)
@@ -108,6 +110,7 @@ def distill(
         training=asdict(config) | {"examples": len(training), "answer_tokens": sum(len(e.response_ids) for e in training),
                                    "steps": result.steps, "epochs": round(result.epochs, 2),
                                    "seconds": round(result.seconds, 1), "train_accuracy": round(result.final_accuracy, 4),
+                                   "best_held_out_agreement": result.best_held_out,
                                    "boosted_from": [Path(d).name for d in boost_from], "subset_size": len(subset)},
     )
     save_expert(model, spec, out_dir)

@@ -46,6 +46,7 @@ class TrainResult:
     epochs: float
     seconds: float
     final_accuracy: float  # top-1 agreement on the last training batches (in-sample)
+    best_held_out: float | None = None  # the kept weights' held-out agreement, when validated
 
 
 def build_student(target_model: torch.nn.Module, subset_ids: torch.Tensor, layers: int) -> ExpertModel:
@@ -141,8 +142,12 @@ def train_student(
     config: TrainConfig,
     position_weights: Sequence[Sequence[float]] | None = None,
     soft_labels: Sequence[SoftLabels] | None = None,
+    validation: Sequence[Example] = (),
+    validate_every_s: float = 30.0,
 ) -> TrainResult:
-    """Train until the time budget is spent (whole epochs or not); returns what was done."""
+    """Train until the time budget is spent; with ``validation`` examples, keep the weights that had
+    the best held-out agreement (checked every ``validate_every_s`` seconds and at the end)."""
+    from specmesh.distill.evaluate import teacher_forced_hits
     torch.manual_seed(config.seed)
     generator = torch.Generator().manual_seed(config.seed)
     subset = model.subset_ids.tolist()
@@ -165,12 +170,28 @@ def train_student(
     model.train()
     bar = tqdm(total=int(budget), desc="training", unit="s")
     done = False
+    best_agreement, best_state, last_check = -1.0, None, 0.0
+
+    def check() -> None:
+        nonlocal best_agreement, best_state
+        model.eval()
+        hits = [h for row in teacher_forced_hits(model, validation) for h in row]
+        model.train()
+        agreement = sum(hits) / max(len(hits), 1)
+        if agreement > best_agreement:
+            best_agreement = agreement
+            best_state = {k: v.detach().clone() for k, v in model.trainable_state().items()}
+        bar.set_description(f"training (held-out best {best_agreement:.3f})")
+
     while not done:
         for ids, labels, weights, mask, soft in batches(rows, config.tokens_per_batch, generator):
             elapsed = time.perf_counter() - started
             if elapsed >= budget:
                 done = True
                 break
+            if validation and elapsed - last_check >= validate_every_s:
+                check()
+                last_check = elapsed
             lr = config.learning_rate * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(elapsed / budget, 1.0))))
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -193,7 +214,11 @@ def train_student(
             bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{accuracy:.3f}", epoch=f"{seen / total_tokens:.2f}")
             bar.n = int(min(time.perf_counter() - started, budget))
             bar.refresh()
+    if validation:
+        check()
+        model.load_state_dict(best_state, strict=False)
     bar.close()
     model.eval()
     accuracy = sum(r for r, _ in recent) / max(sum(c for _, c in recent), 1)
-    return TrainResult(steps, seen / max(total_tokens, 1), time.perf_counter() - started, accuracy)
+    return TrainResult(steps, seen / max(total_tokens, 1), time.perf_counter() - started, accuracy,
+                       best_agreement if validation else None)

@@ -84,6 +84,17 @@ class ExpertSpec:
         return cls(**data)
 
 
+def drafter_dtype(device: torch.device | str) -> torch.dtype:
+    """Drafters may run in lower precision than the target (their numbers never reach the output):
+    bf16 on CUDA and on CPUs with fast bf16 matrix products, else fp32."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.bfloat16
+    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
 def save_expert(model: ExpertModel, spec: ExpertSpec, directory: Path) -> None:
     from safetensors.torch import save_file
 
