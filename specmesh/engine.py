@@ -101,8 +101,12 @@ class SpeculativeEngine:
         """Generate every request to completion, all of them in each target pass."""
         for request in requests:
             self.validate(request)
-        active = self._admit(requests)
+        ids = [r.request_id for r in requests]
+        if len(set(ids)) != len(ids):
+            raise InvalidArgument("request_id", "two requests in one batch share an id")
+        active: list[_Active] = []
         try:
+            self._admit(requests, active)
             while any(a.finish_reason is None for a in active):
                 self.step([a for a in active if a.finish_reason is None])
         finally:
@@ -110,9 +114,9 @@ class SpeculativeEngine:
                 self._release(a)
         return [Completion(a.request.request_id, a.output, a.finish_reason or "length", a.stats) for a in active]
 
-    def _admit(self, requests: Sequence[Request]) -> list[_Active]:
-        """Open sessions and prefill every prompt but its last token (which becomes the first root)."""
-        active = []
+    def _admit(self, requests: Sequence[Request], active: list[_Active]) -> None:
+        """Open sessions (into ``active``, so a failure still frees them) and prefill every prompt but
+        its last token, which becomes the first root."""
         for request in requests:
             session = self.target.new_session()
             generator = None if request.params.greedy else request.params.generator(self.target.device)
@@ -120,7 +124,6 @@ class SpeculativeEngine:
             for drafter in self.drafters:
                 drafter.start(request.request_id, request.prompt_ids)
         self._prefill(active)
-        return active
 
     def _prefill(self, active: list[_Active]) -> None:
         """Cache every prompt but its last token, in chunks so attention memory stays bounded."""

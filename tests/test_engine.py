@@ -185,3 +185,22 @@ def test_long_prompts_prefill_in_chunks(tiny_model, runtime, monkeypatch):
     outputs = engine.generate([Request(tuple(p), SamplingParams(max_tokens=MAX_TOKENS)) for p in prompts])
     for prompt, out in zip(prompts, outputs):
         assert out.token_ids == hf_greedy(tiny_model, prompt, MAX_TOKENS)
+
+
+def test_sessions_are_freed_when_a_drafter_fails(runtime):
+    class Broken(NgramDrafter):
+        def propose(self, request_id, budget):
+            raise RuntimeError("drafter died")
+
+    drafter = Broken()
+    engine = SpeculativeEngine(runtime, [drafter], max_tree_nodes=4)
+    with pytest.raises(RuntimeError, match="drafter died"):
+        engine.generate([Request((5, 6, 7), SamplingParams(max_tokens=4))])
+    assert drafter._indexes == {}, "the drafter's per-request state must be freed"
+
+
+def test_duplicate_request_ids_are_refused(runtime):
+    engine = SpeculativeEngine(runtime, [], max_tree_nodes=0)
+    with pytest.raises(InvalidArgument) as err:
+        engine.generate([Request((5,), request_id="a"), Request((6,), request_id="a")])
+    assert err.value.field == "request_id"
