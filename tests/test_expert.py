@@ -136,3 +136,15 @@ def test_expert_drafter_proposes_within_budget(trained, examples):
         tree = drafter.propose("r", budget)
         assert len(tree) <= budget
     drafter.end("r")
+
+
+def test_trees_stop_where_the_path_is_unlikely():
+    from specmesh.drafters.shape import confident_tree
+
+    half = torch.tensor([0.5, 0.3, 0.2])
+    tree = confident_tree(half, lambda t: half, None, budget=8, max_depth=8, branch_below=0.0, branch_width=1,
+                          stop_below=0.2)
+    assert tree.tokens == (0, 0)  # path confidence 0.5, 0.25, then 0.125 < 0.2: stop
+    first_only = confident_tree(half, lambda t: half, None, budget=8, max_depth=8, branch_below=0.0, branch_width=1,
+                                stop_below=0.9)
+    assert len(first_only) == 1  # the first guess is always made

@@ -139,6 +139,7 @@ class ExpertDrafter:
         max_depth: int = 8,
         branch_below: float = 0.6,
         branch_width: int = 2,
+        stop_below: float = 0.0,
     ) -> None:
         self.name = name
         self.domain = domain
@@ -148,6 +149,7 @@ class ExpertDrafter:
         self.max_depth = max_depth
         self.branch_below = branch_below
         self.branch_width = branch_width
+        self.stop_below = stop_below
         self._requests: dict[str, _Request] = {}
 
     def start(self, request_id: str, prompt_ids: Sequence[int]) -> None:
@@ -191,6 +193,7 @@ class ExpertDrafter:
             self.branch_below,
             self.branch_width,
             stop_index=self.fallback,
+            stop_below=self.stop_below,
         )
 
     def _advance(self, state: _Request, token: int) -> torch.Tensor:

@@ -1,8 +1,10 @@
 """Shaping a model drafter's guesses into a tree by its confidence.
 
 Expand the top-1 path; where the top-1 probability is below ``branch_below`` the drafter is unsure,
-so its runners-up join as siblings (leaves) of the guess. SpecInfer's static expansion configs are the
-special case of a fixed width per depth.
+so its runners-up join as siblings (leaves) of the guess. Stop when the path's confidence (the product
+of its top-1 probabilities) falls below ``stop_below``: deeper guesses would rarely be accepted and each
+costs a drafter step. SpecInfer's static expansion configs are the special case of a fixed width per
+depth.
 """
 
 from __future__ import annotations
@@ -23,11 +25,12 @@ def confident_tree(
     branch_below: float,
     branch_width: int,
     stop_index: int | None = None,  # an output meaning "no guess" (an expert's fallback class)
+    stop_below: float = 0.0,
 ) -> TokenTree:
     tokens: list[int] = []
     parents: list[int] = []
     confidences: list[float] = []
-    probs, parent = first, ROOT
+    probs, parent, path_confidence = first, ROOT, 1.0
     for _ in range(max_depth):
         if len(tokens) >= budget:
             break
@@ -37,6 +40,9 @@ def confident_tree(
             break  # the drafter expects something it cannot name: say nothing more
         ranked = [(i, p) for i, p in ranked if i != stop_index]
         (best, best_p), runners_up = ranked[0], ranked[1:]
+        path_confidence *= best_p
+        if tokens and path_confidence < stop_below:
+            break
         as_token = (lambda i: token_ids[i]) if token_ids is not None else (lambda i: i)
         tokens.append(as_token(best))
         parents.append(parent)
