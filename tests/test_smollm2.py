@@ -90,3 +90,22 @@ def test_speculative_decoding_equals_plain_greedy(target, prompts, hf_outputs):
             tokens += len(out.token_ids)
     assert tokens / steps > 1.0, "no drafted token was ever accepted"
     print(f"\nSmolLM2 greedy: {len(prompts)} prompts identical; mean accepted length {tokens / steps:.2f}")
+
+
+def test_shipped_experts_are_lossless(target, prompts, hf_outputs):
+    """Every shipped expert, alone and fused with prompt lookup, keeps the greedy output exactly."""
+    from specmesh.assembly import load_drafter, shipped_experts
+
+    experts = shipped_experts(EMBEDDED_DEFAULT)
+    assert set(experts) >= {"code", "math", "writing"}, f"shipped experts: {sorted(experts)}"
+    runtime = LlamaRuntime(target.model)
+    for domain in experts:
+        drafter = load_drafter(domain, target, device=None, dtype=None)
+        assert drafter.domain == domain
+        engine = SpeculativeEngine(runtime, [drafter, NgramDrafter()], max_tree_nodes=8,
+                                   eos_token_ids=eos_token_ids(target))
+        chosen = range(0, len(prompts), 4)  # five prompts across the categories
+        outputs = engine.generate([Request(prompts[i], SamplingParams(max_tokens=MAX_TOKENS)) for i in chosen])
+        for i, out in zip(chosen, outputs):
+            assert out.token_ids == hf_outputs[i], divergence_report(target, prompts[i], hf_outputs[i], out.token_ids)
+        assert sum(len(o.token_ids) for o in outputs) > sum(o.stats.target_steps for o in outputs)
