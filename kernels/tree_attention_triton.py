@@ -153,9 +153,11 @@ def tree_attention_triton(
     assert query.dtype in SUPPORTED_DTYPES, f"unsupported dtype {query.dtype}"
     assert key.dtype == value.dtype == query.dtype, "query, key and value must share one dtype"
 
-    query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+    # Strided views are fine (a KV session hands over a slice of its buffer); only the head dimension
+    # must be dense, so a copy is made only where it is not.
+    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     mask = tree_mask.to(device=query.device, dtype=torch.int8).contiguous()
-    out = torch.empty_like(query)
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_queries == 0:
         return out
 

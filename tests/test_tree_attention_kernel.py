@@ -106,3 +106,15 @@ def test_rejects_unsupported_head_dim():
     query, key, value, tree_mask = random_inputs(2, 2, 3, 2, 24)
     with pytest.raises(AssertionError, match="power of two"):
         tree_attention_triton(query, key, value, tree_mask, 0.2)
+
+
+def test_keys_may_be_a_slice_of_a_larger_cache_buffer():
+    query, key, value, tree_mask = random_inputs(4, 2, 5, 7, 16, seed=9)
+    buffer = torch.zeros(2, 2, 64, 16)  # [k/v, kv_heads, capacity, head_dim], like a KV session
+    buffer[0, :, :12], buffer[1, :, :12] = key, value
+    key_view, value_view = buffer[0, :, :12], buffer[1, :, :12]
+    assert not key_view.is_contiguous() and key_view.stride(-1) == 1
+
+    out = tree_attention_triton(query, key_view, value_view, tree_mask, 0.25)
+
+    torch.testing.assert_close(out, tree_attention_reference(query, key, value, tree_mask, 0.25), atol=1e-4, rtol=1e-4)
