@@ -17,6 +17,24 @@ def tree_attention_mask(prefix_len: int, tree_mask: torch.Tensor) -> torch.Tenso
     return torch.cat([prefix, tree_mask.to(torch.bool)], dim=1)
 
 
+def masked_attention(
+    query: torch.Tensor,  # [num_heads, num_queries, head_dim]
+    key: torch.Tensor,  # [num_kv_heads, num_keys, head_dim]
+    value: torch.Tensor,  # [num_kv_heads, num_keys, head_dim]
+    mask: torch.Tensor | None,  # [num_queries, num_keys] bool (None: every key visible)
+    scale: float,
+) -> torch.Tensor:  # [num_heads, num_queries, head_dim]
+    """Attention under a full boolean mask; GQA maps query head h to kv head h // (heads / kv_heads)."""
+    return F.scaled_dot_product_attention(
+        query.unsqueeze(0),
+        key.unsqueeze(0),
+        value.unsqueeze(0),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=query.shape[0] != key.shape[0],
+    ).squeeze(0)
+
+
 def tree_attention_reference(
     query: torch.Tensor,  # [num_heads, num_queries, head_dim]
     key: torch.Tensor,  # [num_kv_heads, num_keys, head_dim], num_keys = prefix_len + num_queries
@@ -29,12 +47,4 @@ def tree_attention_reference(
     Grouped-query attention: query head h reads key/value head h // (num_heads // num_kv_heads).
     """
     num_queries, num_keys = query.shape[1], key.shape[1]
-    mask = tree_attention_mask(num_keys - num_queries, tree_mask)  # [num_queries, num_keys]
-    return F.scaled_dot_product_attention(
-        query.unsqueeze(0),
-        key.unsqueeze(0),
-        value.unsqueeze(0),
-        attn_mask=mask,
-        scale=scale,
-        enable_gqa=query.shape[0] != key.shape[0],
-    ).squeeze(0)
+    return masked_attention(query, key, value, tree_attention_mask(num_keys - num_queries, tree_mask), scale)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from specmesh.errors import InvalidArgument
-from specmesh.kernels.tree_attention_reference import tree_attention_reference
+from specmesh.kernels.tree_attention_reference import masked_attention, tree_attention_mask
 from specmesh.models.kv_cache import KVSession, new_session
 from specmesh.models.linear import PackedLinear
 from specmesh.tree import CompiledTree
@@ -128,8 +128,11 @@ class LlamaRuntime:
         Returns logits [total_rows, vocab] (or only for ``logits_rows``), in fp32. Sessions' committed
         lengths are unchanged: the caller keeps the accepted rows with ``KVSession.keep_rows``.
         """
-        for session, (start, end) in zip(batch.sessions, zip(batch.cu_rows, batch.cu_rows[1:])):
+        full_masks = []  # per request [rows_i, cached_i + rows_i], built once for all layers
+        for session, mask, start, end in zip(batch.sessions, batch.masks, batch.cu_rows, batch.cu_rows[1:]):
             session.reserve(end - start)
+            single = end - start == 1  # one row sees every key: no mask needed
+            full_masks.append(None if single else tree_attention_mask(session.length, mask.to(self.device)))
         input_ids = batch.input_ids.to(self.device)
         positions = batch.positions.to(self.device)
         x = self.embed[input_ids]  # [rows, hidden]
@@ -145,13 +148,16 @@ class LlamaRuntime:
             v = qkv[:, q_size + kv_size :].reshape(rows, self.num_kv_heads, self.head_dim)
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
             attended = torch.empty(rows, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
-            for session, mask, start, end in zip(batch.sessions, batch.masks, batch.cu_rows, batch.cu_rows[1:]):
+            for session, mask, full_mask, start, end in zip(
+                batch.sessions, batch.masks, full_masks, batch.cu_rows, batch.cu_rows[1:]
+            ):
                 cached = session.length
                 kv = session.kv[index]  # [2, kv_heads, capacity, head_dim]
                 kv[0, :, cached : cached + end - start] = k[start:end].transpose(0, 1)
                 kv[1, :, cached : cached + end - start] = v[start:end].transpose(0, 1)
                 attended[start:end] = self._attend(
-                    q[start:end].transpose(0, 1), kv[0, :, : cached + end - start], kv[1, :, : cached + end - start], mask
+                    q[start:end].transpose(0, 1), kv[0, :, : cached + end - start], kv[1, :, : cached + end - start],
+                    mask, full_mask,
                 ).transpose(0, 1)
             x = x + layer.out(attended.reshape(rows, q_size))
             h = self._norm(x, layer.post_norm)
@@ -161,14 +167,14 @@ class LlamaRuntime:
             x = x[logits_rows.to(self.device)]
         return self.lm_head(self._norm(x, self.final_norm)).float()
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        # q [heads, n, head_dim]; k, v [kv_heads, cached + n, head_dim]; mask [n, n]
-        mask = mask.to(q.device)
+    def _attend(self, q, k, v, tree_mask: torch.Tensor, full_mask: torch.Tensor | None) -> torch.Tensor:
+        # q [heads, n, head_dim]; k, v [kv_heads, cached + n, head_dim]; tree_mask [n, n];
+        # full_mask [n, cached + n] (None when n == 1): the same mask with the prefix columns added
         if q.device.type == "cuda":
             from specmesh.kernels.tree_attention_triton import tree_attention_triton
 
-            return tree_attention_triton(q, k, v, mask, self.scale)
-        return tree_attention_reference(q, k, v, mask, self.scale)
+            return tree_attention_triton(q, k, v, tree_mask.to(q.device), self.scale)
+        return masked_attention(q, k, v, full_mask, self.scale)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
