@@ -74,7 +74,8 @@ def test_model_and_ngram_drafters_together_are_lossless(tiny_model, runtime):
 
 
 def test_the_target_as_its_own_drafter_is_accepted_almost_entirely(tiny_model, runtime):
-    engine = SpeculativeEngine(runtime, drafters=[ModelDrafter(tiny_model, vocab_size=96)], max_tree_nodes=4)
+    chain = ModelDrafter(tiny_model, vocab_size=96, branch_below=0.0)  # never branches: 4 nodes, 4 deep
+    engine = SpeculativeEngine(runtime, drafters=[chain], max_tree_nodes=4)
     (out,) = engine.generate([Request((5, 6, 7), SamplingParams(max_tokens=MAX_TOKENS))])
     assert out.token_ids == hf_greedy(tiny_model, [5, 6, 7], MAX_TOKENS)
     assert out.stats.mean_accepted_length > 3.5
