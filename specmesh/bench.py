@@ -28,7 +28,8 @@ from specmesh.assembly import (
     load_drafter,
     shipped_experts,
 )
-from specmesh.engine import Request
+from specmesh.drafters.ngram import NgramDrafter
+from specmesh.engine import Request, SpeculativeEngine
 from specmesh.errors import InvalidArgument
 from specmesh.models.llama import TreeBatch
 from specmesh.models.runtime import TargetRuntime
@@ -37,7 +38,10 @@ from specmesh.sampling import SamplingParams
 from specmesh.tree import TokenTree, compile_tree
 
 COST_CURVE_MAX_K = 16
-MODES = ("hf_plain", "hf_assisted", "own_plain", "engine")
+MODES = ("hf_plain", "hf_assisted", "own_plain", "engine", "engine_routed")
+# Oracle routing by MT-Bench category, standing in for the learned router: which shipped expert drafts.
+CATEGORY_EXPERT = {"coding": "code", "math": "math", "reasoning": "math"}
+DEFAULT_EXPERT = "writing"
 
 
 def verify_cost_curve(runtime: TargetRuntime, context: list[int], repeats: int = 15) -> tuple[dict[str, float], float]:
@@ -145,13 +149,19 @@ def run_bench(args: argparse.Namespace) -> int:
     print(f"verify cost curve (k = 0..{COST_CURVE_MAX_K}) ...", flush=True)
     curve, one_step_ms = verify_cost_curve(assembly.runtime, list(encoded[0]))
     reported = args.report_drafter or [*MODEL_FREE_DRAFTERS, *shipped_experts(assembly.target.name)]
-    drafter_rows, union = drafter_report(
-        assembly, [load_drafter(d, assembly.target, args.device, args.dtype) for d in reported], one_step_ms
-    )
-    modes = MODES[2:] if args.skip_baselines else MODES
+    report_drafters = {d: load_drafter(d, assembly.target, args.device, args.dtype) for d in reported}
+    drafter_rows, union = drafter_report(assembly, list(report_drafters.values()), one_step_ms)
+    experts = shipped_experts(assembly.target.name)
+    routed = {
+        domain: SpeculativeEngine(assembly.runtime, [NgramDrafter(), report_drafters.get(domain) or
+                                                     load_drafter(domain, assembly.target, args.device, args.dtype)],
+                                  args.tree_nodes, eos_token_ids(assembly.target))
+        for domain in experts
+    }
+    modes = [m for m in (MODES[2:] if args.skip_baselines else MODES) if m != "engine_routed" or DEFAULT_EXPERT in routed]
     tokens = {m: defaultdict(int) for m in modes}  # mode -> category -> tokens
     seconds = {m: defaultdict(float) for m in modes}
-    engine_steps: dict[str, int] = defaultdict(int)
+    steps = {m: defaultdict(int) for m in modes}  # target passes
     identical = 0
     params = SamplingParams(max_tokens=args.max_tokens)
     for prompt, ids in tqdm(list(zip(prompts, encoded)), desc="prompts", unit="prompt"):
@@ -161,18 +171,23 @@ def run_bench(args: argparse.Namespace) -> int:
             if mode in ("hf_plain", "hf_assisted"):
                 outputs[mode] = _hf_generate(assembly, ids, args.max_tokens, assisted=mode == "hf_assisted")
             else:
-                (result,) = (speculative if mode == "engine" else plain).generate([Request(ids, params)])
+                engine = {"own_plain": plain, "engine": speculative}.get(mode) or routed.get(
+                    CATEGORY_EXPERT.get(prompt.category, DEFAULT_EXPERT), routed.get(DEFAULT_EXPERT))
+                (result,) = engine.generate([Request(ids, params)])
                 outputs[mode] = result.token_ids
-                if mode == "engine":
-                    engine_steps[prompt.category] += result.stats.target_steps
+                steps[mode][prompt.category] += result.stats.target_steps
             seconds[mode][prompt.category] += time.perf_counter() - started
             tokens[mode][prompt.category] += len(outputs[mode])
         reference = outputs.get("hf_plain", outputs["own_plain"])
-        identical += outputs["engine"] == reference
+        identical += all(outputs[m] == reference for m in modes if m.startswith("engine"))
 
     def speed(mode: str, category: str | None = None) -> float:
         cats = [category] if category else list(tokens[mode])
         return sum(tokens[mode][c] for c in cats) / max(sum(seconds[mode][c] for c in cats), 1e-9)
+
+    def accepted_length(mode: str, category: str | None = None) -> float:
+        cats = [category] if category else list(tokens[mode])
+        return sum(tokens[mode][c] for c in cats) / max(sum(steps[mode][c] for c in cats), 1)
 
     machine["load_average_after"] = os.getloadavg()[0]
     plain_mode = "hf_plain" if "hf_plain" in modes else "own_plain"
@@ -182,9 +197,15 @@ def run_bench(args: argparse.Namespace) -> int:
         "verify_one_step_ms": round(one_step_ms, 2),
         "engine_tokens_per_s": round(speed("engine"), 2),
         "engine_speedup_vs_own_plain": round(speed("engine") / speed("own_plain"), 3),
-        "mean_accepted_length": round(sum(tokens["engine"].values()) / max(sum(engine_steps.values()), 1), 3),
+        "mean_accepted_length": round(accepted_length("engine"), 3),
         "drafter_union_agreement": union.get("all", 0.0),
     }
+    if "engine_routed" in modes:
+        summary |= {
+            "engine_routed_tokens_per_s": round(speed("engine_routed"), 2),
+            "engine_routed_speedup_vs_own_plain": round(speed("engine_routed") / speed("own_plain"), 3),
+            "engine_routed_mean_accepted_length": round(accepted_length("engine_routed"), 3),
+        }
     if "hf_plain" in modes:
         summary |= {
             "plain_tokens_per_s": round(speed("hf_plain"), 2),
@@ -193,11 +214,18 @@ def run_bench(args: argparse.Namespace) -> int:
             "engine_speedup_vs_hf_assisted": round(speed("engine") / speed("hf_assisted"), 3),
             "own_plain_speedup_vs_plain": round(speed("own_plain") / speed("hf_plain"), 3),
         }
+        if "engine_routed" in modes:
+            summary["engine_routed_speedup_vs_plain"] = round(speed("engine_routed") / speed("hf_plain"), 3)
     per_category = {
         c: {
             "speedup_vs_plain": round(speed("engine", c) / speed(plain_mode, c), 3),
-            "mean_accepted_length": round(tokens["engine"][c] / max(engine_steps[c], 1), 3),
+            "mean_accepted_length": round(accepted_length("engine", c), 3),
         }
+        | ({
+            "routed_speedup_vs_plain": round(speed("engine_routed", c) / speed(plain_mode, c), 3),
+            "routed_speedup_vs_own_plain": round(speed("engine_routed", c) / speed("own_plain", c), 3),
+            "routed_mean_accepted_length": round(accepted_length("engine_routed", c), 3),
+        } if "engine_routed" in modes else {})
         for c in tokens["engine"]
     }
     report = {
@@ -234,4 +262,8 @@ def _print_report(report: dict) -> None:
         print(f"  drafter {row['name']:10s} cost {row['cost_fraction']:.3f} of a step; agreement {agreement}; "
               f"tokens/step k=1..8: {list(row['expected_tokens_per_step'].values())}")
     for category, row in report["per_category"].items():
-        print(f"  {category:12s} speedup {row['speedup_vs_plain']:.2f}x  accepted length {row['mean_accepted_length']:.2f}")
+        line = f"  {category:12s} speedup {row['speedup_vs_plain']:.2f}x  accepted length {row['mean_accepted_length']:.2f}"
+        if "routed_speedup_vs_plain" in row:
+            line += (f"  | routed: {row['routed_speedup_vs_plain']:.2f}x plain, {row['routed_speedup_vs_own_plain']:.2f}x own"
+                     f" plain, accepted length {row['routed_mean_accepted_length']:.2f}")
+        print(line)
