@@ -49,6 +49,20 @@ def mtbench_examples(assembly: Assembly, max_tokens: int = MTBENCH_ANSWER_TOKENS
     return generate_examples(assembly.engine(0), assembly.target.tokenizer, mtbench_prompts(), cache, max_tokens)
 
 
+def boost_weights(assembly: Assembly, examples: Sequence[Example], earlier_dirs: Sequence[str | Path]) -> list[list[float]]:
+    """Collective boost-tuning: per input position, 1 + BOOST where every earlier drafter of the set
+    misses the target's next token (answer positions only), else 1."""
+    earlier = [load_expert_for(directory, assembly.target)[0].float() for directory in earlier_dirs]
+    covered = union_hits([teacher_forced_hits(model, examples) for model in earlier])
+    weights = []
+    for example, row in zip(examples, covered):
+        w = [1.0] * len(example.token_ids)
+        for offset, hit in enumerate(row):
+            w[len(example.prompt_ids) - 1 + offset] = 1.0 if hit else 1.0 + BOOST
+        weights.append(w)
+    return weights
+
+
 def distill(
     assembly: Assembly,
     domain: str,
@@ -68,19 +82,11 @@ def distill(
     validation, training = shuffled[:held_out], shuffled[held_out:]
     vocab = assembly.target.model.config.vocab_size
     subset = subset_for([t for e in training for t in e.response_ids], vocab, config.subset_size)
-    weights = None
-    if boost_from:
-        earlier = [load_expert_for(directory, assembly.target)[0].float() for directory in boost_from]
-        covered = union_hits([teacher_forced_hits(m, training) for m in earlier])
-        weights = []
-        for example, row in zip(training, covered):
-            w = [1.0] * len(example.token_ids)
-            for offset, hit in enumerate(row):
-                w[len(example.prompt_ids) - 1 + offset] = 1.0 if hit else 1.0 + BOOST
-            weights.append(w)
+    weights = boost_weights(assembly, training, boost_from) if boost_from else None
     soft = None
     if config.soft_weight > 0:
-        by_prompt = dict(zip((e.prompt for e in examples), cached_soft_labels(assembly.runtime, examples, out_dir / "soft_labels.safetensors")))
+        labels = cached_soft_labels(assembly.runtime, examples, out_dir / "soft_labels.safetensors")
+        by_prompt = dict(zip((e.prompt for e in examples), labels))
         soft = [by_prompt[e.prompt] for e in training]
     model = build_student(assembly.target.model, subset, config.layers)
     result = train_student(model, training, config, position_weights=weights, soft_labels=soft, validation=validation)
