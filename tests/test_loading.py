@@ -86,3 +86,13 @@ def test_distill_writes_a_drafter_directory_that_generate_uses(tiny_dir, tmp_pat
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "outputs identical" in result.stdout
+
+    boosted = tmp_path / "math-expert"  # collective boost-tuning: the second expert learns from the first's misses
+    result = subprocess.run(
+        [sys.executable, "-m", "specmesh", "distill", "--target", str(tiny_dir), "--domain", "math", "--count", "8",
+         "--answer-tokens", "8", "--minutes", "0.05", "--subset-size", "64", "--layers", "1", "--out", str(boosted),
+         "--boost-from", str(out)],
+        capture_output=True, text=True, timeout=600, env=env,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads((boosted / "drafter.json").read_text())["training"]["boosted_from"] == ["code-expert"]
