@@ -22,9 +22,10 @@ $(STAMP): pyproject.toml
 model: $(STAMP)
 	$(PY) -m specmesh prepare
 
+# The demo is a coding question, so prompt lookup drafts beside the shipped code expert.
 run: install
 	$(PY) -m specmesh generate "Write a Python function that checks whether a string is a palindrome, and explain it." \
-		--max-tokens 96 --compare-plain
+		--drafter ngram --drafter code --max-tokens 96 --compare-plain
 
 test: install
 	$(PY) -m pytest -q
