@@ -148,3 +148,22 @@ def test_trees_stop_where_the_path_is_unlikely():
     first_only = confident_tree(half, lambda t: half, None, budget=8, max_depth=8, branch_below=0.0, branch_width=1,
                                 stop_below=0.9)
     assert len(first_only) == 1  # the first guess is always made
+
+
+def test_soft_targets_of_a_prompt_longer_than_the_training_window(target, examples):
+    from specmesh.distill.train import soft_targets
+
+    example = examples[0]
+    soft = target_soft_labels(LlamaRuntime(target), [example], top_k=4)[0]
+    positions, classes, probs = soft_targets(example, soft, {}, fallback=0, length=len(example.prompt_ids) - 1)
+    assert positions.numel() == 0 and classes.shape == (0, 5) and probs.shape == (0, 5)
+
+
+def test_no_drafter_step_is_wasted_after_the_deepest_guess():
+    from specmesh.drafters.shape import confident_tree
+
+    calls = []
+    sure = torch.tensor([0.9, 0.1])
+    tree = confident_tree(sure, lambda t: calls.append(t) or sure, None, budget=8, max_depth=3, branch_below=0.0,
+                          branch_width=1)
+    assert len(tree) == 3 and len(calls) == 2

@@ -81,3 +81,9 @@ def test_runtime_choice():
     assert isinstance(make_runtime(tiny_llama(vocab_size=VOCAB)), LlamaRuntime)
     assert isinstance(make_runtime(tiny_gpt2()), HFRuntime)
     assert isinstance(make_runtime(tiny_llama(vocab_size=VOCAB), lean=False), HFRuntime)
+
+
+def test_models_the_lean_path_would_compute_differently_fall_back():
+    assert isinstance(make_runtime(tiny_llama(vocab_size=VOCAB, attention_bias=True)), HFRuntime)
+    assert isinstance(make_runtime(tiny_llama(vocab_size=VOCAB, mlp_bias=True)), HFRuntime)
+    assert isinstance(make_runtime(tiny_llama(vocab_size=VOCAB, hidden_act="gelu")), HFRuntime)

@@ -85,7 +85,7 @@ def soft_targets(example: Example, soft: SoftLabels, subset_index: dict[int, int
     first = len(example.prompt_ids) - 1
     count = min(soft.token_ids.shape[0], max(length - first, 0))
     classes = torch.tensor([[subset_index.get(int(t), fallback) for t in row] for row in soft.token_ids[:count].tolist()],
-                           dtype=torch.long).reshape(count, -1)
+                           dtype=torch.long).reshape(count, soft.token_ids.shape[1])  # count may be 0: a long prompt
     probs = soft.probs[:count].float().clone()
     probs[classes == fallback] = 0.0
     classes = torch.cat([classes, torch.full((count, 1), fallback, dtype=torch.long)], dim=1)

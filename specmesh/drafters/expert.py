@@ -28,6 +28,7 @@ from specmesh.drafters.shape import confident_tree
 from specmesh.tree import TokenTree, compile_tree
 
 FORMAT = "specmesh-drafter/1"
+PREFILL_CHUNK = 512
 
 
 class ExpertModel(nn.Module):
@@ -173,9 +174,13 @@ class ExpertDrafter:
         shared = min(shared, len(state.committed) - 1)  # the last committed token is always fed
         state.session.rollback(min(shared, state.session.length))
         feed = state.committed[state.session.length :]
-        tree = compile_tree(feed[0], TokenTree.chain(feed[1:]))
-        logits = self.runtime.forward(TreeBatch.build([state.session], [tree]), logits_rows=torch.tensor([tree.num_rows - 1]))
-        state.session.keep_rows(list(range(tree.num_rows)))
+        for start in range(0, len(feed), PREFILL_CHUNK):  # chunks bound the attention memory of long prompts
+            chunk = feed[start : start + PREFILL_CHUNK]
+            tree = compile_tree(chunk[0], TokenTree.chain(chunk[1:]))
+            logits = self.runtime.forward(
+                TreeBatch.build([state.session], [tree]), logits_rows=torch.tensor([tree.num_rows - 1])
+            )
+            state.session.keep_rows(list(range(tree.num_rows)))
         state.cached = list(state.committed)
         return logits[0].softmax(-1)
 

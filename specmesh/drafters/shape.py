@@ -31,7 +31,7 @@ def confident_tree(
     parents: list[int] = []
     confidences: list[float] = []
     probs, parent, path_confidence = first, ROOT, 1.0
-    for _ in range(max_depth):
+    for depth in range(1, max_depth + 1):
         if len(tokens) >= budget:
             break
         top = probs.topk(min(branch_width, probs.shape[-1]))
@@ -56,7 +56,7 @@ def confident_tree(
                 parents.append(parent)
                 confidences.append(p)
         parent = guess
-        if len(tokens) >= budget:
-            break
+        if len(tokens) >= budget or depth == max_depth:
+            break  # no further guess will be made: skip the drafter step
         probs = advance(as_token(best))
     return TokenTree(tuple(tokens), tuple(parents), tuple(confidences))

@@ -27,6 +27,21 @@ from specmesh.tree import CompiledTree
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
+def lean_unsupported(config) -> str | None:
+    """Why the lean path would not compute exactly this model (None when it would)."""
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model type {config.model_type!r} (lean: {', '.join(SUPPORTED_MODEL_TYPES)})"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r} (lean: silu)"
+    if getattr(config, "mlp_bias", False):
+        return "MLP biases"
+    if config.model_type == "llama" and getattr(config, "attention_bias", False):
+        return "attention output bias"
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return "sliding-window attention"
+    return None
+
+
 @dataclass(frozen=True)
 class TreeBatch:
     """One verification pass over several requests, flattened (the ``cu_rows`` offsets delimit each)."""
@@ -74,11 +89,9 @@ class LlamaRuntime:
         """``hf_model``: a Llama-family causal LM, or its base model with ``head_weight`` [outputs, hidden]
         (drafters with a head over a vocabulary subset)."""
         config = hf_model.config
-        if config.model_type not in SUPPORTED_MODEL_TYPES:
-            raise InvalidArgument(
-                "model",
-                f"model type {config.model_type!r} has no lean runtime yet; supported: {', '.join(SUPPORTED_MODEL_TYPES)}",
-            )
+        reason = lean_unsupported(config)
+        if reason:
+            raise InvalidArgument("model", f"no lean runtime for this model: {reason}")
         inner = getattr(hf_model, "model", hf_model)
         self.config = config
         self.device = inner.embed_tokens.weight.device
@@ -128,11 +141,14 @@ class LlamaRuntime:
         Returns logits [total_rows, vocab] (or only for ``logits_rows``), in fp32. Sessions' committed
         lengths are unchanged: the caller keeps the accepted rows with ``KVSession.keep_rows``.
         """
-        full_masks = []  # per request [rows_i, cached_i + rows_i], built once for all layers
+        tree_masks, full_masks = [], []  # per request, on the device, built once for all layers
         for session, mask, start, end in zip(batch.sessions, batch.masks, batch.cu_rows, batch.cu_rows[1:]):
             session.reserve(end - start)
+            tree_masks.append(mask.to(self.device))  # [rows_i, rows_i]: what the Triton kernel takes
             single = end - start == 1  # one row sees every key: no mask needed
-            full_masks.append(None if single else tree_attention_mask(session.length, mask.to(self.device)))
+            full_masks.append(  # [rows_i, cached_i + rows_i]: what the PyTorch path takes
+                None if single or self.device.type == "cuda" else tree_attention_mask(session.length, tree_masks[-1])
+            )
         input_ids = batch.input_ids.to(self.device)
         positions = batch.positions.to(self.device)
         x = self.embed[input_ids]  # [rows, hidden]
@@ -149,7 +165,7 @@ class LlamaRuntime:
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
             attended = torch.empty(rows, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
             for session, mask, full_mask, start, end in zip(
-                batch.sessions, batch.masks, full_masks, batch.cu_rows, batch.cu_rows[1:]
+                batch.sessions, tree_masks, full_masks, batch.cu_rows, batch.cu_rows[1:]
             ):
                 cached = session.length
                 kv = session.kv[index]  # [2, kv_heads, capacity, head_dim]
@@ -173,7 +189,7 @@ class LlamaRuntime:
         if q.device.type == "cuda":
             from specmesh.kernels.tree_attention_triton import tree_attention_triton
 
-            return tree_attention_triton(q, k, v, tree_mask.to(q.device), self.scale)
+            return tree_attention_triton(q, k, v, tree_mask, self.scale)
         return masked_attention(q, k, v, full_mask, self.scale)
 
 

@@ -7,7 +7,7 @@ from typing import Protocol
 import torch
 
 from specmesh.models.hf_runtime import HFRuntime
-from specmesh.models.llama import SUPPORTED_MODEL_TYPES, LlamaRuntime, TreeBatch
+from specmesh.models.llama import LlamaRuntime, TreeBatch, lean_unsupported
 
 
 class TargetRuntime(Protocol):
@@ -21,6 +21,6 @@ class TargetRuntime(Protocol):
 
 
 def make_runtime(hf_model: torch.nn.Module, lean: bool = True) -> TargetRuntime:
-    if lean and hf_model.config.model_type in SUPPORTED_MODEL_TYPES:
+    if lean and lean_unsupported(hf_model.config) is None:
         return LlamaRuntime(hf_model)
     return HFRuntime(hf_model)
