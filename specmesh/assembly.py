@@ -16,7 +16,7 @@ from specmesh.drafters.ngram import HistoryDrafter, NgramDrafter
 from specmesh.engine import SpeculativeEngine
 from specmesh.errors import InvalidArgument
 from specmesh.models.runtime import TargetRuntime, make_runtime
-from specmesh.models.loading import EMBEDDED_DEFAULT, LoadedModel, load_hf_model, tokenizer_fingerprint
+from specmesh.models.loading import LoadedModel, load_hf_model, tokenizer_fingerprint
 
 MODEL_FREE_DRAFTERS = {"ngram": NgramDrafter, "history": HistoryDrafter}
 SHIPPED_EXPERTS = Path(__file__).parent / "experts"  # experts/<target>/<domain>/: made by `specmesh distill`

@@ -32,7 +32,7 @@ from specmesh.drafters.ngram import NgramDrafter
 from specmesh.engine import Request, SpeculativeEngine
 from specmesh.errors import InvalidArgument
 from specmesh.models.llama import TreeBatch
-from specmesh.models.runtime import TargetRuntime
+from specmesh.models.runtime import TargetRuntime, prefilled_session
 from specmesh.prompts import Prompt, encode_chat, load_prompts, mtbench_prompts
 from specmesh.sampling import SamplingParams
 from specmesh.tree import TokenTree, compile_tree
@@ -47,10 +47,7 @@ DEFAULT_EXPERT = "writing"
 def verify_cost_curve(runtime: TargetRuntime, context: list[int], repeats: int = 15) -> tuple[dict[str, float], float]:
     """Median time to score k+1 tokens (a chain of k guesses) in one pass, over the one-token step;
     and that step's median in milliseconds."""
-    session = runtime.new_session()
-    prefix = compile_tree(context[0], TokenTree.chain(context[1:]))
-    runtime.forward(TreeBatch.build([session], [prefix]), logits_rows=torch.empty(0, dtype=torch.long))
-    session.keep_rows(list(range(prefix.num_rows)))
+    session = prefilled_session(runtime, context)
     trees = {k: compile_tree(context[-1], TokenTree.chain(context[-k - 1 : -1] if k else [])) for k in range(COST_CURVE_MAX_K + 1)}
     times: dict[int, list[float]] = defaultdict(list)
     for k in trees:  # warm-up

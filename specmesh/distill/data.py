@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+import torch
 from tqdm.auto import tqdm
 
 from specmesh.engine import Request, SpeculativeEngine
@@ -74,14 +75,12 @@ def generate_examples(
 class SoftLabels:
     """The target's top-k next-token distribution at each answer position (teacher forcing)."""
 
-    token_ids: "torch.Tensor"  # [answer_len, k] long
-    probs: "torch.Tensor"  # [answer_len, k] float32, the target's probabilities (not renormalised)
+    token_ids: torch.Tensor  # [answer_len, k] long
+    probs: torch.Tensor  # [answer_len, k] float32, the target's probabilities (not renormalised)
 
 
 def target_soft_labels(runtime, examples: Sequence[Example], top_k: int = 16) -> list[SoftLabels]:
     """One teacher-forced target pass per example: its distribution after every answer position's input."""
-    import torch
-
     from specmesh.models.llama import TreeBatch
     from specmesh.tree import TokenTree, compile_tree
 
@@ -105,7 +104,6 @@ def cached_soft_labels(runtime, examples: Sequence[Example], cache_file: Path, t
     """``target_soft_labels``, kept in a safetensors file that is reused while the examples are the same."""
     import hashlib
 
-    import torch
     from safetensors.torch import load_file, save_file
 
     digest = hashlib.sha256(repr([(e.prompt_ids, e.response_ids) for e in examples]).encode()).hexdigest()

@@ -10,7 +10,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Sequence
 
-import torch
 
 from specmesh.assembly import Assembly, load_expert_for
 from specmesh.distill.data import Example, cached_soft_labels, generate_examples
@@ -19,6 +18,7 @@ from specmesh.distill.train import TrainConfig, build_student, train_student
 from specmesh.drafters.expert import ExpertDrafter, ExpertSpec, drafter_dtype, save_expert, subset_for
 from specmesh.models.llama import TreeBatch
 from specmesh.models.loading import cache_root, tokenizer_fingerprint
+from specmesh.models.runtime import prefilled_session
 from specmesh.prompts import Prompt, mtbench_prompts
 from specmesh.tree import TokenTree, compile_tree
 
@@ -29,10 +29,7 @@ MTBENCH_ANSWER_TOKENS = 64
 def target_step_ms(assembly: Assembly, context: Sequence[int], steps: int = 30) -> float:
     """Median milliseconds of one plain decode step of the target (one token, KV cached)."""
     runtime = assembly.runtime
-    session = runtime.new_session()
-    prefix = compile_tree(context[0], TokenTree.chain(context[1:-1]))
-    runtime.forward(TreeBatch.build([session], [prefix]), logits_rows=torch.empty(0, dtype=torch.long))
-    session.keep_rows(list(range(prefix.num_rows)))
+    session = prefilled_session(runtime, context[:-1])
     times = []
     for _ in range(steps):
         started = time.perf_counter()

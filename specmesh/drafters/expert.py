@@ -24,7 +24,7 @@ from torch import nn
 from specmesh.errors import InvalidArgument
 from specmesh.models.kv_cache import KVSession
 from specmesh.models.llama import LlamaRuntime, TreeBatch
-from specmesh.drafters.shape import confident_tree
+from specmesh.drafters.shape import common_prefix, confident_tree
 from specmesh.tree import TokenTree, compile_tree
 
 FORMAT = "specmesh-drafter/1"
@@ -166,12 +166,7 @@ class ExpertDrafter:
 
     def _catch_up(self, state: _Request) -> torch.Tensor:
         """Bring the session to all committed tokens; return the distribution after the last one [subset + 1]."""
-        shared = 0
-        for a, b in zip(state.cached, state.committed):
-            if a != b:
-                break
-            shared += 1
-        shared = min(shared, len(state.committed) - 1)  # the last committed token is always fed
+        shared = min(common_prefix(state.cached, state.committed), len(state.committed) - 1)  # last token always fed
         state.session.rollback(min(shared, state.session.length))
         feed = state.committed[state.session.length :]
         for start in range(0, len(feed), PREFILL_CHUNK):  # chunks bound the attention memory of long prompts

@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 
 from specmesh.errors import InvalidArgument
-from specmesh.drafters.shape import confident_tree
+from specmesh.drafters.shape import common_prefix, confident_tree
 from specmesh.tree import TokenTree
 
 
@@ -60,7 +60,7 @@ class ModelDrafter:
         if state.cache is None:
             state.cache = DynamicCache()
         # keep at least one committed token uncached: its logits start the tree
-        keep = min(_common_prefix(state.cached, state.committed), len(state.committed) - 1)
+        keep = min(common_prefix(state.cached, state.committed), len(state.committed) - 1)
         state.cache.crop(keep - len(state.cached))  # a negative count: how many entries to drop
         state.cached = state.committed[:keep]
         first = self._distribution(state, state.committed[keep:])
@@ -78,11 +78,3 @@ class ModelDrafter:
         state.cached.extend(feed)
         return out.logits[0, -1]
 
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

@@ -60,3 +60,13 @@ def confident_tree(
             break  # no further guess will be made: skip the drafter step
         probs = advance(as_token(best))
     return TokenTree(tuple(tokens), tuple(parents), tuple(confidences))
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two sequences share: what a drafter's cache may keep of its last guesses."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
