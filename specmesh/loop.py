@@ -1,0 +1,223 @@
+"""The speculation loop of one request: draft, fuse, verify, commit — until a stop token or max_tokens.
+
+Written once against two narrow asynchronous interfaces: drafters (``AsyncDrafter``) and a verifier
+client (``VerifierClient``). In-process they are local objects (``LocalDrafter``,
+``BatchingVerifier``); in the cluster they are adapters over gRPC and the Redis pipeline queue. Many
+requests run this loop concurrently; the verifier side groups their jobs into batches.
+
+The loop holds the request's whole token history, so a verifier that lost the request's KV cache
+(evicted, restarted, replaced) only costs a resync: the job is sent again with its history.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable, Protocol, Sequence
+
+from specmesh.drafters.base import Drafter
+from specmesh.fusion import fuse_trees
+from specmesh.sampling import SamplingParams
+from specmesh.tree import TokenTree
+from specmesh.verifier import TreeVerifier, VerifyJob, VerifyResult
+
+MAX_RESYNCS_PER_STEP = 3  # a verifier that keeps asking for history is broken, not slow
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams = SamplingParams()
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+@dataclass
+class SpeculationStats:
+    target_steps: int = 0  # verification passes that committed tokens (prefill included in the first)
+    drafted_nodes: int = 0  # tree nodes sent to verification
+    accepted_tokens: int = 0  # drafted tokens the target kept
+    committed_tokens: int = 0  # accepted + recovered/bonus tokens
+    resyncs: int = 0  # steps sent again with the history (a verifier lost or changed)
+    first_token_s: float = 0.0  # time to the first committed token (includes the prefill)
+    total_s: float = 0.0
+    draft_s: float = 0.0  # time spent waiting for drafters
+    verify_s: float = 0.0  # time spent waiting for verification (queue + target pass)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens committed per target forward (1.0 = plain decoding)."""
+        return self.committed_tokens / self.target_steps if self.target_steps else 0.0
+
+
+@dataclass
+class StepOutput:
+    token_ids: list[int]  # newly committed tokens, in order
+    finish_reason: str | None  # "stop", "length", or None while generating
+
+
+class AsyncDrafter(Protocol):
+    name: str
+
+    async def start(self, request_id: str, prompt_ids: Sequence[int]) -> None: ...
+
+    async def propose(self, request_id: str, budget: int) -> TokenTree: ...
+
+    async def commit(self, request_id: str, new_token_ids: Sequence[int]) -> None: ...
+
+    async def end(self, request_id: str) -> None: ...
+
+
+class VerifierClient(Protocol):
+    async def verify(self, job: VerifyJob) -> VerifyResult: ...
+
+    async def close(self, request_id: str) -> None: ...
+
+
+class LocalDrafter:
+    """An in-process drafter behind the asynchronous interface (runs inline: deterministic, no threads)."""
+
+    def __init__(self, drafter: Drafter) -> None:
+        self.drafter = drafter
+        self.name = drafter.name
+
+    async def start(self, request_id: str, prompt_ids: Sequence[int]) -> None:
+        self.drafter.start(request_id, prompt_ids)
+
+    async def propose(self, request_id: str, budget: int) -> TokenTree:
+        return self.drafter.propose(request_id, budget)
+
+    async def commit(self, request_id: str, new_token_ids: Sequence[int]) -> None:
+        self.drafter.commit(request_id, new_token_ids)
+
+    async def end(self, request_id: str) -> None:
+        self.drafter.end(request_id)
+
+
+class BatchingVerifier:
+    """In-process verifier client: once every expected request has a job in, verify them in one pass.
+
+    ``expect`` names the requests that will send jobs; a request leaves the count when it closes. This
+    reproduces lock-step batched decoding: each target pass carries one tree of every live request.
+    """
+
+    def __init__(self, verifier: TreeVerifier) -> None:
+        self.verifier = verifier
+        self._expected: set[str] = set()
+        self._pending: list[tuple[VerifyJob, asyncio.Future]] = []
+
+    def expect(self, request_ids: Sequence[str]) -> None:
+        self._expected.update(request_ids)
+
+    async def verify(self, job: VerifyJob) -> VerifyResult:
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append((job, future))
+        self._flush_if_complete()
+        return await future
+
+    async def close(self, request_id: str) -> None:
+        self._expected.discard(request_id)
+        self.verifier.close(request_id)
+        self._flush_if_complete()
+
+    def _flush_if_complete(self) -> None:
+        if not self._pending or len(self._pending) < len(self._expected):
+            return
+        batch, self._pending = self._pending, []
+        try:
+            results = self.verifier.verify([job for job, _ in batch])
+        except Exception as exc:  # every waiter hears of it, none hangs
+            for _, future in batch:
+                future.set_exception(exc)
+            return
+        for (_, future), result in zip(batch, results):
+            future.set_result(result)
+
+
+async def speculate(
+    request: Request,
+    drafters: Sequence[AsyncDrafter],
+    verifier: VerifierClient,
+    budget: Callable[[Request, int], int] | int,
+    eos_token_ids: frozenset[int] = frozenset(),
+    stats: SpeculationStats | None = None,
+) -> AsyncIterator[StepOutput]:
+    """Run one request to completion, yielding the tokens each step commits.
+
+    ``budget`` is the tree budget (an int, or a function of the request and its output length: the
+    speculation controller). Closing the iterator early (cancellation, a client that went away) still
+    frees every drafter session and the verifier's KV cache.
+    """
+    stats = stats if stats is not None else SpeculationStats()
+    started = time.perf_counter()
+    context = list(request.prompt_ids)  # every committed token; the last one is the next tree's root
+    produced = 0
+    rid = request.request_id
+    try:
+        await asyncio.gather(*(d.start(rid, request.prompt_ids) for d in drafters))
+        step = 0
+        send_history = True  # the first job always prefills
+        while True:
+            room = request.params.max_tokens - produced
+            tree_budget = budget(request, produced) if callable(budget) else budget
+            drafted_at = time.perf_counter()
+            tree = await _draft(drafters, rid, tree_budget, max_depth=room - 1)
+            stats.draft_s += time.perf_counter() - drafted_at
+            verified_at = time.perf_counter()
+            result = await _verify(verifier, request, step, context, tree, send_history, stats)
+            stats.verify_s += time.perf_counter() - verified_at
+            send_history = False
+            verdict = result.verdict
+            new = list(verdict.tokens)
+            finish_reason = None
+            stop_at = next((i for i, t in enumerate(new) if t in eos_token_ids), None)
+            if stop_at is not None and stop_at < room:
+                new, finish_reason = new[: stop_at + 1], "stop"
+            elif len(new) >= room:
+                new, finish_reason = new[:room], "length"
+            stats.target_steps += 1
+            stats.drafted_nodes += len(tree)
+            stats.accepted_tokens += min(verdict.num_accepted, len(new))
+            stats.committed_tokens += len(new)
+            if not produced:
+                stats.first_token_s = time.perf_counter() - started
+            produced += len(new)
+            context.extend(new)
+            step += 1
+            await asyncio.gather(*(d.commit(rid, new) for d in drafters))  # also the last: history drafters keep answers
+            yield StepOutput(new, finish_reason)
+            if finish_reason is not None:
+                return
+    finally:
+        stats.total_s = time.perf_counter() - started
+        await asyncio.shield(_release(drafters, verifier, rid))
+
+
+async def _draft(drafters: Sequence[AsyncDrafter], request_id: str, budget: int, max_depth: int) -> TokenTree:
+    # a step commits at most depth + 1 tokens: deeper guesses than the answer has room for are waste
+    if budget <= 0 or max_depth <= 0 or not drafters:
+        return TokenTree()
+    trees = await asyncio.gather(*(d.propose(request_id, budget) for d in drafters))
+    return fuse_trees(trees, budget).within_depth(max_depth)
+
+
+async def _verify(
+    verifier: VerifierClient, request: Request, step: int, context: list[int], tree: TokenTree,
+    send_history: bool, stats: SpeculationStats,
+) -> VerifyResult:
+    for attempt in range(MAX_RESYNCS_PER_STEP + 1):
+        with_history = send_history or attempt > 0
+        job = VerifyJob(
+            request.request_id, step, position=len(context) - 1, root=context[-1], tree=tree,
+            params=request.params, history=tuple(context[:-1]) if with_history else None,
+        )
+        result = await verifier.verify(job)
+        if not result.resync:
+            return result
+        stats.resyncs += 1
+    raise RuntimeError(f"request {request.request_id}: the verifier asked for a resync {MAX_RESYNCS_PER_STEP + 1} times in one step")
+
+
+async def _release(drafters: Sequence[AsyncDrafter], verifier: VerifierClient, request_id: str) -> None:
+    await asyncio.gather(*(d.end(request_id) for d in drafters), verifier.close(request_id), return_exceptions=True)

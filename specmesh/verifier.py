@@ -1,0 +1,203 @@
+"""The verifier: the target model's side of a speculation step, for a batch of requests at once.
+
+A verifier holds one KV session per request it has seen. Each job names the request, the number of
+committed tokens before the tree's root (``position``), the root and the drafted tree. When the
+verifier's session does not hold exactly those ``position`` tokens — it never saw the request, it
+evicted it, it restarted, or another verifier took the request over — it needs the committed tokens
+themselves: a job may carry them (``history``), and one that does not gets a *resync* answer, after
+which the sender sends them. So a verifier holds nothing the router cannot rebuild, and any verifier
+can take over any request at the cost of one prefill.
+
+Sampling randomness is derived per step from the request's seed and position, so a seeded request
+gives the same tokens whichever verifier happens to verify each of its steps.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from specmesh.acceptance import Verdict, verify_greedy, verify_mss
+from specmesh.errors import InvalidArgument
+from specmesh.models.llama import TreeBatch
+from specmesh.models.runtime import TargetRuntime
+from specmesh.sampling import SamplingParams, target_probabilities
+from specmesh.tree import CompiledTree, TokenTree, compile_tree
+
+PREFILL_CHUNK = 512  # prompt tokens per prefill pass: bounds the attention scores' memory
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class VerifyJob:
+    request_id: str
+    step: int  # the request's step number: (request_id, step) names the job, results are idempotent
+    position: int  # committed tokens before the root: what the session must hold
+    root: int  # the last committed token, not yet cached
+    tree: TokenTree
+    params: SamplingParams
+    history: tuple[int, ...] | None = None  # the ``position`` committed tokens, when a resync may be needed
+
+    @property
+    def job_id(self) -> str:
+        return f"{self.request_id}:{self.step}"
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    request_id: str
+    step: int
+    verdict: Verdict | None  # None: resync — send the job again with its history
+    prefilled_tokens: int = 0  # tokens this job had to prefill (0 when the session was reused)
+
+    @property
+    def resync(self) -> bool:
+        return self.verdict is None
+
+
+@dataclass
+class VerifierStats:
+    batches: int = 0
+    jobs: int = 0
+    tree_nodes: int = 0
+    prefill_tokens: int = 0
+    resyncs: int = 0
+    busy_s: float = 0.0  # time spent in the target's forward passes and acceptance
+    started: float = field(default_factory=time.monotonic)
+
+    def idle_fraction(self, now: float | None = None) -> float:
+        wall = (now or time.monotonic()) - self.started
+        return max(0.0, 1.0 - self.busy_s / wall) if wall > 0 else 0.0
+
+
+def step_generator(params: SamplingParams, position: int, device: torch.device, fallback: torch.Generator) -> torch.Generator:
+    """The random stream of one sampled step: from (seed, position) when seeded, else the verifier's own."""
+    if params.seed is None:
+        return fallback
+    x = (params.seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 1) & _MASK64  # splitmix64 finaliser
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    generator = torch.Generator(device=device)
+    generator.manual_seed((x ^ (x >> 31)) & ((1 << 63) - 1))
+    return generator
+
+
+class TreeVerifier:
+    """Verifies batches of jobs with one target forward per batch; keeps at most ``max_sessions`` sessions."""
+
+    def __init__(self, runtime: TargetRuntime, max_sessions: int = 256, max_tree_nodes: int = 64) -> None:
+        if max_sessions < 1:
+            raise InvalidArgument("max_sessions", f"must be >= 1, got {max_sessions}")
+        self.runtime = runtime
+        self.max_sessions = max_sessions
+        self.max_tree_nodes = max_tree_nodes
+        self._sessions: OrderedDict[str, object] = OrderedDict()  # least recently used first
+        self._random = torch.Generator(device=runtime.device)
+        self._random.manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+        self.stats = VerifierStats()
+
+    @property
+    def num_sessions(self) -> int:
+        return len(self._sessions)
+
+    def check(self, job: VerifyJob) -> None:
+        """Refuse a job that no model could verify (the router validates requests before this)."""
+        vocab = self.runtime.vocab_size
+        if len(job.tree) > self.max_tree_nodes:
+            raise InvalidArgument("tree", f"has {len(job.tree)} nodes; this verifier takes at most {self.max_tree_nodes}")
+        tokens = (job.root, *job.tree.tokens, *(job.history or ()))
+        if any(not 0 <= t < vocab for t in tokens):
+            raise InvalidArgument("tree", f"holds token ids outside the vocabulary (0..{vocab - 1})")
+        if job.history is not None and len(job.history) != job.position:
+            raise InvalidArgument("history", f"has {len(job.history)} tokens but position is {job.position}")
+        if job.position + 1 + len(job.tree) > self.runtime.max_length:
+            raise InvalidArgument("position", f"{job.position} + tree exceeds the model's context of {self.runtime.max_length}")
+
+    def verify(self, jobs: Sequence[VerifyJob]) -> list[VerifyResult]:
+        """One verification pass for every job whose session is (or can be made) current."""
+        if len({j.request_id for j in jobs}) != len(jobs):
+            raise InvalidArgument("jobs", "two jobs of one batch belong to the same request")
+        for job in jobs:
+            self.check(job)
+        started = time.perf_counter()
+        results: dict[int, VerifyResult] = {}
+        ready: list[int] = []
+        prefills: list[int] = []
+        for i, job in enumerate(jobs):
+            session = self._sessions.get(job.request_id)
+            if session is not None and session.length == job.position:
+                self._sessions.move_to_end(job.request_id)
+                ready.append(i)
+            elif job.history is not None:
+                self.close(job.request_id)
+                self._open(job.request_id)
+                prefills.append(i)
+                ready.append(i)
+            else:
+                self.stats.resyncs += 1
+                results[i] = VerifyResult(job.request_id, job.step, None)
+        self._prefill([jobs[i] for i in prefills])
+        if ready:
+            verdicts = self._verify_trees([jobs[i] for i in ready])
+            for i, verdict in zip(ready, verdicts):
+                prefilled = jobs[i].position if i in prefills else 0
+                results[i] = VerifyResult(jobs[i].request_id, jobs[i].step, verdict, prefilled)
+        self.stats.batches += 1
+        self.stats.jobs += len(jobs)
+        self.stats.busy_s += time.perf_counter() - started
+        return [results[i] for i in range(len(jobs))]
+
+    def close(self, request_id: str) -> None:
+        session = self._sessions.pop(request_id, None)
+        if session is not None:
+            session.free()
+
+    def close_all(self) -> None:
+        for request_id in list(self._sessions):
+            self.close(request_id)
+
+    def _open(self, request_id: str) -> None:
+        while len(self._sessions) >= self.max_sessions:  # the least recently used request pays a resync
+            self.close(next(iter(self._sessions)))
+        self._sessions[request_id] = self.runtime.new_session()
+
+    def _prefill(self, jobs: Sequence[VerifyJob]) -> None:
+        """Cache each job's history, in chunks so attention memory stays bounded."""
+        self.stats.prefill_tokens += sum(j.position for j in jobs)
+        while True:
+            pending = [j for j in jobs if self._sessions[j.request_id].length < j.position]
+            if not pending:
+                return
+            sessions, trees = [], []
+            for job in pending:
+                session = self._sessions[job.request_id]
+                chunk = job.history[session.length : job.position][:PREFILL_CHUNK]
+                sessions.append(session)
+                trees.append(compile_tree(chunk[0], TokenTree.chain(chunk[1:])))
+            self.runtime.forward(TreeBatch.build(sessions, trees), logits_rows=torch.empty(0, dtype=torch.long))
+            for session, tree in zip(sessions, trees):
+                session.keep_rows(list(range(tree.num_rows)))
+
+    def _verify_trees(self, jobs: Sequence[VerifyJob]) -> list[Verdict]:
+        sessions = [self._sessions[j.request_id] for j in jobs]
+        trees: list[CompiledTree] = [compile_tree(j.root, j.tree) for j in jobs]
+        logits = self.runtime.forward(TreeBatch.build(sessions, trees))  # [total_rows, vocab]
+        verdicts = []
+        offset = 0
+        for job, session, tree in zip(jobs, sessions, trees):
+            rows = logits[offset : offset + tree.num_rows]
+            offset += tree.num_rows
+            if job.params.greedy:
+                verdict = verify_greedy(tree, rows)
+            else:
+                generator = step_generator(job.params, job.position, self.runtime.device, self._random)
+                verdict = verify_mss(tree, target_probabilities(rows, job.params), generator)
+            session.keep_rows([0] + [node + 1 for node in verdict.accepted_nodes])
+            self.stats.tree_nodes += len(job.tree)
+            verdicts.append(verdict)
+        return verdicts
