@@ -16,7 +16,7 @@ from specmesh.drafters.ngram import HistoryDrafter, NgramDrafter
 from specmesh.engine import SpeculativeEngine
 from specmesh.errors import InvalidArgument
 from specmesh.models.runtime import TargetRuntime, make_runtime
-from specmesh.models.loading import LoadedModel, load_hf_model, tokenizer_fingerprint
+from specmesh.models.loading import LoadedModel, TargetParts, load_hf_model, parts_of, tokenizer_fingerprint
 
 MODEL_FREE_DRAFTERS = {"ngram": NgramDrafter, "history": HistoryDrafter}
 SHIPPED_EXPERTS = Path(__file__).parent / "experts"  # experts/<target>/<domain>/: made by `specmesh distill`
@@ -30,9 +30,10 @@ def shipped_experts(target_name: str) -> dict[str, Path]:
     return {d.name: d for d in sorted(folder.iterdir()) if (d / "drafter.json").is_file()}
 
 
-def load_expert_for(directory: str | Path, target: LoadedModel) -> tuple[ExpertModel, ExpertSpec]:
+def load_expert_for(directory: str | Path, target: LoadedModel | TargetParts) -> tuple[ExpertModel, ExpertSpec]:
     """An expert drafter's model, refusing one trained for another tokenizer."""
-    embedding = target.model.get_input_embeddings().weight.detach()
+    target = parts_of(target) if isinstance(target, LoadedModel) else target
+    embedding = target.input_embeddings()
     model, spec = load_expert(directory, embedding, dtype=drafter_dtype(embedding.device))
     if spec.target.get("tokenizer_hash") != tokenizer_fingerprint(target.tokenizer):
         raise InvalidArgument("drafter", f"{directory} was trained for another vocabulary than {target.name!r}'s")
@@ -64,15 +65,13 @@ def configure_threads(threads: int | None) -> int:
 
 
 def eos_token_ids(model: LoadedModel) -> list[int]:
-    ids = model.model.generation_config.eos_token_id if model.model.generation_config else None
-    if ids is None:
-        ids = model.tokenizer.eos_token_id
-    return [ids] if isinstance(ids, int) else list(ids or [])
+    return list(parts_of(model).eos_token_ids)
 
 
-def load_drafter(spec: str, target: LoadedModel, device: str | None, dtype: str | None) -> Drafter:
+def load_drafter(spec: str, target: LoadedModel | TargetParts, device: str | None, dtype: str | None) -> Drafter:
     """A model-free drafter (``ngram``, ``history``), a shipped expert's domain (``code``), a drafter
     directory made by ``specmesh distill``, or a small LM sharing the target's tokenizer."""
+    target = parts_of(target) if isinstance(target, LoadedModel) else target
     if spec in MODEL_FREE_DRAFTERS:
         return MODEL_FREE_DRAFTERS[spec]()
     directory = shipped_experts(target.name).get(spec)
@@ -87,7 +86,7 @@ def load_drafter(spec: str, target: LoadedModel, device: str | None, dtype: str 
         raise InvalidArgument("drafter", f"{exc} (drafters: {', '.join([*MODEL_FREE_DRAFTERS, *shipped_experts(target.name)])}, a drafter directory or a model)") from None
     if tokenizer_fingerprint(loaded.tokenizer) != tokenizer_fingerprint(target.tokenizer):
         raise InvalidArgument("drafter", f"{spec!r} has a different vocabulary from the target {target.name!r}")
-    return ModelDrafter(loaded.model, vocab_size=target.model.config.vocab_size, name=spec)
+    return ModelDrafter(loaded.model, vocab_size=target.vocab_size, name=spec)
 
 
 def assemble(

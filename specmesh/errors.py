@@ -17,3 +17,14 @@ class InvalidArgument(SpecmeshError, ValueError):
 
 class ResourceExhausted(SpecmeshError):
     """A limit (concurrent requests, cache capacity, queue length) is reached; retry later."""
+
+
+class Unavailable(SpecmeshError):
+    """A dependency (Redis, every verifier, a drafter) cannot be reached in time; retry later."""
+
+
+class NotFound(SpecmeshError, KeyError):
+    """A named thing (a drafter session, a request) is not known here."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""

@@ -10,6 +10,7 @@ import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -155,3 +156,74 @@ def tokenizer_fingerprint(tokenizer) -> str:
     """A short hash of the vocabulary: drafters and targets must agree on it."""
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
     return hashlib.sha256(repr(vocab).encode()).hexdigest()[:16]
+
+
+@dataclass
+class TargetParts:
+    """What a drafter needs of its target without loading the target: the tokenizer, the vocabulary
+    size and (lazily) the input embeddings, which expert drafters start from."""
+
+    name: str
+    tokenizer: object
+    vocab_size: int
+    max_length: int  # context window in tokens
+    eos_token_ids: tuple[int, ...]
+    input_embeddings: Callable[[], torch.Tensor]  # [vocab, hidden], read on first use
+
+
+def _eos_ids(generation_config, tokenizer) -> tuple[int, ...]:
+    ids = generation_config.eos_token_id if generation_config is not None else None
+    if ids is None:
+        ids = tokenizer.eos_token_id
+    return (ids,) if isinstance(ids, int) else tuple(ids or ())
+
+
+def parts_of(loaded: LoadedModel) -> TargetParts:
+    config = loaded.model.config
+    return TargetParts(
+        loaded.name, loaded.tokenizer, config.vocab_size, int(getattr(config, "max_position_embeddings", 2048)),
+        _eos_ids(loaded.model.generation_config, loaded.tokenizer),
+        lambda: loaded.model.get_input_embeddings().weight.detach(),
+    )
+
+
+def load_target_parts(model: str) -> TargetParts:
+    """The tokenizer and config of a target, and its embedding tensor read alone from the safetensors
+    files (a drafter node for a 70B target does not hold the 70B weights)."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    source, _ = resolve_model_dir(model)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        config = AutoConfig.from_pretrained(source)
+    except OSError as exc:
+        raise InvalidArgument("target", f"cannot load {model!r}: {str(exc).splitlines()[0]}") from None
+    try:
+        generation_config = GenerationConfig.from_pretrained(source)
+    except OSError:
+        generation_config = None
+    directory = Path(source)
+
+    def embeddings() -> torch.Tensor:
+        from safetensors import safe_open
+
+        if not directory.is_dir():  # a hub id: only the whole model is at hand
+            return load_hf_model(model).model.get_input_embeddings().weight.detach()
+        wanted = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight")
+        tied = getattr(config, "tie_word_embeddings", False)
+        fallback = None
+        for file in sorted(directory.glob("*.safetensors")):
+            with safe_open(str(file), "pt") as weights:
+                for key in weights.keys():
+                    if key.endswith(wanted):
+                        return weights.get_tensor(key).float()
+                    if tied and key == "lm_head.weight":
+                        fallback = weights.get_tensor(key).float()
+        if fallback is None:
+            raise InvalidArgument("target", f"no input embeddings found in {directory}")
+        return fallback
+
+    return TargetParts(
+        model, tokenizer, config.vocab_size, int(getattr(config, "max_position_embeddings", 2048)),
+        _eos_ids(generation_config, tokenizer), embeddings,
+    )

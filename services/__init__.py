@@ -1,0 +1,1 @@
+"""specmesh's gRPC services: thin servicers over the core, one process each."""

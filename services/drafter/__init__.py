@@ -1,0 +1,1 @@
+"""The drafter service (see README.md)."""

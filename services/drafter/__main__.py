@@ -1,0 +1,5 @@
+import sys
+
+from specmesh.services.drafter.server import main
+
+sys.exit(main())

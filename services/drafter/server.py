@@ -1,0 +1,170 @@
+"""The drafter service: one drafter (an expert, a model-free lookup, a small LM) behind per-request
+sessions. Drafting runs on one worker thread, off the event loop, since drafters are not thread-safe
+and their model passes should not stall the server."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
+
+from specmesh.assembly import configure_threads, load_drafter
+from specmesh.drafters.base import Drafter
+from specmesh.engine import MAX_TREE_NODES
+from specmesh.errors import InvalidArgument, NotFound
+from specmesh.models.loading import EMBEDDED_DEFAULT, load_target_parts, tokenizer_fingerprint
+from specmesh.serving import Service, configure_logging, env_default, start_server
+from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
+from specmesh.wire import tree_to_pb
+
+log = logging.getLogger("specmesh.drafter")
+MAX_PROMPT_TOKENS = 1 << 20
+
+
+class DrafterSessions:
+    """The drafter's sessions, bounded: past ``max_sessions`` the least recently used is ended (its
+    router re-opens it on NOT_FOUND)."""
+
+    def __init__(self, drafter: Drafter, vocab_size: int, max_sessions: int) -> None:
+        self.drafter = drafter
+        self.vocab_size = vocab_size
+        self.max_sessions = max_sessions
+        self._sessions: OrderedDict[str, float] = OrderedDict()  # request -> last use
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def _check_tokens(self, field: str, tokens: Sequence[int]) -> None:
+        if len(tokens) > MAX_PROMPT_TOKENS:
+            raise InvalidArgument(field, f"has {len(tokens)} tokens; at most {MAX_PROMPT_TOKENS}")
+        bad = [t for t in tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidArgument(field, f"token ids {bad[:5]} are outside the vocabulary (0..{self.vocab_size - 1})")
+
+    def open(self, request_id: str, prompt_ids: Sequence[int]) -> None:
+        if not request_id:
+            raise InvalidArgument("request_id", "is empty")
+        if not prompt_ids:
+            raise InvalidArgument("prompt_ids", "is empty; a session starts from at least one token")
+        self._check_tokens("prompt_ids", prompt_ids)
+        if request_id in self._sessions:
+            self.drafter.end(request_id)
+            del self._sessions[request_id]
+        while len(self._sessions) >= self.max_sessions:
+            oldest, _ = self._sessions.popitem(last=False)
+            self.drafter.end(oldest)
+        self.drafter.start(request_id, list(prompt_ids))
+        self._sessions[request_id] = time.monotonic()
+
+    def propose(self, request_id: str, committed: Sequence[int], budget: int):
+        if not 0 <= budget <= MAX_TREE_NODES:
+            raise InvalidArgument("budget", f"must be in 0..{MAX_TREE_NODES}, got {budget}")
+        if request_id not in self._sessions:
+            raise NotFound(f"no drafting session for request {request_id!r}; open one first")
+        self._check_tokens("committed", committed)
+        self._sessions.move_to_end(request_id)
+        self._sessions[request_id] = time.monotonic()
+        if committed:
+            self.drafter.commit(request_id, list(committed))
+        return self.drafter.propose(request_id, budget)
+
+    def close(self, request_id: str, committed: Sequence[int]) -> None:
+        if request_id not in self._sessions:
+            return
+        del self._sessions[request_id]
+        try:
+            self._check_tokens("committed", committed)
+            if committed:
+                self.drafter.commit(request_id, list(committed))
+        finally:
+            self.drafter.end(request_id)
+
+
+class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
+    def __init__(self, sessions: DrafterSessions, info: drafter_pb2.DrafterInfo) -> None:
+        self.sessions = sessions
+        self.info = info
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft")
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+
+    async def OpenSession(self, request, context):
+        await self._run(self.sessions.open, request.request_id, tuple(request.prompt_ids))
+        return drafter_pb2.OpenSessionResponse()
+
+    async def Propose(self, request, context):
+        started = time.perf_counter()
+        tree = await self._run(self.sessions.propose, request.request_id, tuple(request.committed), request.budget)
+        return drafter_pb2.ProposeResponse(tree=tree_to_pb(tree), draft_ms=(time.perf_counter() - started) * 1e3)
+
+    async def CloseSession(self, request, context):
+        await self._run(self.sessions.close, request.request_id, tuple(request.committed))
+        return drafter_pb2.CloseSessionResponse()
+
+    async def Info(self, request, context):
+        info = drafter_pb2.DrafterInfo()
+        info.CopyFrom(self.info)
+        info.active_sessions = len(self.sessions)
+        return info
+
+
+def drafter_kind(drafter: Drafter) -> str:
+    from specmesh.drafters.expert import ExpertDrafter
+    from specmesh.drafters.ngram import HistoryDrafter, NgramDrafter
+
+    kinds = {ExpertDrafter: "expert", NgramDrafter: "ngram", HistoryDrafter: "history"}
+    return next((kind for cls, kind in kinds.items() if isinstance(drafter, cls)), "model")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specmesh-drafter", description="Serve one drafter over gRPC.")
+    parser.add_argument("--drafter", default=env_default("drafter", "ngram"),
+                        help="ngram, history, a shipped expert's domain (code, math, writing), a drafter directory "
+                             "or a small HF model sharing the target's tokenizer [SPECMESH_DRAFTER]")
+    parser.add_argument("--target", default=env_default("target", EMBEDDED_DEFAULT),
+                        help="the target model drafted for (its tokenizer and embeddings are read) [SPECMESH_TARGET]")
+    parser.add_argument("--domains", default=env_default("domains"),
+                        help="comma-separated domains this drafter is good at (default: the expert's own, else general)")
+    parser.add_argument("--listen", default=env_default("listen", "127.0.0.1:50061"), help="host:port [SPECMESH_LISTEN]")
+    parser.add_argument("--threads", type=int, default=int(env_default("threads", "1")), help="torch threads")
+    parser.add_argument("--max-sessions", type=int, default=int(env_default("max_sessions", "1024")))
+    parser.add_argument("--device", default=env_default("device"))
+    parser.add_argument("--dtype", default=env_default("dtype"))
+    parser.add_argument("--log-level", default=env_default("log_level", "INFO"))
+    return parser
+
+
+async def serve(args: argparse.Namespace) -> None:
+    configure_threads(args.threads)
+    target = load_target_parts(args.target)
+    drafter = load_drafter(args.drafter, target, args.device, args.dtype)
+    domains = [d for d in (args.domains or getattr(drafter, "domain", "") or "general").split(",") if d]
+    info = drafter_pb2.DrafterInfo(
+        name=drafter.name, kind=drafter_kind(drafter), domains=domains, target=target.name,
+        tokenizer_hash=tokenizer_fingerprint(target.tokenizer), max_sessions=args.max_sessions,
+    )
+    servicer = DrafterServicer(DrafterSessions(drafter, target.vocab_size, args.max_sessions), info)
+    server = await start_server(
+        [Service(drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name,
+                 lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s))],
+        args.listen,
+    )
+    log.info("drafter %s (%s, domains %s) serving on port %d", drafter.name, info.kind, ",".join(domains), server.port)
+    print(f"specmesh-drafter ready on port {server.port}", flush=True)
+    await server.wait()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_level)
+    try:
+        asyncio.run(serve(args))
+    except InvalidArgument as exc:
+        print(f"specmesh-drafter: error: {exc}", flush=True)
+        return 2
+    return 0

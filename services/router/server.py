@@ -1,0 +1,173 @@
+"""The router service: the client API over the speculation loop, with remote drafters and the
+Redis-backed verifier pool. The servicer only converts messages; ``specmesh.router`` does the work."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import uuid
+from typing import Sequence
+
+import redis.asyncio as aioredis
+
+from specmesh import __version__
+from specmesh.assembly import configure_threads
+from specmesh.errors import InvalidArgument
+from specmesh.models.loading import EMBEDDED_DEFAULT, load_target_parts, tokenizer_fingerprint
+from specmesh.queue import QueueKeys, QueueVerifierClient
+from specmesh.remote import RemoteDrafter
+from specmesh.router import Generation, ModelCard, Router, RouterLimits, TextStream
+from specmesh.serving import Service, configure_logging, env_default, start_server
+from specmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
+from specmesh.wire import sampling_from_pb
+
+log = logging.getLogger("specmesh.router")
+
+
+def _usage(generation: Generation) -> router_pb2.Usage:
+    return router_pb2.Usage(prompt_tokens=generation.prompt_tokens, completion_tokens=len(generation.token_ids))
+
+
+def _stats(generation: Generation) -> router_pb2.SpeculationStats:
+    s = generation.stats
+    return router_pb2.SpeculationStats(
+        target_steps=s.target_steps, drafted_nodes=s.drafted_nodes, accepted_tokens=s.accepted_tokens,
+        mean_accepted_length=s.mean_accepted_length, resyncs=s.resyncs, first_token_ms=s.first_token_s * 1e3,
+        total_ms=s.total_s * 1e3, drafters=generation.drafters,
+    )
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    def __init__(self, router: Router, verifier_client: QueueVerifierClient) -> None:
+        self.router = router
+        self.verifier_client = verifier_client
+
+    def _prompt_ids(self, message) -> list[int]:
+        kind = message.WhichOneof("input")
+        if kind == "prompt":
+            return self.router.encode_text(message.prompt)
+        if kind == "chat":
+            return self.router.encode_chat([(m.role, m.content) for m in message.chat.messages])
+        if kind == "prompt_ids":
+            return list(message.prompt_ids.ids)
+        raise InvalidArgument("input", "give one of prompt, chat or prompt_ids")
+
+    def _request(self, message: router_pb2.GenerateRequest):
+        sampling = common_pb2.SamplingParams()
+        sampling.CopyFrom(message.sampling)
+        if sampling.max_tokens == 0:
+            sampling.max_tokens = self.router.limits.default_max_tokens
+        budget = message.max_tree_nodes if message.HasField("max_tree_nodes") else None
+        return self.router.make_request(self._prompt_ids(message), sampling_from_pb(sampling), message.request_id, budget)
+
+    async def Generate(self, request, context):
+        spec_request, budget = self._request(request)
+        generation = None
+        async for generation, _ in self.router.generate(spec_request, budget):
+            pass
+        return router_pb2.GenerateResponse(
+            request_id=spec_request.request_id, text=self.router.decode(generation.token_ids),
+            token_ids=generation.token_ids, finish_reason=generation.finish_reason or "length",
+            usage=_usage(generation), stats=_stats(generation),
+        )
+
+    async def GenerateStream(self, request, context):
+        spec_request, budget = self._request(request)
+        text = TextStream(self.router)
+        async for generation, step in self.router.generate(spec_request, budget):
+            final = step.finish_reason is not None
+            chunk = router_pb2.GenerateChunk(
+                request_id=spec_request.request_id, token_ids=step.token_ids, text=text.push(step.token_ids, final),
+                finish_reason=step.finish_reason or "",
+            )
+            if final:
+                chunk.usage.CopyFrom(_usage(generation))
+                chunk.stats.CopyFrom(_stats(generation))
+            yield chunk
+
+    async def CountTokens(self, request, context):
+        ids = self._prompt_ids(request)
+        return router_pb2.CountTokensResponse(count=len(ids), token_ids=ids)
+
+    def _card(self) -> router_pb2.ModelCard:
+        card = self.router.card
+        return router_pb2.ModelCard(id=card.name, tokenizer_hash=card.tokenizer_hash, max_length=card.max_length,
+                                    vocab_size=card.vocab_size)
+
+    async def ListModels(self, request, context):
+        return router_pb2.ListModelsResponse(models=[self._card()])
+
+    async def Info(self, request, context):
+        limits = self.router.limits
+        return router_pb2.RouterInfo(
+            model=self._card(),
+            drafters=[router_pb2.DrafterStatus(address=d.address, name=d.name, domains=d.domains, healthy=d.healthy)
+                      for d in self.router.drafters],
+            active_requests=self.router.active, max_concurrent_requests=limits.max_concurrent_requests,
+            max_tree_nodes=limits.max_tree_nodes, verifiers=len(self.verifier_client.alive), version=__version__,
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specmesh-router", description="Serve the client API of a specmesh cluster.")
+    parser.add_argument("--model", default=env_default("model", EMBEDDED_DEFAULT),
+                        help="the target (its tokenizer and config are read; no weights) [SPECMESH_MODEL]")
+    parser.add_argument("--redis-url", default=env_default("redis_url", "redis://127.0.0.1:6379/0"), help="[SPECMESH_REDIS_URL]")
+    parser.add_argument("--pool", default=env_default("pool", "default"), help="verifier pool [SPECMESH_POOL]")
+    parser.add_argument("--drafters", default=env_default("drafters", ""),
+                        help="comma-separated drafter addresses host:port [SPECMESH_DRAFTERS]")
+    parser.add_argument("--listen", default=env_default("listen", "127.0.0.1:50051"), help="host:port [SPECMESH_LISTEN]")
+    parser.add_argument("--max-concurrent", type=int, default=int(env_default("max_concurrent", "64")))
+    parser.add_argument("--max-queue-backlog", type=int, default=int(env_default("max_queue_backlog", "256")))
+    parser.add_argument("--max-tree-nodes", type=int, default=int(env_default("max_tree_nodes", "8")))
+    parser.add_argument("--default-max-tokens", type=int, default=int(env_default("default_max_tokens", "256")))
+    parser.add_argument("--job-timeout", type=float, default=float(env_default("job_timeout", "30")),
+                        help="seconds a verification step may take before the request fails UNAVAILABLE")
+    parser.add_argument("--drafter-timeout", type=float, default=float(env_default("drafter_timeout", "2")),
+                        help="deadline of each drafter call, seconds")
+    parser.add_argument("--log-level", default=env_default("log_level", "INFO"))
+    return parser
+
+
+async def serve(args: argparse.Namespace) -> None:
+    configure_threads(1)
+    target = load_target_parts(args.model)
+    card = ModelCard(
+        target.name, target.vocab_size, target.max_length, tokenizer_fingerprint(target.tokenizer),
+        frozenset(target.eos_token_ids),
+    )
+    redis = aioredis.Redis.from_url(args.redis_url, socket_timeout=5, socket_connect_timeout=2)
+    verifier = QueueVerifierClient(redis, QueueKeys(args.pool), f"router-{os.getpid()}-{uuid.uuid4().hex[:6]}",
+                                   job_timeout_s=args.job_timeout)
+    await verifier.start()
+    drafters = [RemoteDrafter(a.strip(), timeout_s=args.drafter_timeout) for a in args.drafters.split(",") if a.strip()]
+    for drafter in drafters:
+        if not await drafter.connect(card.tokenizer_hash):
+            log.warning("drafter %s is not reachable yet; it will be retried", drafter.address)
+    limits = RouterLimits(args.max_concurrent, args.max_queue_backlog, args.default_max_tokens, args.max_tree_nodes)
+    router = Router(target.tokenizer, card, drafters, verifier, limits)
+    servicer = RouterServicer(router, verifier)
+    server = await start_server(
+        [Service(router_pb2.DESCRIPTOR.services_by_name["Router"].full_name,
+                 lambda s: router_pb2_grpc.add_RouterServicer_to_server(servicer, s))],
+        args.listen,
+    )
+    log.info("router on port %d: %d drafters, pool %s", server.port, len(drafters), args.pool)
+    print(f"specmesh-router ready on port {server.port}", flush=True)
+    await server.wait(grace_s=30)
+    await verifier.stop()
+    await asyncio.gather(*(d.close() for d in drafters))
+    await redis.aclose()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_level)
+    try:
+        asyncio.run(serve(args))
+    except InvalidArgument as exc:
+        print(f"specmesh-router: error: {exc}", flush=True)
+        return 2
+    return 0

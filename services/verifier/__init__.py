@@ -1,0 +1,1 @@
+"""The verifier service (see README.md)."""

@@ -1,0 +1,5 @@
+import sys
+
+from specmesh.services.verifier.server import main
+
+sys.exit(main())

@@ -1,0 +1,243 @@
+"""The verifier service: the target model behind the pipeline queue, with a gRPC control API.
+
+The worker takes jobs from its own stream (requests whose KV cache it holds) and from the pool's,
+lets the batch scheduler choose a batch, verifies it in one target pass (on a worker thread, so
+heartbeats and control calls go on), posts each result, and only then acknowledges the jobs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+import time
+import uuid
+from collections import OrderedDict
+from typing import Sequence
+
+import redis.asyncio as aioredis
+
+from specmesh.assembly import configure_threads
+from specmesh.engine import MAX_TREE_NODES
+from specmesh.errors import InvalidArgument
+from specmesh.models.loading import EMBEDDED_DEFAULT, load_hf_model, tokenizer_fingerprint
+from specmesh.models.runtime import make_runtime
+from specmesh.queue import REDIS_DOWN, Entry, QueueKeys, VerifierQueue, encode_error, encode_result
+from specmesh.scheduling import plan_batch
+from specmesh.serving import Service, configure_logging, env_default, start_server
+from specmesh.v1 import verifier_pb2, verifier_pb2_grpc
+from specmesh.verifier import TreeVerifier
+
+log = logging.getLogger("specmesh.verifier")
+RECENT_RESULTS = 4096  # per-request last results kept to answer re-sent jobs without a second pass
+
+
+def job_rows(entry: Entry) -> int:
+    job = entry.queued.job
+    return 1 + len(job.tree) + (len(job.history) if job.history is not None else 0)
+
+
+class VerifierWorker:
+    def __init__(self, verifier: TreeVerifier, queue: VerifierQueue, max_batch_rows: int = 2048,
+                 max_jobs_per_read: int = 64) -> None:
+        self.verifier = verifier
+        self.queue = queue
+        self.max_batch_rows = max_batch_rows
+        self.max_jobs_per_read = max_jobs_per_read
+        self.draining = False
+        self.stopped = asyncio.Event()
+        self.finished = asyncio.Event()
+        self._recent: OrderedDict[str, tuple[int, bytes]] = OrderedDict()  # request -> (step, posted result)
+
+    @property
+    def verifier_id(self) -> str:
+        return self.queue.verifier_id
+
+    async def run(self) -> None:
+        try:
+            await self._loop()
+        finally:
+            self.finished.set()
+
+    async def _loop(self) -> None:
+        backlog: list[Entry] = []
+        next_beat = next_reclaim = 0.0
+        registered = False
+        delay = 0.05
+        while not self.stopped.is_set():
+            try:
+                if not registered:
+                    await self.queue.register()
+                    registered = True
+                now = time.monotonic()
+                if now >= next_beat and not self.draining:
+                    await self.queue.heartbeat()
+                    next_beat = now + self.queue.heartbeat_ttl_s / 3
+                if now >= next_reclaim and not self.draining:
+                    backlog += await self.queue.reclaim()
+                    next_reclaim = now + 1.0
+                backlog += await self.queue.read(self.max_jobs_per_read, 1 if backlog else 100, not self.draining)
+                backlog = await self._serve(backlog)
+                delay = 0.05
+            except REDIS_DOWN as exc:  # keep the KV sessions; routers re-send what was lost
+                if registered:
+                    log.warning("Redis unreachable (%s); retrying", exc)
+                registered = False
+                backlog = []
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    async def _serve(self, backlog: list[Entry]) -> list[Entry]:
+        answered: list[tuple[Entry, bytes | None]] = []
+        runnable: list[Entry] = []
+        now_ms = time.time() * 1000
+        for entry in backlog:
+            if entry.close_request is not None:
+                self.verifier.close(entry.close_request)
+                self._recent.pop(entry.close_request, None)
+                answered.append((entry, None))
+            elif entry.queued is None or 0 < entry.queued.deadline_unix_ms < now_ms:
+                answered.append((entry, None))  # unreadable, or its router has given up on it
+            elif (repeat := self._repeat(entry)) is not False:
+                answered.append((entry, repeat))
+            else:
+                try:
+                    self.verifier.check(entry.queued.job)
+                    runnable.append(entry)
+                except InvalidArgument as exc:
+                    job = entry.queued.job
+                    answered.append((entry, encode_error(job.request_id, job.step, self.verifier_id, str(exc))))
+        batch, rest = plan_batch(runnable, job_rows, lambda e: e.queued.job.request_id, self.max_batch_rows)
+        if batch:
+            answered += await self._verify(batch)
+        if answered:
+            await self.queue.post(answered)
+        return rest
+
+    def _repeat(self, entry: Entry) -> bytes | None | bool:
+        """A job already answered: its result again (a re-send), None (stale), or False (new)."""
+        job = entry.queued.job
+        recent = self._recent.get(job.request_id)
+        if recent is None or job.step > recent[0]:
+            return False
+        return recent[1] if job.step == recent[0] else None
+
+    async def _verify(self, batch: list[Entry]) -> list[tuple[Entry, bytes]]:
+        jobs = [e.queued.job for e in batch]
+        started = time.monotonic()
+        try:
+            results = await asyncio.to_thread(self.verifier.verify, jobs)
+        except Exception as exc:  # a failing pass fails its jobs, not the service
+            log.exception("verification pass failed")
+            return [(e, encode_error(j.request_id, j.step, self.verifier_id, f"verification failed: {exc}"))
+                    for e, j in zip(batch, jobs)]
+        verify_ms = (time.monotonic() - started) * 1e3
+        answered = []
+        for entry, job, result in zip(batch, jobs, results):
+            payload = encode_result(
+                result, self.verifier_id, queue_ms=(started - entry.received) * 1e3, verify_ms=verify_ms,
+                batch_size=len(batch),
+            )
+            if not result.resync:
+                self._recent[job.request_id] = (job.step, payload)
+                self._recent.move_to_end(job.request_id)
+                while len(self._recent) > RECENT_RESULTS:
+                    self._recent.popitem(last=False)
+            answered.append((entry, payload))
+        return answered
+
+    async def drain(self) -> int:
+        """Stop taking pool jobs and heartbeats (routers move requests elsewhere), finish what is held."""
+        self.draining = True
+        try:
+            await self.queue.unregister()
+        except REDIS_DOWN:
+            pass
+        await asyncio.sleep(0.3)  # a read in flight completes and is served
+        self.stopped.set()
+        await self.finished.wait()  # no pass is running when the sessions go
+        released = self.verifier.num_sessions
+        self.verifier.close_all()
+        return released
+
+
+class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
+    def __init__(self, worker: VerifierWorker, info: verifier_pb2.VerifierInfo) -> None:
+        self.worker = worker
+        self.info = info
+
+    async def Info(self, request, context):
+        info = verifier_pb2.VerifierInfo()
+        info.CopyFrom(self.info)
+        stats = self.worker.verifier.stats
+        info.active_sessions = self.worker.verifier.num_sessions
+        info.batches, info.jobs = stats.batches, stats.jobs
+        info.idle_fraction = stats.idle_fraction()
+        info.draining = self.worker.draining
+        return info
+
+    async def Drain(self, request, context):
+        return verifier_pb2.DrainResponse(released_sessions=await self.worker.drain())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specmesh-verifier", description="Serve the target model for verification.")
+    parser.add_argument("--model", default=env_default("model", EMBEDDED_DEFAULT), help="[SPECMESH_MODEL]")
+    parser.add_argument("--redis-url", default=env_default("redis_url", "redis://127.0.0.1:6379/0"), help="[SPECMESH_REDIS_URL]")
+    parser.add_argument("--pool", default=env_default("pool", "default"), help="verifier pool (one stream) [SPECMESH_POOL]")
+    parser.add_argument("--listen", default=env_default("listen", "127.0.0.1:50071"), help="control API host:port")
+    parser.add_argument("--verifier-id", default=env_default("verifier_id"), help="default: host-pid-random")
+    parser.add_argument("--threads", type=int, default=int(env_default("threads", "0")) or None, help="torch threads")
+    parser.add_argument("--max-sessions", type=int, default=int(env_default("max_sessions", "256")))
+    parser.add_argument("--max-batch-rows", type=int, default=int(env_default("max_batch_rows", "2048")))
+    parser.add_argument("--heartbeat-ttl", type=float, default=float(env_default("heartbeat_ttl", "3.0")), help="seconds")
+    parser.add_argument("--device", default=env_default("device"))
+    parser.add_argument("--dtype", default=env_default("dtype"))
+    parser.add_argument("--log-level", default=env_default("log_level", "INFO"))
+    return parser
+
+
+async def serve(args: argparse.Namespace) -> None:
+    configure_threads(args.threads)
+    target = load_hf_model(args.model, dtype=args.dtype, device=args.device)
+    runtime = make_runtime(target.model)
+    verifier = TreeVerifier(runtime, max_sessions=args.max_sessions, max_tree_nodes=MAX_TREE_NODES)
+    verifier_id = args.verifier_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    redis = aioredis.Redis.from_url(args.redis_url, socket_timeout=5, socket_connect_timeout=2)
+    queue = VerifierQueue(redis, QueueKeys(args.pool), verifier_id, heartbeat_ttl_s=args.heartbeat_ttl)
+    worker = VerifierWorker(verifier, queue, max_batch_rows=args.max_batch_rows)
+    info = verifier_pb2.VerifierInfo(
+        verifier_id=verifier_id, pool=args.pool, model=target.name, tokenizer_hash=tokenizer_fingerprint(target.tokenizer),
+        vocab_size=runtime.vocab_size, max_length=runtime.max_length, max_sessions=args.max_sessions,
+        max_batch_tokens=args.max_batch_rows,
+    )
+    servicer = VerifierServicer(worker, info)
+
+    async def drain() -> None:
+        await worker.drain()
+
+    server = await start_server(
+        [Service(verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name,
+                 lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s), drain)],
+        args.listen,
+    )
+    worker_task = asyncio.create_task(worker.run())
+    log.info("verifier %s (%s) on pool %s, control port %d", verifier_id, target.name, args.pool, server.port)
+    print(f"specmesh-verifier {verifier_id} ready on port {server.port}", flush=True)
+    await server.wait()  # SIGTERM: drains (see drain above), then stops
+    worker.stopped.set()
+    await worker_task
+    await redis.aclose()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_level)
+    try:
+        asyncio.run(serve(args))
+    except InvalidArgument as exc:
+        print(f"specmesh-verifier: error: {exc}", flush=True)
+        return 2
+    return 0

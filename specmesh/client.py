@@ -1,0 +1,224 @@
+"""The specmesh client SDK: ``Client`` (blocking) and ``AsyncClient`` (asyncio) for the router's API.
+
+    with Client("127.0.0.1:50051") as client:
+        result = client.generate("Write a haiku about trees.", max_tokens=64)
+        print(result.text, result.stats.mean_accepted_length)
+        for chunk in client.stream(chat=[("user", "Hi!")]):
+            print(chunk.text, end="", flush=True)
+
+Calls carry a deadline (``timeout_s``); UNAVAILABLE is retried with exponential back-off by the
+channel's own retry policy (before any token was received); a cap on in-flight calls protects the
+channel; leaving a stream early (``break``, an exception, cancelling the task) cancels the call, and
+the router frees the request's drafter sessions, KV cache and queue entries. Errors are
+``grpc.RpcError`` with the server's status code and message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from dataclasses import dataclass
+from typing import AsyncIterator, Iterator, Sequence
+
+import grpc
+
+from specmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+
+def _service_config(retries: int) -> str:
+    return json.dumps({
+        "methodConfig": [{
+            "name": [{"service": "specmesh.v1.Router"}],
+            "retryPolicy": {
+                "maxAttempts": max(2, retries + 1),
+                "initialBackoff": "0.2s",
+                "maxBackoff": "5s",
+                "backoffMultiplier": 2,
+                "retryableStatusCodes": ["UNAVAILABLE"],
+            },
+        }]
+    })
+
+
+def _channel_options(retries: int) -> list[tuple[str, object]]:
+    return [("grpc.enable_retries", 1), ("grpc.service_config", _service_config(retries)),
+            ("grpc.max_receive_message_length", 64 << 20)]
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class Stats:
+    target_steps: int
+    drafted_nodes: int
+    accepted_tokens: int
+    mean_accepted_length: float
+    resyncs: int
+    first_token_ms: float
+    total_ms: float
+    drafters: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Generation:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: Usage
+    stats: Stats
+
+
+@dataclass(frozen=True)
+class Chunk:
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None  # set on the last chunk
+    usage: Usage | None  # last chunk only
+    stats: Stats | None  # last chunk only
+
+
+def _usage(message) -> Usage:
+    return Usage(message.prompt_tokens, message.completion_tokens)
+
+
+def _stats(message) -> Stats:
+    return Stats(message.target_steps, message.drafted_nodes, message.accepted_tokens, message.mean_accepted_length,
+                 message.resyncs, message.first_token_ms, message.total_ms, tuple(message.drafters))
+
+
+def _generation(message: router_pb2.GenerateResponse) -> Generation:
+    return Generation(message.request_id, message.text, list(message.token_ids), message.finish_reason,
+                      _usage(message.usage), _stats(message.stats))
+
+
+def _chunk(message: router_pb2.GenerateChunk) -> Chunk:
+    final = bool(message.finish_reason)
+    return Chunk(message.request_id, list(message.token_ids), message.text, message.finish_reason or None,
+                 _usage(message.usage) if final else None, _stats(message.stats) if final else None)
+
+
+def generate_request(
+    prompt: str | None = None, *, chat: Sequence[tuple[str, str]] | None = None, prompt_ids: Sequence[int] | None = None,
+    max_tokens: int = 0, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+    max_tree_nodes: int | None = None, request_id: str = "",
+) -> router_pb2.GenerateRequest:
+    """The request message; exactly one of ``prompt`` (raw text), ``chat`` ((role, content) pairs, rendered
+    with the model's chat template) or ``prompt_ids``. ``max_tokens`` 0 takes the router's default."""
+    given = [x is not None for x in (prompt, chat, prompt_ids)]
+    if sum(given) != 1:
+        raise ValueError("give exactly one of prompt, chat or prompt_ids")
+    sampling = common_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=max_tokens)
+    if seed is not None:
+        sampling.seed = seed
+    message = router_pb2.GenerateRequest(sampling=sampling, request_id=request_id)
+    if prompt is not None:
+        message.prompt = prompt
+    elif chat is not None:
+        message.chat.CopyFrom(router_pb2.ChatMessages(messages=[router_pb2.ChatMessage(role=r, content=c) for r, c in chat]))
+    else:
+        message.prompt_ids.CopyFrom(common_pb2.TokenIds(ids=list(prompt_ids)))
+    if max_tree_nodes is not None:
+        message.max_tree_nodes = max_tree_nodes
+    return message
+
+
+def _count_request(prompt: str | None, chat: Sequence[tuple[str, str]] | None) -> router_pb2.CountTokensRequest:
+    if (prompt is None) == (chat is None):
+        raise ValueError("give exactly one of prompt or chat")
+    if prompt is not None:
+        return router_pb2.CountTokensRequest(prompt=prompt)
+    return router_pb2.CountTokensRequest(
+        chat=router_pb2.ChatMessages(messages=[router_pb2.ChatMessage(role=r, content=c) for r, c in chat])
+    )
+
+
+class Client:
+    """Blocking client; thread-safe; at most ``max_in_flight`` calls at once (others wait)."""
+
+    def __init__(self, address: str, timeout_s: float = 300.0, retries: int = 4, max_in_flight: int = 64) -> None:
+        self.timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(address, options=_channel_options(retries))
+        self._stub = router_pb2_grpc.RouterStub(self._channel)
+        self._slots = threading.BoundedSemaphore(max_in_flight)
+
+    def generate(self, prompt: str | None = None, *, timeout_s: float | None = None, **kwargs) -> Generation:
+        with self._slots:
+            answer = self._stub.Generate(generate_request(prompt, **kwargs), timeout=timeout_s or self.timeout_s)
+        return _generation(answer)
+
+    def stream(self, prompt: str | None = None, *, timeout_s: float | None = None, **kwargs) -> Iterator[Chunk]:
+        with self._slots:
+            call = self._stub.GenerateStream(generate_request(prompt, **kwargs), timeout=timeout_s or self.timeout_s)
+            try:
+                for message in call:
+                    yield _chunk(message)
+            finally:
+                call.cancel()  # a no-op when the stream ended; frees the server's state when it did not
+
+    def count_tokens(self, prompt: str | None = None, *, chat: Sequence[tuple[str, str]] | None = None) -> int:
+        return self._stub.CountTokens(_count_request(prompt, chat), timeout=self.timeout_s).count
+
+    def info(self) -> router_pb2.RouterInfo:
+        return self._stub.Info(router_pb2.InfoRequest(), timeout=self.timeout_s)
+
+    def list_models(self) -> list[router_pb2.ModelCard]:
+        return list(self._stub.ListModels(router_pb2.ListModelsRequest(), timeout=self.timeout_s).models)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """asyncio client; at most ``max_in_flight`` calls at once on its channel (firing thousands of calls
+    at once on one channel makes gRPC cancel some)."""
+
+    def __init__(self, address: str, timeout_s: float = 300.0, retries: int = 4, max_in_flight: int = 64) -> None:
+        self.timeout_s = timeout_s
+        self._channel = grpc.aio.insecure_channel(address, options=_channel_options(retries))
+        self._stub = router_pb2_grpc.RouterStub(self._channel)
+        self._slots = asyncio.Semaphore(max_in_flight)
+
+    async def generate(self, prompt: str | None = None, *, timeout_s: float | None = None, **kwargs) -> Generation:
+        async with self._slots:
+            answer = await self._stub.Generate(generate_request(prompt, **kwargs), timeout=timeout_s or self.timeout_s)
+        return _generation(answer)
+
+    async def stream(self, prompt: str | None = None, *, timeout_s: float | None = None, **kwargs) -> AsyncIterator[Chunk]:
+        async with self._slots:
+            call = self._stub.GenerateStream(generate_request(prompt, **kwargs), timeout=timeout_s or self.timeout_s)
+            try:
+                async for message in call:
+                    yield _chunk(message)
+            finally:
+                call.cancel()
+
+    async def count_tokens(self, prompt: str | None = None, *, chat: Sequence[tuple[str, str]] | None = None) -> int:
+        return (await self._stub.CountTokens(_count_request(prompt, chat), timeout=self.timeout_s)).count
+
+    async def info(self) -> router_pb2.RouterInfo:
+        return await self._stub.Info(router_pb2.InfoRequest(), timeout=self.timeout_s)
+
+    async def list_models(self) -> list[router_pb2.ModelCard]:
+        return list((await self._stub.ListModels(router_pb2.ListModelsRequest(), timeout=self.timeout_s)).models)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

@@ -1,0 +1,178 @@
+"""The whole cluster on one machine: Redis, verifiers, drafters and the router, each its own process
+started by its command line (as Kubernetes would start it; nothing here imports the services).
+
+Threads are divided so that together the processes never oversubscribe the cores: the verifiers share
+the cores, drafters and the router take one thread each (at concurrency 1 drafting and verification
+alternate, so the verifier has the cores while it verifies).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specmesh.errors import Unavailable
+from specmesh.models.loading import EMBEDDED_DEFAULT
+from specmesh.redis_server import RedisServer, free_port
+
+DEFAULT_DRAFTERS = ("ngram", "code", "math", "writing")
+
+
+@dataclass
+class ClusterSpec:
+    model: str = EMBEDDED_DEFAULT
+    drafters: Sequence[str] = DEFAULT_DRAFTERS
+    verifiers: int = 1
+    max_tree_nodes: int = 8
+    router_port: int = 0  # 0: a free port
+    cores: int = field(default_factory=lambda: os.cpu_count() or 1)
+    dtype: str | None = None
+    job_timeout_s: float = 30.0
+    log_dir: Path | None = None
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class ServiceProcess:
+    name: str
+    command: list[str]
+    port: int
+    log_path: Path
+    env: dict[str, str]
+    popen: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        log = open(self.log_path, "ab")
+        self.popen = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                      stdin=subprocess.DEVNULL)
+        log.close()
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            self.popen.send_signal(sig)
+
+    def wait(self, timeout_s: float) -> int | None:
+        try:
+            return self.popen.wait(timeout=timeout_s) if self.popen else None
+        except subprocess.TimeoutExpired:
+            return None
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Until its gRPC health check says SERVING; fails early if the process dies."""
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(self.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                if not self.alive():
+                    raise Unavailable(f"{self.name} exited during start-up:\n{self.log_tail()}")
+                try:
+                    answer = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                    if answer.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.2)
+        raise Unavailable(f"{self.name} not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
+
+
+class LocalCluster:
+    def __init__(self, spec: ClusterSpec | None = None) -> None:
+        self.spec = spec or ClusterSpec()
+        self.log_dir = Path(self.spec.log_dir or tempfile.mkdtemp(prefix="specmesh-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.redis = RedisServer(log_path=self.log_dir / "redis.log")
+        self.verifiers: list[ServiceProcess] = []
+        self.drafters: list[ServiceProcess] = []
+        self.router: ServiceProcess | None = None
+
+    @property
+    def router_address(self) -> str:
+        return self.router.address
+
+    def _env(self, threads: int) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(threads),
+                    "MKL_NUM_THREADS": str(threads)})
+        env.update(self.spec.extra_env)
+        return env
+
+    def _service(self, name: str, module: str, args: list[str], threads: int, port: int = 0) -> ServiceProcess:
+        port = port or free_port()
+        command = [sys.executable, "-m", f"specmesh.services.{module}", "--listen", f"127.0.0.1:{port}", *args]
+        return ServiceProcess(name, command, port, self.log_dir / f"{name}.log", self._env(threads))
+
+    def verifier_process(self, index: int) -> ServiceProcess:
+        spec = self.spec
+        threads = max(1, spec.cores // max(1, spec.verifiers))
+        args = ["--model", spec.model, "--redis-url", self.redis.url, "--threads", str(threads),
+                "--verifier-id", f"verifier-{index}"]
+        if spec.dtype:
+            args += ["--dtype", spec.dtype]
+        return self._service(f"verifier-{index}", "verifier", args, threads)
+
+    def drafter_process(self, drafter: str) -> ServiceProcess:
+        args = ["--drafter", drafter, "--target", self.spec.model, "--threads", "1"]
+        return self._service(f"drafter-{Path(drafter).name}", "drafter", args, 1)
+
+    def start(self, timeout_s: float = 600.0) -> LocalCluster:
+        spec = self.spec
+        try:
+            self.redis.start()
+            self.verifiers = [self.verifier_process(i) for i in range(spec.verifiers)]
+            self.drafters = [self.drafter_process(d) for d in spec.drafters]
+            for process in [*self.verifiers, *self.drafters]:
+                process.start()
+            for process in [*self.verifiers, *self.drafters]:
+                process.wait_ready(timeout_s)
+            args = ["--model", spec.model, "--redis-url", self.redis.url, "--max-tree-nodes", str(spec.max_tree_nodes),
+                    "--job-timeout", str(spec.job_timeout_s), "--drafters", ",".join(d.address for d in self.drafters)]
+            self.router = self._service("router", "router", args, 1, spec.router_port)
+            self.router.start()
+            self.router.wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def processes(self) -> list[ServiceProcess]:
+        return [p for p in [self.router, *self.drafters, *self.verifiers] if p is not None]
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM (graceful: each drains) from the router down, then SIGKILL what is left."""
+        for process in self.processes():
+            process.signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for process in self.processes():
+            if process.wait(max(0.0, deadline - time.monotonic())) is None:
+                process.signal(signal.SIGKILL)
+                process.wait(5)
+        self.redis.stop()
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,389 @@
+"""The pipeline queue: verification jobs and their results over Redis Streams.
+
+Keys, for a verifier pool ``P`` (prefix ``specmesh``):
+- ``specmesh:P:jobs`` — the pool's stream; consumer group ``verifiers``; requests without a verifier yet.
+- ``specmesh:P:jobs:<verifier>`` — one verifier's own stream (affinity: its KV cache holds the request).
+- ``specmesh:P:alive:<verifier>`` — a heartbeat key that expires when the verifier stops beating.
+- ``specmesh:P:verifiers`` — the set of verifiers that ever registered (to find dead ones' streams).
+- ``specmesh:results:<router>`` — a router's results stream.
+
+Delivery is at least once. A verifier acknowledges (and deletes) an entry only after its result is
+posted; entries held by a verifier that died are reclaimed by the others (XAUTOCLAIM on the pool
+stream, adoption of a dead verifier's own stream); a router that hears nothing re-sends the job to the
+pool. Results are idempotent: (request, step) names a job, and a router takes the first result of a
+step and ignores the rest. Every stream is bounded: jobs are deleted once answered, result streams are
+trimmed to what was read (and capped), and the router refuses new requests when the pool's backlog is
+too long.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Iterable
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from specmesh.acceptance import Verdict
+from specmesh.errors import Unavailable
+from specmesh.v1 import common_pb2, verifier_pb2
+from specmesh.verifier import VerifyJob, VerifyResult
+from specmesh.wire import sampling_from_pb, sampling_to_pb, tree_from_pb, tree_to_pb
+
+log = logging.getLogger("specmesh.queue")
+
+GROUP = "verifiers"
+RESULTS_MAXLEN = 10_000  # a results stream nobody reads stops growing here
+RESULTS_TTL_S = 600  # ... and disappears when its router is gone
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
+
+
+@dataclass(frozen=True)
+class QueueKeys:
+    pool: str = "default"
+    prefix: str = "specmesh"
+
+    @property
+    def jobs(self) -> str:
+        return f"{self.prefix}:{self.pool}:jobs"
+
+    def own_jobs(self, verifier_id: str) -> str:
+        return f"{self.prefix}:{self.pool}:jobs:{verifier_id}"
+
+    def alive(self, verifier_id: str) -> str:
+        return f"{self.prefix}:{self.pool}:alive:{verifier_id}"
+
+    @property
+    def members(self) -> str:
+        return f"{self.prefix}:{self.pool}:verifiers"
+
+    def results(self, router_id: str) -> str:
+        return f"{self.prefix}:results:{router_id}"
+
+
+# ---- wire form of jobs and results (the schema is protos/specmesh/v1/verifier.proto) ----
+
+
+def encode_job(job: VerifyJob, reply_to: str, deadline_unix_ms: int) -> bytes:
+    message = verifier_pb2.VerifyJob(
+        request_id=job.request_id, step=job.step, position=job.position, root=job.root,
+        tree=tree_to_pb(job.tree), sampling=sampling_to_pb(job.params), reply_to=reply_to,
+        deadline_unix_ms=deadline_unix_ms,
+    )
+    if job.history is not None:
+        message.history.CopyFrom(common_pb2.TokenIds(ids=job.history))
+    return message.SerializeToString()
+
+
+@dataclass(frozen=True)
+class QueuedJob:
+    job: VerifyJob
+    reply_to: str
+    deadline_unix_ms: int
+
+
+def decode_job(data: bytes) -> QueuedJob:
+    message = verifier_pb2.VerifyJob.FromString(data)
+    history = tuple(message.history.ids) if message.HasField("history") else None
+    job = VerifyJob(
+        message.request_id, message.step, message.position, message.root, tree_from_pb(message.tree),
+        sampling_from_pb(message.sampling), history,
+    )
+    return QueuedJob(job, message.reply_to, message.deadline_unix_ms)
+
+
+def encode_result(result: VerifyResult, verifier_id: str, **timings) -> bytes:
+    status = verifier_pb2.VerifyResult.RESYNC if result.resync else verifier_pb2.VerifyResult.OK
+    message = verifier_pb2.VerifyResult(
+        request_id=result.request_id, step=result.step, status=status, verifier_id=verifier_id,
+        prefilled_tokens=result.prefilled_tokens, **timings,
+    )
+    if result.verdict is not None:
+        message.accepted_nodes.extend(result.verdict.accepted_nodes)
+        message.tokens.extend(result.verdict.tokens)
+    return message.SerializeToString()
+
+
+def encode_error(request_id: str, step: int, verifier_id: str, text: str) -> bytes:
+    return verifier_pb2.VerifyResult(
+        request_id=request_id, step=step, status=verifier_pb2.VerifyResult.ERROR, verifier_id=verifier_id, message=text
+    ).SerializeToString()
+
+
+# ---- the router's side ----
+
+
+class QueueVerifierClient:
+    """The loop's verifier client in the cluster: posts jobs to the pool (or to the verifier that holds
+    the request's cache) and waits for results on this router's own stream.
+
+    A job unanswered for ``resend_after_s`` goes again to the pool stream (its verifier may have died
+    after taking it); a job unanswered by ``job_timeout_s`` — Redis down, no verifier alive — fails
+    with ``Unavailable``.
+    """
+
+    def __init__(
+        self, redis: aioredis.Redis, keys: QueueKeys, router_id: str,
+        job_timeout_s: float = 30.0, resend_after_s: float = 3.0, liveness_every_s: float = 0.5,
+    ) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.router_id = router_id
+        self.reply_to = keys.results(router_id)
+        self.job_timeout_s = job_timeout_s
+        self.resend_after_s = resend_after_s
+        self.liveness_every_s = liveness_every_s
+        self.affinity: dict[str, str] = {}  # request -> the verifier that holds its cache
+        self.alive: set[str] = set()
+        self.redis_ok = True
+        self._waiting: dict[tuple[str, int], asyncio.Future] = {}
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._listen()), asyncio.create_task(self._watch_verifiers())]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        try:
+            await self.redis.delete(self.reply_to)
+        except REDIS_DOWN:
+            pass
+
+    async def backlog(self) -> int:
+        """Jobs waiting in the pool stream (not yet taken by any verifier)."""
+        try:
+            groups = await self.redis.xinfo_groups(self.keys.jobs)
+        except ResponseError:  # no stream yet
+            return 0
+        except REDIS_DOWN as exc:
+            raise Unavailable(f"the pipeline queue (Redis) is unreachable: {exc}") from None
+        lags = [g.get("lag") for g in groups if g.get("name") in (GROUP, GROUP.encode())]
+        return int(lags[0] or 0) if lags else await self.redis.xlen(self.keys.jobs)
+
+    async def verify(self, job: VerifyJob) -> VerifyResult:
+        key = (job.request_id, job.step)
+        future = asyncio.get_running_loop().create_future()
+        self._waiting[key] = future
+        deadline = time.monotonic() + self.job_timeout_s
+        deadline_unix_ms = int((time.time() + self.job_timeout_s) * 1000)
+        verifier = self.affinity.get(job.request_id)
+        stream = self.keys.own_jobs(verifier) if verifier in self.alive else self.keys.jobs
+        try:
+            while True:
+                await self._post(stream, encode_job(job, self.reply_to, deadline_unix_ms), deadline)
+                left = deadline - time.monotonic()
+                try:
+                    message = await asyncio.wait_for(asyncio.shield(future), min(self.resend_after_s, max(left, 0.0)))
+                    break
+                except asyncio.TimeoutError:
+                    if time.monotonic() >= deadline:
+                        raise Unavailable(
+                            f"no verifier answered step {job.step} of request {job.request_id} within "
+                            f"{self.job_timeout_s:.0f} s ({'Redis unreachable' if not self.redis_ok else f'{len(self.alive)} verifiers alive'})"
+                        ) from None
+                    log.info("request %s step %d: no answer yet, re-sending to the pool", job.request_id, job.step)
+                    stream = self.keys.jobs
+        finally:
+            self._waiting.pop(key, None)
+        if message.status == verifier_pb2.VerifyResult.ERROR:
+            raise RuntimeError(f"verifier {message.verifier_id} refused step {job.step}: {message.message}")
+        self.affinity[job.request_id] = message.verifier_id
+        if message.status == verifier_pb2.VerifyResult.RESYNC:
+            return VerifyResult(job.request_id, job.step, None)
+        verdict = Verdict(tuple(message.accepted_nodes), tuple(message.tokens))
+        return VerifyResult(job.request_id, job.step, verdict, message.prefilled_tokens)
+
+    async def close(self, request_id: str) -> None:
+        """Free the request's cache on its verifier now (idle sessions are also evicted there)."""
+        verifier = self.affinity.pop(request_id, None)
+        if verifier is None or verifier not in self.alive:
+            return
+        try:
+            await self.redis.xadd(self.keys.own_jobs(verifier), {"close": request_id.encode()})
+        except REDIS_DOWN:
+            pass  # the verifier evicts it when idle
+
+    async def _post(self, stream: str, payload: bytes, deadline: float) -> None:
+        delay = 0.05
+        while True:
+            try:
+                await self.redis.xadd(stream, {"job": payload})
+                return
+            except REDIS_DOWN as exc:
+                self.redis_ok = False
+                if time.monotonic() + delay >= deadline:
+                    raise Unavailable(f"the pipeline queue (Redis) is unreachable: {exc}") from None
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    async def _listen(self) -> None:
+        last_id = "0-0"
+        delay = 0.05
+        while True:
+            try:
+                answer = await self.redis.xread({self.reply_to: last_id}, count=256, block=1000)
+                self.redis_ok = True
+                delay = 0.05
+            except REDIS_DOWN:
+                self.redis_ok = False
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+                continue
+            for _, entries in answer or ():
+                for entry_id, fields in entries:
+                    last_id = entry_id
+                    self._deliver(fields.get(b"result"))
+                try:  # what was read is no longer needed: the stream stays as short as the backlog
+                    await self.redis.xtrim(self.reply_to, minid=last_id)
+                except REDIS_DOWN:
+                    pass
+
+    def _deliver(self, payload: bytes | None) -> None:
+        if not payload:
+            return
+        try:
+            message = verifier_pb2.VerifyResult.FromString(payload)
+        except Exception:
+            log.warning("dropping an unreadable result")
+            return
+        future = self._waiting.get((message.request_id, message.step))
+        if future is not None and not future.done():  # duplicates and late answers are ignored
+            future.set_result(message)
+
+    async def _watch_verifiers(self) -> None:
+        while True:
+            try:
+                members = [m.decode() for m in await self.redis.smembers(self.keys.members)]
+                flags = await asyncio.gather(*(self.redis.exists(self.keys.alive(m)) for m in members))
+                self.alive = {m for m, up in zip(members, flags) if up}
+                self.redis_ok = True
+            except REDIS_DOWN:
+                self.redis_ok = False
+                self.alive = set()
+            await asyncio.sleep(self.liveness_every_s)
+
+
+# ---- the verifier's side ----
+
+
+@dataclass
+class Entry:
+    stream: str
+    entry_id: bytes
+    queued: QueuedJob | None  # None: a close message or an unreadable entry
+    close_request: str | None = None
+    received: float = 0.0
+
+
+class VerifierQueue:
+    """A verifier's end of the queue: registration and heartbeats, reading jobs (its own stream first,
+    then the pool's), reclaiming jobs from dead verifiers, posting results then acknowledging."""
+
+    def __init__(
+        self, redis: aioredis.Redis, keys: QueueKeys, verifier_id: str,
+        heartbeat_ttl_s: float = 3.0, reclaim_idle_s: float = 5.0,
+    ) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.verifier_id = verifier_id
+        self.own = keys.own_jobs(verifier_id)
+        self.heartbeat_ttl_s = heartbeat_ttl_s
+        self.reclaim_idle_s = reclaim_idle_s
+
+    async def register(self) -> None:
+        for stream in (self.keys.jobs, self.own):
+            try:
+                await self.redis.xgroup_create(stream, GROUP, id="0", mkstream=True)
+            except ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+        await self.redis.sadd(self.keys.members, self.verifier_id)
+        await self.heartbeat()
+
+    async def heartbeat(self) -> None:
+        await self.redis.set(self.keys.alive(self.verifier_id), b"1", px=int(self.heartbeat_ttl_s * 1000))
+
+    async def unregister(self) -> None:
+        """Stop being routed to; whatever is left in the own stream is adopted by the others."""
+        await self.redis.delete(self.keys.alive(self.verifier_id))
+
+    async def read(self, count: int, block_ms: int, include_pool: bool) -> list[Entry]:
+        streams = {self.own: ">"}
+        if include_pool:
+            streams[self.keys.jobs] = ">"
+        try:
+            answer = await self.redis.xreadgroup(GROUP, self.verifier_id, streams, count=count, block=block_ms)
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            await self.register()  # Redis restarted empty: the groups are gone
+            return []
+        return self._entries(answer)
+
+    async def reclaim(self) -> list[Entry]:
+        """Jobs a dead verifier had taken from the pool, and the own streams of dead verifiers."""
+        entries: list[Entry] = []
+        _, claimed, _ = await self.redis.xautoclaim(
+            self.keys.jobs, GROUP, self.verifier_id, min_idle_time=int(self.reclaim_idle_s * 1000), count=64
+        )
+        entries += self._entries([(self.keys.jobs.encode(), claimed)])
+        members = [m.decode() for m in await self.redis.smembers(self.keys.members)]
+        for member in members:
+            if member == self.verifier_id or await self.redis.exists(self.keys.alive(member)):
+                continue
+            stream = self.keys.own_jobs(member)
+            try:
+                _, claimed, _ = await self.redis.xautoclaim(stream, GROUP, self.verifier_id, min_idle_time=0, count=64)
+                fresh = await self.redis.xreadgroup(GROUP, self.verifier_id, {stream: ">"}, count=64)
+            except ResponseError:  # its stream or group is gone
+                claimed, fresh = [], []
+            adopted = self._entries([(stream.encode(), claimed)]) + self._entries(fresh)
+            if not adopted and not await self.redis.xlen(stream):
+                await self.redis.delete(stream)
+                await self.redis.srem(self.keys.members, member)
+            entries += adopted
+        return entries
+
+    async def post(self, answered: Iterable[tuple[Entry, bytes | None]]) -> None:
+        """Post each result to its router, then acknowledge and delete the job (in that order)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for entry, payload in answered:
+            if payload is not None and entry.queued is not None and entry.queued.reply_to:
+                pipe.xadd(entry.queued.reply_to, {"result": payload}, maxlen=RESULTS_MAXLEN, approximate=True)
+                pipe.expire(entry.queued.reply_to, RESULTS_TTL_S)
+            pipe.xack(entry.stream, GROUP, entry.entry_id)
+            pipe.xdel(entry.stream, entry.entry_id)
+        await pipe.execute()
+
+    @staticmethod
+    def _entries(answer) -> list[Entry]:
+        entries = []
+        now = time.monotonic()
+        for stream, items in answer or ():
+            name = stream.decode() if isinstance(stream, bytes) else stream
+            for entry_id, fields in items:
+                if fields is None:  # deleted while pending
+                    continue
+                if b"close" in fields:
+                    entries.append(Entry(name, entry_id, None, fields[b"close"].decode(errors="replace"), now))
+                    continue
+                try:
+                    queued = decode_job(fields[b"job"])
+                except Exception as exc:  # garbage in the stream must not stop the verifier
+                    log.warning("dropping unreadable job %s on %s: %s", entry_id, name, exc)
+                    queued = None
+                entries.append(Entry(name, entry_id, queued, None, now))
+        return entries
+
+
+__all__ = [
+    "GROUP", "QueueKeys", "QueueVerifierClient", "VerifierQueue", "Entry", "QueuedJob", "encode_job", "decode_job",
+    "encode_result", "encode_error", "REDIS_DOWN", "RedisError",
+]

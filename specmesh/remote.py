@@ -1,0 +1,133 @@
+"""A drafter on another node, behind the loop's ``AsyncDrafter`` interface.
+
+The adapter holds each request's committed tokens, so a drafter that restarted (NOT_FOUND) gets its
+session re-opened with the whole context, and one that is down (UNAVAILABLE, deadline exceeded) just
+proposes nothing — the request goes on with the other drafters, or as plain decoding — until a
+back-off has passed. A drafter's failure costs speculation, never a request.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Sequence
+
+import grpc
+
+from specmesh.errors import InvalidArgument
+from specmesh.tree import TokenTree
+from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
+from specmesh.wire import tree_from_pb
+
+log = logging.getLogger("specmesh.remote")
+
+
+class RemoteDrafter:
+    def __init__(self, address: str, timeout_s: float = 2.0, max_backoff_s: float = 10.0) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self.max_backoff_s = max_backoff_s
+        self.name = address
+        self.kind = "unknown"
+        self.domains: tuple[str, ...] = ()
+        self.tokenizer_hash = ""
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = drafter_pb2_grpc.DrafterStub(self._channel)
+        self._context: dict[str, list[int]] = {}  # request -> every committed token
+        self._unsent: dict[str, list[int]] = {}  # request -> committed since the drafter last heard
+        self._open: set[str] = set()  # sessions the drafter holds, as far as we know
+        self._down_until = 0.0
+        self._backoff_s = 0.5
+        self.failures = 0
+
+    @property
+    def healthy(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    async def connect(self, tokenizer_hash: str | None = None) -> bool:
+        """Read the drafter's card; refuse one built for another vocabulary. False when unreachable."""
+        try:
+            info = await self._stub.Info(drafter_pb2.DrafterInfoRequest(), timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            self._mark_down(exc)
+            return False
+        if tokenizer_hash and info.tokenizer_hash != tokenizer_hash:
+            raise InvalidArgument("drafter", f"{self.address} ({info.name}) drafts with another vocabulary than the target's")
+        self.name, self.kind, self.domains, self.tokenizer_hash = info.name, info.kind, tuple(info.domains), info.tokenizer_hash
+        self._up()
+        return True
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def start(self, request_id: str, prompt_ids: Sequence[int]) -> None:
+        self._context[request_id] = list(prompt_ids)
+        self._unsent[request_id] = []
+        if self.healthy:
+            await self._open_session(request_id)
+
+    async def propose(self, request_id: str, budget: int) -> TokenTree:
+        if not self.healthy or request_id not in self._context:
+            return TokenTree()
+        for _ in range(2):  # a second try after re-opening a session the drafter lost
+            if request_id not in self._open and not await self._open_session(request_id):
+                return TokenTree()
+            request = drafter_pb2.ProposeRequest(request_id=request_id, committed=self._unsent[request_id], budget=budget)
+            try:
+                answer = await self._stub.Propose(request, timeout=self.timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                self._open.discard(request_id)
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    continue
+                self._mark_down(exc)
+                return TokenTree()
+            self._unsent[request_id] = []
+            self._up()
+            try:
+                return tree_from_pb(answer.tree).truncated(budget)
+            except InvalidArgument:
+                log.warning("drafter %s sent a malformed tree; ignoring it", self.name)
+                return TokenTree()
+        return TokenTree()
+
+    async def commit(self, request_id: str, new_token_ids: Sequence[int]) -> None:
+        if request_id in self._context:  # sent with the next proposal: one call a step
+            self._context[request_id].extend(new_token_ids)
+            self._unsent[request_id].extend(new_token_ids)
+
+    async def end(self, request_id: str) -> None:
+        self._context.pop(request_id, None)
+        unsent = self._unsent.pop(request_id, [])
+        if request_id in self._open and self.healthy:
+            self._open.discard(request_id)
+            try:
+                await self._stub.CloseSession(
+                    drafter_pb2.CloseSessionRequest(request_id=request_id, committed=unsent), timeout=self.timeout_s
+                )
+            except grpc.aio.AioRpcError as exc:
+                self._mark_down(exc)
+
+    async def _open_session(self, request_id: str) -> bool:
+        request = drafter_pb2.OpenSessionRequest(request_id=request_id, prompt_ids=self._context[request_id])
+        try:
+            await self._stub.OpenSession(request, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            self._mark_down(exc)
+            return False
+        self._unsent[request_id] = []
+        self._open.add(request_id)
+        return True
+
+    def _mark_down(self, exc: grpc.aio.AioRpcError) -> None:
+        if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:  # our bug or a mismatched node: say it, don't back off
+            log.warning("drafter %s refused a call: %s", self.name, exc.details())
+            return
+        self.failures += 1
+        if self.healthy:
+            log.warning("drafter %s unavailable (%s); retrying in %.1f s", self.name, exc.code().name, self._backoff_s)
+        self._down_until = time.monotonic() + self._backoff_s
+        self._backoff_s = min(self._backoff_s * 2, self.max_backoff_s)
+        self._open.clear()  # a drafter that comes back has forgotten its sessions
+
+    def _up(self) -> None:
+        self._backoff_s = 0.5

@@ -1,0 +1,168 @@
+"""What every specmesh gRPC service shares: the error-to-status interceptor, health checking,
+reflection, and graceful shutdown on SIGTERM (stop taking work, drain, then exit)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from specmesh.errors import InvalidArgument, NotFound, ResourceExhausted, SpecmeshError, Unavailable
+
+log = logging.getLogger("specmesh.serving")
+
+STATUS_OF = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+}
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    for kind, code in STATUS_OF.items():
+        if isinstance(exc, kind):
+            return code, str(exc)
+    if isinstance(exc, SpecmeshError):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
+    return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}): {exc}"
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Maps the domain's exceptions to status codes in one place; any other exception becomes INTERNAL
+    (logged with its traceback) instead of an opaque UNKNOWN. Servicers just raise."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            async def unary(request, context):
+                try:
+                    return await inner(request, context)
+                except (asyncio.CancelledError, grpc.aio.AbortError):
+                    raise
+                except Exception as exc:
+                    await _abort(context, method, exc)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+            )
+        if handler.unary_stream is not None:
+            inner_stream = handler.unary_stream
+
+            async def stream(request, context):
+                try:
+                    async for item in inner_stream(request, context):
+                        yield item
+                except (asyncio.CancelledError, grpc.aio.AbortError, GeneratorExit):
+                    raise
+                except Exception as exc:
+                    await _abort(context, method, exc)
+
+            return grpc.unary_stream_rpc_method_handler(
+                stream, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+            )
+        return handler
+
+
+async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
+    code, message = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("%s failed", method)
+    await context.abort(code, message)
+
+
+def call_options(timeout_s: float) -> dict:
+    """Keyword arguments of every internal call: a deadline, always."""
+    return {"timeout": timeout_s}
+
+
+@dataclass
+class Service:
+    """A gRPC service to host: its full name, how to add it, and what to do on shutdown."""
+
+    name: str
+    add: Callable[[grpc.aio.Server], None]
+    drain: Callable[[], Awaitable[None]] | None = None
+
+
+@dataclass
+class Server:
+    server: grpc.aio.Server
+    health: HealthServicer
+    port: int
+    services: Sequence[Service]
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *(s.name for s in self.services)):
+            await self.health.set(name, status)
+
+    async def shutdown(self, grace_s: float) -> None:
+        """Health goes NOT_SERVING, every service drains, then the server stops (in-flight calls get
+        ``grace_s`` to finish)."""
+        await self.set_serving(False)
+        for service in self.services:
+            if service.drain is not None:
+                try:
+                    await service.drain()
+                except Exception:  # shutting down anyway: say so, keep going
+                    log.exception("draining %s failed", service.name)
+        await self.server.stop(grace_s)
+
+    async def wait(self, grace_s: float = 10.0) -> None:
+        """Serve until SIGTERM or SIGINT, then shut down gracefully."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+        await self.stopping.wait()
+        log.info("shutting down: draining")
+        await self.shutdown(grace_s)
+
+
+async def start_server(services: Sequence[Service], address: str, max_message_mb: int = 64) -> Server:
+    """Start a gRPC server with health checking, reflection and the error interceptor on ``address``
+    (``host:port``; port 0 picks a free one)."""
+    options = [
+        ("grpc.max_receive_message_length", max_message_mb << 20),
+        ("grpc.max_send_message_length", max_message_mb << 20),
+        ("grpc.so_reuseport", 0),
+    ]
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=options)
+    for service in services:
+        service.add(server)
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        [s.name for s in services] + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+        server,
+    )
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise Unavailable(f"cannot listen on {address}")
+    await server.start()
+    result = Server(server, health, port, services)
+    await result.set_serving(True)
+    return result
+
+
+def configure_logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def env_default(name: str, default: str | None = None) -> str | None:
+    """A flag's default from the environment (``SPECMESH_<NAME>``), as Kubernetes manifests set it."""
+    return os.environ.get(f"SPECMESH_{name.upper().replace('-', '_')}", default)

@@ -1,0 +1,111 @@
+from specmesh.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class VerifierInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class VerifierInfo(_message.Message):
+    __slots__ = ("verifier_id", "pool", "model", "tokenizer_hash", "vocab_size", "max_length", "max_sessions", "active_sessions", "max_batch_tokens", "batches", "jobs", "idle_fraction", "draining")
+    VERIFIER_ID_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_HASH_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    verifier_id: str
+    pool: str
+    model: str
+    tokenizer_hash: str
+    vocab_size: int
+    max_length: int
+    max_sessions: int
+    active_sessions: int
+    max_batch_tokens: int
+    batches: int
+    jobs: int
+    idle_fraction: float
+    draining: bool
+    def __init__(self, verifier_id: _Optional[str] = ..., pool: _Optional[str] = ..., model: _Optional[str] = ..., tokenizer_hash: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_length: _Optional[int] = ..., max_sessions: _Optional[int] = ..., active_sessions: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., batches: _Optional[int] = ..., jobs: _Optional[int] = ..., idle_fraction: _Optional[float] = ..., draining: _Optional[bool] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("released_sessions",)
+    RELEASED_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    released_sessions: int
+    def __init__(self, released_sessions: _Optional[int] = ...) -> None: ...
+
+class VerifyJob(_message.Message):
+    __slots__ = ("request_id", "step", "position", "root", "tree", "sampling", "history", "reply_to", "deadline_unix_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    ROOT_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
+    REPLY_TO_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    step: int
+    position: int
+    root: int
+    tree: _common_pb2.TokenTree
+    sampling: _common_pb2.SamplingParams
+    history: _common_pb2.TokenIds
+    reply_to: str
+    deadline_unix_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., step: _Optional[int] = ..., position: _Optional[int] = ..., root: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., history: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., reply_to: _Optional[str] = ..., deadline_unix_ms: _Optional[int] = ...) -> None: ...
+
+class VerifyResult(_message.Message):
+    __slots__ = ("request_id", "step", "status", "accepted_nodes", "tokens", "verifier_id", "message", "prefilled_tokens", "queue_ms", "verify_ms", "batch_size")
+    class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        STATUS_UNSPECIFIED: _ClassVar[VerifyResult.Status]
+        OK: _ClassVar[VerifyResult.Status]
+        RESYNC: _ClassVar[VerifyResult.Status]
+        ERROR: _ClassVar[VerifyResult.Status]
+    STATUS_UNSPECIFIED: VerifyResult.Status
+    OK: VerifyResult.Status
+    RESYNC: VerifyResult.Status
+    ERROR: VerifyResult.Status
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_NODES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    VERIFIER_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    PREFILLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    step: int
+    status: VerifyResult.Status
+    accepted_nodes: _containers.RepeatedScalarFieldContainer[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    verifier_id: str
+    message: str
+    prefilled_tokens: int
+    queue_ms: float
+    verify_ms: float
+    batch_size: int
+    def __init__(self, request_id: _Optional[str] = ..., step: _Optional[int] = ..., status: _Optional[_Union[VerifyResult.Status, str]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., verifier_id: _Optional[str] = ..., message: _Optional[str] = ..., prefilled_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., batch_size: _Optional[int] = ...) -> None: ...
