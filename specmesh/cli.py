@@ -11,6 +11,8 @@ from typing import Sequence
 from specmesh.errors import InvalidArgument, SpecmeshError
 from specmesh.models.loading import EMBEDDED_DEFAULT
 
+DEMO_PROMPT = "Write a Python function that checks whether a string is a palindrome, and explain it."
+
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=EMBEDDED_DEFAULT,
@@ -40,6 +42,22 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--compare-plain", action="store_true",
                      help="also decode without speculation; report identity and the speed ratio")
+    gen.add_argument("--server", metavar="HOST:PORT",
+                     help="go through a running cluster's router (see `specmesh up`) instead of loading models here")
+
+    up = commands.add_parser("up", help="run the whole cluster on this machine, with a demo request")
+    up.add_argument("--model", default=EMBEDDED_DEFAULT, help="the target model")
+    up.add_argument("--drafter", action="append", default=None,
+                    help="a drafter service to start (ngram, history, code, math, writing, a directory, a model); "
+                    "repeatable (default: ngram and every shipped expert)")
+    up.add_argument("--verifiers", type=int, default=1, help="verifier processes (default 1)")
+    up.add_argument("--port", type=int, default=50051, help="the router's port (default 50051; 0 = any free)")
+    up.add_argument("--tree-nodes", type=int, default=8, help="speculation budget per step (default 8)")
+    up.add_argument("--demo-prompt", default=DEMO_PROMPT)
+    up.add_argument("--max-tokens", type=int, default=96, help="of the demo request")
+    up.add_argument("--no-demo", action="store_true")
+    up.add_argument("--exit-after-demo", action="store_true", help="stop the cluster after the demo (for scripts)")
+    up.add_argument("--log-dir", default=None, help="where each process logs (default: a new temporary folder)")
 
     bench = commands.add_parser("bench", help="measure speed against plain and HF assisted decoding")
     bench.add_argument("--prompts", help="JSONL prompts (default: MT-Bench first turns)")
@@ -81,7 +99,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "generate":
-            return _generate(args)
+            return _generate_remote(args) if args.server else _generate(args)
+        if args.command == "up":
+            return _up(args)
         if args.command == "bench":
             from specmesh.bench import run_bench
 
@@ -164,6 +184,96 @@ def _generate(args: argparse.Namespace) -> int:
             if params.greedy:
                 line += f", identical {totals['identical']}/{len(prompts)}"
         print(line)
+    return 0
+
+
+def _stream_one(client, text: str, params, tree_nodes: int | None, echo: bool):
+    """Stream one chat prompt through the cluster; returns (token ids, seconds, last chunk)."""
+    started = time.perf_counter()
+    tokens: list[int] = []
+    last = None
+    for chunk in client.stream(chat=[("user", text)], max_tokens=params.max_tokens, temperature=params.temperature,
+                               top_k=params.top_k, top_p=params.top_p, seed=params.seed, max_tree_nodes=tree_nodes):
+        tokens += chunk.token_ids
+        last = chunk
+        if echo:
+            print(chunk.text, end="", flush=True)
+    if echo:
+        print()
+    return tokens, time.perf_counter() - started, last
+
+
+def _generate_remote(args: argparse.Namespace) -> int:
+    from specmesh.client import Client
+    from specmesh.prompts import Prompt, load_prompts
+
+    if (args.prompt is None) == (args.prompts is None):
+        raise InvalidArgument("prompt", "give either a PROMPT or --prompts FILE.jsonl")
+    params = _sampling_params(args)
+    prompts = [Prompt(args.prompt)] if args.prompt is not None else load_prompts(args.prompts)
+    with Client(args.server) as client:
+        for number, prompt in enumerate(prompts, start=1):
+            if len(prompts) > 1:
+                print(f"--- [{number}/{len(prompts)}] {prompt.category}")
+            tokens, elapsed, last = _stream_one(client, prompt.text, params, args.tree_nodes, echo=True)
+            stats = last.stats
+            line = (f"[{len(tokens)} tokens, {len(tokens) / elapsed:.1f} tok/s, mean accepted length "
+                    f"{stats.mean_accepted_length:.2f}, first token {stats.first_token_ms:.0f} ms, finish: {last.finish_reason}]")
+            if args.compare_plain:
+                plain, plain_elapsed, _ = _stream_one(client, prompt.text, params, 0, echo=False)
+                verdict = ("identical" if plain == tokens else "DIFFERENT") if params.greedy else "n/a (sampling)"
+                line += f"\n[plain through the cluster: {len(plain) / plain_elapsed:.1f} tok/s; outputs {verdict}; " \
+                        f"speedup {(len(tokens) / elapsed) / (len(plain) / plain_elapsed):.2f}x]"
+            print(line, flush=True)
+    return 0
+
+
+def _up(args: argparse.Namespace) -> int:
+    import grpc
+
+    from specmesh.client import Client
+    from specmesh.launcher import DEFAULT_DRAFTERS, ClusterSpec, LocalCluster
+    from specmesh.sampling import SamplingParams
+
+    spec = ClusterSpec(model=args.model, drafters=tuple(args.drafter or DEFAULT_DRAFTERS), verifiers=args.verifiers,
+                       max_tree_nodes=args.tree_nodes, router_port=args.port, log_dir=args.log_dir)
+    cluster = LocalCluster(spec)
+    print(f"starting Redis, {spec.verifiers} verifier(s), drafters {', '.join(spec.drafters)} and the router "
+          f"(logs: {cluster.log_dir}) ...", flush=True)
+    started = time.perf_counter()
+    with cluster:
+        print(f"cluster up in {time.perf_counter() - started:.0f} s", flush=True)
+        for process in cluster.processes():
+            print(f"  {process.name:<18} {process.address}")
+        print(f"  {'redis':<18} {cluster.redis.url}")
+        try:
+            if not args.no_demo:
+                params = SamplingParams(max_tokens=args.max_tokens)
+                with Client(cluster.router_address) as client:
+                    print(f"\ndemo: {args.demo_prompt}\n", flush=True)
+                    _stream_one(client, args.demo_prompt, params, None, echo=False)  # warm-up: caches and allocators
+                    tokens, elapsed, last = _stream_one(client, args.demo_prompt, params, None, echo=True)
+                    plain, plain_elapsed, _ = _stream_one(client, args.demo_prompt, params, 0, echo=False)
+                    speed, plain_speed = len(tokens) / elapsed, len(plain) / plain_elapsed
+                    print(f"\n[{len(tokens)} tokens in {elapsed:.2f} s: {speed:.1f} tok/s through the cluster, "
+                          f"mean accepted length {last.stats.mean_accepted_length:.2f}, first token "
+                          f"{last.stats.first_token_ms:.0f} ms]")
+                    print(f"[the same request without speculation: {plain_speed:.1f} tok/s; speedup {speed / plain_speed:.2f}x; "
+                          f"outputs {'identical' if plain == tokens else 'DIFFERENT'}]", flush=True)
+        except grpc.RpcError as exc:
+            raise SpecmeshError(f"the demo request failed: {exc.code().name}: {exc.details()}") from None
+        if args.exit_after_demo:
+            return 0
+        print(f"\nserving on {cluster.router_address} — try: specmesh generate --server {cluster.router_address} "
+              "\"Hello!\"  (Ctrl-C stops the cluster)", flush=True)
+        try:
+            while all(p.alive() for p in cluster.processes()):
+                time.sleep(1.0)
+            dead = [p.name for p in cluster.processes() if not p.alive()]
+            print(f"specmesh: {', '.join(dead)} stopped; shutting the cluster down", flush=True)
+            return 1
+        except KeyboardInterrupt:
+            print("\nstopping ...", flush=True)
     return 0
 
 

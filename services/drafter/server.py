@@ -9,7 +9,6 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 from specmesh.assembly import configure_threads, load_drafter
@@ -17,7 +16,7 @@ from specmesh.drafters.base import Drafter
 from specmesh.engine import MAX_TREE_NODES
 from specmesh.errors import InvalidArgument, NotFound
 from specmesh.models.loading import EMBEDDED_DEFAULT, load_target_parts, tokenizer_fingerprint
-from specmesh.serving import Service, configure_logging, env_default, start_server
+from specmesh.serving import Service, TorchThread, configure_logging, env_default, start_server
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
 from specmesh.wire import tree_to_pb
 
@@ -85,13 +84,10 @@ class DrafterSessions:
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
-    def __init__(self, sessions: DrafterSessions, info: drafter_pb2.DrafterInfo) -> None:
+    def __init__(self, sessions: DrafterSessions, info: drafter_pb2.DrafterInfo, torch_thread: TorchThread) -> None:
         self.sessions = sessions
         self.info = info
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft")
-
-    async def _run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+        self._run = torch_thread.run
 
     async def OpenSession(self, request, context):
         await self._run(self.sessions.open, request.request_id, tuple(request.prompt_ids))
@@ -139,16 +135,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-async def serve(args: argparse.Namespace) -> None:
+def load(args: argparse.Namespace):
     configure_threads(args.threads)
     target = load_target_parts(args.target)
-    drafter = load_drafter(args.drafter, target, args.device, args.dtype)
+    return target, load_drafter(args.drafter, target, args.device, args.dtype)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    torch_thread = TorchThread("draft")
+    target, drafter = await torch_thread.run(load, args)
     domains = [d for d in (args.domains or getattr(drafter, "domain", "") or "general").split(",") if d]
     info = drafter_pb2.DrafterInfo(
         name=drafter.name, kind=drafter_kind(drafter), domains=domains, target=target.name,
         tokenizer_hash=tokenizer_fingerprint(target.tokenizer), max_sessions=args.max_sessions,
     )
-    servicer = DrafterServicer(DrafterSessions(drafter, target.vocab_size, args.max_sessions), info)
+    servicer = DrafterServicer(DrafterSessions(drafter, target.vocab_size, args.max_sessions), info, torch_thread)
     server = await start_server(
         [Service(drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name,
                  lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s))],

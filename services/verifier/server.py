@@ -26,7 +26,7 @@ from specmesh.models.loading import EMBEDDED_DEFAULT, load_hf_model, tokenizer_f
 from specmesh.models.runtime import make_runtime
 from specmesh.queue import REDIS_DOWN, Entry, QueueKeys, VerifierQueue, encode_error, encode_result
 from specmesh.scheduling import plan_batch
-from specmesh.serving import Service, configure_logging, env_default, start_server
+from specmesh.serving import Service, TorchThread, configure_logging, env_default, start_server
 from specmesh.v1 import verifier_pb2, verifier_pb2_grpc
 from specmesh.verifier import TreeVerifier
 
@@ -40,9 +40,10 @@ def job_rows(entry: Entry) -> int:
 
 
 class VerifierWorker:
-    def __init__(self, verifier: TreeVerifier, queue: VerifierQueue, max_batch_rows: int = 2048,
-                 max_jobs_per_read: int = 64) -> None:
+    def __init__(self, verifier: TreeVerifier, queue: VerifierQueue, torch_thread: TorchThread,
+                 max_batch_rows: int = 2048, max_jobs_per_read: int = 64) -> None:
         self.verifier = verifier
+        self.torch_thread = torch_thread
         self.queue = queue
         self.max_batch_rows = max_batch_rows
         self.max_jobs_per_read = max_jobs_per_read
@@ -95,7 +96,7 @@ class VerifierWorker:
         now_ms = time.time() * 1000
         for entry in backlog:
             if entry.close_request is not None:
-                self.verifier.close(entry.close_request)
+                await self.torch_thread.run(self.verifier.close, entry.close_request)
                 self._recent.pop(entry.close_request, None)
                 answered.append((entry, None))
             elif entry.queued is None or 0 < entry.queued.deadline_unix_ms < now_ms:
@@ -128,7 +129,7 @@ class VerifierWorker:
         jobs = [e.queued.job for e in batch]
         started = time.monotonic()
         try:
-            results = await asyncio.to_thread(self.verifier.verify, jobs)
+            results = await self.torch_thread.run(self.verifier.verify, jobs)
         except Exception as exc:  # a failing pass fails its jobs, not the service
             log.exception("verification pass failed")
             return [(e, encode_error(j.request_id, j.step, self.verifier_id, f"verification failed: {exc}"))
@@ -159,7 +160,7 @@ class VerifierWorker:
         self.stopped.set()
         await self.finished.wait()  # no pass is running when the sessions go
         released = self.verifier.num_sessions
-        self.verifier.close_all()
+        await self.torch_thread.run(self.verifier.close_all)
         return released
 
 
@@ -199,15 +200,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-async def serve(args: argparse.Namespace) -> None:
+def load_verifier(args: argparse.Namespace):
     configure_threads(args.threads)
     target = load_hf_model(args.model, dtype=args.dtype, device=args.device)
     runtime = make_runtime(target.model)
-    verifier = TreeVerifier(runtime, max_sessions=args.max_sessions, max_tree_nodes=MAX_TREE_NODES)
+    return target, runtime, TreeVerifier(runtime, max_sessions=args.max_sessions, max_tree_nodes=MAX_TREE_NODES)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    torch_thread = TorchThread("verify")
+    target, runtime, verifier = await torch_thread.run(load_verifier, args)
     verifier_id = args.verifier_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     redis = aioredis.Redis.from_url(args.redis_url, socket_timeout=5, socket_connect_timeout=2)
     queue = VerifierQueue(redis, QueueKeys(args.pool), verifier_id, heartbeat_ttl_s=args.heartbeat_ttl)
-    worker = VerifierWorker(verifier, queue, max_batch_rows=args.max_batch_rows)
+    worker = VerifierWorker(verifier, queue, torch_thread, max_batch_rows=args.max_batch_rows)
     info = verifier_pb2.VerifierInfo(
         verifier_id=verifier_id, pool=args.pool, model=target.name, tokenizer_hash=tokenizer_fingerprint(target.tokenizer),
         vocab_size=runtime.vocab_size, max_length=runtime.max_length, max_sessions=args.max_sessions,
