@@ -194,19 +194,24 @@ class QueueVerifierClient:
             self._waiting.pop(key, None)
         if message.status == verifier_pb2.VerifyResult.ERROR:
             raise RuntimeError(f"verifier {message.verifier_id} refused step {job.step}: {message.message}")
-        self.affinity[job.request_id] = message.verifier_id
-        if message.status == verifier_pb2.VerifyResult.RESYNC:
+        if message.status == verifier_pb2.VerifyResult.RESYNC:  # the history goes where the cache may still be
             return VerifyResult(job.request_id, job.step, None)
+        previous = self.affinity.get(job.request_id)
+        if previous is not None and previous != message.verifier_id:
+            await self._close_on(previous, job.request_id)  # its copy of the cache is stale now
+        self.affinity[job.request_id] = message.verifier_id
         verdict = Verdict(tuple(message.accepted_nodes), tuple(message.tokens))
         return VerifyResult(job.request_id, job.step, verdict, message.prefilled_tokens)
 
     async def close(self, request_id: str) -> None:
         """Free the request's cache on its verifier now (idle sessions are also evicted there)."""
         verifier = self.affinity.pop(request_id, None)
-        if verifier is None or verifier not in self.alive:
-            return
-        try:
-            await self.redis.xadd(self.keys.own_jobs(verifier), {"close": request_id.encode()})
+        if verifier is not None:
+            await self._close_on(verifier, request_id)
+
+    async def _close_on(self, verifier: str, request_id: str) -> None:
+        try:  # NOMKSTREAM: a dead verifier's removed stream is not created again
+            await self.redis.xadd(self.keys.own_jobs(verifier), {"close": request_id.encode()}, nomkstream=True)
         except REDIS_DOWN:
             pass  # the verifier evicts it when idle
 

@@ -97,6 +97,7 @@ class TreeVerifier:
         self.max_sessions = max_sessions
         self.max_tree_nodes = max_tree_nodes
         self._sessions: OrderedDict[str, object] = OrderedDict()  # least recently used first
+        self._last_used: dict[str, float] = {}
         self._random = torch.Generator(device=runtime.device)
         self._random.manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
         self.stats = VerifierStats()
@@ -132,6 +133,7 @@ class TreeVerifier:
             session = self._sessions.get(job.request_id)
             if session is not None and session.length == job.position:
                 self._sessions.move_to_end(job.request_id)
+                self._last_used[job.request_id] = time.monotonic()
                 ready.append(i)
             elif job.history is not None:
                 self.close(job.request_id)
@@ -154,8 +156,17 @@ class TreeVerifier:
 
     def close(self, request_id: str) -> None:
         session = self._sessions.pop(request_id, None)
+        self._last_used.pop(request_id, None)
         if session is not None:
             session.free()
+
+    def evict_idle(self, max_idle_s: float) -> int:
+        """Free sessions unused for ``max_idle_s`` (their router went away); returns how many."""
+        cutoff = time.monotonic() - max_idle_s
+        idle = [rid for rid, used in self._last_used.items() if used < cutoff]
+        for request_id in idle:
+            self.close(request_id)
+        return len(idle)
 
     def close_all(self) -> None:
         for request_id in list(self._sessions):
@@ -165,6 +176,7 @@ class TreeVerifier:
         while len(self._sessions) >= self.max_sessions:  # the least recently used request pays a resync
             self.close(next(iter(self._sessions)))
         self._sessions[request_id] = self.runtime.new_session()
+        self._last_used[request_id] = time.monotonic()
 
     def _prefill(self, jobs: Sequence[VerifyJob]) -> None:
         """Cache each job's history, in chunks so attention memory stays bounded."""

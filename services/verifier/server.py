@@ -41,12 +41,13 @@ def job_rows(entry: Entry) -> int:
 
 class VerifierWorker:
     def __init__(self, verifier: TreeVerifier, queue: VerifierQueue, torch_thread: TorchThread,
-                 max_batch_rows: int = 2048, max_jobs_per_read: int = 64) -> None:
+                 max_batch_rows: int = 2048, max_jobs_per_read: int = 64, session_idle_s: float = 300.0) -> None:
         self.verifier = verifier
         self.torch_thread = torch_thread
         self.queue = queue
         self.max_batch_rows = max_batch_rows
         self.max_jobs_per_read = max_jobs_per_read
+        self.session_idle_s = session_idle_s  # a session unused this long lost its router: free it
         self.draining = False
         self.stopped = asyncio.Event()
         self.finished = asyncio.Event()
@@ -78,6 +79,7 @@ class VerifierWorker:
                     next_beat = now + self.queue.heartbeat_ttl_s / 3
                 if now >= next_reclaim and not self.draining:
                     backlog += await self.queue.reclaim()
+                    await self.torch_thread.run(self.verifier.evict_idle, self.session_idle_s)
                     next_reclaim = now + 1.0
                 backlog += await self.queue.read(self.max_jobs_per_read, 1 if backlog else 100, not self.draining)
                 backlog = await self._serve(backlog)

@@ -1,0 +1,132 @@
+"""The full cluster on the real embedded model: router -> drafters (gRPC) -> Redis -> verifiers, each a
+process started by its command line, as `specmesh up` does.
+
+- greedy outputs identical to plain greedy decoding on 20 MT-Bench prompts, at concurrency 1 and 8;
+- kill -9 of a verifier (of two) and of a drafter during 8 concurrent streams: every request completes
+  with the undisturbed output;
+- Redis stopped and restarted mid-run: each request completes (identically) or fails UNAVAILABLE
+  within its deadline, none hangs, and the cluster serves again once Redis is back.
+"""
+
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from specmesh.assembly import eos_token_ids
+from specmesh.client import Client
+from specmesh.engine import Request, SpeculativeEngine
+from specmesh.launcher import ClusterSpec, LocalCluster
+from specmesh.models.llama import LlamaRuntime
+from specmesh.models.loading import EMBEDDED_DEFAULT, load_hf_model
+from specmesh.prompts import encode_chat, mtbench_prompts
+from specmesh.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 64
+NUM_PROMPTS = 20
+JOB_TIMEOUT_S = 12.0
+
+
+@pytest.fixture(scope="module")
+def questions():
+    every = mtbench_prompts()
+    return [q.text for q in every[:: len(every) // NUM_PROMPTS][:NUM_PROMPTS]]
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(questions):
+    """Plain greedy decoding of the target (k = 0, checked against HF generate in test_smollm2)."""
+    target = load_hf_model(EMBEDDED_DEFAULT, dtype="float32", device="cpu")
+    engine = SpeculativeEngine(LlamaRuntime(target.model), [], max_tree_nodes=0, eos_token_ids=eos_token_ids(target))
+    outputs = []
+    for text in questions:
+        (out,) = engine.generate([Request(tuple(encode_chat(target.tokenizer, text)), SamplingParams(max_tokens=MAX_TOKENS))])
+        outputs.append(out.token_ids)
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, plain_outputs):
+    spec = ClusterSpec(drafters=("ngram", "code"), verifiers=2, job_timeout_s=JOB_TIMEOUT_S,
+                       log_dir=tmp_path_factory.mktemp("cluster-logs"))
+    with LocalCluster(spec) as running:
+        yield running
+
+
+def generate_all(client: Client, questions, concurrency: int):
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(lambda q: client.generate(chat=[("user", q)], max_tokens=MAX_TOKENS), questions))
+
+
+@pytest.mark.parametrize("concurrency", [1, 8])
+def test_greedy_through_the_cluster_is_plain_greedy(cluster, questions, plain_outputs, concurrency):
+    with Client(cluster.router_address) as client:
+        results = generate_all(client, questions, concurrency)
+    different = [i for i, (r, ref) in enumerate(zip(results, plain_outputs)) if r.token_ids != ref]
+    assert not different, f"prompts {different} differ from plain greedy decoding"
+    steps = sum(r.stats.target_steps for r in results)
+    tokens = sum(len(r.token_ids) for r in results)
+    assert tokens > steps  # speculation did commit more than one token a step
+    assert all(r.usage.completion_tokens == len(r.token_ids) for r in results)
+
+
+def stream_collect(client: Client, question: str, first_tokens: threading.Barrier | None):
+    tokens = []
+    for chunk in client.stream(chat=[("user", question)], max_tokens=MAX_TOKENS):
+        tokens += chunk.token_ids
+        if first_tokens is not None and len(tokens) >= 8:
+            first_tokens.wait(timeout=120)
+            first_tokens = None
+    return tokens
+
+
+def test_killing_a_verifier_and_a_drafter_loses_no_request(cluster, questions, plain_outputs):
+    chosen = list(range(8))
+    started = threading.Barrier(len(chosen) + 1)
+    with Client(cluster.router_address) as client, ThreadPoolExecutor(len(chosen)) as pool:
+        futures = [pool.submit(stream_collect, client, questions[i], started) for i in chosen]
+        started.wait(timeout=120)  # every stream is under way
+        victims = [cluster.verifiers[0], next(d for d in cluster.drafters if d.name == "drafter-code")]
+        for process in victims:
+            process.signal(signal.SIGKILL)
+        outputs = [f.result(timeout=300) for f in futures]
+        for process in victims:
+            assert process.wait(5) == -signal.SIGKILL
+        assert [outputs[k] for k in range(len(chosen))] == [plain_outputs[i] for i in chosen]
+        after = client.generate(chat=[("user", questions[9])], max_tokens=MAX_TOKENS)  # still serving
+        assert after.token_ids == plain_outputs[9]
+
+
+def test_redis_restart_fails_fast_or_completes_and_then_serves_again(cluster, questions, plain_outputs):
+    chosen = list(range(10, 16))
+    deadline_s = 3 * JOB_TIMEOUT_S + 30  # generous for 64 tokens; the point is that none hangs
+
+    def run(i):
+        started = time.monotonic()
+        try:
+            tokens = stream_collect(client, questions[i], None)
+            return "ok", tokens, time.monotonic() - started
+        except grpc.RpcError as exc:
+            return exc.code(), exc.details(), time.monotonic() - started
+
+    with Client(cluster.router_address, retries=0) as client, ThreadPoolExecutor(len(chosen)) as pool:
+        futures = [pool.submit(run, i) for i in chosen]
+        time.sleep(1.0)
+        cluster.redis.stop()
+        time.sleep(3.0)
+        cluster.redis.start()
+        results = [f.result(timeout=deadline_s + 30) for f in futures]
+    for i, (status, payload, elapsed) in zip(chosen, results):
+        assert elapsed < deadline_s
+        if status == "ok":
+            assert payload == plain_outputs[i]
+        else:
+            assert status == grpc.StatusCode.UNAVAILABLE, payload
+    time.sleep(2.0)  # verifiers re-register, the router sees them alive again
+    with Client(cluster.router_address) as client:
+        again = client.generate(chat=[("user", questions[3])], max_tokens=MAX_TOKENS)
+    assert again.token_ids == plain_outputs[3]

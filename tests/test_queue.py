@@ -1,0 +1,183 @@
+"""The pipeline queue on a real redis-server: the speculation loop through Redis Streams and verifier
+workers (in-process, tiny model) gives the engine's outputs; jobs of a dead verifier are reclaimed;
+re-sent jobs are answered once; Redis going away fails requests with UNAVAILABLE, not hangs."""
+
+import asyncio
+import time
+import uuid
+from contextlib import aclosing
+
+import pytest
+import redis.asyncio as aioredis
+
+from specmesh.drafters.ngram import NgramDrafter
+from specmesh.engine import Request, SpeculativeEngine
+from specmesh.errors import Unavailable
+from specmesh.loop import LocalDrafter, speculate
+from specmesh.models.llama import LlamaRuntime
+from specmesh.queue import QueueKeys, QueueVerifierClient, VerifierQueue, encode_job
+from specmesh.redis_server import RedisServer
+from specmesh.sampling import SamplingParams
+from specmesh.scheduling import plan_batch
+from specmesh.serving import TorchThread
+from specmesh.services.verifier.server import VerifierWorker
+from specmesh.tree import TokenTree
+from specmesh.verifier import TreeVerifier, VerifyJob
+
+MAX_TOKENS = 24
+PROMPTS = [(5, 6, 7, 5, 6), (9, 10, 11, 12), (3, 4, 3, 4, 3, 4, 3), (20, 21), (7,), (30, 31, 32, 33, 30, 31)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    engine = SpeculativeEngine(LlamaRuntime(tiny_model), [], max_tree_nodes=0)
+    return engine.generate([Request(p, SamplingParams(max_tokens=MAX_TOKENS)) for p in PROMPTS])
+
+
+class InProcessPool:
+    """Verifier workers and a router-side client on one event loop, each worker with its own runtime."""
+
+    def __init__(self, url: str, model, workers: int = 1, **client_args) -> None:
+        self.redis = aioredis.Redis.from_url(url)
+        self.keys = QueueKeys(pool=uuid.uuid4().hex[:8])
+        self.model = model
+        self.client = QueueVerifierClient(self.redis, self.keys, "router-test", liveness_every_s=0.1, **client_args)
+        self.workers: list[VerifierWorker] = []
+        self.tasks: list[asyncio.Task] = []
+        self.count = workers
+
+    def worker(self, name: str) -> VerifierWorker:
+        queue = VerifierQueue(self.redis, self.keys, name, heartbeat_ttl_s=1.0, reclaim_idle_s=0.5)
+        return VerifierWorker(TreeVerifier(LlamaRuntime(self.model)), queue, TorchThread(name))
+
+    def add_worker(self, name: str) -> VerifierWorker:
+        worker = self.worker(name)
+        self.workers.append(worker)
+        self.tasks.append(asyncio.create_task(worker.run()))
+        return worker
+
+    async def __aenter__(self):
+        for i in range(self.count):
+            self.add_worker(f"v{i}")
+        await self.client.start()
+        return self
+
+    async def __aexit__(self, *exc):
+        for worker in self.workers:
+            worker.stopped.set()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.client.stop()
+        await self.redis.aclose()
+
+
+async def run_request(request, drafters, client, budget=6):
+    tokens = []
+    async with aclosing(speculate(request, drafters, client, budget)) as steps:
+        async for step in steps:
+            tokens += step.token_ids
+    return tokens
+
+
+def test_speculation_through_redis_gives_the_engines_outputs(redis_server, tiny_model, reference):
+    async def main():
+        async with InProcessPool(redis_server.url, tiny_model, workers=2) as pool:
+            drafters = [LocalDrafter(NgramDrafter())]
+            requests = [Request(p, SamplingParams(max_tokens=MAX_TOKENS)) for p in PROMPTS]
+            outputs = await asyncio.gather(*(run_request(r, drafters, pool.client) for r in requests))
+            await asyncio.sleep(0.3)  # close messages are served
+            sessions = [w.verifier.num_sessions for w in pool.workers]
+            jobs = [w.verifier.stats.jobs for w in pool.workers]
+            leftover = await pool.redis.xlen(pool.keys.jobs)
+        return outputs, sessions, jobs, leftover
+
+    outputs, sessions, jobs, leftover = asyncio.run(main())
+    assert outputs == [r.token_ids for r in reference]
+    assert sessions == [0, 0]  # every request's KV cache was freed when it ended
+    assert all(j > 0 for j in jobs)  # both verifiers took work
+    assert leftover == 0  # answered jobs are deleted from the stream
+
+
+def test_jobs_held_by_a_dead_verifier_are_reclaimed(redis_server, tiny_model, reference):
+    async def main():
+        async with InProcessPool(redis_server.url, tiny_model, workers=0, resend_after_s=60) as pool:
+            ghost = VerifierQueue(pool.redis, pool.keys, "ghost", heartbeat_ttl_s=0.2)
+            await ghost.register()
+            prompt = PROMPTS[0]
+            job = VerifyJob("req", 0, len(prompt) - 1, prompt[-1], TokenTree(), SamplingParams(max_tokens=MAX_TOKENS),
+                            history=prompt[:-1])
+            waiting = asyncio.create_task(pool.client.verify(job))
+            await asyncio.sleep(0.2)
+            taken = await ghost.read(count=10, block_ms=100, include_pool=True)  # ghost takes it, then dies
+            assert len(taken) == 1
+            # a second job was already queued on the ghost's own stream (affinity) when it died
+            own = VerifyJob("req2", 0, len(prompt) - 1, prompt[-1], TokenTree(), SamplingParams(max_tokens=MAX_TOKENS),
+                            history=prompt[:-1])
+            await pool.redis.xadd(pool.keys.own_jobs("ghost"), {"job": encode_job(own, pool.client.reply_to, 0)})
+            pool.client._waiting[("req2", 0)] = asyncio.get_running_loop().create_future()
+            started = time.monotonic()
+            pool.add_worker("survivor")
+            first = await asyncio.wait_for(waiting, 20)
+            second = await asyncio.wait_for(pool.client._waiting[("req2", 0)], 20)
+            for _ in range(40):  # the emptied stream of the dead verifier goes at the next reclaim round
+                members = await pool.redis.smembers(pool.keys.members)
+                if members == {b"survivor"}:
+                    break
+                await asyncio.sleep(0.1)
+            return first, second, time.monotonic() - started, members
+
+    first, second, elapsed, members = asyncio.run(main())
+    assert first.verdict.tokens[-1] == reference[0].token_ids[0]
+    assert second.verifier_id == "survivor" and list(second.tokens)[-1] == reference[0].token_ids[0]
+    assert elapsed < 10
+    assert members == {b"survivor"}  # the dead verifier's stream was adopted, then removed
+
+
+def test_a_resent_job_is_answered_from_the_first_result(redis_server, tiny_model):
+    async def main():
+        async with InProcessPool(redis_server.url, tiny_model, workers=1) as pool:
+            prompt = PROMPTS[1]
+            job = VerifyJob("dup", 0, len(prompt) - 1, prompt[-1], TokenTree(), SamplingParams(max_tokens=8),
+                            history=prompt[:-1])
+            first = await pool.client.verify(job)
+            again = await pool.client.verify(job)  # as after a lost result: same step, once more
+            return first, again, pool.workers[0].verifier.stats.batches
+
+    first, again, batches = asyncio.run(main())
+    assert first.verdict == again.verdict
+    assert batches == 1  # the second answer came from the posted result, not a second pass
+
+
+def test_redis_down_fails_with_unavailable_then_recovers(tiny_model, tmp_path):
+    server = RedisServer(log_path=tmp_path / "redis.log").start()
+
+    async def main():
+        async with InProcessPool(server.url, tiny_model, workers=1, job_timeout_s=2.0, resend_after_s=0.5) as pool:
+            request = Request(PROMPTS[2], SamplingParams(max_tokens=MAX_TOKENS))
+            before = await run_request(request, [], pool.client)
+            server.stop()
+            started = time.monotonic()
+            with pytest.raises(Unavailable):
+                await run_request(Request(PROMPTS[2], SamplingParams(max_tokens=MAX_TOKENS)), [], pool.client)
+            failed_after = time.monotonic() - started
+            server.start()
+            await asyncio.sleep(1.5)  # the worker re-registers its consumer groups
+            after = await run_request(Request(PROMPTS[2], SamplingParams(max_tokens=MAX_TOKENS)), [], pool.client)
+            return before, after, failed_after
+
+    try:
+        before, after, failed_after = asyncio.run(main())
+    finally:
+        server.stop()
+    assert failed_after < 5
+    assert before == after
+
+
+def test_the_batch_scheduler_fills_a_row_budget_in_readiness_order():
+    jobs = [("a", 10), ("b", 50), ("a", 5), ("c", 30), ("d", 200), ("e", 10)]
+    batch, rest = plan_batch(jobs, rows_of=lambda j: j[1], request_of=lambda j: j[0], max_rows=100)
+    assert batch == [("a", 10), ("b", 50), ("c", 30), ("e", 10)]  # one job per request; d does not fit
+    assert rest == [("a", 5), ("d", 200)]
+    big, rest = plan_batch([("d", 200), ("a", 1)], lambda j: j[1], lambda j: j[0], max_rows=100)
+    assert big == [("d", 200)] and rest == [("a", 1)]  # an oversized job still goes, alone
+    assert plan_batch([], lambda j: 1, lambda j: j, 10) == ([], [])
+
