@@ -22,10 +22,10 @@ $(STAMP): pyproject.toml
 model: $(STAMP)
 	$(PY) -m specmesh prepare
 
-# The demo is a coding question, so prompt lookup drafts beside the shipped code expert.
+# The whole cluster on this machine (Redis, a verifier, the drafters, the router), a demo request
+# with its speed, then serving on 127.0.0.1:50051 until Ctrl-C.
 run: install
-	$(PY) -m specmesh generate "Write a Python function that checks whether a string is a palindrome, and explain it." \
-		--drafter ngram --drafter code --max-tokens 96 --compare-plain
+	$(PY) -m specmesh up
 
 test: install
 	$(PY) -m pytest -q

@@ -4,25 +4,23 @@ re-sent jobs are answered once; Redis going away fails requests with UNAVAILABLE
 
 import asyncio
 import time
-import uuid
 from contextlib import aclosing
 
 import pytest
-import redis.asyncio as aioredis
 
 from specmesh.drafters.ngram import NgramDrafter
 from specmesh.engine import Request, SpeculativeEngine
 from specmesh.errors import Unavailable
 from specmesh.loop import LocalDrafter, speculate
 from specmesh.models.llama import LlamaRuntime
-from specmesh.queue import QueueKeys, QueueVerifierClient, VerifierQueue, encode_job
+from specmesh.queue import VerifierQueue, encode_job
 from specmesh.redis_server import RedisServer
 from specmesh.sampling import SamplingParams
 from specmesh.scheduling import plan_batch
-from specmesh.serving import TorchThread
-from specmesh.services.verifier.server import VerifierWorker
 from specmesh.tree import TokenTree
-from specmesh.verifier import TreeVerifier, VerifyJob
+from specmesh.verifier import VerifyJob
+
+from cluster_parts import InProcessPool
 
 MAX_TOKENS = 24
 PROMPTS = [(5, 6, 7, 5, 6), (9, 10, 11, 12), (3, 4, 3, 4, 3, 4, 3), (20, 21), (7,), (30, 31, 32, 33, 30, 31)]
@@ -32,42 +30,6 @@ PROMPTS = [(5, 6, 7, 5, 6), (9, 10, 11, 12), (3, 4, 3, 4, 3, 4, 3), (20, 21), (7
 def reference(tiny_model):
     engine = SpeculativeEngine(LlamaRuntime(tiny_model), [], max_tree_nodes=0)
     return engine.generate([Request(p, SamplingParams(max_tokens=MAX_TOKENS)) for p in PROMPTS])
-
-
-class InProcessPool:
-    """Verifier workers and a router-side client on one event loop, each worker with its own runtime."""
-
-    def __init__(self, url: str, model, workers: int = 1, **client_args) -> None:
-        self.redis = aioredis.Redis.from_url(url)
-        self.keys = QueueKeys(pool=uuid.uuid4().hex[:8])
-        self.model = model
-        self.client = QueueVerifierClient(self.redis, self.keys, "router-test", liveness_every_s=0.1, **client_args)
-        self.workers: list[VerifierWorker] = []
-        self.tasks: list[asyncio.Task] = []
-        self.count = workers
-
-    def worker(self, name: str) -> VerifierWorker:
-        queue = VerifierQueue(self.redis, self.keys, name, heartbeat_ttl_s=1.0, reclaim_idle_s=0.5)
-        return VerifierWorker(TreeVerifier(LlamaRuntime(self.model)), queue, TorchThread(name))
-
-    def add_worker(self, name: str) -> VerifierWorker:
-        worker = self.worker(name)
-        self.workers.append(worker)
-        self.tasks.append(asyncio.create_task(worker.run()))
-        return worker
-
-    async def __aenter__(self):
-        for i in range(self.count):
-            self.add_worker(f"v{i}")
-        await self.client.start()
-        return self
-
-    async def __aexit__(self, *exc):
-        for worker in self.workers:
-            worker.stopped.set()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-        await self.client.stop()
-        await self.redis.aclose()
 
 
 async def run_request(request, drafters, client, budget=6):

@@ -1,0 +1,98 @@
+"""In-process cluster parts for tests: verifier workers on the real Redis queue, and the gRPC services
+(drafter, router) on loopback ports, all on the test's event loop."""
+
+import asyncio
+import uuid
+
+import redis.asyncio as aioredis
+
+from specmesh.drafters.base import Drafter
+from specmesh.models.llama import LlamaRuntime
+from specmesh.models.loading import tokenizer_fingerprint
+from specmesh.queue import QueueKeys, QueueVerifierClient, VerifierQueue
+from specmesh.remote import RemoteDrafter
+from specmesh.router import ModelCard, Router, RouterLimits
+from specmesh.serving import Service, TorchThread, start_server
+from specmesh.services.drafter.server import DrafterServicer, DrafterSessions
+from specmesh.services.router.server import RouterServicer
+from specmesh.services.verifier.server import VerifierWorker
+from specmesh.v1 import drafter_pb2, drafter_pb2_grpc, router_pb2_grpc
+from specmesh.verifier import TreeVerifier
+
+
+class InProcessPool:
+    """Verifier workers and a router-side client on one event loop, each worker with its own runtime."""
+
+    def __init__(self, url: str, model, workers: int = 1, **client_args) -> None:
+        self.redis = aioredis.Redis.from_url(url)
+        self.keys = QueueKeys(pool=uuid.uuid4().hex[:8])
+        self.model = model
+        self.client = QueueVerifierClient(self.redis, self.keys, "router-test", liveness_every_s=0.1, **client_args)
+        self.workers: list[VerifierWorker] = []
+        self.tasks: list[asyncio.Task] = []
+        self.count = workers
+
+    def worker(self, name: str) -> VerifierWorker:
+        queue = VerifierQueue(self.redis, self.keys, name, heartbeat_ttl_s=1.0, reclaim_idle_s=0.5)
+        return VerifierWorker(TreeVerifier(LlamaRuntime(self.model)), queue, TorchThread(name))
+
+    def add_worker(self, name: str) -> VerifierWorker:
+        worker = self.worker(name)
+        self.workers.append(worker)
+        self.tasks.append(asyncio.create_task(worker.run()))
+        return worker
+
+    async def __aenter__(self):
+        for i in range(self.count):
+            self.add_worker(f"v{i}")
+        await self.client.start()
+        return self
+
+    async def __aexit__(self, *exc):
+        for worker in self.workers:
+            worker.stopped.set()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.client.stop()
+        await self.redis.aclose()
+
+
+
+class ServiceStack:
+    """A router and one drafter as real gRPC servers on loopback, over an in-process verifier pool."""
+
+    def __init__(self, url: str, model, tokenizer, drafter: Drafter, limits: RouterLimits | None = None) -> None:
+        self.pool = InProcessPool(url, model, workers=1)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.drafter = drafter
+        self.limits = limits or RouterLimits(max_tree_nodes=6)
+
+    async def __aenter__(self):
+        await self.pool.__aenter__()
+        vocab = self.model.config.vocab_size
+        self.sessions = DrafterSessions(self.drafter, vocab, max_sessions=16)
+        info = drafter_pb2.DrafterInfo(name=self.drafter.name, kind="ngram", domains=["general"],
+                                       tokenizer_hash=tokenizer_fingerprint(self.tokenizer))
+        servicer = DrafterServicer(self.sessions, info, TorchThread("draft"))
+        self.drafter_server = await start_server(
+            [Service("specmesh.v1.Drafter", lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s))],
+            "127.0.0.1:0",
+        )
+        self.remote = RemoteDrafter(f"127.0.0.1:{self.drafter_server.port}")
+        await self.remote.connect(tokenizer_fingerprint(self.tokenizer))
+        card = ModelCard("tiny", vocab, self.model.config.max_position_embeddings,
+                         tokenizer_fingerprint(self.tokenizer), frozenset())
+        self.router = Router(self.tokenizer, card, [self.remote], self.pool.client, self.limits)
+        router_servicer = RouterServicer(self.router, self.pool.client)
+        self.router_server = await start_server(
+            [Service("specmesh.v1.Router", lambda s: router_pb2_grpc.add_RouterServicer_to_server(router_servicer, s))],
+            "127.0.0.1:0",
+        )
+        self.address = f"127.0.0.1:{self.router_server.port}"
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.router_server.server.stop(0)
+        await self.drafter_server.server.stop(0)
+        await self.remote.close()
+        await self.pool.__aexit__(*exc)

@@ -1,0 +1,206 @@
+"""The gRPC services over loopback with the client SDK: a tiny model with the embedded model's
+tokenizer, a real redis-server, the router and a drafter as real gRPC servers. Outputs equal plain
+decoding; bad input gets INVALID_ARGUMENT naming the field; overload RESOURCE_EXHAUSTED; a cancelled
+stream frees every session; a drafter that dies costs no request; health and reflection answer."""
+
+import asyncio
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from transformers import AutoTokenizer
+
+from specmesh.client import AsyncClient, Client
+from specmesh.drafters.ngram import HistoryDrafter, NgramDrafter
+from specmesh.engine import Request, SpeculativeEngine
+from specmesh.models.llama import LlamaRuntime
+from specmesh.models.loading import EMBEDDED_DEFAULT, resolve_model_dir
+from specmesh.router import RouterLimits
+from specmesh.sampling import SamplingParams
+from specmesh.v1 import drafter_pb2, drafter_pb2_grpc, router_pb2, router_pb2_grpc
+
+from cluster_parts import ServiceStack
+from conftest import tiny_llama
+
+MAX_TOKENS = 20
+CHAT = [("user", "Repeat after me: one two three one two three one two three")]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(resolve_model_dir(EMBEDDED_DEFAULT)[0])
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return tiny_llama(vocab_size=len(tokenizer), layers=1, seed=5)
+
+
+def plain(model, prompt_ids, max_tokens=MAX_TOKENS):
+    engine = SpeculativeEngine(LlamaRuntime(model), [], max_tree_nodes=0)
+    return engine.generate([Request(tuple(prompt_ids), SamplingParams(max_tokens=max_tokens))])[0].token_ids
+
+
+def run(coroutine):
+    return asyncio.run(coroutine)
+
+
+def test_generate_and_stream_equal_plain_decoding(redis_server, model, tokenizer):
+    async def main():
+        # a history drafter: the second request of the same prompt is drafted from the first's answer
+        async with ServiceStack(redis_server.url, model, tokenizer, HistoryDrafter(min_n=1, max_n=3)) as stack:
+            async with AsyncClient(stack.address) as client:
+                whole = await client.generate(chat=CHAT, max_tokens=MAX_TOKENS)
+                chunks = [c async for c in client.stream(chat=CHAT, max_tokens=MAX_TOKENS)]
+                by_ids = await client.generate(prompt_ids=[5, 6, 7, 5, 6, 7], max_tokens=MAX_TOKENS)
+                count = await client.count_tokens(chat=CHAT)
+                models = await client.list_models()
+                info = await client.info()
+            blocking = await asyncio.to_thread(_blocking_generate, stack.address)
+            return whole, chunks, by_ids, count, models, info, blocking, stack.router.encode_chat(CHAT)
+
+    whole, chunks, by_ids, count, models, info, blocking, prompt = run(main())
+    assert whole.token_ids == plain(model, prompt)
+    assert whole.text == tokenizer.decode(whole.token_ids, skip_special_tokens=True)
+    assert [t for c in chunks for t in c.token_ids] == whole.token_ids
+    assert "".join(c.text for c in chunks) == whole.text
+    assert [c.finish_reason for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+    last = chunks[-1]
+    assert last.finish_reason == "length" and last.usage.completion_tokens == MAX_TOKENS
+    assert last.usage.prompt_tokens == count == len(prompt)
+    assert last.stats.target_steps < MAX_TOKENS / 2  # the repeated request was drafted from history
+    assert by_ids.token_ids == plain(model, [5, 6, 7, 5, 6, 7])
+    assert blocking == whole.token_ids
+    assert [m.id for m in models] == ["tiny"] and info.drafters[0].healthy and info.verifiers == 1
+
+
+def _blocking_generate(address):
+    with Client(address) as client:
+        return client.generate(chat=CHAT, max_tokens=MAX_TOKENS).token_ids
+
+
+BAD_REQUESTS = [
+    (dict(prompt=""), "prompt"),
+    (dict(prompt_ids=[]), "prompt"),
+    (dict(prompt_ids=[10**7]), "prompt"),
+    (dict(chat=[("robot", "hi")]), "role"),
+    (dict(chat=[]), "chat"),
+    (dict(prompt="hi", temperature=-1.0), "temperature"),
+    (dict(prompt="hi", temperature=float("nan")), "temperature"),
+    (dict(prompt="hi", top_p=1.5), "top_p"),
+    (dict(prompt="hi", top_k=-3), "top_k"),
+    (dict(prompt="hi", max_tokens=-5), "max_tokens"),
+    (dict(prompt="hi", max_tokens=10**6), "max_tokens"),
+    (dict(prompt="hi", max_tree_nodes=65), "max_tree_nodes"),
+    (dict(prompt="hi", request_id="x" * 500), "request_id"),
+]
+
+
+def test_invalid_arguments_are_refused_naming_the_field(redis_server, model, tokenizer):
+    async def main():
+        async with ServiceStack(redis_server.url, model, tokenizer, NgramDrafter()) as stack:
+            errors = []
+            async with AsyncClient(stack.address) as client:
+                for kwargs, _ in BAD_REQUESTS:
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await client.generate(**kwargs)
+                    errors.append((err.value.code(), err.value.details()))
+                async with grpc.aio.insecure_channel(stack.address) as channel:  # no input at all
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await router_pb2_grpc.RouterStub(channel).Generate(router_pb2.GenerateRequest(), timeout=10)
+                    errors.append((err.value.code(), err.value.details()))
+                ok = await client.generate(prompt="still fine", max_tokens=3)  # nothing crashed
+            return errors, ok
+
+    errors, ok = run(main())
+    for (kwargs, field), (code, details) in zip(BAD_REQUESTS + [({}, "input")], errors):
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (kwargs, code, details)
+        assert field in details, (kwargs, details)
+    assert len(ok.token_ids) == 3
+
+
+def test_drafter_service_errors(redis_server, model, tokenizer):
+    async def main():
+        async with ServiceStack(redis_server.url, model, tokenizer, NgramDrafter()) as stack:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.drafter_server.port}") as channel:
+                stub = drafter_pb2_grpc.DrafterStub(channel)
+                codes = []
+                for call, message in [
+                    (stub.Propose, drafter_pb2.ProposeRequest(request_id="nobody", budget=4)),
+                    (stub.OpenSession, drafter_pb2.OpenSessionRequest(request_id="r", prompt_ids=[])),
+                    (stub.OpenSession, drafter_pb2.OpenSessionRequest(request_id="r", prompt_ids=[1, 10**8])),
+                    (stub.Propose, drafter_pb2.ProposeRequest(request_id="r", budget=999)),
+                ]:
+                    try:
+                        await call(message, timeout=10)
+                        codes.append(grpc.StatusCode.OK)
+                    except grpc.aio.AioRpcError as exc:
+                        codes.append(exc.code())
+                await stub.OpenSession(drafter_pb2.OpenSessionRequest(request_id="r", prompt_ids=[4, 5, 6, 4, 5]), timeout=10)
+                tree = (await stub.Propose(drafter_pb2.ProposeRequest(request_id="r", budget=4), timeout=10)).tree
+                await stub.CloseSession(drafter_pb2.CloseSessionRequest(request_id="r"), timeout=10)
+                return codes, list(tree.tokens), len(stack.sessions)
+
+    codes, tokens, open_sessions = run(main())
+    assert codes == [grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INVALID_ARGUMENT,
+                     grpc.StatusCode.INVALID_ARGUMENT]
+    assert tokens[:1] == [6]  # ... 4 5 -> 6 by lookup
+    assert open_sessions == 0
+
+
+def test_overload_is_resource_exhausted_and_cancel_frees_everything(redis_server, model, tokenizer):
+    async def main():
+        limits = RouterLimits(max_concurrent_requests=1, max_tree_nodes=6)
+        async with ServiceStack(redis_server.url, model, tokenizer, NgramDrafter(), limits) as stack:
+            async with AsyncClient(stack.address) as client:
+                first = client.stream(chat=CHAT, max_tokens=200)
+                await first.__anext__()  # under way, holding the only slot
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await client.generate(chat=CHAT, max_tokens=5)
+                await first.aclose()  # the client walks away mid-stream
+                for _ in range(50):
+                    await asyncio.sleep(0.1)
+                    if not (stack.router.active or len(stack.sessions) or stack.pool.workers[0].verifier.num_sessions):
+                        break
+                freed = (stack.router.active, len(stack.sessions), stack.pool.workers[0].verifier.num_sessions)
+                again = await client.generate(chat=CHAT, max_tokens=5)
+            return err.value.code(), err.value.details(), freed, again
+
+    code, details, freed, again = run(main())
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "limit" in details
+    assert freed == (0, 0, 0)
+    assert len(again.token_ids) == 5
+
+
+def test_a_dead_drafter_costs_speculation_not_the_request(redis_server, model, tokenizer):
+    async def main():
+        async with ServiceStack(redis_server.url, model, tokenizer, NgramDrafter()) as stack:
+            async with AsyncClient(stack.address) as client:
+                stream = client.stream(chat=CHAT, max_tokens=MAX_TOKENS)
+                tokens = list((await stream.__anext__()).token_ids)
+                await stack.drafter_server.server.stop(0)  # the drafter node goes away mid-request
+                async for chunk in stream:
+                    tokens += chunk.token_ids
+                after = await client.generate(chat=CHAT, max_tokens=MAX_TOKENS)
+            return tokens, after, stack.router.encode_chat(CHAT), stack.remote.failures
+
+    tokens, after, prompt, failures = run(main())
+    assert tokens == plain(model, prompt) == after.token_ids
+    assert failures >= 1
+
+
+def test_health_and_reflection(redis_server, model, tokenizer):
+    async def main():
+        async with ServiceStack(redis_server.url, model, tokenizer, NgramDrafter()) as stack:
+            async with grpc.aio.insecure_channel(stack.address) as channel:
+                health = await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service="specmesh.v1.Router"), timeout=10)
+                stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+                answers = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+                services = [s.name async for a in answers for s in a.list_services_response.service]
+            return health.status, services
+
+    status, services = run(main())
+    assert status == health_pb2.HealthCheckResponse.SERVING
+    assert {"specmesh.v1.Router", "grpc.health.v1.Health"} <= set(services)
