@@ -2,7 +2,9 @@
 
 Modes are interleaved prompt by prompt so that drift in the machine's speed hits them alike:
 plain Hugging Face greedy ``generate``; Hugging Face assisted decoding with prompt lookup; specmesh's
-runtime with speculation off; specmesh with its drafters. The summary's keys follow shared/BENCH.md.
+runtime with speculation off; specmesh with its drafters, in process and through a local cluster
+(router -> drafter services -> Redis -> verifier, started by the bench and stopped after it).
+The summary's keys follow shared/BENCH.md.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import platform
 import statistics
 import time
 from collections import defaultdict
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -38,7 +41,7 @@ from specmesh.sampling import SamplingParams
 from specmesh.tree import TokenTree, compile_tree
 
 COST_CURVE_MAX_K = 16
-MODES = ("hf_plain", "hf_assisted", "own_plain", "engine", "engine_routed")
+MODES = ("hf_plain", "hf_assisted", "own_plain", "engine", "cluster", "engine_routed")
 # Oracle routing by MT-Bench category, standing in for the learned router: which shipped expert drafts.
 CATEGORY_EXPERT = {"coding": "code", "math": "math", "reasoning": "math"}
 DEFAULT_EXPERT = "writing"
@@ -156,94 +159,145 @@ def run_bench(args: argparse.Namespace) -> int:
         for domain in experts
     }
     modes = [m for m in (MODES[2:] if args.skip_baselines else MODES) if m != "engine_routed" or DEFAULT_EXPERT in routed]
-    tokens = {m: defaultdict(int) for m in modes}  # mode -> category -> tokens
-    seconds = {m: defaultdict(float) for m in modes}
-    steps = {m: defaultdict(int) for m in modes}  # target passes
-    identical = 0
-    params = SamplingParams(max_tokens=args.max_tokens)
-    for prompt, ids in tqdm(list(zip(prompts, encoded)), desc="prompts", unit="prompt"):
-        outputs = {}
-        for mode in modes:
-            started = time.perf_counter()
-            if mode in ("hf_plain", "hf_assisted"):
-                outputs[mode] = _hf_generate(assembly, ids, args.max_tokens, assisted=mode == "hf_assisted")
-            else:
-                engine = {"own_plain": plain, "engine": speculative}.get(mode) or routed.get(
-                    CATEGORY_EXPERT.get(prompt.category, DEFAULT_EXPERT), routed.get(DEFAULT_EXPERT))
-                (result,) = engine.generate([Request(ids, params)])
-                outputs[mode] = result.token_ids
-                steps[mode][prompt.category] += result.stats.target_steps
-            seconds[mode][prompt.category] += time.perf_counter() - started
-            tokens[mode][prompt.category] += len(outputs[mode])
-        reference = outputs.get("hf_plain", outputs["own_plain"])
-        identical += all(outputs[m] == reference for m in modes if m.startswith("engine"))
+    with ExitStack() as cleanup:
+        cluster = None
+        if args.no_cluster:
+            modes.remove("cluster")
+        else:
+            cluster = _start_cluster(args)
+            cleanup.callback(cluster[0].stop)
+        tokens = {m: defaultdict(int) for m in modes}  # mode -> category -> tokens
+        seconds = {m: defaultdict(float) for m in modes}
+        steps = {m: defaultdict(int) for m in modes}  # target passes
+        identical = 0
+        params = SamplingParams(max_tokens=args.max_tokens)
+        busy_before = _verifier_busy_s(cluster[0]) if cluster else 0.0
+        for prompt, ids in tqdm(list(zip(prompts, encoded)), desc="prompts", unit="prompt"):
+            outputs = {}
+            for mode in modes:
+                started = time.perf_counter()
+                if mode in ("hf_plain", "hf_assisted"):
+                    outputs[mode] = _hf_generate(assembly, ids, args.max_tokens, assisted=mode == "hf_assisted")
+                elif mode == "cluster":
+                    answer = cluster[1].generate(prompt_ids=list(ids), max_tokens=args.max_tokens)
+                    outputs[mode] = answer.token_ids
+                    steps[mode][prompt.category] += answer.stats.target_steps
+                else:
+                    engine = {"own_plain": plain, "engine": speculative}.get(mode) or routed.get(
+                        CATEGORY_EXPERT.get(prompt.category, DEFAULT_EXPERT), routed.get(DEFAULT_EXPERT))
+                    (result,) = engine.generate([Request(ids, params)])
+                    outputs[mode] = result.token_ids
+                    steps[mode][prompt.category] += result.stats.target_steps
+                seconds[mode][prompt.category] += time.perf_counter() - started
+                tokens[mode][prompt.category] += len(outputs[mode])
+            reference = outputs.get("hf_plain", outputs["own_plain"])
+            identical += all(outputs[m] == reference for m in modes if m.startswith(("engine", "cluster")))
+        busy_s = _verifier_busy_s(cluster[0]) - busy_before if cluster else 0.0
 
-    def speed(mode: str, category: str | None = None) -> float:
-        cats = [category] if category else list(tokens[mode])
-        return sum(tokens[mode][c] for c in cats) / max(sum(seconds[mode][c] for c in cats), 1e-9)
+        def speed(mode: str, category: str | None = None) -> float:
+            cats = [category] if category else list(tokens[mode])
+            return sum(tokens[mode][c] for c in cats) / max(sum(seconds[mode][c] for c in cats), 1e-9)
 
-    def accepted_length(mode: str, category: str | None = None) -> float:
-        cats = [category] if category else list(tokens[mode])
-        return sum(tokens[mode][c] for c in cats) / max(sum(steps[mode][c] for c in cats), 1)
+        def accepted_length(mode: str, category: str | None = None) -> float:
+            cats = [category] if category else list(tokens[mode])
+            return sum(tokens[mode][c] for c in cats) / max(sum(steps[mode][c] for c in cats), 1)
 
-    machine["load_average_after"] = os.getloadavg()[0]
-    plain_mode = "hf_plain" if "hf_plain" in modes else "own_plain"
-    summary = {
-        "greedy_identical_fraction": identical / len(prompts),
-        "own_plain_tokens_per_s": round(speed("own_plain"), 2),
-        "verify_one_step_ms": round(one_step_ms, 2),
-        "engine_tokens_per_s": round(speed("engine"), 2),
-        "engine_speedup_vs_own_plain": round(speed("engine") / speed("own_plain"), 3),
-        "mean_accepted_length": round(accepted_length("engine"), 3),
-        "drafter_union_agreement": union.get("all", 0.0),
-    }
-    if "engine_routed" in modes:
-        summary |= {
-            "engine_routed_tokens_per_s": round(speed("engine_routed"), 2),
-            "engine_routed_speedup_vs_own_plain": round(speed("engine_routed") / speed("own_plain"), 3),
-            "engine_routed_mean_accepted_length": round(accepted_length("engine_routed"), 3),
-        }
-    if "hf_plain" in modes:
-        summary |= {
-            "plain_tokens_per_s": round(speed("hf_plain"), 2),
-            "hf_assisted_tokens_per_s": round(speed("hf_assisted"), 2),
-            "engine_speedup_vs_plain": round(speed("engine") / speed("hf_plain"), 3),
-            "engine_speedup_vs_hf_assisted": round(speed("engine") / speed("hf_assisted"), 3),
-            "own_plain_speedup_vs_plain": round(speed("own_plain") / speed("hf_plain"), 3),
+        machine["load_average_after"] = os.getloadavg()[0]
+        plain_mode = "hf_plain" if "hf_plain" in modes else "own_plain"
+        summary = {
+            "greedy_identical_fraction": identical / len(prompts),
+            "own_plain_tokens_per_s": round(speed("own_plain"), 2),
+            "verify_one_step_ms": round(one_step_ms, 2),
+            "engine_tokens_per_s": round(speed("engine"), 2),
+            "engine_speedup_vs_own_plain": round(speed("engine") / speed("own_plain"), 3),
+            "mean_accepted_length": round(accepted_length("engine"), 3),
+            "drafter_union_agreement": union.get("all", 0.0),
         }
         if "engine_routed" in modes:
-            summary["engine_routed_speedup_vs_plain"] = round(speed("engine_routed") / speed("hf_plain"), 3)
-    per_category = {
-        c: {
-            "speedup_vs_plain": round(speed("engine", c) / speed(plain_mode, c), 3),
-            "mean_accepted_length": round(accepted_length("engine", c), 3),
+            summary |= {
+                "engine_routed_tokens_per_s": round(speed("engine_routed"), 2),
+                "engine_routed_speedup_vs_own_plain": round(speed("engine_routed") / speed("own_plain"), 3),
+                "engine_routed_mean_accepted_length": round(accepted_length("engine_routed"), 3),
+            }
+        if "cluster" in modes:
+            cluster_s = sum(seconds["cluster"].values())
+            per_step = {m: sum(seconds[m].values()) / max(sum(steps[m].values()), 1) for m in ("cluster", "engine")}
+            summary |= {
+                "cluster_tokens_per_s": round(speed("cluster"), 2),
+                "speedup_vs_own_plain": round(speed("cluster") / speed("own_plain"), 3),
+                "cluster_mean_accepted_length": round(accepted_length("cluster"), 3),
+                # a cluster step's extra time (gRPC, Redis, processes) over the same step in process, per target step
+                "cluster_overhead_fraction": round((per_step["cluster"] - per_step["engine"]) * 1e3 / one_step_ms, 3),
+                "verifier_idle_fraction": round(max(0.0, 1.0 - busy_s / max(cluster_s, 1e-9)), 3),
+            }
+            if "hf_plain" in modes:
+                summary |= {
+                    "speedup_vs_plain": round(speed("cluster") / speed("hf_plain"), 3),
+                    "speedup_vs_hf_assisted": round(speed("cluster") / speed("hf_assisted"), 3),
+                }
+        if "hf_plain" in modes:
+            summary |= {
+                "plain_tokens_per_s": round(speed("hf_plain"), 2),
+                "hf_assisted_tokens_per_s": round(speed("hf_assisted"), 2),
+                "engine_speedup_vs_plain": round(speed("engine") / speed("hf_plain"), 3),
+                "engine_speedup_vs_hf_assisted": round(speed("engine") / speed("hf_assisted"), 3),
+                "own_plain_speedup_vs_plain": round(speed("own_plain") / speed("hf_plain"), 3),
+            }
+            if "engine_routed" in modes:
+                summary["engine_routed_speedup_vs_plain"] = round(speed("engine_routed") / speed("hf_plain"), 3)
+        per_category = {
+            c: {
+                "speedup_vs_plain": round(speed("engine", c) / speed(plain_mode, c), 3),
+                "mean_accepted_length": round(accepted_length("engine", c), 3),
+            }
+            | ({
+                "routed_speedup_vs_plain": round(speed("engine_routed", c) / speed(plain_mode, c), 3),
+                "routed_speedup_vs_own_plain": round(speed("engine_routed", c) / speed("own_plain", c), 3),
+                "routed_mean_accepted_length": round(accepted_length("engine_routed", c), 3),
+            } if "engine_routed" in modes else {})
+            for c in tokens["engine"]
         }
-        | ({
-            "routed_speedup_vs_plain": round(speed("engine_routed", c) / speed(plain_mode, c), 3),
-            "routed_speedup_vs_own_plain": round(speed("engine_routed", c) / speed("own_plain", c), 3),
-            "routed_mean_accepted_length": round(accepted_length("engine_routed", c), 3),
-        } if "engine_routed" in modes else {})
-        for c in tokens["engine"]
-    }
-    report = {
-        "machine": machine,
-        "target": args.model,
-        "drafters": drafter_rows,
-        "drafter_union_agreement": union,
-        "tree_nodes": args.tree_nodes,
-        "max_tokens": args.max_tokens,
-        "prompts": {"source": source, "count": len(prompts)},
-        "summary": summary,
-        "verify_cost_curve": curve,
-        "per_category": per_category,
-    }
-    _print_report(report)
-    if args.json_out:
-        out = Path(args.json_out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"summary written to {out}")
-    return 0
+        report = {
+            "machine": machine,
+            "target": args.model,
+            "drafters": drafter_rows,
+            "drafter_union_agreement": union,
+            "tree_nodes": args.tree_nodes,
+            "max_tokens": args.max_tokens,
+            "prompts": {"source": source, "count": len(prompts)},
+            "summary": summary,
+            "verify_cost_curve": curve,
+            "per_category": per_category,
+        }
+        _print_report(report)
+        if args.json_out:
+            out = Path(args.json_out)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(report, indent=2) + "\n")
+            print(f"summary written to {out}")
+        return 0
+
+
+def _start_cluster(args: argparse.Namespace):
+    """The cluster with the engine's drafters, so that the two differ only in transport and processes."""
+    from specmesh.client import Client
+    from specmesh.launcher import ClusterSpec, LocalCluster
+
+    print("starting the local cluster ...", flush=True)
+    spec = ClusterSpec(model=args.model, drafters=tuple(args.drafter or ["ngram"]), max_tree_nodes=args.tree_nodes,
+                       dtype=args.dtype)
+    cluster = LocalCluster(spec).start()
+    return cluster, Client(cluster.router_address)
+
+
+def _verifier_busy_s(cluster) -> float:
+    import grpc
+
+    from specmesh.v1 import verifier_pb2, verifier_pb2_grpc
+
+    with grpc.insecure_channel(cluster.verifiers[0].address) as channel:
+        info = verifier_pb2_grpc.VerifierStub(channel).Info(verifier_pb2.VerifierInfoRequest(), timeout=10)
+    return info.busy_seconds
 
 
 def _print_report(report: dict) -> None:

@@ -66,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-tokens", type=int, default=64)
     bench.add_argument("--json", dest="json_out", help="write the summary (see shared/BENCH.md) here")
     bench.add_argument("--skip-baselines", action="store_true", help="only the verify cost curve and specmesh")
+    bench.add_argument("--no-cluster", action="store_true", help="skip the run through a local cluster")
     bench.add_argument("--report-drafter", action="append", default=None,
                        help="drafters to measure by teacher forcing (default: the model-free ones and every "
                        "expert shipped for the target); repeatable")

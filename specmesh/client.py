@@ -62,6 +62,7 @@ class Stats:
     first_token_ms: float
     total_ms: float
     drafters: tuple[str, ...]
+    drafted_ahead: int
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,8 @@ def _usage(message) -> Usage:
 
 def _stats(message) -> Stats:
     return Stats(message.target_steps, message.drafted_nodes, message.accepted_tokens, message.mean_accepted_length,
-                 message.resyncs, message.first_token_ms, message.total_ms, tuple(message.drafters))
+                 message.resyncs, message.first_token_ms, message.total_ms, tuple(message.drafters),
+                 message.drafted_ahead)
 
 
 def _generation(message: router_pb2.GenerateResponse) -> Generation:

@@ -43,6 +43,7 @@ class SpeculationStats:
     first_token_s: float = 0.0  # time to the first committed token (includes the prefill)
     total_s: float = 0.0
     draft_s: float = 0.0  # time spent waiting for drafters
+    drafted_ahead: int = 0  # steps whose tree was drafted during the previous verification
     verify_s: float = 0.0  # time spent waiting for verification (queue + target pass)
 
     @property
@@ -62,7 +63,7 @@ class AsyncDrafter(Protocol):
 
     async def start(self, request_id: str, prompt_ids: Sequence[int]) -> None: ...
 
-    async def propose(self, request_id: str, budget: int) -> TokenTree: ...
+    async def propose(self, request_id: str, budget: int, assumed: Sequence[int] = ()) -> TokenTree: ...
 
     async def commit(self, request_id: str, new_token_ids: Sequence[int]) -> None: ...
 
@@ -85,8 +86,8 @@ class LocalDrafter:
     async def start(self, request_id: str, prompt_ids: Sequence[int]) -> None:
         self.drafter.start(request_id, prompt_ids)
 
-    async def propose(self, request_id: str, budget: int) -> TokenTree:
-        return self.drafter.propose(request_id, budget)
+    async def propose(self, request_id: str, budget: int, assumed: Sequence[int] = ()) -> TokenTree:
+        return self.drafter.propose(request_id, budget, assumed)
 
     async def commit(self, request_id: str, new_token_ids: Sequence[int]) -> None:
         self.drafter.commit(request_id, new_token_ids)
@@ -142,30 +143,46 @@ async def speculate(
     budget: Callable[[Request, int], int] | int,
     eos_token_ids: frozenset[int] = frozenset(),
     stats: SpeculationStats | None = None,
+    draft_ahead: bool = False,
 ) -> AsyncIterator[StepOutput]:
     """Run one request to completion, yielding the tokens each step commits.
 
     ``budget`` is the tree budget (an int, or a function of the request and its output length: the
-    speculation controller). Closing the iterator early (cancellation, a client that went away) still
-    frees every drafter session and the verifier's KV cache.
+    speculation controller). With ``draft_ahead``, while a tree is being verified the drafters already
+    draft the next one as if the tree's likeliest path were accepted; when the verdict accepts that
+    whole path, the draft's subtree under the bonus token is the next tree, else it is thrown away.
+    Closing the iterator early (cancellation, a client that went away) still frees every drafter
+    session and the verifier's KV cache.
     """
     stats = stats if stats is not None else SpeculationStats()
     started = time.perf_counter()
     context = list(request.prompt_ids)  # every committed token; the last one is the next tree's root
     produced = 0
     rid = request.request_id
+    pending: list[asyncio.Future] = []  # verification and draft-ahead in flight, cancelled on exit
     try:
         await asyncio.gather(*(d.start(rid, request.prompt_ids) for d in drafters))
         step = 0
         send_history = True  # the first job always prefills
+        tree: TokenTree | None = None  # a tree drafted ahead and confirmed by the last verdict
         while True:
             room = request.params.max_tokens - produced
             tree_budget = budget(request, produced) if callable(budget) else budget
-            drafted_at = time.perf_counter()
-            tree = await _draft(drafters, rid, tree_budget, max_depth=room - 1)
-            stats.draft_s += time.perf_counter() - drafted_at
+            if tree is None:
+                drafted_at = time.perf_counter()
+                tree = await _draft(drafters, rid, tree_budget, max_depth=room - 1)
+                stats.draft_s += time.perf_counter() - drafted_at
+            else:
+                tree = tree.truncated(tree_budget).within_depth(room - 1)
+                stats.drafted_ahead += 1
             verified_at = time.perf_counter()
-            result = await _verify(verifier, request, step, context, tree, send_history, stats)
+            verifying = asyncio.ensure_future(_verify(verifier, request, step, context, tree, send_history, stats))
+            pending = [verifying]
+            assumed = tree.likeliest_path() if draft_ahead and len(tree) else []
+            if assumed:
+                pending.append(asyncio.ensure_future(
+                    _draft(drafters, rid, tree_budget, max_depth=room - len(assumed) - 2, assumed=assumed)))
+            result = await verifying
             stats.verify_s += time.perf_counter() - verified_at
             send_history = False
             verdict = result.verdict
@@ -185,20 +202,31 @@ async def speculate(
             produced += len(new)
             context.extend(new)
             step += 1
+            tree = None
+            if assumed:
+                ahead = await pending[1]  # the drafters finish before they hear the verdict
+                if finish_reason is None and new[:-1] == assumed:
+                    tree = ahead.below(new[-1])
+            pending = []
             await asyncio.gather(*(d.commit(rid, new) for d in drafters))  # also the last: history drafters keep answers
             yield StepOutput(new, finish_reason)
             if finish_reason is not None:
                 return
     finally:
+        for future in pending:
+            future.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
         stats.total_s = time.perf_counter() - started
         await asyncio.shield(_release(drafters, verifier, rid))
 
 
-async def _draft(drafters: Sequence[AsyncDrafter], request_id: str, budget: int, max_depth: int) -> TokenTree:
+async def _draft(
+    drafters: Sequence[AsyncDrafter], request_id: str, budget: int, max_depth: int, assumed: Sequence[int] = (),
+) -> TokenTree:
     # a step commits at most depth + 1 tokens: deeper guesses than the answer has room for are waste
     if budget <= 0 or max_depth <= 0 or not drafters:
         return TokenTree()
-    trees = await asyncio.gather(*(d.propose(request_id, budget) for d in drafters))
+    trees = await asyncio.gather(*(d.propose(request_id, budget, assumed) for d in drafters))
     return fuse_trees(trees, budget).within_depth(max_depth)
 
 

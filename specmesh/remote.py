@@ -66,13 +66,15 @@ class RemoteDrafter:
         if self.healthy:
             await self._open_session(request_id)
 
-    async def propose(self, request_id: str, budget: int) -> TokenTree:
+    async def propose(self, request_id: str, budget: int, assumed: Sequence[int] = ()) -> TokenTree:
         if not self.healthy or request_id not in self._context:
             return TokenTree()
         for _ in range(2):  # a second try after re-opening a session the drafter lost
             if request_id not in self._open and not await self._open_session(request_id):
                 return TokenTree()
-            request = drafter_pb2.ProposeRequest(request_id=request_id, committed=self._unsent[request_id], budget=budget)
+            request = drafter_pb2.ProposeRequest(
+                request_id=request_id, committed=self._unsent[request_id], budget=budget, assumed=assumed
+            )
             try:
                 answer = await self._stub.Propose(request, timeout=self.timeout_s)
             except grpc.aio.AioRpcError as exc:

@@ -36,6 +36,7 @@ class RouterLimits:
     max_queue_backlog: int = 256  # pool jobs no verifier has taken yet: beyond this, new requests wait elsewhere
     default_max_tokens: int = 256
     max_tree_nodes: int = 8
+    draft_ahead: bool = True  # draft the next tree while the current one is verified
 
 
 @dataclass
@@ -111,7 +112,8 @@ class Router:
         generation = Generation(request, len(request.prompt_ids), [d.name for d in drafters])
         self.active += 1
         try:
-            steps = speculate(request, drafters, self.verifier, budget, self.card.eos_token_ids, generation.stats)
+            steps = speculate(request, drafters, self.verifier, budget, self.card.eos_token_ids, generation.stats,
+                              draft_ahead=self.limits.draft_ahead)
             async with aclosing(steps):
                 async for step in steps:
                     generation.token_ids.extend(step.token_ids)

@@ -185,3 +185,15 @@ class TorchThread:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True)
+
+
+def run_service(prog: str, parser, serve: Callable[..., Awaitable[None]], argv: Sequence[str] | None) -> int:
+    """A service's command line: parse flags, log, serve until SIGTERM; a bad flag exits 2 with its reason."""
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level)
+    try:
+        asyncio.run(serve(args))
+    except InvalidArgument as exc:
+        print(f"{prog}: error: {exc}", flush=True)
+        return 2
+    return 0

@@ -98,6 +98,35 @@ class TokenTree:
             tuple(self.draft_probs[i] for i in keep),
         )
 
+    def likeliest_path(self) -> list[int]:
+        """Tokens of the path that follows, from the root, the most confident child at every level."""
+        kids = self.children()
+        tokens: list[int] = []
+        row = 0
+        while kids[row]:
+            node = max(kids[row], key=lambda c: self.draft_probs[c])
+            tokens.append(self.tokens[node])
+            row = node + 1
+        return tokens
+
+    def below(self, token: int) -> TokenTree | None:
+        """The subtree under the root's child ``token``, re-rooted there (that child becomes the root);
+        None when the root has no such child."""
+        top = next((i for i, (t, p) in enumerate(zip(self.tokens, self.parents)) if p == ROOT and t == token), None)
+        if top is None:
+            return None
+        remap = {top: ROOT}
+        keep = []
+        for i in range(top + 1, len(self)):
+            if self.parents[i] in remap:
+                remap[i] = len(keep)
+                keep.append(i)
+        return TokenTree(
+            tuple(self.tokens[i] for i in keep),
+            tuple(remap[self.parents[i]] for i in keep),
+            tuple(self.draft_probs[i] for i in keep),
+        )
+
     def truncated(self, budget: int) -> TokenTree:
         """The first ``budget`` nodes (still a tree, since parents precede children)."""
         return TokenTree(self.tokens[:budget], self.parents[:budget], self.draft_probs[:budget])

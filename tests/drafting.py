@@ -29,10 +29,10 @@ class OracleTreeDrafter:
     def end(self, request_id: str) -> None:
         self.contexts.pop(request_id, None)
 
-    def propose(self, request_id: str, budget: int) -> TokenTree:
+    def propose(self, request_id: str, budget: int, assumed: Sequence[int] = ()) -> TokenTree:
         prompt_len, committed = self.contexts[request_id]
         answer = self.answers.get(tuple(committed[:prompt_len]), [])
-        done = len(committed) - prompt_len
+        done = len(committed) + len(assumed) - prompt_len
         truth = answer[done : done + budget]
         rng = self.rng
         tokens: list[int] = []

@@ -130,3 +130,20 @@ def test_redis_restart_fails_fast_or_completes_and_then_serves_again(cluster, qu
     with Client(cluster.router_address) as client:
         again = client.generate(chat=[("user", questions[3])], max_tokens=MAX_TOKENS)
     assert again.token_ids == plain_outputs[3]
+
+
+def test_sigterm_drains_a_verifier_without_losing_requests(cluster, questions, plain_outputs):
+    spare = cluster.verifier_process(2)  # the one that takes over
+    spare.start()
+    cluster.verifiers.append(spare)
+    spare.wait_ready(300)
+    leaving = cluster.verifiers[1]
+    chosen = [16, 17, 18, 19]
+    started = threading.Barrier(len(chosen) + 1)
+    with Client(cluster.router_address) as client, ThreadPoolExecutor(len(chosen)) as pool:
+        futures = [pool.submit(stream_collect, client, questions[i], started) for i in chosen]
+        started.wait(timeout=120)
+        leaving.signal(signal.SIGTERM)
+        outputs = [f.result(timeout=300) for f in futures]
+    assert leaving.wait(30) == 0  # drained and exited cleanly
+    assert outputs == [plain_outputs[i] for i in chosen]

@@ -190,7 +190,7 @@ def test_long_prompts_prefill_in_chunks(tiny_model, runtime, monkeypatch):
 
 def test_sessions_are_freed_when_a_drafter_fails(runtime):
     class Broken(NgramDrafter):
-        def propose(self, request_id, budget):
+        def propose(self, request_id, budget, assumed=()):
             raise RuntimeError("drafter died")
 
     drafter = Broken()

@@ -8,10 +8,10 @@ from contextlib import aclosing
 
 import pytest
 
-from specmesh.drafters.ngram import NgramDrafter
+from specmesh.drafters.ngram import HistoryDrafter, NgramDrafter
 from specmesh.engine import Request, SpeculativeEngine
 from specmesh.errors import Unavailable
-from specmesh.loop import LocalDrafter, speculate
+from specmesh.loop import LocalDrafter, SpeculationStats, speculate
 from specmesh.models.llama import LlamaRuntime
 from specmesh.queue import VerifierQueue, encode_job
 from specmesh.redis_server import RedisServer
@@ -32,9 +32,9 @@ def reference(tiny_model):
     return engine.generate([Request(p, SamplingParams(max_tokens=MAX_TOKENS)) for p in PROMPTS])
 
 
-async def run_request(request, drafters, client, budget=6):
+async def run_request(request, drafters, client, budget=6, stats=None, draft_ahead=False):
     tokens = []
-    async with aclosing(speculate(request, drafters, client, budget)) as steps:
+    async with aclosing(speculate(request, drafters, client, budget, stats=stats, draft_ahead=draft_ahead)) as steps:
         async for step in steps:
             tokens += step.token_ids
     return tokens
@@ -57,6 +57,29 @@ def test_speculation_through_redis_gives_the_engines_outputs(redis_server, tiny_
     assert sessions == [0, 0]  # every request's KV cache was freed when it ended
     assert all(j > 0 for j in jobs)  # both verifiers took work
     assert leftover == 0  # answered jobs are deleted from the stream
+
+
+def test_drafting_ahead_reuses_confirmed_trees_and_changes_no_output(redis_server, tiny_model, reference):
+    history = HistoryDrafter(min_n=1, max_n=3)
+    for i, (prompt, done) in enumerate(zip(PROMPTS, reference)):  # earlier answers: whole paths get accepted
+        history.start(f"earlier{i}", prompt + tuple(done.token_ids))
+        history.end(f"earlier{i}")
+
+    async def main():
+        async with InProcessPool(redis_server.url, tiny_model, workers=1) as pool:
+            drafters = [LocalDrafter(history), LocalDrafter(NgramDrafter())]
+            stats = [SpeculationStats() for _ in PROMPTS]
+            outputs = await asyncio.gather(*(
+                run_request(Request(p, SamplingParams(max_tokens=MAX_TOKENS)), drafters, pool.client, budget=4,
+                            stats=s, draft_ahead=True)
+                for p, s in zip(PROMPTS, stats)
+            ))
+        return outputs, stats
+
+    outputs, stats = asyncio.run(main())
+    assert outputs == [r.token_ids for r in reference]
+    assert sum(s.drafted_ahead for s in stats) > len(PROMPTS)  # confirmed drafts were used, several a request
+    assert sum(s.target_steps for s in stats) < len(PROMPTS) * MAX_TOKENS / 3
 
 
 def test_jobs_held_by_a_dead_verifier_are_reclaimed(redis_server, tiny_model, reference):

@@ -62,3 +62,20 @@ def test_within_depth_drops_deep_nodes_and_renumbers():
     assert shallow == TokenTree((1, 3), (ROOT, ROOT), (0.9, 0.7))
     assert tree.within_depth(2) == TokenTree((1, 2, 3), (ROOT, 0, ROOT), (0.9, 0.8, 0.7))
     assert tree.within_depth(5) is tree
+
+
+def test_likeliest_path_and_re_rooting_below_a_child():
+    #        root
+    #       /    \
+    #   5 (.3)   6 (.6)
+    #    |       /    \
+    #   7 (.9) 8 (.2) 9 (.7)
+    #                  |
+    #                 4 (.5)
+    tree = TokenTree((5, 6, 7, 8, 9, 4), (-1, -1, 0, 1, 1, 4), (0.3, 0.6, 0.9, 0.2, 0.7, 0.5))
+    assert tree.likeliest_path() == [6, 9, 4]
+    below = tree.below(6)
+    assert below == TokenTree((8, 9, 4), (-1, -1, 1), (0.2, 0.7, 0.5))
+    assert tree.below(5) == TokenTree((7,), (-1,), (0.9,))
+    assert tree.below(3) is None
+    assert TokenTree().likeliest_path() == [] and TokenTree().below(1) is None

@@ -5,7 +5,6 @@ and their model passes should not stall the server."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import time
 from collections import OrderedDict
@@ -16,7 +15,7 @@ from specmesh.drafters.base import Drafter
 from specmesh.engine import MAX_TREE_NODES
 from specmesh.errors import InvalidArgument, NotFound
 from specmesh.models.loading import EMBEDDED_DEFAULT, load_target_parts, tokenizer_fingerprint
-from specmesh.serving import Service, TorchThread, configure_logging, env_default, start_server
+from specmesh.serving import Service, TorchThread, env_default, run_service, start_server
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
 from specmesh.wire import tree_to_pb
 
@@ -59,17 +58,18 @@ class DrafterSessions:
         self.drafter.start(request_id, list(prompt_ids))
         self._sessions[request_id] = time.monotonic()
 
-    def propose(self, request_id: str, committed: Sequence[int], budget: int):
+    def propose(self, request_id: str, committed: Sequence[int], budget: int, assumed: Sequence[int] = ()):
         if not 0 <= budget <= MAX_TREE_NODES:
             raise InvalidArgument("budget", f"must be in 0..{MAX_TREE_NODES}, got {budget}")
         if request_id not in self._sessions:
             raise NotFound(f"no drafting session for request {request_id!r}; open one first")
         self._check_tokens("committed", committed)
+        self._check_tokens("assumed", assumed)
         self._sessions.move_to_end(request_id)
         self._sessions[request_id] = time.monotonic()
         if committed:
             self.drafter.commit(request_id, list(committed))
-        return self.drafter.propose(request_id, budget)
+        return self.drafter.propose(request_id, budget, list(assumed))
 
     def close(self, request_id: str, committed: Sequence[int]) -> None:
         if request_id not in self._sessions:
@@ -95,7 +95,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     async def Propose(self, request, context):
         started = time.perf_counter()
-        tree = await self._run(self.sessions.propose, request.request_id, tuple(request.committed), request.budget)
+        tree = await self._run(self.sessions.propose, request.request_id, tuple(request.committed), request.budget,
+                               tuple(request.assumed))
         return drafter_pb2.ProposeResponse(tree=tree_to_pb(tree), draft_ms=(time.perf_counter() - started) * 1e3)
 
     async def CloseSession(self, request, context):
@@ -161,11 +162,4 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    configure_logging(args.log_level)
-    try:
-        asyncio.run(serve(args))
-    except InvalidArgument as exc:
-        print(f"specmesh-drafter: error: {exc}", flush=True)
-        return 2
-    return 0
+    return run_service("specmesh-drafter", build_parser(), serve, argv)

@@ -19,7 +19,7 @@ from specmesh.models.loading import EMBEDDED_DEFAULT, load_target_parts, tokeniz
 from specmesh.queue import QueueKeys, QueueVerifierClient
 from specmesh.remote import RemoteDrafter
 from specmesh.router import Generation, ModelCard, Router, RouterLimits, TextStream
-from specmesh.serving import Service, configure_logging, env_default, start_server
+from specmesh.serving import Service, env_default, run_service, start_server
 from specmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 from specmesh.wire import sampling_from_pb
 
@@ -35,7 +35,7 @@ def _stats(generation: Generation) -> router_pb2.SpeculationStats:
     return router_pb2.SpeculationStats(
         target_steps=s.target_steps, drafted_nodes=s.drafted_nodes, accepted_tokens=s.accepted_tokens,
         mean_accepted_length=s.mean_accepted_length, resyncs=s.resyncs, first_token_ms=s.first_token_s * 1e3,
-        total_ms=s.total_s * 1e3, drafters=generation.drafters,
+        total_ms=s.total_s * 1e3, drafters=generation.drafters, drafted_ahead=s.drafted_ahead,
     )
 
 
@@ -123,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-queue-backlog", type=int, default=int(env_default("max_queue_backlog", "256")))
     parser.add_argument("--max-tree-nodes", type=int, default=int(env_default("max_tree_nodes", "8")))
     parser.add_argument("--default-max-tokens", type=int, default=int(env_default("default_max_tokens", "256")))
+    parser.add_argument("--draft-ahead", choices=("on", "off"), default=env_default("draft_ahead", "on"),
+                        help="draft the next tree while the current one is verified (default on)")
     parser.add_argument("--job-timeout", type=float, default=float(env_default("job_timeout", "30")),
                         help="seconds a verification step may take before the request fails UNAVAILABLE")
     parser.add_argument("--drafter-timeout", type=float, default=float(env_default("drafter_timeout", "2")),
@@ -146,7 +148,8 @@ async def serve(args: argparse.Namespace) -> None:
     for drafter in drafters:
         if not await drafter.connect(card.tokenizer_hash):
             log.warning("drafter %s is not reachable yet; it will be retried", drafter.address)
-    limits = RouterLimits(args.max_concurrent, args.max_queue_backlog, args.default_max_tokens, args.max_tree_nodes)
+    limits = RouterLimits(args.max_concurrent, args.max_queue_backlog, args.default_max_tokens, args.max_tree_nodes,
+                          draft_ahead=args.draft_ahead == "on")
     router = Router(target.tokenizer, card, drafters, verifier, limits)
     servicer = RouterServicer(router, verifier)
     server = await start_server(
@@ -163,11 +166,4 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    configure_logging(args.log_level)
-    try:
-        asyncio.run(serve(args))
-    except InvalidArgument as exc:
-        print(f"specmesh-router: error: {exc}", flush=True)
-        return 2
-    return 0
+    return run_service("specmesh-router", build_parser(), serve, argv)

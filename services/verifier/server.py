@@ -26,7 +26,7 @@ from specmesh.models.loading import EMBEDDED_DEFAULT, load_hf_model, tokenizer_f
 from specmesh.models.runtime import make_runtime
 from specmesh.queue import REDIS_DOWN, Entry, QueueKeys, VerifierQueue, encode_error, encode_result
 from specmesh.scheduling import plan_batch
-from specmesh.serving import Service, TorchThread, configure_logging, env_default, start_server
+from specmesh.serving import Service, TorchThread, env_default, run_service, start_server
 from specmesh.v1 import verifier_pb2, verifier_pb2_grpc
 from specmesh.verifier import TreeVerifier
 
@@ -178,6 +178,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         info.active_sessions = self.worker.verifier.num_sessions
         info.batches, info.jobs = stats.batches, stats.jobs
         info.idle_fraction = stats.idle_fraction()
+        info.busy_seconds = stats.busy_s
         info.draining = self.worker.draining
         return info
 
@@ -241,11 +242,4 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    configure_logging(args.log_level)
-    try:
-        asyncio.run(serve(args))
-    except InvalidArgument as exc:
-        print(f"specmesh-verifier: error: {exc}", flush=True)
-        return 2
-    return 0
+    return run_service("specmesh-verifier", build_parser(), serve, argv)

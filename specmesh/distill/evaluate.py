@@ -75,7 +75,7 @@ def step_cost_ms(drafter: ExpertDrafter, context: Sequence[int], steps: int = 40
     drafter.start("cost-probe", context)
     try:
         state = drafter._requests["cost-probe"]
-        drafter._catch_up(state)
+        drafter._catch_up(state, state.committed)
         times = []
         token = context[-1]
         for _ in range(steps):

@@ -3,6 +3,10 @@
 A drafter keeps per-request state (a KV cache, an n-gram index) keyed by request id. Its view of a
 request is the committed token sequence; the last committed token is the tree's root, so proposed
 nodes continue after it. "Nothing to say" is the empty tree, never None.
+
+A proposal may *assume* tokens past the committed ones (drafting ahead while a verification is in
+flight): the tree then continues after the assumed tokens, which are not committed; the next
+proposal or commit starts again from the committed tokens.
 """
 
 from __future__ import annotations
@@ -19,8 +23,8 @@ class Drafter(Protocol):
     def start(self, request_id: str, prompt_ids: Sequence[int]) -> None:
         """Begin a request whose committed tokens so far are ``prompt_ids``."""
 
-    def propose(self, request_id: str, budget: int) -> TokenTree:
-        """Up to ``budget`` nodes continuing the committed tokens."""
+    def propose(self, request_id: str, budget: int, assumed: Sequence[int] = ()) -> TokenTree:
+        """Up to ``budget`` nodes continuing the committed tokens (followed by ``assumed``)."""
 
     def commit(self, request_id: str, new_token_ids: Sequence[int]) -> None:
         """The target committed these tokens after the previous ones."""

@@ -164,11 +164,11 @@ class ExpertDrafter:
         if state is not None:
             state.session.free()
 
-    def _catch_up(self, state: _Request) -> torch.Tensor:
-        """Bring the session to all committed tokens; return the distribution after the last one [subset + 1]."""
-        shared = min(common_prefix(state.cached, state.committed), len(state.committed) - 1)  # last token always fed
+    def _catch_up(self, state: _Request, context: list[int]) -> torch.Tensor:
+        """Bring the session to ``context``; return the distribution after its last token [subset + 1]."""
+        shared = min(common_prefix(state.cached, context), len(context) - 1)  # the last token is always fed
         state.session.rollback(min(shared, state.session.length))
-        feed = state.committed[state.session.length :]
+        feed = context[state.session.length :]
         for start in range(0, len(feed), PREFILL_CHUNK):  # chunks bound the attention memory of long prompts
             chunk = feed[start : start + PREFILL_CHUNK]
             tree = compile_tree(chunk[0], TokenTree.chain(chunk[1:]))
@@ -176,16 +176,16 @@ class ExpertDrafter:
                 TreeBatch.build([state.session], [tree]), logits_rows=torch.tensor([tree.num_rows - 1])
             )
             state.session.keep_rows(list(range(tree.num_rows)))
-        state.cached = list(state.committed)
+        state.cached = list(context)
         return logits[0].softmax(-1)
 
-    def propose(self, request_id: str, budget: int) -> TokenTree:
+    def propose(self, request_id: str, budget: int, assumed: Sequence[int] = ()) -> TokenTree:
         state = self._requests[request_id]
         if budget <= 0:
             return TokenTree()
         # guesses fed by ``advance`` are scratch: the next proposal rolls the session back to the commits
         return confident_tree(
-            self._catch_up(state),
+            self._catch_up(state, [*state.committed, *assumed]),
             lambda token: self._advance(state, token),
             self.subset_ids,
             budget,

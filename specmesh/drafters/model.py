@@ -51,7 +51,7 @@ class ModelDrafter:
         self._states.pop(request_id, None)
 
     @torch.no_grad()
-    def propose(self, request_id: str, budget: int) -> TokenTree:
+    def propose(self, request_id: str, budget: int, assumed: Sequence[int] = ()) -> TokenTree:
         from transformers import DynamicCache
 
         state = self._states[request_id]
@@ -59,11 +59,12 @@ class ModelDrafter:
             return TokenTree()
         if state.cache is None:
             state.cache = DynamicCache()
-        # keep at least one committed token uncached: its logits start the tree
-        keep = min(common_prefix(state.cached, state.committed), len(state.committed) - 1)
+        context = [*state.committed, *assumed]
+        # keep at least one context token uncached: its logits start the tree
+        keep = min(common_prefix(state.cached, context), len(context) - 1)
         state.cache.crop(keep - len(state.cached))  # a negative count: how many entries to drop
-        state.cached = state.committed[:keep]
-        first = self._distribution(state, state.committed[keep:])
+        state.cached = context[:keep]
+        first = self._distribution(state, context[keep:])
         return confident_tree(
             first, lambda token: self._distribution(state, [token]), None, budget, self.max_depth,
             self.branch_below, self.branch_width,

@@ -114,12 +114,13 @@ class NgramDrafter:
     def commit(self, request_id: str, new_token_ids: Sequence[int]) -> None:
         self._indexes[request_id].extend(0, new_token_ids)
 
-    def propose(self, request_id: str, budget: int) -> TokenTree:
+    def propose(self, request_id: str, budget: int, assumed: Sequence[int] = ()) -> TokenTree:
         index = self._indexes[request_id]
         tokens = index.documents[0]
         if budget <= 0:
             return TokenTree()
-        paths = index.continuations(tokens, budget, self.max_matches, skip=(0, len(tokens)))
+        context = [*tokens, *assumed] if assumed else tokens
+        paths = index.continuations(context, budget, self.max_matches, skip=(0, len(tokens)))
         return tree_by_agreement(paths, budget) if paths else TokenTree()
 
     def end(self, request_id: str) -> None:
@@ -147,10 +148,10 @@ class HistoryDrafter:
     def commit(self, request_id: str, new_token_ids: Sequence[int]) -> None:
         self._active[request_id].extend(int(t) for t in new_token_ids)
 
-    def propose(self, request_id: str, budget: int) -> TokenTree:
+    def propose(self, request_id: str, budget: int, assumed: Sequence[int] = ()) -> TokenTree:
         if budget <= 0:
             return TokenTree()
-        paths = self._index.continuations(self._active[request_id], budget, self.max_matches)
+        paths = self._index.continuations([*self._active[request_id], *assumed], budget, self.max_matches)
         return tree_by_agreement(paths, budget) if paths else TokenTree()
 
     def end(self, request_id: str) -> None:

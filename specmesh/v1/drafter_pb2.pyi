@@ -20,14 +20,16 @@ class OpenSessionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("request_id", "committed", "budget")
+    __slots__ = ("request_id", "committed", "budget", "assumed")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
+    ASSUMED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     committed: _containers.RepeatedScalarFieldContainer[int]
     budget: int
-    def __init__(self, request_id: _Optional[str] = ..., committed: _Optional[_Iterable[int]] = ..., budget: _Optional[int] = ...) -> None: ...
+    assumed: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., committed: _Optional[_Iterable[int]] = ..., budget: _Optional[int] = ..., assumed: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("tree", "draft_ms")

@@ -68,7 +68,8 @@ class DrafterServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Propose(self, request, context):
-        """Tell the tokens committed since the last call, then propose a tree of up to budget nodes.
+        """Tell the tokens committed since the last call, then propose a tree of up to budget nodes (after
+        the assumed tokens, when given: drafting ahead while a verification is in flight).
         NOT_FOUND when the session is unknown (the drafter restarted or evicted it): open it again.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -46,7 +46,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("target_steps", "drafted_nodes", "accepted_tokens", "mean_accepted_length", "resyncs", "first_token_ms", "total_ms", "drafters")
+    __slots__ = ("target_steps", "drafted_nodes", "accepted_tokens", "mean_accepted_length", "resyncs", "first_token_ms", "total_ms", "drafters", "drafted_ahead")
     TARGET_STEPS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_NODES_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,7 @@ class SpeculationStats(_message.Message):
     FIRST_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
     DRAFTERS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_AHEAD_FIELD_NUMBER: _ClassVar[int]
     target_steps: int
     drafted_nodes: int
     accepted_tokens: int
@@ -63,7 +64,8 @@ class SpeculationStats(_message.Message):
     first_token_ms: float
     total_ms: float
     drafters: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, target_steps: _Optional[int] = ..., drafted_nodes: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., resyncs: _Optional[int] = ..., first_token_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., drafters: _Optional[_Iterable[str]] = ...) -> None: ...
+    drafted_ahead: int
+    def __init__(self, target_steps: _Optional[int] = ..., drafted_nodes: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., resyncs: _Optional[int] = ..., first_token_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., drafters: _Optional[_Iterable[str]] = ..., drafted_ahead: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "stats")

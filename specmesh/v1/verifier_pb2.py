@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specmesh.v1 import common_pb2 as specmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecmesh/v1/verifier.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"\x15\n\x13VerifierInfoRequest\"\x91\x02\n\x0cVerifierInfo\x12\x13\n\x0bverifier_id\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x16\n\x0etokenizer_hash\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x12\n\nmax_length\x18\x06 \x01(\x05\x12\x14\n\x0cmax_sessions\x18\x07 \x01(\x05\x12\x17\n\x0f\x61\x63tive_sessions\x18\x08 \x01(\x05\x12\x18\n\x10max_batch_tokens\x18\t \x01(\x05\x12\x0f\n\x07\x62\x61tches\x18\n \x01(\x03\x12\x0c\n\x04jobs\x18\x0b \x01(\x03\x12\x15\n\ridle_fraction\x18\x0c \x01(\x01\x12\x10\n\x08\x64raining\x18\r \x01(\x08\"\x0e\n\x0c\x44rainRequest\"*\n\rDrainResponse\x12\x19\n\x11released_sessions\x18\x01 \x01(\x05\"\x87\x02\n\tVerifyJob\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x05\x12\x10\n\x08position\x18\x03 \x01(\x05\x12\x0c\n\x04root\x18\x04 \x01(\x05\x12$\n\x04tree\x18\x05 \x01(\x0b\x32\x16.specmesh.v1.TokenTree\x12-\n\x08sampling\x18\x06 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12+\n\x07history\x18\x07 \x01(\x0b\x32\x15.specmesh.v1.TokenIdsH\x00\x88\x01\x01\x12\x10\n\x08reply_to\x18\x08 \x01(\t\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\t \x01(\x03\x42\n\n\x08_history\"\xc4\x02\n\x0cVerifyResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x05\x12\x30\n\x06status\x18\x03 \x01(\x0e\x32 .specmesh.v1.VerifyResult.Status\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x04 \x03(\x05\x12\x0e\n\x06tokens\x18\x05 \x03(\x05\x12\x13\n\x0bverifier_id\x18\x06 \x01(\t\x12\x0f\n\x07message\x18\x07 \x01(\t\x12\x18\n\x10prefilled_tokens\x18\x08 \x01(\x05\x12\x10\n\x08queue_ms\x18\t \x01(\x01\x12\x11\n\tverify_ms\x18\n \x01(\x01\x12\x12\n\nbatch_size\x18\x0b \x01(\x05\"?\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x06\n\x02OK\x10\x01\x12\n\n\x06RESYNC\x10\x02\x12\t\n\x05\x45RROR\x10\x03\x32\x8f\x01\n\x08Verifier\x12\x43\n\x04Info\x12 .specmesh.v1.VerifierInfoRequest\x1a\x19.specmesh.v1.VerifierInfo\x12>\n\x05\x44rain\x12\x19.specmesh.v1.DrainRequest\x1a\x1a.specmesh.v1.DrainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecmesh/v1/verifier.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"\x15\n\x13VerifierInfoRequest\"\xa7\x02\n\x0cVerifierInfo\x12\x13\n\x0bverifier_id\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x16\n\x0etokenizer_hash\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x12\n\nmax_length\x18\x06 \x01(\x05\x12\x14\n\x0cmax_sessions\x18\x07 \x01(\x05\x12\x17\n\x0f\x61\x63tive_sessions\x18\x08 \x01(\x05\x12\x18\n\x10max_batch_tokens\x18\t \x01(\x05\x12\x0f\n\x07\x62\x61tches\x18\n \x01(\x03\x12\x0c\n\x04jobs\x18\x0b \x01(\x03\x12\x15\n\ridle_fraction\x18\x0c \x01(\x01\x12\x10\n\x08\x64raining\x18\r \x01(\x08\x12\x14\n\x0c\x62usy_seconds\x18\x0e \x01(\x01\"\x0e\n\x0c\x44rainRequest\"*\n\rDrainResponse\x12\x19\n\x11released_sessions\x18\x01 \x01(\x05\"\x87\x02\n\tVerifyJob\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x05\x12\x10\n\x08position\x18\x03 \x01(\x05\x12\x0c\n\x04root\x18\x04 \x01(\x05\x12$\n\x04tree\x18\x05 \x01(\x0b\x32\x16.specmesh.v1.TokenTree\x12-\n\x08sampling\x18\x06 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12+\n\x07history\x18\x07 \x01(\x0b\x32\x15.specmesh.v1.TokenIdsH\x00\x88\x01\x01\x12\x10\n\x08reply_to\x18\x08 \x01(\t\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\t \x01(\x03\x42\n\n\x08_history\"\xc4\x02\n\x0cVerifyResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x05\x12\x30\n\x06status\x18\x03 \x01(\x0e\x32 .specmesh.v1.VerifyResult.Status\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x04 \x03(\x05\x12\x0e\n\x06tokens\x18\x05 \x03(\x05\x12\x13\n\x0bverifier_id\x18\x06 \x01(\t\x12\x0f\n\x07message\x18\x07 \x01(\t\x12\x18\n\x10prefilled_tokens\x18\x08 \x01(\x05\x12\x10\n\x08queue_ms\x18\t \x01(\x01\x12\x11\n\tverify_ms\x18\n \x01(\x01\x12\x12\n\nbatch_size\x18\x0b \x01(\x05\"?\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x06\n\x02OK\x10\x01\x12\n\n\x06RESYNC\x10\x02\x12\t\n\x05\x45RROR\x10\x03\x32\x8f\x01\n\x08Verifier\x12\x43\n\x04Info\x12 .specmesh.v1.VerifierInfoRequest\x1a\x19.specmesh.v1.VerifierInfo\x12>\n\x05\x44rain\x12\x19.specmesh.v1.DrainRequest\x1a\x1a.specmesh.v1.DrainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,17 +35,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_VERIFIERINFOREQUEST']._serialized_start=69
   _globals['_VERIFIERINFOREQUEST']._serialized_end=90
   _globals['_VERIFIERINFO']._serialized_start=93
-  _globals['_VERIFIERINFO']._serialized_end=366
-  _globals['_DRAINREQUEST']._serialized_start=368
-  _globals['_DRAINREQUEST']._serialized_end=382
-  _globals['_DRAINRESPONSE']._serialized_start=384
-  _globals['_DRAINRESPONSE']._serialized_end=426
-  _globals['_VERIFYJOB']._serialized_start=429
-  _globals['_VERIFYJOB']._serialized_end=692
-  _globals['_VERIFYRESULT']._serialized_start=695
-  _globals['_VERIFYRESULT']._serialized_end=1019
-  _globals['_VERIFYRESULT_STATUS']._serialized_start=956
-  _globals['_VERIFYRESULT_STATUS']._serialized_end=1019
-  _globals['_VERIFIER']._serialized_start=1022
-  _globals['_VERIFIER']._serialized_end=1165
+  _globals['_VERIFIERINFO']._serialized_end=388
+  _globals['_DRAINREQUEST']._serialized_start=390
+  _globals['_DRAINREQUEST']._serialized_end=404
+  _globals['_DRAINRESPONSE']._serialized_start=406
+  _globals['_DRAINRESPONSE']._serialized_end=448
+  _globals['_VERIFYJOB']._serialized_start=451
+  _globals['_VERIFYJOB']._serialized_end=714
+  _globals['_VERIFYRESULT']._serialized_start=717
+  _globals['_VERIFYRESULT']._serialized_end=1041
+  _globals['_VERIFYRESULT_STATUS']._serialized_start=978
+  _globals['_VERIFYRESULT_STATUS']._serialized_end=1041
+  _globals['_VERIFIER']._serialized_start=1044
+  _globals['_VERIFIER']._serialized_end=1187
 # @@protoc_insertion_point(module_scope)

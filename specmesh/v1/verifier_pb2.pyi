@@ -13,7 +13,7 @@ class VerifierInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class VerifierInfo(_message.Message):
-    __slots__ = ("verifier_id", "pool", "model", "tokenizer_hash", "vocab_size", "max_length", "max_sessions", "active_sessions", "max_batch_tokens", "batches", "jobs", "idle_fraction", "draining")
+    __slots__ = ("verifier_id", "pool", "model", "tokenizer_hash", "vocab_size", "max_length", "max_sessions", "active_sessions", "max_batch_tokens", "batches", "jobs", "idle_fraction", "draining", "busy_seconds")
     VERIFIER_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class VerifierInfo(_message.Message):
     JOBS_FIELD_NUMBER: _ClassVar[int]
     IDLE_FRACTION_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     verifier_id: str
     pool: str
     model: str
@@ -40,7 +41,8 @@ class VerifierInfo(_message.Message):
     jobs: int
     idle_fraction: float
     draining: bool
-    def __init__(self, verifier_id: _Optional[str] = ..., pool: _Optional[str] = ..., model: _Optional[str] = ..., tokenizer_hash: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_length: _Optional[int] = ..., max_sessions: _Optional[int] = ..., active_sessions: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., batches: _Optional[int] = ..., jobs: _Optional[int] = ..., idle_fraction: _Optional[float] = ..., draining: _Optional[bool] = ...) -> None: ...
+    busy_seconds: float
+    def __init__(self, verifier_id: _Optional[str] = ..., pool: _Optional[str] = ..., model: _Optional[str] = ..., tokenizer_hash: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_length: _Optional[int] = ..., max_sessions: _Optional[int] = ..., active_sessions: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., batches: _Optional[int] = ..., jobs: _Optional[int] = ..., idle_fraction: _Optional[float] = ..., draining: _Optional[bool] = ..., busy_seconds: _Optional[float] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ()
