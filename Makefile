@@ -22,10 +22,12 @@ $(STAMP): pyproject.toml
 model: $(STAMP)
 	$(PY) -m specmesh prepare
 
-# The whole cluster on this machine (Redis, a verifier, the drafters, the router), a demo request
-# with its speed, then serving on 127.0.0.1:50051 until Ctrl-C.
+# The whole cluster on this machine (Redis, a verifier, drafter services, the router), a demo request
+# with its speed, then serving on 127.0.0.1:50051 until Ctrl-C. Every drafter of the cluster drafts
+# every request (expertise routing is not in yet), so the demo, a coding question, starts the two that
+# fit it: prompt lookup and the code expert. `specmesh up` alone starts all of them.
 run: install
-	$(PY) -m specmesh up
+	$(PY) -m specmesh up --drafter ngram --drafter code
 
 test: install
 	$(PY) -m pytest -q

@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--verifiers", type=int, default=1, help="verifier processes (default 1)")
     up.add_argument("--port", type=int, default=50051, help="the router's port (default 50051; 0 = any free)")
     up.add_argument("--tree-nodes", type=int, default=8, help="speculation budget per step (default 8)")
+    up.add_argument("--draft-ahead", action="store_true",
+                    help="draft the next tree while one verifies (pays when drafters have cores of their own)")
     up.add_argument("--demo-prompt", default=DEMO_PROMPT)
     up.add_argument("--max-tokens", type=int, default=96, help="of the demo request")
     up.add_argument("--no-demo", action="store_true")
@@ -237,7 +239,8 @@ def _up(args: argparse.Namespace) -> int:
     from specmesh.sampling import SamplingParams
 
     spec = ClusterSpec(model=args.model, drafters=tuple(args.drafter or DEFAULT_DRAFTERS), verifiers=args.verifiers,
-                       max_tree_nodes=args.tree_nodes, router_port=args.port, log_dir=args.log_dir)
+                       max_tree_nodes=args.tree_nodes, draft_ahead=args.draft_ahead, router_port=args.port,
+                       log_dir=args.log_dir)
     cluster = LocalCluster(spec)
     print(f"starting Redis, {spec.verifiers} verifier(s), drafters {', '.join(spec.drafters)} and the router "
           f"(logs: {cluster.log_dir}) ...", flush=True)
