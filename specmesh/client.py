@@ -63,6 +63,8 @@ class Stats:
     total_ms: float
     drafters: tuple[str, ...]
     drafted_ahead: int
+    draft_ms: float  # waiting for drafters
+    verify_ms: float  # waiting for verification (queue, transport, target pass)
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,7 @@ def _usage(message) -> Usage:
 def _stats(message) -> Stats:
     return Stats(message.target_steps, message.drafted_nodes, message.accepted_tokens, message.mean_accepted_length,
                  message.resyncs, message.first_token_ms, message.total_ms, tuple(message.drafters),
-                 message.drafted_ahead)
+                 message.drafted_ahead, message.draft_ms, message.verify_ms)
 
 
 def _generation(message: router_pb2.GenerateResponse) -> Generation:

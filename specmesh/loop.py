@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Protocol, Sequence
 
 from specmesh.drafters.base import Drafter
+from specmesh.errors import Unavailable
 from specmesh.fusion import fuse_trees
 from specmesh.sampling import SamplingParams
 from specmesh.tree import TokenTree
@@ -244,7 +245,9 @@ async def _verify(
         if not result.resync:
             return result
         stats.resyncs += 1
-    raise RuntimeError(f"request {request.request_id}: the verifier asked for a resync {MAX_RESYNCS_PER_STEP + 1} times in one step")
+    raise Unavailable(
+        f"request {request.request_id}: the verifiers asked for its history {MAX_RESYNCS_PER_STEP + 1} times in one step"
+    )
 
 
 async def _release(drafters: Sequence[AsyncDrafter], verifier: VerifierClient, request_id: str) -> None:

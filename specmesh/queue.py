@@ -40,6 +40,7 @@ log = logging.getLogger("specmesh.queue")
 GROUP = "verifiers"
 RESULTS_MAXLEN = 10_000  # a results stream nobody reads stops growing here
 RESULTS_TTL_S = 600  # ... and disappears when its router is gone
+LISTEN_BLOCK_MS = 500  # a router's blocking read of its results: also how soon it notices a stop
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
 
 
@@ -143,12 +144,17 @@ class QueueVerifierClient:
         self.redis_ok = True
         self._waiting: dict[tuple[str, int], asyncio.Future] = {}
         self._tasks: list[asyncio.Task] = []
+        self._stopping = asyncio.Event()
 
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(self._listen()), asyncio.create_task(self._watch_verifiers())]
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        # the loops notice within one blocking read; cancelling redis-py in the middle of a blocking
+        # XREAD can leave the task stuck in its connection clean-up, so cancelling is the fallback only
+        self._stopping.set()
+        _, late = await asyncio.wait(self._tasks, timeout=LISTEN_BLOCK_MS / 1000 + 2.0)
+        for task in late:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         try:
@@ -157,15 +163,11 @@ class QueueVerifierClient:
             pass
 
     async def backlog(self) -> int:
-        """Jobs waiting in the pool stream (not yet taken by any verifier)."""
+        """Entries in the pool stream: jobs waiting for a verifier, or held by one (answered ones are deleted)."""
         try:
-            groups = await self.redis.xinfo_groups(self.keys.jobs)
-        except ResponseError:  # no stream yet
-            return 0
+            return await self.redis.xlen(self.keys.jobs)
         except REDIS_DOWN as exc:
             raise Unavailable(f"the pipeline queue (Redis) is unreachable: {exc}") from None
-        lags = [g.get("lag") for g in groups if g.get("name") in (GROUP, GROUP.encode())]
-        return int(lags[0] or 0) if lags else await self.redis.xlen(self.keys.jobs)
 
     async def verify(self, job: VerifyJob) -> VerifyResult:
         key = (job.request_id, job.step)
@@ -193,7 +195,7 @@ class QueueVerifierClient:
         finally:
             self._waiting.pop(key, None)
         if message.status == verifier_pb2.VerifyResult.ERROR:
-            raise RuntimeError(f"verifier {message.verifier_id} refused step {job.step}: {message.message}")
+            raise Unavailable(f"verifier {message.verifier_id} cannot verify step {job.step}: {message.message}")
         if message.status == verifier_pb2.VerifyResult.RESYNC:  # the history goes where the cache may still be
             return VerifyResult(job.request_id, job.step, None)
         previous = self.affinity.get(job.request_id)
@@ -231,9 +233,9 @@ class QueueVerifierClient:
     async def _listen(self) -> None:
         last_id = "0-0"
         delay = 0.05
-        while True:
+        while not self._stopping.is_set():
             try:
-                answer = await self.redis.xread({self.reply_to: last_id}, count=256, block=1000)
+                answer = await self.redis.xread({self.reply_to: last_id}, count=256, block=LISTEN_BLOCK_MS)
                 self.redis_ok = True
                 delay = 0.05
             except REDIS_DOWN:
@@ -263,7 +265,7 @@ class QueueVerifierClient:
             future.set_result(message)
 
     async def _watch_verifiers(self) -> None:
-        while True:
+        while not self._stopping.is_set():
             try:
                 members = [m.decode() for m in await self.redis.smembers(self.keys.members)]
                 flags = await asyncio.gather(*(self.redis.exists(self.keys.alive(m)) for m in members))
@@ -272,7 +274,10 @@ class QueueVerifierClient:
             except REDIS_DOWN:
                 self.redis_ok = False
                 self.alive = set()
-            await asyncio.sleep(self.liveness_every_s)
+            try:
+                await asyncio.wait_for(self._stopping.wait(), self.liveness_every_s)
+            except asyncio.TimeoutError:
+                pass
 
 
 # ---- the verifier's side ----

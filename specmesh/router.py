@@ -6,14 +6,13 @@ The servicer in ``services/router`` only converts messages; everything here is t
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
 
 from specmesh.engine import MAX_TREE_NODES, validate_request
-from specmesh.errors import InvalidArgument, ResourceExhausted, Unavailable
+from specmesh.errors import InvalidArgument, ResourceExhausted
 from specmesh.loop import AsyncDrafter, Request, SpeculationStats, StepOutput, VerifierClient, speculate
 from specmesh.sampling import SamplingParams
 
@@ -93,7 +92,10 @@ class Router:
         budget = self.limits.max_tree_nodes if max_tree_nodes is None else max_tree_nodes
         if not 0 <= budget <= MAX_TREE_NODES:
             raise InvalidArgument("max_tree_nodes", f"must be in 0..{MAX_TREE_NODES}, got {budget}")
-        request = Request(tuple(int(t) for t in prompt_ids), params, request_id or uuid.uuid4().hex)
+        # the internal id is always fresh: a client's id names its request to it, but two clients (or one
+        # retrying) may reuse an id, and drafter and verifier state is keyed by it
+        internal_id = f"{request_id}:{uuid.uuid4().hex}" if request_id else uuid.uuid4().hex
+        request = Request(tuple(int(t) for t in prompt_ids), params, internal_id)
         validate_request(request, self.card.vocab_size, self.card.max_length, budget)
         return request, budget
 
@@ -119,12 +121,6 @@ class Router:
                     generation.token_ids.extend(step.token_ids)
                     generation.finish_reason = step.finish_reason
                     yield generation, step
-        except asyncio.CancelledError:
-            raise
-        except (InvalidArgument, ResourceExhausted, Unavailable):
-            raise
-        except RuntimeError as exc:  # a verifier refused a job: the cluster is misconfigured
-            raise Unavailable(str(exc)) from None
         finally:
             self.active -= 1
 

@@ -4,6 +4,8 @@ decoding; bad input gets INVALID_ARGUMENT naming the field; overload RESOURCE_EX
 stream frees every session; a drafter that dies costs no request; health and reflection answer."""
 
 import asyncio
+import json
+import sys
 
 import grpc
 import pytest
@@ -11,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from transformers import AutoTokenizer
 
-from specmesh.client import AsyncClient, Client
+from specmesh.client import AsyncClient
 from specmesh.drafters.ngram import HistoryDrafter, NgramDrafter
 from specmesh.engine import Request, SpeculativeEngine
 from specmesh.models.llama import LlamaRuntime
@@ -57,7 +59,7 @@ def test_generate_and_stream_equal_plain_decoding(redis_server, model, tokenizer
                 count = await client.count_tokens(chat=CHAT)
                 models = await client.list_models()
                 info = await client.info()
-            blocking = await asyncio.to_thread(_blocking_generate, stack.address)
+            blocking = await _blocking_generate(stack.address)
             return whole, chunks, by_ids, count, models, info, blocking, stack.router.encode_chat(CHAT)
 
     whole, chunks, by_ids, count, models, info, blocking, prompt = run(main())
@@ -75,9 +77,18 @@ def test_generate_and_stream_equal_plain_decoding(redis_server, model, tokenizer
     assert [m.id for m in models] == ["tiny"] and info.drafters[0].healthy and info.verifiers == 1
 
 
-def _blocking_generate(address):
-    with Client(address) as client:
-        return client.generate(chat=CHAT, max_tokens=MAX_TOKENS).token_ids
+async def _blocking_generate(address):
+    """The blocking client, in a process of its own: grpc's sync and asyncio stacks in one process can
+    deadlock each other (grpc/grpc#22733), and this process serves the router with asyncio."""
+    script = (
+        "import json, sys\nfrom specmesh.client import Client\n"
+        f"with Client({address!r}) as client:\n"
+        f"    print(json.dumps(client.generate(chat={CHAT!r}, max_tokens={MAX_TOKENS}).token_ids))\n"
+    )
+    process = await asyncio.create_subprocess_exec(sys.executable, "-c", script, stdout=asyncio.subprocess.PIPE)
+    out, _ = await asyncio.wait_for(process.communicate(), 120)
+    assert process.returncode == 0
+    return json.loads(out)
 
 
 BAD_REQUESTS = [
@@ -204,3 +215,17 @@ def test_health_and_reflection(redis_server, model, tokenizer):
     status, services = run(main())
     assert status == health_pb2.HealthCheckResponse.SERVING
     assert {"specmesh.v1.Router", "grpc.health.v1.Health"} <= set(services)
+
+
+def test_a_clients_request_id_is_echoed_and_may_repeat(redis_server, model, tokenizer):
+    async def main():
+        async with ServiceStack(redis_server.url, model, tokenizer, NgramDrafter()) as stack:
+            async with AsyncClient(stack.address) as client:
+                return await asyncio.gather(*(
+                    client.generate(prompt_ids=[5, 6, 7, 5, 6, 7], max_tokens=MAX_TOKENS, request_id="mine")
+                    for _ in range(3)
+                ))
+
+    results = run(main())
+    assert [r.request_id for r in results] == ["mine"] * 3
+    assert all(r.token_ids == plain(model, [5, 6, 7, 5, 6, 7]) for r in results)

@@ -36,6 +36,7 @@ def _stats(generation: Generation) -> router_pb2.SpeculationStats:
         target_steps=s.target_steps, drafted_nodes=s.drafted_nodes, accepted_tokens=s.accepted_tokens,
         mean_accepted_length=s.mean_accepted_length, resyncs=s.resyncs, first_token_ms=s.first_token_s * 1e3,
         total_ms=s.total_s * 1e3, drafters=generation.drafters, drafted_ahead=s.drafted_ahead,
+        draft_ms=s.draft_s * 1e3, verify_ms=s.verify_s * 1e3,
     )
 
 
@@ -68,7 +69,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         async for generation, _ in self.router.generate(spec_request, budget):
             pass
         return router_pb2.GenerateResponse(
-            request_id=spec_request.request_id, text=self.router.decode(generation.token_ids),
+            request_id=request.request_id or spec_request.request_id, text=self.router.decode(generation.token_ids),
             token_ids=generation.token_ids, finish_reason=generation.finish_reason or "length",
             usage=_usage(generation), stats=_stats(generation),
         )
@@ -79,7 +80,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         async for generation, step in self.router.generate(spec_request, budget):
             final = step.finish_reason is not None
             chunk = router_pb2.GenerateChunk(
-                request_id=spec_request.request_id, token_ids=step.token_ids, text=text.push(step.token_ids, final),
+                request_id=request.request_id or spec_request.request_id, token_ids=step.token_ids,
+                text=text.push(step.token_ids, final),
                 finish_reason=step.finish_reason or "",
             )
             if final:

@@ -46,7 +46,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("target_steps", "drafted_nodes", "accepted_tokens", "mean_accepted_length", "resyncs", "first_token_ms", "total_ms", "drafters", "drafted_ahead")
+    __slots__ = ("target_steps", "drafted_nodes", "accepted_tokens", "mean_accepted_length", "resyncs", "first_token_ms", "total_ms", "drafters", "drafted_ahead", "draft_ms", "verify_ms")
     TARGET_STEPS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_NODES_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,8 @@ class SpeculationStats(_message.Message):
     TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
     DRAFTERS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
     target_steps: int
     drafted_nodes: int
     accepted_tokens: int
@@ -65,7 +67,9 @@ class SpeculationStats(_message.Message):
     total_ms: float
     drafters: _containers.RepeatedScalarFieldContainer[str]
     drafted_ahead: int
-    def __init__(self, target_steps: _Optional[int] = ..., drafted_nodes: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., resyncs: _Optional[int] = ..., first_token_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., drafters: _Optional[_Iterable[str]] = ..., drafted_ahead: _Optional[int] = ...) -> None: ...
+    draft_ms: float
+    verify_ms: float
+    def __init__(self, target_steps: _Optional[int] = ..., drafted_nodes: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., resyncs: _Optional[int] = ..., first_token_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., drafters: _Optional[_Iterable[str]] = ..., drafted_ahead: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "stats")
