@@ -60,7 +60,9 @@ class InProcessPool:
 class ServiceStack:
     """A router and one drafter as real gRPC servers on loopback, over an in-process verifier pool."""
 
-    def __init__(self, url: str, model, tokenizer, drafter: Drafter, limits: RouterLimits | None = None) -> None:
+    def __init__(self, url: str, model, tokenizer, drafter: Drafter, limits: RouterLimits | None = None,
+                 listen: str = "127.0.0.1:0") -> None:
+        self.listen = listen
         self.pool = InProcessPool(url, model, workers=1)
         self.model = model
         self.tokenizer = tokenizer
@@ -86,7 +88,7 @@ class ServiceStack:
         router_servicer = RouterServicer(self.router, self.pool.client)
         self.router_server = await start_server(
             [Service("specmesh.v1.Router", lambda s: router_pb2_grpc.add_RouterServicer_to_server(router_servicer, s))],
-            "127.0.0.1:0",
+            self.listen,
         )
         self.address = f"127.0.0.1:{self.router_server.port}"
         return self

@@ -229,3 +229,21 @@ def test_a_clients_request_id_is_echoed_and_may_repeat(redis_server, model, toke
     results = run(main())
     assert [r.request_id for r in results] == ["mine"] * 3
     assert all(r.token_ids == plain(model, [5, 6, 7, 5, 6, 7]) for r in results)
+
+
+def test_the_client_retries_unavailable_until_the_router_is_up(redis_server, model, tokenizer):
+    """A call made while the router is still starting succeeds once it is up (the channel's retry policy)."""
+    from specmesh.redis_server import free_port
+
+    port = free_port()
+
+    async def main():
+        async with AsyncClient(f"127.0.0.1:{port}", retries=6) as client:
+            call = asyncio.ensure_future(client.generate(prompt_ids=[5, 6, 7], max_tokens=4))
+            await asyncio.sleep(0.5)  # the first attempts find nothing listening
+            assert not call.done()
+            async with ServiceStack(redis_server.url, model, tokenizer, NgramDrafter(), listen=f"127.0.0.1:{port}"):
+                return await asyncio.wait_for(call, 60)
+
+    result = run(main())
+    assert result.token_ids == plain(model, [5, 6, 7], max_tokens=4)
