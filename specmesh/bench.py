@@ -31,9 +31,11 @@ from specmesh.assembly import (
     load_drafter,
     shipped_experts,
 )
+from specmesh.client import Client
 from specmesh.drafters.ngram import NgramDrafter
 from specmesh.engine import Request, SpeculativeEngine
 from specmesh.errors import InvalidArgument
+from specmesh.launcher import ClusterSpec, LocalCluster
 from specmesh.models.llama import TreeBatch
 from specmesh.models.runtime import TargetRuntime, prefilled_session
 from specmesh.prompts import Prompt, encode_chat, load_prompts, mtbench_prompts
@@ -160,18 +162,19 @@ def run_bench(args: argparse.Namespace) -> int:
     }
     modes = [m for m in (MODES[2:] if args.skip_baselines else MODES) if m != "engine_routed" or DEFAULT_EXPERT in routed]
     with ExitStack() as cleanup:
-        cluster = None
+        cluster = client = None
         if args.no_cluster:
             modes.remove("cluster")
         else:
             cluster = _start_cluster(args)
-            cleanup.callback(cluster[0].stop)
+            cleanup.callback(cluster.stop)
+            client = cleanup.enter_context(Client(cluster.router_address))
         tokens = {m: defaultdict(int) for m in modes}  # mode -> category -> tokens
         seconds = {m: defaultdict(float) for m in modes}
         steps = {m: defaultdict(int) for m in modes}  # target passes
         identical = 0
         params = SamplingParams(max_tokens=args.max_tokens)
-        busy_before = _verifier_busy_s(cluster[0]) if cluster else 0.0
+        busy_before = _verifier_busy_s(cluster) if cluster else 0.0
         for prompt, ids in tqdm(list(zip(prompts, encoded)), desc="prompts", unit="prompt"):
             outputs = {}
             for mode in modes:
@@ -179,7 +182,7 @@ def run_bench(args: argparse.Namespace) -> int:
                 if mode in ("hf_plain", "hf_assisted"):
                     outputs[mode] = _hf_generate(assembly, ids, args.max_tokens, assisted=mode == "hf_assisted")
                 elif mode == "cluster":
-                    answer = cluster[1].generate(prompt_ids=list(ids), max_tokens=args.max_tokens)
+                    answer = client.generate(prompt_ids=list(ids), max_tokens=args.max_tokens)
                     outputs[mode] = answer.token_ids
                     steps[mode][prompt.category] += answer.stats.target_steps
                 else:
@@ -192,7 +195,7 @@ def run_bench(args: argparse.Namespace) -> int:
                 tokens[mode][prompt.category] += len(outputs[mode])
             reference = outputs.get("hf_plain", outputs["own_plain"])
             identical += all(outputs[m] == reference for m in modes if m.startswith(("engine", "cluster")))
-        busy_s = _verifier_busy_s(cluster[0]) - busy_before if cluster else 0.0
+        busy_s = _verifier_busy_s(cluster) - busy_before if cluster else 0.0
 
         def speed(mode: str, category: str | None = None) -> float:
             cats = [category] if category else list(tokens[mode])
@@ -278,19 +281,16 @@ def run_bench(args: argparse.Namespace) -> int:
         return 0
 
 
-def _start_cluster(args: argparse.Namespace):
+def _start_cluster(args: argparse.Namespace) -> LocalCluster:
     """The cluster with the engine's drafters, so that the two differ only in transport and processes."""
-    from specmesh.client import Client
-    from specmesh.launcher import ClusterSpec, LocalCluster
 
     print("starting the local cluster ...", flush=True)
     spec = ClusterSpec(model=args.model, drafters=tuple(args.drafter or ["ngram"]), max_tree_nodes=args.tree_nodes,
                        dtype=args.dtype)
-    cluster = LocalCluster(spec).start()
-    return cluster, Client(cluster.router_address)
+    return LocalCluster(spec).start()
 
 
-def _verifier_busy_s(cluster) -> float:
+def _verifier_busy_s(cluster: LocalCluster) -> float:
     import grpc
 
     from specmesh.v1 import verifier_pb2, verifier_pb2_grpc

@@ -41,7 +41,6 @@ class ClusterSpec:
     cores: int = field(default_factory=lambda: os.cpu_count() or 1)
     dtype: str | None = None
     job_timeout_s: float = 30.0
-    drafter_threads: int = 1
     log_dir: Path | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
 
@@ -141,9 +140,8 @@ class LocalCluster:
         return self._service(f"verifier-{index}", "verifier", args, threads)
 
     def drafter_process(self, drafter: str) -> ServiceProcess:
-        threads = self.spec.drafter_threads
-        args = ["--drafter", drafter, "--target", self.spec.model, "--threads", str(threads)]
-        return self._service(f"drafter-{Path(drafter).name}", "drafter", args, threads)
+        args = ["--drafter", drafter, "--target", self.spec.model, "--threads", "1"]
+        return self._service(f"drafter-{Path(drafter).name}", "drafter", args, 1)
 
     def start(self, timeout_s: float = 600.0) -> LocalCluster:
         spec = self.spec
