@@ -14,6 +14,7 @@ from specmesh.drafters.base import Drafter
 from specmesh.errors import InvalidArgument
 from specmesh.loop import BatchingVerifier, LocalDrafter, Request, SpeculationStats, speculate
 from specmesh.models.runtime import TargetRuntime
+from specmesh.policy import FixedPolicy, SpeculationPolicy
 from specmesh.verifier import TreeVerifier
 
 MAX_TREE_NODES = 64
@@ -52,13 +53,16 @@ class SpeculativeEngine:
         drafters: Sequence[Drafter] = (),
         max_tree_nodes: int = 8,
         eos_token_ids: Sequence[int] = (),
+        policy: SpeculationPolicy | None = None,
     ) -> None:
+        """``policy`` plans every step (default: every drafter, the whole budget, every step)."""
         if not 0 <= max_tree_nodes <= MAX_TREE_NODES:
             raise InvalidArgument("max_tree_nodes", f"must be in 0..{MAX_TREE_NODES}, got {max_tree_nodes}")
         self.target = target
         self.drafters = list(drafters)
         self.max_tree_nodes = max_tree_nodes
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.policy = policy or FixedPolicy()
         self.verifier = TreeVerifier(target, max_tree_nodes=MAX_TREE_NODES)
 
     def validate(self, request: Request) -> None:
@@ -84,7 +88,8 @@ class SpeculativeEngine:
         tokens: list[int] = []
         finish_reason = "length"
         try:
-            async with aclosing(speculate(request, drafters, batcher, self.max_tree_nodes, self.eos_token_ids, stats)) as steps:
+            policy = self.policy.begin(request.kind, self.max_tree_nodes)
+            async with aclosing(speculate(request, drafters, batcher, policy, self.eos_token_ids, stats)) as steps:
                 async for step in steps:
                     tokens.extend(step.token_ids)
                     finish_reason = step.finish_reason or finish_reason

@@ -15,11 +15,13 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Protocol, Sequence
+from typing import AsyncIterator, Protocol, Sequence
 
 from specmesh.drafters.base import Drafter
 from specmesh.errors import Unavailable
 from specmesh.fusion import fuse_trees
+from specmesh.policy import FixedPolicy, RequestPolicy, StepOutcome, StepPlan
+from specmesh.routing import GENERAL
 from specmesh.sampling import SamplingParams
 from specmesh.tree import TokenTree
 from specmesh.verifier import TreeVerifier, VerifyJob, VerifyResult
@@ -32,6 +34,7 @@ class Request:
     prompt_ids: tuple[int, ...]
     params: SamplingParams = SamplingParams()
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    kind: str = ""  # what the request is about, for routing to expert drafters ("" = not known)
 
 
 @dataclass
@@ -46,6 +49,8 @@ class SpeculationStats:
     draft_s: float = 0.0  # time spent waiting for drafters
     drafted_ahead: int = 0  # steps whose tree was drafted during the previous verification
     verify_s: float = 0.0  # time spent waiting for verification (queue + target pass)
+    kind: str = ""  # the request kind its drafters were routed by
+    drafter_steps: dict[str, int] = field(default_factory=dict)  # drafter -> steps it drafted for
 
     @property
     def mean_accepted_length(self) -> float:
@@ -137,25 +142,47 @@ class BatchingVerifier:
             future.set_result(result)
 
 
+@dataclass(frozen=True)
+class Draft:
+    """One step's drafting: the plan, each asked drafter's own tree, and their fusion."""
+
+    plan: StepPlan
+    trees: tuple[TokenTree, ...]  # aligned with plan.drafters
+    fused: TokenTree
+
+    def below(self, token: int) -> Draft | None:
+        """What this draft says after ``token`` (a draft made ahead, once the verdict confirmed its path)."""
+        fused = self.fused.below(token)
+        if fused is None:
+            return None
+        return Draft(self.plan, tuple(t.below(token) or TokenTree() for t in self.trees), fused)
+
+
 async def speculate(
     request: Request,
     drafters: Sequence[AsyncDrafter],
     verifier: VerifierClient,
-    budget: Callable[[Request, int], int] | int,
+    policy: RequestPolicy | int,
     eos_token_ids: frozenset[int] = frozenset(),
     stats: SpeculationStats | None = None,
     draft_ahead: bool = False,
 ) -> AsyncIterator[StepOutput]:
     """Run one request to completion, yielding the tokens each step commits.
 
-    ``budget`` is the tree budget (an int, or a function of the request and its output length: the
-    speculation controller). With ``draft_ahead``, while a tree is being verified the drafters already
-    draft the next one as if the tree's likeliest path were accepted; when the verdict accepts that
-    whole path, the draft's subtree under the bonus token is the next tree, else it is thrown away.
-    Closing the iterator early (cancellation, a client that went away) still frees every drafter
-    session and the verifier's KV cache.
+    ``policy`` plans each step — which drafters, their trust, the tree budget — and learns from its
+    outcome (``policy.py``); an int is a fixed budget with every drafter. With ``draft_ahead``, while a
+    tree is being verified the asked drafters already draft the next one as if the tree's likeliest
+    path were accepted; when the verdict accepts that whole path, the draft's subtree under the bonus
+    token is the next tree, else it is thrown away. Closing the iterator early (cancellation, a client
+    that went away) still frees every drafter session and the verifier's KV cache.
     """
     stats = stats if stats is not None else SpeculationStats()
+    if isinstance(policy, int):
+        policy = FixedPolicy().begin(GENERAL, policy)
+    by_name = {d.name: d for d in drafters}
+    if len(by_name) != len(drafters):
+        raise ValueError(f"drafter names must be unique: {[d.name for d in drafters]}")
+    stats.kind = policy.kind
     started = time.perf_counter()
     context = list(request.prompt_ids)  # every committed token; the last one is the next tree's root
     produced = 0
@@ -165,24 +192,29 @@ async def speculate(
         await asyncio.gather(*(d.start(rid, request.prompt_ids) for d in drafters))
         step = 0
         send_history = True  # the first job always prefills
-        tree: TokenTree | None = None  # a tree drafted ahead and confirmed by the last verdict
+        ahead: Draft | None = None  # a draft made during the last verification and confirmed by its verdict
         while True:
             room = request.params.max_tokens - produced
-            tree_budget = budget(request, produced) if callable(budget) else budget
-            if tree is None:
-                drafted_at = time.perf_counter()
-                tree = await _draft(drafters, rid, tree_budget, max_depth=room - 1)
-                stats.draft_s += time.perf_counter() - drafted_at
-            else:
-                tree = tree.truncated(tree_budget).within_depth(room - 1)
+            plan = policy.plan(room, [d.name for d in drafters if getattr(d, "healthy", True)])
+            if ahead is not None and plan.budget > 0:
+                draft = Draft(ahead.plan, ahead.trees, ahead.fused.truncated(plan.budget).within_depth(room - 1))
+                draft_ms = 0.0
                 stats.drafted_ahead += 1
+            else:
+                drafted_at = time.perf_counter()
+                draft = await _draft(by_name, plan, rid, max_depth=room - 1)
+                draft_ms = (time.perf_counter() - drafted_at) * 1e3
+                stats.draft_s += draft_ms / 1e3
+            for name in draft.plan.drafters:
+                stats.drafter_steps[name] = stats.drafter_steps.get(name, 0) + 1
+            tree = draft.fused
             verified_at = time.perf_counter()
             verifying = asyncio.ensure_future(_verify(verifier, request, step, context, tree, send_history, stats))
             pending = [verifying]
             assumed = tree.likeliest_path() if draft_ahead and len(tree) else []
             if assumed:
                 pending.append(asyncio.ensure_future(
-                    _draft(drafters, rid, tree_budget, max_depth=room - len(assumed) - 2, assumed=assumed)))
+                    _draft(by_name, plan, rid, max_depth=room - len(assumed) - 2, assumed=assumed)))
             result = await verifying
             stats.verify_s += time.perf_counter() - verified_at
             send_history = False
@@ -203,12 +235,14 @@ async def speculate(
             produced += len(new)
             context.extend(new)
             step += 1
-            tree = None
+            ahead = None
             if assumed:
-                ahead = await pending[1]  # the drafters finish before they hear the verdict
+                drafted_ahead = await pending[1]  # the drafters finish before they hear the verdict
                 if finish_reason is None and new[:-1] == assumed:
-                    tree = ahead.below(new[-1])
+                    ahead = drafted_ahead.below(new[-1])
             pending = []
+            policy.observe(StepOutcome(draft.plan, draft.trees, tree, tuple(new), draft_ms, result.pass_ms,
+                                       result.batch_rows, result.batch_size))
             await asyncio.gather(*(d.commit(rid, new) for d in drafters))  # also the last: history drafters keep answers
             yield StepOutput(new, finish_reason)
             if finish_reason is not None:
@@ -218,17 +252,18 @@ async def speculate(
             future.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         stats.total_s = time.perf_counter() - started
+        policy.end()
         await asyncio.shield(_release(drafters, verifier, rid))
 
 
 async def _draft(
-    drafters: Sequence[AsyncDrafter], request_id: str, budget: int, max_depth: int, assumed: Sequence[int] = (),
-) -> TokenTree:
+    drafters: dict[str, AsyncDrafter], plan: StepPlan, request_id: str, max_depth: int, assumed: Sequence[int] = (),
+) -> Draft:
     # a step commits at most depth + 1 tokens: deeper guesses than the answer has room for are waste
-    if budget <= 0 or max_depth <= 0 or not drafters:
-        return TokenTree()
-    trees = await asyncio.gather(*(d.propose(request_id, budget, assumed) for d in drafters))
-    return fuse_trees(trees, budget).within_depth(max_depth)
+    if plan.budget <= 0 or max_depth <= 0 or not plan.drafters:
+        return Draft(StepPlan(), (), TokenTree())
+    trees = await asyncio.gather(*(drafters[n].propose(request_id, plan.budget, assumed) for n in plan.drafters))
+    return Draft(plan, tuple(trees), fuse_trees(trees, plan.budget, plan.weights).within_depth(max_depth))
 
 
 async def _verify(

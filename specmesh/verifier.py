@@ -54,6 +54,9 @@ class VerifyResult:
     step: int
     verdict: Verdict | None  # None: resync — send the job again with its history
     prefilled_tokens: int = 0  # tokens this job had to prefill (0 when the session was reused)
+    pass_ms: float = 0.0  # time of the tree pass this job was verified in (prefill excluded)
+    batch_rows: int = 0  # rows of that pass: every job's root and tree nodes
+    batch_size: int = 0  # jobs in that pass
 
     @property
     def resync(self) -> bool:
@@ -145,10 +148,13 @@ class TreeVerifier:
                 results[i] = VerifyResult(job.request_id, job.step, None)
         self._prefill([jobs[i] for i in prefills])
         if ready:
+            passed_at = time.perf_counter()
             verdicts = self._verify_trees([jobs[i] for i in ready])
+            pass_ms = (time.perf_counter() - passed_at) * 1e3
+            rows = sum(1 + len(jobs[i].tree) for i in ready)
             for i, verdict in zip(ready, verdicts):
                 prefilled = jobs[i].position if i in prefills else 0
-                results[i] = VerifyResult(jobs[i].request_id, jobs[i].step, verdict, prefilled)
+                results[i] = VerifyResult(jobs[i].request_id, jobs[i].step, verdict, prefilled, pass_ms, rows, len(ready))
         self.stats.batches += 1
         self.stats.jobs += len(jobs)
         self.stats.busy_s += time.perf_counter() - started

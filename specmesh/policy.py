@@ -1,0 +1,191 @@
+"""Speculation policies: what each step of a request drafts — which drafters, how much the fusion
+trusts each, how many tree nodes — and what the policy learns from the step's outcome.
+
+``FixedPolicy`` asks every drafter with equal trust for the same budget every step (0 = plain
+decoding). ``AdaptivePolicy`` is the router's intelligence: expertise routing and trust
+(``routing.ExpertRouter``) and a goodput-chosen budget (``control.GoodputController``), learning
+from every step: each asked drafter's own tree against the committed tokens, the fused tree's
+per-level acceptance, the drafting time, and the verifier's report of its pass (rows and time).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+from specmesh.control import CostModel, GoodputController, Load
+from specmesh.routing import GENERAL, ExpertRouter, Record, Route, RoutingConfig, level_hits
+from specmesh.tree import TokenTree
+
+FUSED = "<fused>"  # the routing table's name for the fused trees' own record
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    drafters: tuple[str, ...] = ()  # the drafters asked this step, by name
+    weights: tuple[float, ...] = ()  # the fusion's trust in each of them
+    budget: int = 0  # tree nodes; 0 = no speculation (nobody is asked)
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    plan: StepPlan
+    trees: tuple[TokenTree, ...]  # each asked drafter's own tree, as proposed (aligned with plan.drafters)
+    fused: TokenTree  # the tree that was verified
+    committed: tuple[int, ...]  # the tokens the step committed (accepted, then the bonus)
+    draft_ms: float = 0.0  # time the request waited for its drafters (0 when drafted ahead)
+    pass_ms: float = 0.0  # the verification pass's time, as the verifier reports it (0: unknown)
+    batch_rows: int = 0  # rows of that pass, every request's root and nodes
+    batch_size: int = 0  # requests in that pass
+
+
+class RequestPolicy(Protocol):
+    kind: str
+
+    def plan(self, room: int, available: Sequence[str]) -> StepPlan:
+        """The next step's plan; ``room``: tokens the answer may still take; ``available``: live drafters."""
+
+    def observe(self, outcome: StepOutcome) -> None: ...
+
+    def end(self) -> None: ...
+
+
+class SpeculationPolicy(Protocol):
+    def begin(self, kind: str, max_budget: int) -> RequestPolicy:
+        """A request of this kind starts, with at most ``max_budget`` tree nodes a step."""
+
+
+class FixedPolicy:
+    """Every live drafter, equal trust, the request's whole budget every step."""
+
+    def begin(self, kind: str, max_budget: int) -> RequestPolicy:
+        return _FixedRequest(kind or GENERAL, max_budget)
+
+
+@dataclass
+class _FixedRequest:
+    kind: str
+    budget: int
+
+    def plan(self, room: int, available: Sequence[str]) -> StepPlan:
+        if self.budget <= 0 or not available:
+            return StepPlan()
+        return StepPlan(tuple(available), (1.0,) * len(available), self.budget)
+
+    def observe(self, outcome: StepOutcome) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+
+@dataclass
+class PolicyState:
+    """What the adaptive policy has learned across requests, besides the router's table."""
+
+    fused: dict[str, Record] = field(default_factory=dict)  # kind -> fused trees' per-level acceptance
+    draft_ms_per_node: float = 0.5  # moving average over every step that drafted
+    batch_rows: float = 1.0  # moving averages of the verifier's passes
+    batch_size: float = 1.0
+    tokens_per_request_step: float = 1.0
+
+
+class AdaptivePolicy:
+    """Expertise routing, trust-weighted fusion and goodput-adaptive budgets (see the module doc)."""
+
+    def __init__(self, router: ExpertRouter, controller: GoodputController, adapt_budget: bool = True,
+                 average: float = 0.9) -> None:
+        """``adapt_budget`` False keeps routing and trust but always drafts the whole budget
+        (the "fixed k" baseline of the benchmark's load sweep)."""
+        self.router = router
+        self.controller = controller
+        self.adapt_budget = adapt_budget
+        self.average = average  # weight of the past in the moving averages
+        self.state = PolicyState()
+
+    def begin(self, kind: str, max_budget: int) -> RequestPolicy:
+        return _AdaptiveRequest(self, self.router.open(kind or GENERAL), max_budget)
+
+    def fused_record(self, kind: str) -> Record:
+        return self.state.fused.setdefault(kind, Record())
+
+    def _moving(self, old: float, new: float) -> float:
+        return self.average * old + (1 - self.average) * new
+
+    def learn_pass(self, outcome: StepOutcome) -> None:
+        state = self.state
+        if outcome.batch_rows and outcome.pass_ms > 0:
+            self.controller.cost.observe(outcome.batch_rows, outcome.pass_ms)
+            state.batch_rows = self._moving(state.batch_rows, outcome.batch_rows)
+            state.batch_size = self._moving(state.batch_size, max(outcome.batch_size, 1))
+        state.tokens_per_request_step = self._moving(state.tokens_per_request_step, len(outcome.committed))
+        if outcome.plan.budget and outcome.draft_ms > 0:
+            nodes = max(len(outcome.fused), 1)
+            state.draft_ms_per_node = self._moving(state.draft_ms_per_node, outcome.draft_ms / nodes)
+
+    def load(self, own_rows: int) -> Load:
+        """The rest of a typical pass, from the verifier's recent reports."""
+        state = self.state
+        others = max(state.batch_size - 1.0, 0.0)
+        return Load(other_rows=max(state.batch_rows - own_rows, others), other_tokens=others * state.tokens_per_request_step)
+
+
+@dataclass
+class _AdaptiveRequest:
+    policy: AdaptivePolicy
+    route: Route
+    max_budget: int
+    fused: Record = field(default_factory=Record)
+    steps_without: int = 0  # steps in a row at budget 0
+    last_rows: int = 1
+
+    @property
+    def kind(self) -> str:
+        return self.route.kind
+
+    def acceptance(self) -> float:
+        """The fused trees' expected per-level acceptance on this request."""
+        policy, cfg = self.policy, self.policy.router.config
+        prior = policy.fused_record(self.kind).mean(cfg.general_prior, cfg.kind_strength)
+        return self.fused.mean(prior, cfg.request_strength)
+
+    def plan(self, room: int, available: Sequence[str]) -> StepPlan:
+        policy = self.policy
+        if self.max_budget <= 0 or room <= 1 or not available:
+            return StepPlan()
+        if policy.adapt_budget:
+            budget = policy.controller.choose(self.max_budget, self.acceptance(), policy.state.draft_ms_per_node,
+                                              policy.load(self.last_rows), self.steps_without)
+        else:
+            budget = self.max_budget
+        if budget <= 0:
+            return StepPlan()
+        names = policy.router.select(self.route, available)
+        if not names:
+            return StepPlan()
+        return StepPlan(tuple(names), tuple(policy.router.weights(self.route, names)), budget)
+
+    def observe(self, outcome: StepOutcome) -> None:
+        policy = self.policy
+        policy.learn_pass(outcome)
+        self.last_rows = 1 + len(outcome.fused)
+        if not outcome.plan.budget:
+            self.steps_without += 1
+            return
+        self.steps_without = 0
+        for name, tree in zip(outcome.plan.drafters, outcome.trees):
+            policy.router.observe(self.route, name, *level_hits(tree, outcome.committed))
+        hits, attempts = level_hits(outcome.fused, outcome.committed)
+        cfg = policy.router.config
+        self.fused.add(hits, attempts, cfg.request_decay)
+        if attempts:
+            policy.fused_record(self.kind).add(hits, attempts, cfg.kind_decay)
+
+    def end(self) -> None:
+        pass
+
+
+def adaptive_policy(domains: dict[str, Sequence[str]], adapt_budget: bool = True, seed: int | None = None,
+                    routing: RoutingConfig | None = None) -> AdaptivePolicy:
+    """The router's policy over drafters named in ``domains`` (name -> advertised domains)."""
+    return AdaptivePolicy(ExpertRouter(domains, routing, seed=seed), GoodputController(CostModel()), adapt_budget)

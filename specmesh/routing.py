@@ -1,0 +1,156 @@
+"""Expertise routing: which drafters draft for a request, and how much the fusion trusts each.
+
+The router learns, per (request kind, drafter), how often the drafter's guesses are the target's
+tokens, and routes each request to the few drafters it expects to be right most often. A drafter's
+record is its *per-level acceptance*: walking down its own tree along the tokens the target committed,
+each level where it offered a guess is an attempt, each level where one of its guesses was the
+committed token is a hit. This is measured on the drafter's own tree, not on the fused one, so a
+drafter is credited for what it would have had accepted even when fusion left some of its nodes out;
+levels past the committed tokens are unobserved, not failures.
+
+Two estimates are kept, both as decayed counts so that old evidence fades and a drafter that changed
+is found again:
+
+- per (kind, drafter) across requests (slow decay) — the prior of a new request of that kind, itself
+  starting from the drafter's advertised domains (an expert is trusted more on its own domain);
+- per (request, drafter) (fast decay) — what the drafters actually get accepted on this request, so a
+  misclassified request, or one that changes subject, switches experts mid-way.
+
+Selection is greedy on the request's estimate with exploration (a bandit): now and then one drafter
+outside the chosen few drafts as well, so that a drafter that got better, or a new node, is noticed.
+The request's estimates are also the fusion's trust weights (Minions' weighted majority: the weight
+of a drafter that was wrong shrinks).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+from specmesh.tree import TokenTree
+
+GENERAL = "general"
+
+
+def level_hits(tree: TokenTree, committed: Sequence[int]) -> tuple[int, int]:
+    """(hits, attempts) of a tree against the tokens the target committed after its root.
+
+    Walks from the root along ``committed``: a level where the current node has children is an
+    attempt; it is a hit when one child holds the committed token (the walk then goes on below it).
+    """
+    kids = tree.children()
+    row, hits, attempts = 0, 0, 0
+    for token in committed:
+        if not kids[row]:
+            break
+        attempts += 1
+        child = next((c for c in kids[row] if tree.tokens[c] == token), None)
+        if child is None:
+            break
+        hits += 1
+        row = child + 1
+    return hits, attempts
+
+
+@dataclass
+class Record:
+    """Decayed counts of hits and attempts."""
+
+    hits: float = 0.0
+    attempts: float = 0.0
+
+    def add(self, hits: int, attempts: int, decay: float) -> None:
+        self.hits = self.hits * decay + hits
+        self.attempts = self.attempts * decay + attempts
+
+    def mean(self, prior: float, strength: float) -> float:
+        """Posterior mean: the record seen through ``strength`` pseudo-attempts at rate ``prior``."""
+        return (self.hits + strength * prior) / (self.attempts + strength)
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    max_drafters: int = 2  # drafters asked per step (plus one when exploring)
+    explore: float = 0.1  # chance per step of asking one more drafter, outside the chosen ones
+    min_acceptance: float = 0.04  # a drafter expected to be right less often than this is not asked
+    kind_decay: float = 0.995  # per observation, across requests: ~200 attempts of memory
+    request_decay: float = 0.8  # per step, within a request: the last few steps dominate
+    kind_strength: float = 4.0  # pseudo-attempts of the domain prior behind a kind's record
+    request_strength: float = 4.0  # pseudo-attempts of the kind's estimate behind a request's record
+    domain_prior: float = 0.5  # expected acceptance of an expert on its own domain, before evidence
+    general_prior: float = 0.3  # ... of an unspecialised drafter (prompt lookup, a small LM)
+    other_prior: float = 0.1  # ... of an expert off its domain
+
+
+@dataclass
+class Route:
+    """One request's routing state: its kind and what each drafter got accepted on it so far."""
+
+    kind: str
+    records: dict[str, Record] = field(default_factory=dict)
+    chosen: tuple[str, ...] = ()  # the drafters asked at the last step
+
+
+class ExpertRouter:
+    """Routes requests to drafters by learned acceptance per request kind (see the module doc)."""
+
+    def __init__(self, domains: Mapping[str, Sequence[str]], config: RoutingConfig | None = None, seed: int | None = None) -> None:
+        """``domains``: drafter name -> the domains it advertises (``general`` or none: unspecialised)."""
+        self.domains = {name: tuple(d) for name, d in domains.items()}
+        self.config = config or RoutingConfig()
+        self._kinds: dict[tuple[str, str], Record] = {}
+        self._random = random.Random(seed)
+
+    def add(self, name: str, domains: Sequence[str]) -> None:
+        """A drafter that joined (or re-advertised its domains)."""
+        self.domains[name] = tuple(domains)
+
+    def prior(self, kind: str, name: str) -> float:
+        domains = self.domains.get(name, ())
+        if kind in domains:
+            return self.config.domain_prior
+        if not domains or GENERAL in domains:
+            return self.config.general_prior
+        return self.config.other_prior
+
+    def kind_estimate(self, kind: str, name: str) -> float:
+        record = self._kinds.get((kind, name), Record())
+        return record.mean(self.prior(kind, name), self.config.kind_strength)
+
+    def estimate(self, route: Route, name: str) -> float:
+        """Expected per-level acceptance of ``name`` on this request."""
+        record = route.records.get(name, Record())
+        return record.mean(self.kind_estimate(route.kind, name), self.config.request_strength)
+
+    def open(self, kind: str) -> Route:
+        return Route(kind)
+
+    def select(self, route: Route, available: Sequence[str]) -> list[str]:
+        """The drafters to ask this step, best first: up to ``max_drafters`` worth asking, and now
+        and then one more, drawn from the rest, to keep learning about them."""
+        cfg = self.config
+        ranked = sorted(available, key=lambda n: (-self.estimate(route, n), n))
+        chosen = [n for n in ranked[: cfg.max_drafters] if self.estimate(route, n) >= cfg.min_acceptance]
+        rest = [n for n in ranked if n not in chosen]
+        if rest and self._random.random() < cfg.explore:
+            chosen.append(self._random.choice(rest))
+        route.chosen = tuple(chosen)
+        return chosen
+
+    def weights(self, route: Route, names: Sequence[str]) -> list[float]:
+        """Fusion trust per drafter: its expected acceptance on this request."""
+        return [self.estimate(route, n) for n in names]
+
+    def observe(self, route: Route, name: str, hits: int, attempts: int) -> None:
+        """One step's outcome for one drafter that drafted (attempts 0: it had nothing to say)."""
+        route.records.setdefault(name, Record()).add(hits, attempts, self.config.request_decay)
+        if attempts:
+            self._kinds.setdefault((route.kind, name), Record()).add(hits, attempts, self.config.kind_decay)
+
+    def table(self) -> dict[str, dict[str, float]]:
+        """Kind -> drafter -> current estimate, for every pair with evidence (for Info and metrics)."""
+        table: dict[str, dict[str, float]] = {}
+        for kind, name in self._kinds:
+            table.setdefault(kind, {})[name] = round(self.kind_estimate(kind, name), 4)
+        return table

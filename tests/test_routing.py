@@ -1,0 +1,205 @@
+"""The router's pure algorithms: per-level hits, trust-weighted fusion, expertise routing as a bandit,
+the request classifier, the cost model and the goodput controller."""
+
+import random
+
+import pytest
+
+from specmesh.classify import RequestClassifier, default_classifier
+from specmesh.control import CostModel, GoodputController, Load, expected_tokens
+from specmesh.distill.prompts import domain_prompts
+from specmesh.fusion import fuse_trees
+from specmesh.policy import AdaptivePolicy, StepOutcome, StepPlan
+from specmesh.routing import GENERAL, ExpertRouter, RoutingConfig, level_hits
+from specmesh.tree import TokenTree
+
+
+# ---- per-level hits ----
+
+
+def test_level_hits_walk_the_tree_along_the_committed_tokens():
+    tree = TokenTree.from_paths([[5, 6, 7], [5, 8], [9]])
+    assert level_hits(tree, [5, 6, 7, 1]) == (3, 3)  # the leaf ends the walk: a 4th level is unobserved
+    assert level_hits(tree, [5, 8, 2]) == (2, 2)
+    assert level_hits(tree, [5, 3, 3]) == (1, 2)  # wrong at level 2
+    assert level_hits(tree, [4]) == (0, 1)
+    assert level_hits(tree, [5]) == (1, 1)  # the committed tokens end first: deeper levels unobserved
+    assert level_hits(TokenTree(), [5, 6]) == (0, 0)  # nothing drafted, nothing attempted
+
+
+# ---- fusion ----
+
+
+def test_fusion_prefers_the_trusted_drafter_and_agreement():
+    a = TokenTree.chain([1, 2, 3], [0.9, 0.9, 0.9])
+    b = TokenTree.chain([4, 5, 6], [0.9, 0.9, 0.9])
+    # equal confidence: trust decides which path fills a small budget
+    assert fuse_trees([a, b], budget=3, weights=[1.0, 0.1]).tokens == (1, 2, 3)
+    assert fuse_trees([a, b], budget=3, weights=[0.1, 1.0]).tokens == (4, 5, 6)
+    # two drafters agreeing on a first token outvote one more confident drafter
+    c = TokenTree.chain([4, 7], [0.5, 0.5])
+    fused = fuse_trees([a, b, c], budget=2, weights=[1.0, 1.0, 1.0])
+    assert fused.tokens == (4, 1)  # 4 scored 0.9 + 0.5 > 1 scored 0.9 > 5 scored 0.9 * 0.9
+    assert fused.parents == (-1, -1)
+    # unless the agreeing drafters are the distrusted ones
+    assert fuse_trees([a, b, c], budget=1, weights=[1.0, 0.4, 0.4]).tokens == (1,)
+    # the whole set within a big budget: one trie, ancestors before children
+    everything = fuse_trees([a, b, c], budget=10, weights=[1.0, 1.0, 1.0])
+    assert sorted(everything.tokens) == [1, 2, 3, 4, 5, 6, 7]
+    assert all(p < i for i, p in enumerate(everything.parents))
+    # merged nodes keep the best single drafter's confidence (the verifier treats them as one-hot)
+    assert everything.draft_probs[everything.tokens.index(4)] == 0.9
+
+
+# ---- routing ----
+
+
+class Simulated:
+    """A drafter that guesses the committed token with probability ``skill``, a 4-deep chain."""
+
+    def __init__(self, skill: float, rng: random.Random) -> None:
+        self.skill = skill
+        self.rng = rng
+
+    def tree(self, truth: list[int]) -> TokenTree:
+        tokens = [t if self.rng.random() < self.skill else 999 for t in truth[:4]]
+        return TokenTree.chain(tokens, [0.8] * len(tokens))
+
+
+def run_steps(router, route, drafters, steps, rng):
+    chosen_counts = {name: 0 for name in drafters}
+    for _ in range(steps):
+        truth = [rng.randrange(100) for _ in range(5)]
+        for name in router.select(route, list(drafters)):
+            chosen_counts[name] += 1
+            router.observe(route, name, *level_hits(drafters[name].tree(truth), truth))
+    return chosen_counts
+
+
+def test_an_always_wrong_drafter_loses_its_traffic_and_regains_it_when_it_improves():
+    rng = random.Random(0)
+    config = RoutingConfig(max_drafters=1, explore=0.1)
+    # the wrong one even claims the request's domain: the prior favours it at first
+    router = ExpertRouter({"expert": ["code"], "lookup": ["general"]}, config, seed=1)
+    drafters = {"expert": Simulated(0.0, rng), "lookup": Simulated(0.7, rng)}
+    route = router.open("code")
+    assert router.select(route, list(drafters))[0] == "expert"
+    first = run_steps(router, route, drafters, 5, rng)
+    assert first["expert"] <= 5
+    later = run_steps(router, route, drafters, 100, rng)
+    assert later["lookup"] == 100 and later["expert"] <= 20, later  # the wrong one only when explored
+    # the expert improves (a retrained node): exploration finds it, and it wins the traffic back
+    drafters["expert"].skill, drafters["lookup"].skill = 0.95, 0.3
+    run_steps(router, route, drafters, 60, rng)
+    again = run_steps(router, route, drafters, 50, rng)
+    assert again["expert"] >= 45, again
+    # and it is learned for the kind too: a new request of the same kind starts with the expert
+    assert router.select(router.open("code"), list(drafters))[0] == "expert"
+
+
+def test_routing_by_kind_prior_and_trust_weights():
+    router = ExpertRouter({"code": ["code"], "math": ["math"], "ngram": ["general"]},
+                          RoutingConfig(max_drafters=2, explore=0.0))
+    code, math_route = router.open("code"), router.open("math")
+    assert router.select(code, ["code", "math", "ngram"]) == ["code", "ngram"]
+    assert router.select(math_route, ["code", "math", "ngram"]) == ["math", "ngram"]
+    assert router.select(code, ["math", "ngram"]) == ["ngram", "math"]  # a dead expert is routed around
+    # trust follows the request's own evidence: a wrong drafter's weight shrinks
+    before = router.weights(code, ["code"])[0]
+    for _ in range(5):
+        router.observe(code, "code", 0, 1)
+    assert router.weights(code, ["code"])[0] < before / 2
+    assert router.table()["code"]["code"] < router.config.domain_prior
+
+
+def test_a_hopeless_drafter_is_not_asked_unless_exploring():
+    router = ExpertRouter({"bad": ["code"]}, RoutingConfig(max_drafters=2, explore=0.0, kind_decay=1.0))
+    route = router.open("code")
+    for _ in range(40):
+        router.observe(route, "bad", 0, 3)
+    assert router.select(route, ["bad"]) == []
+
+
+# ---- the request classifier ----
+
+
+def test_classifier_learns_kinds_from_examples_and_says_general_when_unsure():
+    classifier = RequestClassifier([("write a python function", "code"), ("solve for x", "math"),
+                                    ("implement a sort in java", "code"), ("what is 3 plus 4", "math")])
+    assert classifier.classify("Write a Rust function that sorts") == "code"
+    assert classifier.classify("Solve for y: 2y = 4") == "math"
+    assert classifier.classify("Tell me about lighthouses") == GENERAL  # no known words: no evidence
+
+
+def test_default_classifier_sorts_held_out_templated_prompts():
+    classifier = default_classifier()
+    right = total = 0
+    for domain in ("code", "math", "writing"):
+        for prompt in domain_prompts(domain, 60, seed=99):  # another seed than the training prompts
+            right += classifier.classify(prompt.text) == domain
+            total += 1
+    assert right / total > 0.9
+    assert classifier.classify("Develop a Python program that reads all the text files under a directory.") == "code"
+    assert classifier.classify("Compose an engaging travel blog post about a recent trip to Hawaii.") == "writing"
+
+
+# ---- cost model and goodput controller ----
+
+
+def test_cost_model_learns_interpolates_and_never_decreases_with_rows():
+    cost = CostModel(base_ms=20.0, per_row_ms=1.0)
+    assert cost.pass_ms(5) == 25.0  # the prior before any pass
+    cost.observe(1, 10.0)
+    cost.observe(9, 12.0)
+    cost.observe(33, 40.0)
+    assert cost.pass_ms(1) == 10.0
+    assert cost.pass_ms(5) == pytest.approx(11.0)
+    assert cost.pass_ms(21) == pytest.approx(26.0)
+    assert cost.pass_ms(43) == pytest.approx(50.0)  # past the largest seen: the prior's slope
+    cost.observe(17, 5.0)  # noise: a bigger pass measured faster than smaller ones
+    assert cost.pass_ms(17) >= cost.pass_ms(9)
+
+
+def test_expected_tokens_is_the_geometric_sum():
+    assert expected_tokens(0.0, 8) == 1.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert expected_tokens(1.0, 4) == pytest.approx(5.0, rel=1e-2)
+
+
+def test_controller_speculates_when_it_pays_and_not_when_it_does_not():
+    cost = CostModel()
+    for rows, ms in [(1, 20.0), (2, 21.0), (3, 22.0), (5, 23.0), (9, 24.0), (17, 30.0), (65, 90.0), (129, 170.0), (200, 260.0)]:
+        cost.observe(rows, ms)
+    controller = GoodputController(cost, probe_every=0)
+    # good acceptance, cheap drafting, no load: a deep tree
+    assert controller.choose(8, acceptance=0.8, draft_ms_per_node=0.1) == 8
+    # poor acceptance and costly drafting: plain decoding
+    assert controller.choose(8, acceptance=0.05, draft_ms_per_node=3.0) == 0
+    # the same request under load (63 other requests in each pass): rows are no longer free
+    unloaded = controller.choose(8, acceptance=0.5, draft_ms_per_node=0.1)
+    loaded = controller.choose(8, acceptance=0.5, draft_ms_per_node=0.1, load=Load(other_rows=190, other_tokens=90))
+    assert loaded < unloaded
+    # never more than the request's own cap
+    assert controller.choose(3, acceptance=0.9, draft_ms_per_node=0.0) == 3
+
+
+def test_controller_probes_after_a_run_of_plain_steps():
+    controller = GoodputController(CostModel(), probe_every=4, probe_budget=2)
+    assert controller.choose(8, 0.0, 5.0, steps_without=3) == 0
+    assert controller.choose(8, 0.0, 5.0, steps_without=4) == 2
+
+
+def test_adaptive_policy_learns_costs_and_load_from_the_verifiers_reports():
+    policy = AdaptivePolicy(ExpertRouter({"a": ["general"]}), GoodputController(CostModel(), probe_every=0))
+    request = policy.begin("general", 8)
+    plan = request.plan(room=50, available=["a"])
+    assert plan.drafters == ("a",) and plan.budget > 0
+    for _ in range(30):  # a drafter that is never right, slow to draft, in big passes
+        outcome = StepOutcome(plan, (TokenTree.chain([7] * plan.budget),), TokenTree.chain([7] * plan.budget), (3,),
+                              draft_ms=20.0, pass_ms=30.0 + plan.budget, batch_rows=1 + plan.budget, batch_size=1)
+        request.observe(outcome)
+        plan = request.plan(room=50, available=["a"])
+        if plan.budget == 0:
+            break
+    assert plan == StepPlan()  # speculation stopped paying
+    assert request.plan(room=1, available=["a"]) == StepPlan()  # one token left: nothing to draft for
