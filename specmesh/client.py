@@ -25,6 +25,9 @@ import grpc
 
 from specmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 
+SPECULATION = {"adaptive": router_pb2.SPECULATION_ADAPTIVE, "fixed": router_pb2.SPECULATION_FIXED,
+               "off": router_pb2.SPECULATION_OFF}
+
 
 def _service_config(retries: int) -> str:
     return json.dumps({
@@ -65,6 +68,8 @@ class Stats:
     drafted_ahead: int
     draft_ms: float  # waiting for drafters
     verify_ms: float  # waiting for verification (queue, transport, target pass)
+    request_kind: str  # what the router took the request to be about
+    drafter_steps: dict[str, int]  # drafter -> steps it drafted for
 
 
 @dataclass(frozen=True)
@@ -94,7 +99,8 @@ def _usage(message) -> Usage:
 def _stats(message) -> Stats:
     return Stats(message.target_steps, message.drafted_nodes, message.accepted_tokens, message.mean_accepted_length,
                  message.resyncs, message.first_token_ms, message.total_ms, tuple(message.drafters),
-                 message.drafted_ahead, message.draft_ms, message.verify_ms)
+                 message.drafted_ahead, message.draft_ms, message.verify_ms, message.request_kind,
+                 dict(message.drafter_steps))
 
 
 def _generation(message: router_pb2.GenerateResponse) -> Generation:
@@ -111,10 +117,13 @@ def _chunk(message: router_pb2.GenerateChunk) -> Chunk:
 def generate_request(
     prompt: str | None = None, *, chat: Sequence[tuple[str, str]] | None = None, prompt_ids: Sequence[int] | None = None,
     max_tokens: int = 0, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-    max_tree_nodes: int | None = None, request_id: str = "",
+    max_tree_nodes: int | None = None, request_id: str = "", speculation: str | None = None,
 ) -> router_pb2.GenerateRequest:
     """The request message; exactly one of ``prompt`` (raw text), ``chat`` ((role, content) pairs, rendered
-    with the model's chat template) or ``prompt_ids``. ``max_tokens`` 0 takes the router's default."""
+    with the model's chat template) or ``prompt_ids``. ``max_tokens`` 0 takes the router's default;
+    ``speculation`` ("adaptive", "fixed", "off"; None: the router's setting) how the router speculates."""
+    if speculation is not None and speculation not in SPECULATION:
+        raise ValueError(f"speculation must be one of {', '.join(SPECULATION)}, got {speculation!r}")
     given = [x is not None for x in (prompt, chat, prompt_ids)]
     if sum(given) != 1:
         raise ValueError("give exactly one of prompt, chat or prompt_ids")
@@ -130,6 +139,8 @@ def generate_request(
         message.prompt_ids.CopyFrom(common_pb2.TokenIds(ids=list(prompt_ids)))
     if max_tree_nodes is not None:
         message.max_tree_nodes = max_tree_nodes
+    if speculation is not None:
+        message.speculation = SPECULATION[speculation]
     return message
 
 

@@ -103,8 +103,10 @@ class AdaptivePolicy:
         self.average = average  # weight of the past in the moving averages
         self.state = PolicyState()
 
-    def begin(self, kind: str, max_budget: int) -> RequestPolicy:
-        return _AdaptiveRequest(self, self.router.open(kind or GENERAL), max_budget)
+    def begin(self, kind: str, max_budget: int, fixed_budget: bool | None = None) -> RequestPolicy:
+        """``fixed_budget`` True: routing and trust, but the whole budget every step (None: the policy's setting)."""
+        fixed = not self.adapt_budget if fixed_budget is None else fixed_budget
+        return _AdaptiveRequest(self, self.router.open(kind or GENERAL), max_budget, adapt_budget=not fixed)
 
     def fused_record(self, kind: str) -> Record:
         return self.state.fused.setdefault(kind, Record())
@@ -135,6 +137,7 @@ class _AdaptiveRequest:
     policy: AdaptivePolicy
     route: Route
     max_budget: int
+    adapt_budget: bool = True
     fused: Record = field(default_factory=Record)
     steps_without: int = 0  # steps in a row at budget 0
     last_rows: int = 1
@@ -153,7 +156,7 @@ class _AdaptiveRequest:
         policy = self.policy
         if self.max_budget <= 0 or room <= 1 or not available:
             return StepPlan()
-        if policy.adapt_budget:
+        if self.adapt_budget:
             budget = policy.controller.choose(self.max_budget, self.acceptance(), policy.state.draft_ms_per_node,
                                               policy.load(self.last_rows), self.steps_without)
         else:

@@ -38,6 +38,7 @@ class RemoteDrafter:
         self._open: set[str] = set()  # sessions the drafter holds, as far as we know
         self._down_until = 0.0
         self._backoff_s = 0.5
+        self._expected_hash: str | None = None
         self.failures = 0
 
     @property
@@ -46,6 +47,7 @@ class RemoteDrafter:
 
     async def connect(self, tokenizer_hash: str | None = None) -> bool:
         """Read the drafter's card; refuse one built for another vocabulary. False when unreachable."""
+        self._expected_hash = tokenizer_hash
         try:
             info = await self._stub.Info(drafter_pb2.DrafterInfoRequest(), timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
@@ -63,6 +65,14 @@ class RemoteDrafter:
     async def start(self, request_id: str, prompt_ids: Sequence[int]) -> None:
         self._context[request_id] = list(prompt_ids)
         self._unsent[request_id] = []
+        if self.healthy and not self.tokenizer_hash:  # unreachable at start-up: its card (name, domains) first
+            try:
+                if not await self.connect(self._expected_hash):
+                    return
+            except InvalidArgument as exc:
+                log.warning("%s", exc)
+                self._down_until = time.monotonic() + self.max_backoff_s
+                return
         if self.healthy:
             await self._open_session(request_id)
 

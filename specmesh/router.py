@@ -1,5 +1,6 @@
-"""The router's domain logic: turn a client's request into token ids, admit it within the limits, and
-run the speculation loop with the remote drafters and the queue-backed verifier client.
+"""The router's domain logic: turn a client's request into token ids, classify it, admit it within the
+limits, and run the speculation loop with the remote drafters and the queue-backed verifier client,
+planned step by step by the adaptive policy (expertise routing, trust-weighted fusion, goodput budget).
 
 The servicer in ``services/router`` only converts messages; everything here is testable without gRPC.
 """
@@ -13,11 +14,15 @@ from typing import AsyncIterator, Sequence
 
 from specmesh.engine import MAX_TREE_NODES, validate_request
 from specmesh.errors import InvalidArgument, ResourceExhausted
+from specmesh.classify import RequestClassifier
 from specmesh.loop import AsyncDrafter, Request, SpeculationStats, StepOutput, VerifierClient, speculate
+from specmesh.policy import AdaptivePolicy, FixedPolicy, adaptive_policy
+from specmesh.routing import GENERAL
 from specmesh.sampling import SamplingParams
 
 MAX_REQUEST_ID = 128
 ROLES = ("system", "user", "assistant")
+SPECULATION_MODES = ("adaptive", "fixed", "off")
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,16 @@ class RouterLimits:
     default_max_tokens: int = 256
     max_tree_nodes: int = 8
     draft_ahead: bool = True  # draft the next tree while the current one is verified
+    speculation: str = "adaptive"  # for requests that do not say: adaptive, fixed (the whole budget) or off
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """An admitted request and how to speculate for it."""
+
+    request: Request
+    budget: int  # at most this many tree nodes a step (0: plain decoding)
+    speculation: str  # adaptive or fixed (ignored when the budget is 0)
 
 
 @dataclass
@@ -44,22 +59,34 @@ class Generation:
 
     request: Request
     prompt_tokens: int
-    drafters: list[str]
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stats: SpeculationStats = field(default_factory=SpeculationStats)
+
+    @property
+    def drafters(self) -> list[str]:
+        """The drafters that drafted for the request."""
+        return sorted(self.stats.drafter_steps)
 
 
 class Router:
     def __init__(
         self, tokenizer, card: ModelCard, drafters: Sequence[AsyncDrafter], verifier: VerifierClient,
-        limits: RouterLimits | None = None,
+        limits: RouterLimits | None = None, policy: AdaptivePolicy | None = None,
+        classifier: RequestClassifier | None = None,
     ) -> None:
+        """``policy``: the adaptive policy over the drafters' names (default: built from their
+        advertised domains); ``classifier``: the request kind from the prompt's text (default: none,
+        every request is ``general`` and routing learns from acceptance alone)."""
         self.tokenizer = tokenizer
         self.card = card
         self.drafters = list(drafters)
         self.verifier = verifier
         self.limits = limits or RouterLimits()
+        if self.limits.speculation not in SPECULATION_MODES:
+            raise InvalidArgument("speculation", f"is {self.limits.speculation!r}; use one of {', '.join(SPECULATION_MODES)}")
+        self.policy = policy or adaptive_policy({})
+        self.classifier = classifier
         self.active = 0
 
     # ---- inputs ----
@@ -83,10 +110,18 @@ class Router:
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
+    def classify(self, text: str) -> str:
+        return self.classifier.classify(text) if self.classifier is not None and text else GENERAL
+
     def make_request(
         self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str = "", max_tree_nodes: int | None = None,
-    ) -> tuple[Request, int]:
-        """A validated request and its tree budget."""
+        text: str = "", speculation: str | None = None,
+    ) -> Ticket:
+        """A validated request, its tree budget and speculation mode; ``text`` (the user's words, when
+        known) is what the request is classified by for routing."""
+        speculation = speculation or self.limits.speculation
+        if speculation not in SPECULATION_MODES:
+            raise InvalidArgument("speculation", f"is {speculation!r}; use one of {', '.join(SPECULATION_MODES)}")
         if len(request_id) > MAX_REQUEST_ID:
             raise InvalidArgument("request_id", f"is {len(request_id)} characters; at most {MAX_REQUEST_ID}")
         budget = self.limits.max_tree_nodes if max_tree_nodes is None else max_tree_nodes
@@ -95,14 +130,29 @@ class Router:
         # the internal id is always fresh: a client's id names its request to it, but two clients (or one
         # retrying) may reuse an id, and drafter and verifier state is keyed by it
         internal_id = f"{request_id}:{uuid.uuid4().hex}" if request_id else uuid.uuid4().hex
-        request = Request(tuple(int(t) for t in prompt_ids), params, internal_id)
+        if speculation == "off":
+            budget = 0
+        request = Request(tuple(int(t) for t in prompt_ids), params, internal_id,
+                          kind=self.classify(text or self.decode(prompt_ids[-256:])))
         validate_request(request, self.card.vocab_size, self.card.max_length, budget)
-        return request, budget
+        return Ticket(request, budget, speculation)
+
+    def _unique_drafters(self) -> list[AsyncDrafter]:
+        """One drafter per name (a second with the same name — a replica — adds nothing to routing),
+        each advertising its domains to the policy."""
+        unique: dict[str, AsyncDrafter] = {}
+        for drafter in self.drafters:
+            if drafter.name not in unique or not getattr(unique[drafter.name], "healthy", True):
+                unique[drafter.name] = drafter
+        for drafter in unique.values():
+            self.policy.router.add(drafter.name, getattr(drafter, "domains", ()) or (GENERAL,))
+        return list(unique.values())
 
     # ---- generation ----
 
-    async def generate(self, request: Request, budget: int) -> AsyncIterator[tuple[Generation, StepOutput]]:
+    async def generate(self, ticket: Ticket) -> AsyncIterator[tuple[Generation, StepOutput]]:
         """Admit the request (or refuse it with ResourceExhausted) and yield each step's tokens."""
+        request, budget = ticket.request, ticket.budget
         if self.active >= self.limits.max_concurrent_requests:
             raise ResourceExhausted(
                 f"{self.active} requests are in flight, the limit is {self.limits.max_concurrent_requests}; retry later"
@@ -110,11 +160,15 @@ class Router:
         backlog = await self.verifier.backlog() if hasattr(self.verifier, "backlog") else 0
         if backlog > self.limits.max_queue_backlog:
             raise ResourceExhausted(f"the verification queue holds {backlog} jobs; retry later")
-        drafters = [d for d in self.drafters if getattr(d, "healthy", True)] if budget > 0 else []
-        generation = Generation(request, len(request.prompt_ids), [d.name for d in drafters])
+        drafters = self._unique_drafters() if budget > 0 else []
+        if budget <= 0:
+            policy = FixedPolicy().begin(request.kind, 0)
+        else:
+            policy = self.policy.begin(request.kind, budget, fixed_budget=ticket.speculation == "fixed")
+        generation = Generation(request, len(request.prompt_ids))
         self.active += 1
         try:
-            steps = speculate(request, drafters, self.verifier, budget, self.card.eos_token_ids, generation.stats,
+            steps = speculate(request, drafters, self.verifier, policy, self.card.eos_token_ids, generation.stats,
                               draft_ahead=self.limits.draft_ahead)
             async with aclosing(steps):
                 async for step in steps:

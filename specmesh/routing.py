@@ -28,6 +28,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
+from specmesh.errors import InvalidArgument
 from specmesh.tree import TokenTree
 
 GENERAL = "general"
@@ -81,6 +82,12 @@ class RoutingConfig:
     domain_prior: float = 0.5  # expected acceptance of an expert on its own domain, before evidence
     general_prior: float = 0.3  # ... of an unspecialised drafter (prompt lookup, a small LM)
     other_prior: float = 0.1  # ... of an expert off its domain
+
+    def __post_init__(self) -> None:
+        if self.max_drafters < 1:
+            raise InvalidArgument("max_drafters", f"must be >= 1, got {self.max_drafters}")
+        if not 0.0 <= self.explore <= 1.0:
+            raise InvalidArgument("explore", f"must be in [0, 1], got {self.explore}")
 
 
 @dataclass

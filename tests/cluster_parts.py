@@ -11,6 +11,7 @@ from specmesh.models.llama import LlamaRuntime
 from specmesh.models.loading import tokenizer_fingerprint
 from specmesh.queue import QueueKeys, QueueVerifierClient, VerifierQueue
 from specmesh.remote import RemoteDrafter
+from specmesh.classify import default_classifier
 from specmesh.router import ModelCard, Router, RouterLimits
 from specmesh.serving import Service, TorchThread, start_server
 from specmesh.services.drafter.server import DrafterServicer, DrafterSessions
@@ -67,7 +68,9 @@ class ServiceStack:
         self.model = model
         self.tokenizer = tokenizer
         self.drafter = drafter
-        self.limits = limits or RouterLimits(max_tree_nodes=6)
+        # fixed: a tiny model's pass costs about a drafter's round trip, so the adaptive policy would
+        # (rightly) stop speculating, and these stacks are here to exercise drafting through the services
+        self.limits = limits or RouterLimits(max_tree_nodes=6, speculation="fixed")
 
     async def __aenter__(self):
         await self.pool.__aenter__()
@@ -84,7 +87,8 @@ class ServiceStack:
         await self.remote.connect(tokenizer_fingerprint(self.tokenizer))
         card = ModelCard("tiny", vocab, self.model.config.max_position_embeddings,
                          tokenizer_fingerprint(self.tokenizer), frozenset())
-        self.router = Router(self.tokenizer, card, [self.remote], self.pool.client, self.limits)
+        self.router = Router(self.tokenizer, card, [self.remote], self.pool.client, self.limits,
+                             classifier=default_classifier())
         router_servicer = RouterServicer(self.router, self.pool.client)
         self.router_server = await start_server(
             [Service("specmesh.v1.Router", lambda s: router_pb2_grpc.add_RouterServicer_to_server(router_servicer, s))],

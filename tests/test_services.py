@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from transformers import AutoTokenizer
 
-from specmesh.client import AsyncClient
+from specmesh.client import AsyncClient, generate_request
 from specmesh.drafters.ngram import HistoryDrafter, NgramDrafter
 from specmesh.engine import Request, SpeculativeEngine
 from specmesh.models.llama import LlamaRuntime
@@ -77,6 +77,30 @@ def test_generate_and_stream_equal_plain_decoding(redis_server, model, tokenizer
     assert [m.id for m in models] == ["tiny"] and info.drafters[0].healthy and info.verifiers == 1
 
 
+def test_speculation_modes_and_routing_through_the_router(redis_server, model, tokenizer):
+    code_chat = [("user", "Write a Python function that reverses a list, with a docstring.")]
+
+    async def main():
+        async with ServiceStack(redis_server.url, model, tokenizer, NgramDrafter()) as stack:
+            async with AsyncClient(stack.address) as client:
+                answers = {mode: await client.generate(chat=code_chat, max_tokens=MAX_TOKENS, speculation=mode)
+                           for mode in ("adaptive", "fixed", "off")}
+                info = await client.info()
+            return answers, info, stack.router.encode_chat(code_chat)
+
+    answers, info, prompt = run(main())
+    for mode, answer in answers.items():
+        assert answer.token_ids == plain(model, prompt), mode
+        assert answer.stats.request_kind == "code", mode
+    assert answers["off"].stats.drafted_nodes == 0 and answers["off"].stats.drafter_steps == {}
+    fixed = answers["fixed"].stats
+    assert list(fixed.drafter_steps) == ["ngram"] and fixed.target_steps - 1 <= fixed.drafter_steps["ngram"] <= fixed.target_steps
+    assert info.speculation == "fixed"
+    assert [(e.kind, e.drafter) for e in info.routing] == [("code", "ngram")]  # learned from the requests
+    with pytest.raises(ValueError, match="speculation"):  # the SDK refuses an unknown mode before sending
+        generate_request("hi", speculation="sometimes")
+
+
 async def _blocking_generate(address):
     """The blocking client, in a process of its own: grpc's sync and asyncio stacks in one process can
     deadlock each other (grpc/grpc#22733), and this process serves the router with asyncio."""
@@ -117,15 +141,18 @@ def test_invalid_arguments_are_refused_naming_the_field(redis_server, model, tok
                     with pytest.raises(grpc.aio.AioRpcError) as err:
                         await client.generate(**kwargs)
                     errors.append((err.value.code(), err.value.details()))
-                async with grpc.aio.insecure_channel(stack.address) as channel:  # no input at all
-                    with pytest.raises(grpc.aio.AioRpcError) as err:
-                        await router_pb2_grpc.RouterStub(channel).Generate(router_pb2.GenerateRequest(), timeout=10)
-                    errors.append((err.value.code(), err.value.details()))
+                async with grpc.aio.insecure_channel(stack.address) as channel:  # raw messages the SDK would refuse
+                    for message in [router_pb2.GenerateRequest(),  # no input at all
+                                    router_pb2.GenerateRequest(prompt="hi", speculation=99)]:
+                        with pytest.raises(grpc.aio.AioRpcError) as err:
+                            await router_pb2_grpc.RouterStub(channel).Generate(message, timeout=10)
+                        errors.append((err.value.code(), err.value.details()))
                 ok = await client.generate(prompt="still fine", max_tokens=3)  # nothing crashed
             return errors, ok
 
     errors, ok = run(main())
-    for (kwargs, field), (code, details) in zip(BAD_REQUESTS + [({}, "input")], errors):
+    assert len(errors) == len(BAD_REQUESTS) + 2
+    for (kwargs, field), (code, details) in zip(BAD_REQUESTS + [({}, "input"), ({}, "speculation")], errors):
         assert code == grpc.StatusCode.INVALID_ARGUMENT, (kwargs, code, details)
         assert field in details, (kwargs, details)
     assert len(ok.token_ids) == 3

@@ -18,7 +18,10 @@ from specmesh.errors import InvalidArgument
 from specmesh.models.loading import EMBEDDED_DEFAULT, load_target_parts, tokenizer_fingerprint
 from specmesh.queue import QueueKeys, QueueVerifierClient
 from specmesh.remote import RemoteDrafter
-from specmesh.router import Generation, ModelCard, Router, RouterLimits, TextStream
+from specmesh.classify import default_classifier
+from specmesh.policy import adaptive_policy
+from specmesh.router import SPECULATION_MODES, Generation, ModelCard, Router, RouterLimits, TextStream
+from specmesh.routing import RoutingConfig
 from specmesh.serving import Service, env_default, run_service, start_server
 from specmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 from specmesh.wire import sampling_from_pb
@@ -36,8 +39,12 @@ def _stats(generation: Generation) -> router_pb2.SpeculationStats:
         target_steps=s.target_steps, drafted_nodes=s.drafted_nodes, accepted_tokens=s.accepted_tokens,
         mean_accepted_length=s.mean_accepted_length, resyncs=s.resyncs, first_token_ms=s.first_token_s * 1e3,
         total_ms=s.total_s * 1e3, drafters=generation.drafters, drafted_ahead=s.drafted_ahead,
-        draft_ms=s.draft_s * 1e3, verify_ms=s.verify_s * 1e3,
+        draft_ms=s.draft_s * 1e3, verify_ms=s.verify_s * 1e3, request_kind=s.kind, drafter_steps=s.drafter_steps,
     )
+
+
+SPECULATION = {router_pb2.SPECULATION_UNSPECIFIED: None, router_pb2.SPECULATION_ADAPTIVE: "adaptive",
+               router_pb2.SPECULATION_FIXED: "fixed", router_pb2.SPECULATION_OFF: "off"}
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -55,32 +62,45 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             return list(message.prompt_ids.ids)
         raise InvalidArgument("input", "give one of prompt, chat or prompt_ids")
 
-    def _request(self, message: router_pb2.GenerateRequest):
+    @staticmethod
+    def _text(message) -> str:
+        """The user's own words, what the request is classified by (empty for token ids)."""
+        kind = message.WhichOneof("input")
+        if kind == "prompt":
+            return message.prompt
+        if kind == "chat":
+            return next((m.content for m in reversed(message.chat.messages) if m.role == "user"), "")
+        return ""
+
+    def _ticket(self, message: router_pb2.GenerateRequest):
         sampling = common_pb2.SamplingParams()
         sampling.CopyFrom(message.sampling)
         if sampling.max_tokens == 0:
             sampling.max_tokens = self.router.limits.default_max_tokens
         budget = message.max_tree_nodes if message.HasField("max_tree_nodes") else None
-        return self.router.make_request(self._prompt_ids(message), sampling_from_pb(sampling), message.request_id, budget)
+        if message.speculation not in SPECULATION:
+            raise InvalidArgument("speculation", f"unknown value {message.speculation}")
+        return self.router.make_request(self._prompt_ids(message), sampling_from_pb(sampling), message.request_id,
+                                        budget, text=self._text(message), speculation=SPECULATION[message.speculation])
 
     async def Generate(self, request, context):
-        spec_request, budget = self._request(request)
+        ticket = self._ticket(request)
         generation = None
-        async for generation, _ in self.router.generate(spec_request, budget):
+        async for generation, _ in self.router.generate(ticket):
             pass
         return router_pb2.GenerateResponse(
-            request_id=request.request_id or spec_request.request_id, text=self.router.decode(generation.token_ids),
+            request_id=request.request_id or ticket.request.request_id, text=self.router.decode(generation.token_ids),
             token_ids=generation.token_ids, finish_reason=generation.finish_reason or "length",
             usage=_usage(generation), stats=_stats(generation),
         )
 
     async def GenerateStream(self, request, context):
-        spec_request, budget = self._request(request)
+        ticket = self._ticket(request)
         text = TextStream(self.router)
-        async for generation, step in self.router.generate(spec_request, budget):
+        async for generation, step in self.router.generate(ticket):
             final = step.finish_reason is not None
             chunk = router_pb2.GenerateChunk(
-                request_id=request.request_id or spec_request.request_id, token_ids=step.token_ids,
+                request_id=request.request_id or ticket.request.request_id, token_ids=step.token_ids,
                 text=text.push(step.token_ids, final),
                 finish_reason=step.finish_reason or "",
             )
@@ -109,6 +129,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                       for d in self.router.drafters],
             active_requests=self.router.active, max_concurrent_requests=limits.max_concurrent_requests,
             max_tree_nodes=limits.max_tree_nodes, verifiers=len(self.verifier_client.alive), version=__version__,
+            routing=[router_pb2.RoutingEstimate(kind=kind, drafter=name, acceptance=value)
+                     for kind, row in sorted(self.router.policy.router.table().items()) for name, value in sorted(row.items())],
+            speculation=limits.speculation,
         )
 
 
@@ -127,6 +150,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--default-max-tokens", type=int, default=int(env_default("default_max_tokens", "256")))
     parser.add_argument("--draft-ahead", choices=("on", "off"), default=env_default("draft_ahead", "on"),
                         help="draft the next tree while the current one is verified (default on)")
+    parser.add_argument("--speculation", choices=SPECULATION_MODES, default=env_default("speculation", "adaptive"),
+                        help="for requests that do not choose: adaptive (routed drafters, budget by goodput), fixed "
+                             "(routed drafters, the whole budget) or off [SPECMESH_SPECULATION]")
+    parser.add_argument("--max-drafters", type=int, default=int(env_default("max_drafters", "2")),
+                        help="drafters asked per step, the best for the request (default 2) [SPECMESH_MAX_DRAFTERS]")
+    parser.add_argument("--explore", type=float, default=float(env_default("explore", "0.1")),
+                        help="chance per step of also asking a drafter outside the best (default 0.1) [SPECMESH_EXPLORE]")
     parser.add_argument("--job-timeout", type=float, default=float(env_default("job_timeout", "30")),
                         help="seconds a verification step may take before the request fails UNAVAILABLE")
     parser.add_argument("--drafter-timeout", type=float, default=float(env_default("drafter_timeout", "2")),
@@ -151,8 +181,9 @@ async def serve(args: argparse.Namespace) -> None:
         if not await drafter.connect(card.tokenizer_hash):
             log.warning("drafter %s is not reachable yet; it will be retried", drafter.address)
     limits = RouterLimits(args.max_concurrent, args.max_queue_backlog, args.default_max_tokens, args.max_tree_nodes,
-                          draft_ahead=args.draft_ahead == "on")
-    router = Router(target.tokenizer, card, drafters, verifier, limits)
+                          draft_ahead=args.draft_ahead == "on", speculation=args.speculation)
+    policy = adaptive_policy({}, routing=RoutingConfig(max_drafters=args.max_drafters, explore=args.explore))
+    router = Router(target.tokenizer, card, drafters, verifier, limits, policy, default_classifier())
     servicer = RouterServicer(router, verifier)
     server = await start_server(
         [Service(router_pb2.DESCRIPTOR.services_by_name["Router"].full_name,

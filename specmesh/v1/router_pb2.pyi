@@ -1,11 +1,23 @@
 from specmesh.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class Speculation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SPECULATION_UNSPECIFIED: _ClassVar[Speculation]
+    SPECULATION_ADAPTIVE: _ClassVar[Speculation]
+    SPECULATION_FIXED: _ClassVar[Speculation]
+    SPECULATION_OFF: _ClassVar[Speculation]
+SPECULATION_UNSPECIFIED: Speculation
+SPECULATION_ADAPTIVE: Speculation
+SPECULATION_FIXED: Speculation
+SPECULATION_OFF: Speculation
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -22,20 +34,22 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "chat", "prompt_ids", "sampling", "request_id", "max_tree_nodes")
+    __slots__ = ("prompt", "chat", "prompt_ids", "sampling", "request_id", "max_tree_nodes", "speculation")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     chat: ChatMessages
     prompt_ids: _common_pb2.TokenIds
     sampling: _common_pb2.SamplingParams
     request_id: str
     max_tree_nodes: int
-    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., max_tree_nodes: _Optional[int] = ...) -> None: ...
+    speculation: Speculation
+    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., max_tree_nodes: _Optional[int] = ..., speculation: _Optional[_Union[Speculation, str]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens")
@@ -46,7 +60,14 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("target_steps", "drafted_nodes", "accepted_tokens", "mean_accepted_length", "resyncs", "first_token_ms", "total_ms", "drafters", "drafted_ahead", "draft_ms", "verify_ms")
+    __slots__ = ("target_steps", "drafted_nodes", "accepted_tokens", "mean_accepted_length", "resyncs", "first_token_ms", "total_ms", "drafters", "drafted_ahead", "draft_ms", "verify_ms", "request_kind", "drafter_steps")
+    class DrafterStepsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     TARGET_STEPS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_NODES_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +79,8 @@ class SpeculationStats(_message.Message):
     DRAFTED_AHEAD_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_KIND_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_STEPS_FIELD_NUMBER: _ClassVar[int]
     target_steps: int
     drafted_nodes: int
     accepted_tokens: int
@@ -69,7 +92,9 @@ class SpeculationStats(_message.Message):
     drafted_ahead: int
     draft_ms: float
     verify_ms: float
-    def __init__(self, target_steps: _Optional[int] = ..., drafted_nodes: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., resyncs: _Optional[int] = ..., first_token_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., drafters: _Optional[_Iterable[str]] = ..., drafted_ahead: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ...) -> None: ...
+    request_kind: str
+    drafter_steps: _containers.ScalarMap[str, int]
+    def __init__(self, target_steps: _Optional[int] = ..., drafted_nodes: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., resyncs: _Optional[int] = ..., first_token_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., drafters: _Optional[_Iterable[str]] = ..., drafted_ahead: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., request_kind: _Optional[str] = ..., drafter_steps: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "stats")
@@ -158,7 +183,7 @@ class DrafterStatus(_message.Message):
     def __init__(self, address: _Optional[str] = ..., name: _Optional[str] = ..., domains: _Optional[_Iterable[str]] = ..., healthy: _Optional[bool] = ...) -> None: ...
 
 class RouterInfo(_message.Message):
-    __slots__ = ("model", "drafters", "active_requests", "max_concurrent_requests", "max_tree_nodes", "verifiers", "version")
+    __slots__ = ("model", "drafters", "active_requests", "max_concurrent_requests", "max_tree_nodes", "verifiers", "version", "routing", "speculation")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFTERS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +191,8 @@ class RouterInfo(_message.Message):
     MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     VERIFIERS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
     model: ModelCard
     drafters: _containers.RepeatedCompositeFieldContainer[DrafterStatus]
     active_requests: int
@@ -173,4 +200,16 @@ class RouterInfo(_message.Message):
     max_tree_nodes: int
     verifiers: int
     version: str
-    def __init__(self, model: _Optional[_Union[ModelCard, _Mapping]] = ..., drafters: _Optional[_Iterable[_Union[DrafterStatus, _Mapping]]] = ..., active_requests: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., verifiers: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
+    routing: _containers.RepeatedCompositeFieldContainer[RoutingEstimate]
+    speculation: str
+    def __init__(self, model: _Optional[_Union[ModelCard, _Mapping]] = ..., drafters: _Optional[_Iterable[_Union[DrafterStatus, _Mapping]]] = ..., active_requests: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., verifiers: _Optional[int] = ..., version: _Optional[str] = ..., routing: _Optional[_Iterable[_Union[RoutingEstimate, _Mapping]]] = ..., speculation: _Optional[str] = ...) -> None: ...
+
+class RoutingEstimate(_message.Message):
+    __slots__ = ("kind", "drafter", "acceptance")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    drafter: str
+    acceptance: float
+    def __init__(self, kind: _Optional[str] = ..., drafter: _Optional[str] = ..., acceptance: _Optional[float] = ...) -> None: ...
