@@ -13,10 +13,16 @@ from specmesh.drafters.base import Drafter
 from specmesh.drafters.expert import ExpertDrafter, ExpertModel, ExpertSpec, drafter_dtype, load_expert
 from specmesh.drafters.model import ModelDrafter
 from specmesh.drafters.ngram import HistoryDrafter, NgramDrafter
-from specmesh.engine import SpeculativeEngine
+from specmesh.classify import RequestClassifier
+from specmesh.engine import Request, SpeculativeEngine
 from specmesh.errors import InvalidArgument
 from specmesh.models.runtime import TargetRuntime, make_runtime
 from specmesh.models.loading import LoadedModel, TargetParts, load_hf_model, parts_of, tokenizer_fingerprint
+from specmesh.policy import adaptive_policy, check_speculation
+from specmesh.prompts import encode_chat
+from specmesh.routing import GENERAL
+from specmesh.sampling import SamplingParams
+
 
 MODEL_FREE_DRAFTERS = {"ngram": NgramDrafter, "history": HistoryDrafter}
 SHIPPED_EXPERTS = Path(__file__).parent / "experts"  # experts/<target>/<domain>/: made by `specmesh distill`
@@ -46,13 +52,25 @@ class Assembly:
     runtime: TargetRuntime
     drafters: list[Drafter]
 
-    def engine(self, max_tree_nodes: int) -> SpeculativeEngine:
+    def engine(self, max_tree_nodes: int, speculation: str = "adaptive") -> SpeculativeEngine:
+        """An engine over the target and the drafters. ``speculation``, as the router's: ``adaptive``
+        (drafters routed by request kind, trust-weighted fusion, budget by goodput), ``fixed`` (routed,
+        the whole budget every step) or ``off``."""
+        if check_speculation(speculation) == "off":
+            max_tree_nodes = 0
+        domains = {d.name: [getattr(d, "domain", GENERAL)] for d in self.drafters}
         return SpeculativeEngine(
             self.runtime,
             drafters=self.drafters if max_tree_nodes > 0 else [],
             max_tree_nodes=max_tree_nodes,
             eos_token_ids=eos_token_ids(self.target),
+            policy=adaptive_policy(domains, adapt_budget=speculation == "adaptive"),
         )
+
+    def request(self, prompt: str, params: SamplingParams, classifier: RequestClassifier | None = None) -> Request:
+        """A single-turn chat request, its kind classified from the prompt's text when a classifier is given."""
+        ids = tuple(encode_chat(self.target.tokenizer, prompt))
+        return Request(ids, params, kind=classifier.classify(prompt) if classifier is not None else "")
 
 
 def configure_threads(threads: int | None) -> int:

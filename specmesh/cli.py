@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--speculation", choices=("adaptive", "fixed", "off"), default=None,
+                     help="adaptive: drafters routed by the prompt's kind, tree budget chosen each step by goodput "
+                     "(default); fixed: routed, the whole budget every step; off: plain decoding")
     gen.add_argument("--compare-plain", action="store_true",
                      help="also decode without speculation; report identity and the speed ratio")
     gen.add_argument("--server", metavar="HOST:PORT",
@@ -53,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--verifiers", type=int, default=1, help="verifier processes (default 1)")
     up.add_argument("--port", type=int, default=50051, help="the router's port (default 50051; 0 = any free)")
     up.add_argument("--tree-nodes", type=int, default=8, help="speculation budget per step (default 8)")
+    up.add_argument("--speculation", choices=("adaptive", "fixed", "off"), default="adaptive",
+                    help="the router's default for requests (default adaptive)")
     up.add_argument("--draft-ahead", action="store_true",
                     help="draft the next tree while one verifies (pays when drafters have cores of their own)")
     up.add_argument("--demo-prompt", default=DEMO_PROMPT)
@@ -137,8 +142,8 @@ def _sampling_params(args: argparse.Namespace):
 
 def _generate(args: argparse.Namespace) -> int:
     from specmesh.assembly import assemble, configure_threads
-    from specmesh.engine import Request
-    from specmesh.prompts import Prompt, encode_chat, load_prompts
+    from specmesh.classify import default_classifier
+    from specmesh.prompts import Prompt, load_prompts
 
     if (args.prompt is None) == (args.prompts is None):
         raise InvalidArgument("prompt", "give either a PROMPT or --prompts FILE.jsonl")
@@ -148,14 +153,15 @@ def _generate(args: argparse.Namespace) -> int:
     prompts = [Prompt(args.prompt)] if args.prompt is not None else load_prompts(args.prompts)
     configure_threads(args.threads)
     assembly = assemble(args.model, args.drafter or ["ngram"], device=args.device, dtype=args.dtype)
-    speculative = assembly.engine(args.tree_nodes)
+    speculative = assembly.engine(args.tree_nodes, args.speculation or "adaptive")
     plain = assembly.engine(0)
+    classifier = default_classifier()
     tokenizer = assembly.target.tokenizer
     totals = {"tokens": 0, "time": 0.0, "steps": 0, "plain_time": 0.0, "identical": 0}
     for number, prompt in enumerate(prompts, start=1):
-        ids = tuple(encode_chat(tokenizer, prompt.text))
+        request = assembly.request(prompt.text, params, classifier)
         started = time.perf_counter()
-        (result,) = speculative.generate([Request(ids, params)])
+        (result,) = speculative.generate([request])
         elapsed = time.perf_counter() - started
         text = tokenizer.decode(result.token_ids, skip_special_tokens=True)
         if len(prompts) > 1:
@@ -164,13 +170,13 @@ def _generate(args: argparse.Namespace) -> int:
         stats = result.stats
         speed = len(result.token_ids) / elapsed
         print(f"[{len(result.token_ids)} tokens, {speed:.1f} tok/s, mean accepted length "
-              f"{stats.mean_accepted_length:.2f}, finish: {result.finish_reason}]")
+              f"{stats.mean_accepted_length:.2f}, finish: {result.finish_reason}; {_routing_line(stats)}]")
         totals["tokens"] += len(result.token_ids)
         totals["time"] += elapsed
         totals["steps"] += stats.target_steps
         if args.compare_plain:
             started = time.perf_counter()
-            (reference,) = plain.generate([Request(ids, params)])
+            (reference,) = plain.generate([request])
             plain_elapsed = time.perf_counter() - started
             totals["plain_time"] += plain_elapsed
             same = reference.token_ids == result.token_ids
@@ -190,13 +196,21 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stream_one(client, text: str, params, tree_nodes: int | None, echo: bool):
+def _routing_line(stats) -> str:
+    """How a request was routed: its kind and the steps each drafter drafted for."""
+    kind = stats.request_kind
+    steps = ", ".join(f"{name} {count}" for name, count in sorted(stats.drafter_steps.items(), key=lambda kv: -kv[1]))
+    return f"routed as {kind or 'general'}: " + (f"drafter steps {steps}" if steps else "no drafting (plain decoding)")
+
+
+def _stream_one(client, text: str, params, tree_nodes: int | None, echo: bool, speculation: str | None = None):
     """Stream one chat prompt through the cluster; returns (token ids, seconds, last chunk)."""
     started = time.perf_counter()
     tokens: list[int] = []
     last = None
     for chunk in client.stream(chat=[("user", text)], max_tokens=params.max_tokens, temperature=params.temperature,
-                               top_k=params.top_k, top_p=params.top_p, seed=params.seed, max_tree_nodes=tree_nodes):
+                               top_k=params.top_k, top_p=params.top_p, seed=params.seed, max_tree_nodes=tree_nodes,
+                               speculation=speculation):
         tokens += chunk.token_ids
         last = chunk
         if echo:
@@ -218,12 +232,14 @@ def _generate_remote(args: argparse.Namespace) -> int:
         for number, prompt in enumerate(prompts, start=1):
             if len(prompts) > 1:
                 print(f"--- [{number}/{len(prompts)}] {prompt.category}")
-            tokens, elapsed, last = _stream_one(client, prompt.text, params, args.tree_nodes, echo=True)
+            tokens, elapsed, last = _stream_one(client, prompt.text, params, args.tree_nodes, echo=True,
+                                                speculation=args.speculation)
             stats = last.stats
             line = (f"[{len(tokens)} tokens, {len(tokens) / elapsed:.1f} tok/s, mean accepted length "
-                    f"{stats.mean_accepted_length:.2f}, first token {stats.first_token_ms:.0f} ms, finish: {last.finish_reason}]")
+                    f"{stats.mean_accepted_length:.2f}, first token {stats.first_token_ms:.0f} ms, finish: {last.finish_reason}; "
+                    f"{_routing_line(stats)}]")
             if args.compare_plain:
-                plain, plain_elapsed, _ = _stream_one(client, prompt.text, params, 0, echo=False)
+                plain, plain_elapsed, _ = _stream_one(client, prompt.text, params, 0, echo=False, speculation="off")
                 verdict = ("identical" if plain == tokens else "DIFFERENT") if params.greedy else "n/a (sampling)"
                 line += f"\n[plain through the cluster: {len(plain) / plain_elapsed:.1f} tok/s; outputs {verdict}; " \
                         f"speedup {(len(tokens) / elapsed) / (len(plain) / plain_elapsed):.2f}x]"
@@ -240,7 +256,7 @@ def _up(args: argparse.Namespace) -> int:
 
     spec = ClusterSpec(model=args.model, drafters=tuple(args.drafter or DEFAULT_DRAFTERS), verifiers=args.verifiers,
                        max_tree_nodes=args.tree_nodes, draft_ahead=args.draft_ahead, router_port=args.port,
-                       log_dir=args.log_dir)
+                       log_dir=args.log_dir, speculation=args.speculation)
     cluster = LocalCluster(spec)
     print(f"starting Redis, {spec.verifiers} verifier(s), drafters {', '.join(spec.drafters)} and the router "
           f"(logs: {cluster.log_dir}) ...", flush=True)
@@ -257,11 +273,11 @@ def _up(args: argparse.Namespace) -> int:
                     print(f"\ndemo: {args.demo_prompt}\n", flush=True)
                     _stream_one(client, args.demo_prompt, params, None, echo=False)  # warm-up: caches and allocators
                     tokens, elapsed, last = _stream_one(client, args.demo_prompt, params, None, echo=True)
-                    plain, plain_elapsed, _ = _stream_one(client, args.demo_prompt, params, 0, echo=False)
+                    plain, plain_elapsed, _ = _stream_one(client, args.demo_prompt, params, 0, echo=False, speculation="off")
                     speed, plain_speed = len(tokens) / elapsed, len(plain) / plain_elapsed
                     print(f"\n[{len(tokens)} tokens in {elapsed:.2f} s: {speed:.1f} tok/s through the cluster, "
                           f"mean accepted length {last.stats.mean_accepted_length:.2f}, first token "
-                          f"{last.stats.first_token_ms:.0f} ms]")
+                          f"{last.stats.first_token_ms:.0f} ms; {_routing_line(last.stats)}]")
                     print(f"[the same request without speculation: {plain_speed:.1f} tok/s; speedup {speed / plain_speed:.2f}x; "
                           f"outputs {'identical' if plain == tokens else 'DIFFERENT'}]", flush=True)
         except grpc.RpcError as exc:

@@ -37,6 +37,7 @@ class ClusterSpec:
     # Drafting ahead overlaps drafting with verification; on one machine the two share the cores, and
     # measured on 2 cores it cost more than it saved (24.7 vs 30.7 tok/s, ngram + code, 8 MT-Bench prompts)
     draft_ahead: bool = False
+    speculation: str = "adaptive"  # the router's default for requests: adaptive, fixed or off
     router_port: int = 0  # 0: a free port
     cores: int = field(default_factory=lambda: os.cpu_count() or 1)
     dtype: str | None = None
@@ -155,7 +156,7 @@ class LocalCluster:
                 process.wait_ready(timeout_s)
             args = ["--model", spec.model, "--redis-url", self.redis.url, "--max-tree-nodes", str(spec.max_tree_nodes),
                     "--job-timeout", str(spec.job_timeout_s), "--drafters", ",".join(d.address for d in self.drafters),
-                    "--draft-ahead", "on" if spec.draft_ahead else "off"]
+                    "--draft-ahead", "on" if spec.draft_ahead else "off", "--speculation", spec.speculation]
             self.router = self._service("router", "router", args, 1, spec.router_port)
             self.router.start()
             self.router.wait_ready(timeout_s)

@@ -49,7 +49,7 @@ class SpeculationStats:
     draft_s: float = 0.0  # time spent waiting for drafters
     drafted_ahead: int = 0  # steps whose tree was drafted during the previous verification
     verify_s: float = 0.0  # time spent waiting for verification (queue + target pass)
-    kind: str = ""  # the request kind its drafters were routed by
+    request_kind: str = ""  # the request kind its drafters were routed by
     drafter_steps: dict[str, int] = field(default_factory=dict)  # drafter -> steps it drafted for
 
     @property
@@ -182,7 +182,7 @@ async def speculate(
     by_name = {d.name: d for d in drafters}
     if len(by_name) != len(drafters):
         raise ValueError(f"drafter names must be unique: {[d.name for d in drafters]}")
-    stats.kind = policy.kind
+    stats.request_kind = policy.kind
     started = time.perf_counter()
     context = list(request.prompt_ids)  # every committed token; the last one is the next tree's root
     produced = 0

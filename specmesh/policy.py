@@ -14,10 +14,17 @@ from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 from specmesh.control import CostModel, GoodputController, Load
+from specmesh.errors import InvalidArgument
 from specmesh.routing import GENERAL, ExpertRouter, Record, Route, RoutingConfig, level_hits
 from specmesh.tree import TokenTree
 
-FUSED = "<fused>"  # the routing table's name for the fused trees' own record
+SPECULATION_MODES = ("adaptive", "fixed", "off")  # budget by goodput; the whole budget; plain decoding
+
+
+def check_speculation(mode: str) -> str:
+    if mode not in SPECULATION_MODES:
+        raise InvalidArgument("speculation", f"is {mode!r}; use one of {', '.join(SPECULATION_MODES)}")
+    return mode
 
 
 @dataclass(frozen=True)

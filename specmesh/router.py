@@ -16,13 +16,12 @@ from specmesh.engine import MAX_TREE_NODES, validate_request
 from specmesh.errors import InvalidArgument, ResourceExhausted
 from specmesh.classify import RequestClassifier
 from specmesh.loop import AsyncDrafter, Request, SpeculationStats, StepOutput, VerifierClient, speculate
-from specmesh.policy import AdaptivePolicy, FixedPolicy, adaptive_policy
+from specmesh.policy import AdaptivePolicy, check_speculation, FixedPolicy, adaptive_policy
 from specmesh.routing import GENERAL
 from specmesh.sampling import SamplingParams
 
 MAX_REQUEST_ID = 128
 ROLES = ("system", "user", "assistant")
-SPECULATION_MODES = ("adaptive", "fixed", "off")
 
 
 @dataclass(frozen=True)
@@ -83,8 +82,7 @@ class Router:
         self.drafters = list(drafters)
         self.verifier = verifier
         self.limits = limits or RouterLimits()
-        if self.limits.speculation not in SPECULATION_MODES:
-            raise InvalidArgument("speculation", f"is {self.limits.speculation!r}; use one of {', '.join(SPECULATION_MODES)}")
+        check_speculation(self.limits.speculation)
         self.policy = policy or adaptive_policy({})
         self.classifier = classifier
         self.active = 0
@@ -119,9 +117,7 @@ class Router:
     ) -> Ticket:
         """A validated request, its tree budget and speculation mode; ``text`` (the user's words, when
         known) is what the request is classified by for routing."""
-        speculation = speculation or self.limits.speculation
-        if speculation not in SPECULATION_MODES:
-            raise InvalidArgument("speculation", f"is {speculation!r}; use one of {', '.join(SPECULATION_MODES)}")
+        speculation = check_speculation(speculation or self.limits.speculation)
         if len(request_id) > MAX_REQUEST_ID:
             raise InvalidArgument("request_id", f"is {len(request_id)} characters; at most {MAX_REQUEST_ID}")
         budget = self.limits.max_tree_nodes if max_tree_nodes is None else max_tree_nodes

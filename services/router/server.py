@@ -19,8 +19,8 @@ from specmesh.models.loading import EMBEDDED_DEFAULT, load_target_parts, tokeniz
 from specmesh.queue import QueueKeys, QueueVerifierClient
 from specmesh.remote import RemoteDrafter
 from specmesh.classify import default_classifier
-from specmesh.policy import adaptive_policy
-from specmesh.router import SPECULATION_MODES, Generation, ModelCard, Router, RouterLimits, TextStream
+from specmesh.policy import SPECULATION_MODES, adaptive_policy
+from specmesh.router import Generation, ModelCard, Router, RouterLimits, TextStream
 from specmesh.routing import RoutingConfig
 from specmesh.serving import Service, env_default, run_service, start_server
 from specmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
@@ -39,7 +39,7 @@ def _stats(generation: Generation) -> router_pb2.SpeculationStats:
         target_steps=s.target_steps, drafted_nodes=s.drafted_nodes, accepted_tokens=s.accepted_tokens,
         mean_accepted_length=s.mean_accepted_length, resyncs=s.resyncs, first_token_ms=s.first_token_s * 1e3,
         total_ms=s.total_s * 1e3, drafters=generation.drafters, drafted_ahead=s.drafted_ahead,
-        draft_ms=s.draft_s * 1e3, verify_ms=s.verify_s * 1e3, request_kind=s.kind, drafter_steps=s.drafter_steps,
+        draft_ms=s.draft_s * 1e3, verify_ms=s.verify_s * 1e3, request_kind=s.request_kind, drafter_steps=s.drafter_steps,
     )
 
 
