@@ -17,6 +17,7 @@ import statistics
 import time
 from collections import defaultdict
 from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -31,22 +32,18 @@ from specmesh.assembly import (
     load_drafter,
     shipped_experts,
 )
+from specmesh.classify import default_classifier
 from specmesh.client import Client
-from specmesh.drafters.ngram import NgramDrafter
-from specmesh.engine import Request, SpeculativeEngine
+from specmesh.engine import SpeculativeEngine
 from specmesh.errors import InvalidArgument
-from specmesh.launcher import ClusterSpec, LocalCluster
+from specmesh.launcher import DEFAULT_DRAFTERS, ClusterSpec, LocalCluster
 from specmesh.models.llama import TreeBatch
 from specmesh.models.runtime import TargetRuntime, prefilled_session
-from specmesh.prompts import Prompt, encode_chat, load_prompts, mtbench_prompts
+from specmesh.prompts import Prompt, load_prompts, mtbench_prompts
 from specmesh.sampling import SamplingParams
 from specmesh.tree import TokenTree, compile_tree
 
 COST_CURVE_MAX_K = 16
-MODES = ("hf_plain", "hf_assisted", "own_plain", "engine", "cluster", "engine_routed")
-# Oracle routing by MT-Bench category, standing in for the learned router: which shipped expert drafts.
-CATEGORY_EXPERT = {"coding": "code", "math": "math", "reasoning": "math"}
-DEFAULT_EXPERT = "writing"
 
 
 def verify_cost_curve(runtime: TargetRuntime, context: list[int], repeats: int = 15) -> tuple[dict[str, float], float]:
@@ -130,6 +127,46 @@ def _machine() -> dict:
     }
 
 
+@dataclass
+class ModeRecord:
+    """What one mode did, per prompt category: output tokens, seconds, target passes; and latencies."""
+
+    tokens: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    steps: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    first_token_ms: list[float] = field(default_factory=list)
+    per_token_ms: list[float] = field(default_factory=list)  # after the first token
+
+    def add(self, category: str, token_ids: list[int], seconds: float, steps: int, first_token_s: float | None) -> None:
+        self.tokens[category] += len(token_ids)
+        self.seconds[category] += seconds
+        self.steps[category] += steps
+        if first_token_s is not None:
+            self.first_token_ms.append(first_token_s * 1e3)
+            if len(token_ids) > 1:
+                self.per_token_ms.append((seconds - first_token_s) * 1e3 / (len(token_ids) - 1))
+
+    def speed(self, category: str | None = None) -> float:
+        cats = [category] if category else list(self.tokens)
+        return sum(self.tokens[c] for c in cats) / max(sum(self.seconds[c] for c in cats), 1e-9)
+
+    def accepted_length(self, category: str | None = None) -> float:
+        cats = [category] if category else list(self.tokens)
+        return sum(self.tokens[c] for c in cats) / max(sum(self.steps[c] for c in cats), 1)
+
+    def latency(self) -> dict[str, float]:
+        return {"ttft_p50_ms": _percentile(self.first_token_ms, 50), "ttft_p99_ms": _percentile(self.first_token_ms, 99),
+                "per_token_p50_ms": _percentile(self.per_token_ms, 50), "per_token_p99_ms": _percentile(self.per_token_ms, 99)}
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return round(ordered[index], 2)
+
+
 def run_bench(args: argparse.Namespace) -> int:
     if args.per_category is not None and args.per_category < 1:
         raise InvalidArgument("per_category", f"must be >= 1, got {args.per_category}")
@@ -137,6 +174,9 @@ def run_bench(args: argparse.Namespace) -> int:
         raise InvalidArgument("limit", f"must be >= 1, got {args.limit}")
     if args.max_tokens < 1:
         raise InvalidArgument("max_tokens", f"must be >= 1, got {args.max_tokens}")
+    if args.tree_nodes < 1:
+        raise InvalidArgument("tree_nodes", f"the benchmark compares speculation: must be >= 1, got {args.tree_nodes}")
+    concurrency = _concurrency_levels(args.concurrency)
     configure_threads(args.threads)
     machine = _machine()
     prompts: list[Prompt] = load_prompts(args.prompts) if args.prompts else mtbench_prompts()
@@ -144,149 +184,215 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.per_category:
         prompts = first_of_each_category(prompts, args.per_category)
     prompts = prompts[: args.limit] if args.limit else prompts
-    assembly = assemble(args.model, args.drafter or ["ngram"], device=args.device, dtype=args.dtype)
-    speculative, plain = assembly.engine(args.tree_nodes), assembly.engine(0)
-    encoded = [tuple(encode_chat(assembly.target.tokenizer, p.text)) for p in prompts]
+    drafter_names = args.drafter or DEFAULT_DRAFTERS
+    assembly = assemble(args.model, drafter_names, device=args.device, dtype=args.dtype)
+    classifier = default_classifier()
+    params = SamplingParams(max_tokens=args.max_tokens)
+    requests = [assembly.request(p.text, params, classifier) for p in prompts]
 
     print(f"verify cost curve (k = 0..{COST_CURVE_MAX_K}) ...", flush=True)
-    curve, one_step_ms = verify_cost_curve(assembly.runtime, list(encoded[0]))
-    reported = args.report_drafter or [*MODEL_FREE_DRAFTERS, *shipped_experts(assembly.target.name)]
-    report_drafters = {d: load_drafter(d, assembly.target, args.device, args.dtype) for d in reported}
-    drafter_rows, union = drafter_report(assembly, list(report_drafters.values()), one_step_ms)
-    experts = shipped_experts(assembly.target.name)
-    routed = {
-        domain: SpeculativeEngine(assembly.runtime, [NgramDrafter(), report_drafters.get(domain) or
-                                                     load_drafter(domain, assembly.target, args.device, args.dtype)],
-                                  args.tree_nodes, eos_token_ids(assembly.target))
-        for domain in experts
-    }
-    modes = [m for m in (MODES[2:] if args.skip_baselines else MODES) if m != "engine_routed" or DEFAULT_EXPERT in routed]
+    curve, one_step_ms = verify_cost_curve(assembly.runtime, list(requests[0].prompt_ids))
+    drafter_rows, union = [], {}
+    if not args.skip_drafter_report:
+        reported = args.report_drafter or [*MODEL_FREE_DRAFTERS, *shipped_experts(assembly.target.name)]
+        drafter_rows, union = drafter_report(
+            assembly, [load_drafter(d, assembly.target, args.device, args.dtype) for d in reported], one_step_ms)
+
+    eos = eos_token_ids(assembly.target)
+    engines: dict[str, SpeculativeEngine] = {"own_plain": assembly.engine(0)}
+    for drafter in assembly.drafters:  # each drafter alone, the whole budget every step
+        engines[f"single:{drafter.name}"] = SpeculativeEngine(assembly.runtime, [drafter], args.tree_nodes, eos)
+    engines["router_fixed"] = assembly.engine(args.tree_nodes, "fixed")
+    engines["engine"] = assembly.engine(args.tree_nodes, "adaptive")
+    modes = ([] if args.skip_baselines else ["hf_plain", "hf_assisted"]) + list(engines)
     with ExitStack() as cleanup:
         cluster = client = None
-        if args.no_cluster:
-            modes.remove("cluster")
-        else:
-            cluster = _start_cluster(args)
+        if not args.no_cluster:
+            cluster = _start_cluster(args, drafter_names)
             cleanup.callback(cluster.stop)
             client = cleanup.enter_context(Client(cluster.router_address))
-        tokens = {m: defaultdict(int) for m in modes}  # mode -> category -> tokens
-        seconds = {m: defaultdict(float) for m in modes}
-        steps = {m: defaultdict(int) for m in modes}  # target passes
+            modes.append("cluster")
+        records = {m: ModeRecord() for m in modes}
         identical = 0
-        params = SamplingParams(max_tokens=args.max_tokens)
         busy_before = _verifier_busy_s(cluster) if cluster else 0.0
-        for prompt, ids in tqdm(list(zip(prompts, encoded)), desc="prompts", unit="prompt"):
+        for prompt, request in tqdm(list(zip(prompts, requests)), desc="prompts", unit="prompt"):
             outputs = {}
-            for mode in modes:
+            for mode in modes:  # interleaved prompt by prompt: drift in the machine's speed hits every mode alike
                 started = time.perf_counter()
+                first_token_s = None
                 if mode in ("hf_plain", "hf_assisted"):
-                    outputs[mode] = _hf_generate(assembly, ids, args.max_tokens, assisted=mode == "hf_assisted")
+                    outputs[mode] = _hf_generate(assembly, request.prompt_ids, args.max_tokens, assisted=mode == "hf_assisted")
+                    steps = len(outputs[mode]) if mode == "hf_plain" else 0
                 elif mode == "cluster":
-                    answer = client.generate(prompt_ids=list(ids), max_tokens=args.max_tokens)
-                    outputs[mode] = answer.token_ids
-                    steps[mode][prompt.category] += answer.stats.target_steps
+                    answer = client.generate(chat=[("user", prompt.text)], max_tokens=args.max_tokens)
+                    outputs[mode], steps, first_token_s = answer.token_ids, answer.stats.target_steps, answer.stats.first_token_ms / 1e3
                 else:
-                    engine = {"own_plain": plain, "engine": speculative}.get(mode) or routed.get(
-                        CATEGORY_EXPERT.get(prompt.category, DEFAULT_EXPERT), routed.get(DEFAULT_EXPERT))
-                    (result,) = engine.generate([Request(ids, params)])
-                    outputs[mode] = result.token_ids
-                    steps[mode][prompt.category] += result.stats.target_steps
-                seconds[mode][prompt.category] += time.perf_counter() - started
-                tokens[mode][prompt.category] += len(outputs[mode])
+                    (result,) = engines[mode].generate([request])
+                    outputs[mode], steps, first_token_s = result.token_ids, result.stats.target_steps, result.stats.first_token_s
+                records[mode].add(prompt.category, outputs[mode], time.perf_counter() - started, steps, first_token_s)
             reference = outputs.get("hf_plain", outputs["own_plain"])
-            identical += all(outputs[m] == reference for m in modes if m.startswith(("engine", "cluster")))
+            identical += all(outputs[m] == reference for m in modes)
         busy_s = _verifier_busy_s(cluster) - busy_before if cluster else 0.0
+        load_sweep = _load_sweep(cluster, prompts, args.max_tokens, concurrency) if cluster and concurrency else []
+    machine["load_average_after"] = os.getloadavg()[0]
+    report = {
+        "machine": machine,
+        "target": args.model,
+        "drafter_set": list(drafter_names),
+        "tree_nodes": args.tree_nodes,
+        "max_tokens": args.max_tokens,
+        "prompts": {"source": source, "count": len(prompts)},
+        "summary": _summary(records, identical / len(prompts), one_step_ms, busy_s, union),
+        "modes": {m: {"tokens_per_s": round(r.speed(), 2), "mean_accepted_length": round(r.accepted_length(), 3)}
+                  | (r.latency() if r.first_token_ms else {}) for m, r in records.items()},
+        "verify_cost_curve": curve,
+        "drafters": drafter_rows,
+        "drafter_union_agreement": union,
+        "per_category": _per_category(records),
+        "load_sweep": load_sweep,
+    }
+    _print_report(report)
+    if args.json_out:
+        out = Path(args.json_out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"summary written to {out}")
+    if args.plots:
+        from specmesh.bench_plots import write_plots
 
-        def speed(mode: str, category: str | None = None) -> float:
-            cats = [category] if category else list(tokens[mode])
-            return sum(tokens[mode][c] for c in cats) / max(sum(seconds[mode][c] for c in cats), 1e-9)
+        for path in write_plots(report, Path(args.plots)):
+            print(f"plot written to {path}")
+    return 0
 
-        def accepted_length(mode: str, category: str | None = None) -> float:
-            cats = [category] if category else list(tokens[mode])
-            return sum(tokens[mode][c] for c in cats) / max(sum(steps[mode][c] for c in cats), 1)
 
-        machine["load_average_after"] = os.getloadavg()[0]
-        plain_mode = "hf_plain" if "hf_plain" in modes else "own_plain"
-        summary = {
-            "greedy_identical_fraction": identical / len(prompts),
-            "own_plain_tokens_per_s": round(speed("own_plain"), 2),
-            "verify_one_step_ms": round(one_step_ms, 2),
-            "engine_tokens_per_s": round(speed("engine"), 2),
-            "engine_speedup_vs_own_plain": round(speed("engine") / speed("own_plain"), 3),
-            "mean_accepted_length": round(accepted_length("engine"), 3),
-            "drafter_union_agreement": union.get("all", 0.0),
+def _concurrency_levels(text: str) -> list[int]:
+    if not text:
+        return []
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise InvalidArgument("concurrency", f"is {text!r}; give comma-separated integers, e.g. 1,4,16") from None
+    if any(not 1 <= c <= 256 for c in levels):
+        raise InvalidArgument("concurrency", f"levels must be in 1..256, got {text!r}")
+    return levels
+
+
+def _summary(records: dict[str, ModeRecord], identical: float, one_step_ms: float, busy_s: float, union: dict) -> dict:
+    speed = {m: r.speed() for m, r in records.items()}
+    accepted = {m: r.accepted_length() for m, r in records.items()}
+    singles = {m: accepted[m] for m in records if m.startswith("single:")}
+    best_single = max(singles, key=singles.get) if singles else None
+    summary = {
+        "greedy_identical_fraction": round(identical, 4),
+        "own_plain_tokens_per_s": round(speed["own_plain"], 2),
+        "verify_one_step_ms": round(one_step_ms, 2),
+        "engine_tokens_per_s": round(speed["engine"], 2),
+        "engine_fixed_tokens_per_s": round(speed["router_fixed"], 2),
+        "engine_speedup_vs_own_plain": round(speed["engine"] / speed["own_plain"], 3),
+        "mean_accepted_length": round(accepted["engine"], 3),
+        "fixed_mean_accepted_length": round(accepted["router_fixed"], 3),
+        "drafter_union_agreement": union.get("all", 0.0),
+    }
+    if best_single:
+        summary |= {
+            "best_single_drafter": best_single.split(":", 1)[1],
+            "best_single_drafter_mean_accepted_length": round(singles[best_single], 3),
+            "best_single_drafter_tokens_per_s": round(speed[best_single], 2),
+            "accepted_length_vs_best_single": round(accepted["engine"] / singles[best_single], 3),
+            "fixed_accepted_length_vs_best_single": round(accepted["router_fixed"] / singles[best_single], 3),
         }
-        if "engine_routed" in modes:
-            summary |= {
-                "engine_routed_tokens_per_s": round(speed("engine_routed"), 2),
-                "engine_routed_speedup_vs_own_plain": round(speed("engine_routed") / speed("own_plain"), 3),
-                "engine_routed_mean_accepted_length": round(accepted_length("engine_routed"), 3),
-            }
-        if "cluster" in modes:
-            cluster_s = sum(seconds["cluster"].values())
-            per_step = {m: sum(seconds[m].values()) / max(sum(steps[m].values()), 1) for m in ("cluster", "engine")}
-            summary |= {
-                "cluster_tokens_per_s": round(speed("cluster"), 2),
-                "speedup_vs_own_plain": round(speed("cluster") / speed("own_plain"), 3),
-                "cluster_mean_accepted_length": round(accepted_length("cluster"), 3),
-                # a cluster step's extra time (gRPC, Redis, processes) over the same step in process, per target step
-                "cluster_overhead_fraction": round((per_step["cluster"] - per_step["engine"]) * 1e3 / one_step_ms, 3),
-                "verifier_idle_fraction": round(max(0.0, 1.0 - busy_s / max(cluster_s, 1e-9)), 3),
-            }
-            if "hf_plain" in modes:
-                summary |= {
-                    "speedup_vs_plain": round(speed("cluster") / speed("hf_plain"), 3),
-                    "speedup_vs_hf_assisted": round(speed("cluster") / speed("hf_assisted"), 3),
-                }
-        if "hf_plain" in modes:
-            summary |= {
-                "plain_tokens_per_s": round(speed("hf_plain"), 2),
-                "hf_assisted_tokens_per_s": round(speed("hf_assisted"), 2),
-                "engine_speedup_vs_plain": round(speed("engine") / speed("hf_plain"), 3),
-                "engine_speedup_vs_hf_assisted": round(speed("engine") / speed("hf_assisted"), 3),
-                "own_plain_speedup_vs_plain": round(speed("own_plain") / speed("hf_plain"), 3),
-            }
-            if "engine_routed" in modes:
-                summary["engine_routed_speedup_vs_plain"] = round(speed("engine_routed") / speed("hf_plain"), 3)
-        per_category = {
-            c: {
-                "speedup_vs_plain": round(speed("engine", c) / speed(plain_mode, c), 3),
-                "mean_accepted_length": round(accepted_length("engine", c), 3),
-            }
-            | ({
-                "routed_speedup_vs_plain": round(speed("engine_routed", c) / speed(plain_mode, c), 3),
-                "routed_speedup_vs_own_plain": round(speed("engine_routed", c) / speed("own_plain", c), 3),
-                "routed_mean_accepted_length": round(accepted_length("engine_routed", c), 3),
-            } if "engine_routed" in modes else {})
-            for c in tokens["engine"]
+    if "hf_plain" in records:
+        summary |= {
+            "plain_tokens_per_s": round(speed["hf_plain"], 2),
+            "hf_assisted_tokens_per_s": round(speed["hf_assisted"], 2),
+            "engine_speedup_vs_plain": round(speed["engine"] / speed["hf_plain"], 3),
+            "engine_speedup_vs_hf_assisted": round(speed["engine"] / speed["hf_assisted"], 3),
+            "own_plain_speedup_vs_plain": round(speed["own_plain"] / speed["hf_plain"], 3),
         }
-        report = {
-            "machine": machine,
-            "target": args.model,
-            "drafters": drafter_rows,
-            "drafter_union_agreement": union,
-            "tree_nodes": args.tree_nodes,
-            "max_tokens": args.max_tokens,
-            "prompts": {"source": source, "count": len(prompts)},
-            "summary": summary,
-            "verify_cost_curve": curve,
-            "per_category": per_category,
+    if "cluster" in records:
+        cluster_s = sum(records["cluster"].seconds.values())
+        per_step = {m: sum(records[m].seconds.values()) / max(sum(records[m].steps.values()), 1) for m in ("cluster", "engine")}
+        summary |= {
+            "cluster_tokens_per_s": round(speed["cluster"], 2),
+            "speedup_vs_own_plain": round(speed["cluster"] / speed["own_plain"], 3),
+            "cluster_mean_accepted_length": round(accepted["cluster"], 3),
+            # a cluster step's extra time (gRPC, Redis, processes) over the same step in process, per target step
+            "cluster_overhead_fraction": round((per_step["cluster"] - per_step["engine"]) * 1e3 / one_step_ms, 3),
+            "verifier_idle_fraction": round(max(0.0, 1.0 - busy_s / max(cluster_s, 1e-9)), 3),
         }
-        _print_report(report)
-        if args.json_out:
-            out = Path(args.json_out)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(report, indent=2) + "\n")
-            print(f"summary written to {out}")
-        return 0
+        if "hf_plain" in records:
+            summary |= {
+                "speedup_vs_plain": round(speed["cluster"] / speed["hf_plain"], 3),
+                "speedup_vs_hf_assisted": round(speed["cluster"] / speed["hf_assisted"], 3),
+            }
+    return summary
 
 
-def _start_cluster(args: argparse.Namespace) -> LocalCluster:
+def _per_category(records: dict[str, ModeRecord]) -> dict[str, dict]:
+    """Per category: the headline mode's speedup (the cluster when it ran, else the engine) and every
+    specmesh mode's ratio and accepted length."""
+    plain = "hf_plain" if "hf_plain" in records else "own_plain"
+    headline = "cluster" if "cluster" in records else "engine"
+    table = {}
+    for category in records["own_plain"].tokens:
+        base = records[plain].speed(category)
+        row = {"speedup_vs_plain": round(records[headline].speed(category) / base, 3),
+               "mean_accepted_length": round(records[headline].accepted_length(category), 3)}
+        for mode, record in records.items():
+            if mode not in ("hf_plain", "hf_assisted", "own_plain"):
+                row[mode] = {"speedup_vs_plain": round(record.speed(category) / base, 3),
+                             "mean_accepted_length": round(record.accepted_length(category), 3)}
+        table[category] = row
+    return table
+
+
+LOAD_POLICIES = ("none", "fixed", "adaptive")
+_SPECULATION_OF = {"none": "off", "fixed": "fixed", "adaptive": "adaptive"}
+
+
+def _load_sweep(cluster: LocalCluster, prompts: list[Prompt], max_tokens: int, levels: list[int]) -> list[dict]:
+    """At each concurrency, the same requests through the cluster with each policy (no speculation,
+    fixed k, adaptive), in a rotated order per level; tokens/s and per-token latency percentiles."""
+    import asyncio
+
+    from specmesh.client import AsyncClient
+
+    async def one_policy(level: int, policy: str) -> dict:
+        count = max(2 * level, min(len(prompts), 8))
+        chosen = [prompts[i % len(prompts)] for i in range(count)]
+        gate = asyncio.Semaphore(level)
+        latencies: list[float] = []
+        tokens = 0
+
+        async def send(client: AsyncClient, prompt: Prompt) -> None:
+            nonlocal tokens
+            async with gate:
+                started = time.perf_counter()
+                answer = await client.generate(chat=[("user", prompt.text)], max_tokens=max_tokens,
+                                               speculation=_SPECULATION_OF[policy])
+                latencies.append((time.perf_counter() - started) * 1e3 / max(len(answer.token_ids), 1))
+                tokens += len(answer.token_ids)
+
+        async with AsyncClient(cluster.router_address, max_in_flight=max(64, level)) as client:
+            started = time.perf_counter()
+            await asyncio.gather(*(send(client, p) for p in chosen))
+            wall = time.perf_counter() - started
+        return {"concurrency": level, "policy": policy, "requests": count, "tokens_per_s": round(tokens / wall, 2),
+                "p50_ms": _percentile(latencies, 50), "p99_ms": _percentile(latencies, 99)}
+
+    rows = []
+    for index, level in enumerate(tqdm(levels, desc="load sweep", unit="level")):
+        order = LOAD_POLICIES[index % 3:] + LOAD_POLICIES[: index % 3]
+        for policy in order:
+            rows.append(asyncio.run(one_policy(level, policy)))
+    return sorted(rows, key=lambda r: (r["concurrency"], LOAD_POLICIES.index(r["policy"])))
+
+
+def _start_cluster(args: argparse.Namespace, drafters) -> LocalCluster:
     """The cluster with the engine's drafters, so that the two differ only in transport and processes."""
 
     print("starting the local cluster ...", flush=True)
-    spec = ClusterSpec(model=args.model, drafters=tuple(args.drafter or ["ngram"]), max_tree_nodes=args.tree_nodes,
-                       dtype=args.dtype)
+    spec = ClusterSpec(model=args.model, drafters=tuple(drafters), max_tree_nodes=args.tree_nodes, dtype=args.dtype)
     return LocalCluster(spec).start()
 
 
@@ -312,9 +418,12 @@ def _print_report(report: dict) -> None:
         agreement = " ".join(f"{c}:{v:.2f}" for c, v in row["agreement"].items())
         print(f"  drafter {row['name']:10s} cost {row['cost_fraction']:.3f} of a step; agreement {agreement}; "
               f"tokens/step k=1..8: {list(row['expected_tokens_per_step'].values())}")
+    for mode, row in report["modes"].items():
+        latency = (f"; first token p50 {row['ttft_p50_ms']:.0f} ms, per token p50 {row['per_token_p50_ms']:.1f} / "
+                   f"p99 {row['per_token_p99_ms']:.1f} ms" if "ttft_p50_ms" in row else "")
+        print(f"  mode {mode:22s} {row['tokens_per_s']:7.2f} tok/s, accepted length {row['mean_accepted_length']:.2f}{latency}")
     for category, row in report["per_category"].items():
-        line = f"  {category:12s} speedup {row['speedup_vs_plain']:.2f}x  accepted length {row['mean_accepted_length']:.2f}"
-        if "routed_speedup_vs_plain" in row:
-            line += (f"  | routed: {row['routed_speedup_vs_plain']:.2f}x plain, {row['routed_speedup_vs_own_plain']:.2f}x own"
-                     f" plain, accepted length {row['routed_mean_accepted_length']:.2f}")
-        print(line)
+        print(f"  {category:12s} speedup {row['speedup_vs_plain']:.2f}x  accepted length {row['mean_accepted_length']:.2f}")
+    for row in report["load_sweep"]:
+        print(f"  load: concurrency {row['concurrency']:3d} {row['policy']:8s} {row['tokens_per_s']:7.2f} tok/s, "
+              f"per token p50 {row['p50_ms']:.1f} ms, p99 {row['p99_ms']:.1f} ms")

@@ -72,8 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--per-category", type=int, default=None, help="only the first N prompts of each category")
     bench.add_argument("--max-tokens", type=int, default=64)
     bench.add_argument("--json", dest="json_out", help="write the summary (see shared/BENCH.md) here")
-    bench.add_argument("--skip-baselines", action="store_true", help="only the verify cost curve and specmesh")
-    bench.add_argument("--no-cluster", action="store_true", help="skip the run through a local cluster")
+    bench.add_argument("--skip-baselines", action="store_true", help="skip Hugging Face's plain and assisted decoding")
+    bench.add_argument("--no-cluster", action="store_true", help="skip the runs through a local cluster")
+    bench.add_argument("--concurrency", default="1,4,16",
+                       help="the load sweep's concurrency levels through the cluster, comma-separated; '' skips it "
+                       "(default 1,4,16)")
+    bench.add_argument("--plots", metavar="DIR", help="also write PNG plots here (speedup per category; latency vs load)")
+    bench.add_argument("--skip-drafter-report", action="store_true",
+                       help="skip the teacher-forced agreement of each drafter on MT-Bench")
     bench.add_argument("--report-drafter", action="append", default=None,
                        help="drafters to measure by teacher forcing (default: the model-free ones and every "
                        "expert shipped for the target); repeatable")

@@ -1,8 +1,9 @@
 """Goodput-adaptive speculation (after SmartSpec): how many tree nodes a request's next step drafts.
 
 Goodput is committed tokens per second. A step of one request with a tree of ``n`` nodes commits, in
-expectation, ``1 + a + a^2 + ... + a^n`` tokens when each tree level is accepted with probability ``a``
-(the request's measured per-level acceptance of its fused trees). It costs the verification pass —
+expectation, ``1 + a1 + a1 a2 + ... + a1 ... an`` tokens when tree level ``i`` is accepted with
+probability ``ai`` once the levels above it were (the request's measured conditional acceptance of its
+fused trees, level by level; a budget of ``n`` nodes is counted as ``n`` levels). It costs the verification pass —
 whose time depends on *every* row in the batch, the other requests' included — plus the time the
 request waits for its drafters. The controller picks the ``n`` (0 = no speculation) that maximises
 
@@ -25,10 +26,16 @@ from typing import Sequence
 DEFAULT_BUDGETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
-def expected_tokens(acceptance: float, nodes: int) -> float:
-    """1 + a + ... + a^n: committed tokens per step with ``nodes`` levels each accepted with ``a``."""
-    a = min(max(acceptance, 0.0), 0.999)
-    return (1.0 - a ** (nodes + 1)) / (1.0 - a)
+def expected_tokens(acceptance: float | Sequence[float], nodes: int) -> float:
+    """1 + a1 + a1 a2 + ... + a1 ... an: committed tokens per step with ``nodes`` levels, level ``i``
+    accepted with ``acceptance[i]`` given the levels above (one value: the same for every level; levels
+    past the list's end take its last value)."""
+    rates = [acceptance] if isinstance(acceptance, (int, float)) else list(acceptance) or [0.0]
+    total, along = 1.0, 1.0
+    for level in range(nodes):
+        along *= min(max(rates[min(level, len(rates) - 1)], 0.0), 1.0)
+        total += along
+    return total
 
 
 class CostModel:
@@ -90,13 +97,13 @@ class GoodputController:
         self.probe_every = probe_every
         self.probe_budget = probe_budget
 
-    def goodput(self, nodes: int, acceptance: float, draft_ms_per_node: float, load: Load) -> float:
+    def goodput(self, nodes: int, acceptance: float | Sequence[float], draft_ms_per_node: float, load: Load) -> float:
         """Expected committed tokens per second of the whole batch with this request drafting ``nodes``."""
         tokens = expected_tokens(acceptance, nodes) + load.other_tokens
         ms = self.cost.pass_ms(round(load.other_rows) + 1 + nodes) + nodes * draft_ms_per_node
         return tokens / ms * 1e3
 
-    def choose(self, max_budget: int, acceptance: float, draft_ms_per_node: float, load: Load = Load(),
+    def choose(self, max_budget: int, acceptance: float | Sequence[float], draft_ms_per_node: float, load: Load = Load(),
                steps_without: int = 0) -> int:
         """The budget up to ``max_budget`` with the best goodput (the smaller one on a tie); a small
         probe after ``probe_every`` steps in a row without speculation."""

@@ -15,7 +15,7 @@ from typing import Protocol, Sequence
 
 from specmesh.control import CostModel, GoodputController, Load
 from specmesh.errors import InvalidArgument
-from specmesh.routing import GENERAL, ExpertRouter, Record, Route, RoutingConfig, level_hits
+from specmesh.routing import GENERAL, ExpertRouter, LevelRecord, Route, RoutingConfig, level_hits
 from specmesh.tree import TokenTree
 
 SPECULATION_MODES = ("adaptive", "fixed", "off")  # budget by goodput; the whole budget; plain decoding
@@ -90,7 +90,7 @@ class _FixedRequest:
 class PolicyState:
     """What the adaptive policy has learned across requests, besides the router's table."""
 
-    fused: dict[str, Record] = field(default_factory=dict)  # kind -> fused trees' per-level acceptance
+    fused: dict[str, LevelRecord] = field(default_factory=dict)  # kind -> the fused trees' acceptance per level
     draft_ms_per_node: float = 0.5  # moving average over every step that drafted
     batch_rows: float = 1.0  # moving averages of the verifier's passes
     batch_size: float = 1.0
@@ -115,8 +115,8 @@ class AdaptivePolicy:
         fixed = not self.adapt_budget if fixed_budget is None else fixed_budget
         return _AdaptiveRequest(self, self.router.open(kind or GENERAL), max_budget, adapt_budget=not fixed)
 
-    def fused_record(self, kind: str) -> Record:
-        return self.state.fused.setdefault(kind, Record())
+    def fused_record(self, kind: str) -> LevelRecord:
+        return self.state.fused.setdefault(kind, LevelRecord())
 
     def _moving(self, old: float, new: float) -> float:
         return self.average * old + (1 - self.average) * new
@@ -145,7 +145,7 @@ class _AdaptiveRequest:
     route: Route
     max_budget: int
     adapt_budget: bool = True
-    fused: Record = field(default_factory=Record)
+    fused: LevelRecord = field(default_factory=LevelRecord)
     steps_without: int = 0  # steps in a row at budget 0
     last_rows: int = 1
 
@@ -153,11 +153,11 @@ class _AdaptiveRequest:
     def kind(self) -> str:
         return self.route.kind
 
-    def acceptance(self) -> float:
-        """The fused trees' expected per-level acceptance on this request."""
+    def acceptance(self) -> list[float]:
+        """The fused trees' expected acceptance of each level on this request, given the levels above."""
         policy, cfg = self.policy, self.policy.router.config
-        prior = policy.fused_record(self.kind).mean(cfg.general_prior, cfg.kind_strength)
-        return self.fused.mean(prior, cfg.request_strength)
+        prior = policy.fused_record(self.kind).means(self.max_budget, cfg.general_prior, cfg.kind_strength)
+        return self.fused.means(self.max_budget, prior, cfg.request_strength)
 
     def plan(self, room: int, available: Sequence[str]) -> StepPlan:
         policy = self.policy

@@ -70,6 +70,38 @@ class Record:
         return (self.hits + strength * prior) / (self.attempts + strength)
 
 
+@dataclass
+class LevelRecord:
+    """Decayed hits and attempts per tree level (0 = the root's children), each level's counted only
+    when every level above it was hit: the conditional acceptance of each depth. Deeper levels are
+    usually accepted more often than shallow ones (a drafter on the right track tends to stay on it),
+    which one rate for all levels would miss."""
+
+    levels: list[Record] = field(default_factory=list)
+
+    def add(self, hits: int, attempts: int, decay: float) -> None:
+        """One walk's outcome (``level_hits``): levels below ``hits`` were hit, level ``hits`` missed if attempted."""
+        while len(self.levels) < attempts:
+            self.levels.append(Record())
+        for level in range(hits):
+            self.levels[level].add(1, 1, decay)
+        if attempts > hits:
+            self.levels[hits].add(0, 1, decay)
+
+    def means(self, count: int, prior: float | Sequence[float], strength: float) -> list[float]:
+        """Posterior mean acceptance of levels ``0 .. count-1``. ``prior``: one value for the top level,
+        or one per level; a level with no prior of its own takes the level above's estimate."""
+        estimates: list[float] = []
+        for level in range(count):
+            if isinstance(prior, (int, float)):
+                level_prior = estimates[-1] if estimates else float(prior)
+            else:
+                level_prior = prior[level] if level < len(prior) else estimates[-1]
+            record = self.levels[level] if level < len(self.levels) else Record()
+            estimates.append(record.mean(level_prior, strength))
+        return estimates
+
+
 @dataclass(frozen=True)
 class RoutingConfig:
     max_drafters: int = 2  # drafters asked per step (plus one when exploring)

@@ -10,7 +10,7 @@ from specmesh.control import CostModel, GoodputController, Load, expected_tokens
 from specmesh.distill.prompts import domain_prompts
 from specmesh.fusion import fuse_trees
 from specmesh.policy import AdaptivePolicy, StepOutcome, StepPlan
-from specmesh.routing import GENERAL, ExpertRouter, RoutingConfig, level_hits
+from specmesh.routing import GENERAL, ExpertRouter, LevelRecord, RoutingConfig, level_hits
 from specmesh.tree import TokenTree
 
 
@@ -160,10 +160,25 @@ def test_cost_model_learns_interpolates_and_never_decreases_with_rows():
     assert cost.pass_ms(17) >= cost.pass_ms(9)
 
 
-def test_expected_tokens_is_the_geometric_sum():
+def test_expected_tokens_multiplies_the_conditional_acceptance_of_each_level():
     assert expected_tokens(0.0, 8) == 1.0
-    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
-    assert expected_tokens(1.0, 4) == pytest.approx(5.0, rel=1e-2)
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)  # one rate: the geometric sum
+    assert expected_tokens(1.0, 4) == pytest.approx(5.0)
+    assert expected_tokens([0.5, 1.0], 3) == pytest.approx(2.5)  # past the list: its last rate
+
+
+def test_level_record_keeps_the_acceptance_of_each_level_given_the_ones_above():
+    record = LevelRecord()
+    for _ in range(50):
+        record.add(3, 3, decay=1.0)  # on track: all three levels right
+        record.add(0, 1, decay=1.0)  # off track: the first level wrong, nothing deeper attempted
+    first, second, third, fourth = record.means(4, prior=0.3, strength=1e-6)
+    assert first == pytest.approx(0.5) and second == pytest.approx(1.0) and third == pytest.approx(1.0)
+    assert fourth == pytest.approx(third)  # no evidence: the level above's estimate
+    # a request's own record, on the kind's estimates as its priors
+    own = LevelRecord()
+    own.add(0, 1, decay=1.0)
+    assert own.means(2, prior=[0.5, 0.9], strength=1.0) == pytest.approx([0.25, 0.9])
 
 
 def test_controller_speculates_when_it_pays_and_not_when_it_does_not():
