@@ -137,10 +137,11 @@ class ModeRecord:
     first_token_ms: list[float] = field(default_factory=list)
     per_token_ms: list[float] = field(default_factory=list)  # after the first token
 
-    def add(self, category: str, token_ids: list[int], seconds: float, steps: int, first_token_s: float | None) -> None:
+    def add(self, category: str, token_ids: list[int], seconds: float, steps: int | None, first_token_s: float | None) -> None:
         self.tokens[category] += len(token_ids)
         self.seconds[category] += seconds
-        self.steps[category] += steps
+        if steps is not None:
+            self.steps[category] += steps
         if first_token_s is not None:
             self.first_token_ms.append(first_token_s * 1e3)
             if len(token_ids) > 1:
@@ -222,7 +223,7 @@ def run_bench(args: argparse.Namespace) -> int:
                 first_token_s = None
                 if mode in ("hf_plain", "hf_assisted"):
                     outputs[mode] = _hf_generate(assembly, request.prompt_ids, args.max_tokens, assisted=mode == "hf_assisted")
-                    steps = len(outputs[mode]) if mode == "hf_plain" else 0
+                    steps = len(outputs[mode]) if mode == "hf_plain" else None  # HF does not say how many passes
                 elif mode == "cluster":
                     answer = client.generate(chat=[("user", prompt.text)], max_tokens=args.max_tokens)
                     outputs[mode], steps, first_token_s = answer.token_ids, answer.stats.target_steps, answer.stats.first_token_ms / 1e3
@@ -243,7 +244,8 @@ def run_bench(args: argparse.Namespace) -> int:
         "max_tokens": args.max_tokens,
         "prompts": {"source": source, "count": len(prompts)},
         "summary": _summary(records, identical / len(prompts), one_step_ms, busy_s, union),
-        "modes": {m: {"tokens_per_s": round(r.speed(), 2), "mean_accepted_length": round(r.accepted_length(), 3)}
+        "modes": {m: {"tokens_per_s": round(r.speed(), 2)}
+                  | ({"mean_accepted_length": round(r.accepted_length(), 3)} if r.steps else {})
                   | (r.latency() if r.first_token_ms else {}) for m, r in records.items()},
         "verify_cost_curve": curve,
         "drafters": drafter_rows,
@@ -421,7 +423,8 @@ def _print_report(report: dict) -> None:
     for mode, row in report["modes"].items():
         latency = (f"; first token p50 {row['ttft_p50_ms']:.0f} ms, per token p50 {row['per_token_p50_ms']:.1f} / "
                    f"p99 {row['per_token_p99_ms']:.1f} ms" if "ttft_p50_ms" in row else "")
-        print(f"  mode {mode:22s} {row['tokens_per_s']:7.2f} tok/s, accepted length {row['mean_accepted_length']:.2f}{latency}")
+        accepted = f", accepted length {row['mean_accepted_length']:.2f}" if "mean_accepted_length" in row else ""
+        print(f"  mode {mode:22s} {row['tokens_per_s']:7.2f} tok/s{accepted}{latency}")
     for category, row in report["per_category"].items():
         print(f"  {category:12s} speedup {row['speedup_vs_plain']:.2f}x  accepted length {row['mean_accepted_length']:.2f}")
     for row in report["load_sweep"]:

@@ -7,7 +7,7 @@ fused trees, level by level; a budget of ``n`` nodes is counted as ``n`` levels)
 whose time depends on *every* row in the batch, the other requests' included — plus the time the
 request waits for its drafters. The controller picks the ``n`` (0 = no speculation) that maximises
 
-    goodput(n) = (E[tokens | n] + E[tokens of the others]) / (pass_ms(others' rows + 1 + n) + n * draft_ms_per_node)
+    goodput(n) = (E[tokens | n] + E[tokens of the others]) / (pass_ms(others' rows + 1 + n) + draft_ms(n) + overhead_ms)
 
 so under load, when rows are no longer nearly free, it speculates less; with acceptance too low to pay
 for drafting it chooses 0, which is exactly plain (batched) decoding. A request at 0 probes a small
@@ -15,6 +15,8 @@ tree now and then, so that it notices when speculation starts to pay again.
 
 ``pass_ms`` is a ``CostModel`` learned online from the verifier's own reports (rows in a pass and the
 pass's time); it starts from a flat prior, which is what the lean runtime measures for small trees.
+``draft_ms`` (a ``DraftCost``: a fixed round trip plus a cost per node) and the step's other overhead
+are learned from what the requests wait for.
 """
 
 from __future__ import annotations
@@ -89,26 +91,58 @@ class Load:
     other_tokens: float = 0.0  # tokens those requests commit per pass
 
 
+class DraftCost:
+    """Milliseconds a request waits for its drafters, as a function of the tree budget asked:
+    ``fixed + per_node * nodes`` (a round trip, then a drafter step per level), 0 when nobody is asked.
+    Fitted online by least squares over decayed sums, the slope held towards the prior's where the
+    data cannot tell the two apart (requests that always ask the same budget)."""
+
+    def __init__(self, fixed_ms: float = 1.0, per_node_ms: float = 0.5, decay: float = 0.97, prior_weight: float = 4.0) -> None:
+        self.prior = (fixed_ms, per_node_ms)
+        self.decay = decay
+        self.prior_weight = prior_weight
+        self._sums = [0.0] * 5  # weight, n, n^2, ms, n * ms
+        self.fixed_ms, self.per_node_ms = fixed_ms, per_node_ms
+
+    def observe(self, nodes: int, ms: float) -> None:
+        if nodes <= 0 or ms < 0:
+            return
+        self._sums = [self.decay * s for s in self._sums]
+        for i, value in enumerate((1.0, nodes, nodes * nodes, ms, nodes * ms)):
+            self._sums[i] += value
+        w, n, nn, y, ny = self._sums
+        lam, b0 = self.prior_weight, self.prior[1]
+        # the slope held towards the prior's: [w, n; n, nn + lam] [a, b] = [y, ny + lam b0]
+        det = w * (nn + lam) - n * n
+        a = (y * (nn + lam) - n * (ny + lam * b0)) / det
+        b = (w * (ny + lam * b0) - n * y) / det
+        self.fixed_ms, self.per_node_ms = max(a, 0.0), max(b, 0.0)
+
+    def ms(self, nodes: int) -> float:
+        return self.fixed_ms + self.per_node_ms * nodes if nodes > 0 else 0.0
+
+
 class GoodputController:
-    def __init__(self, cost: CostModel, budgets: Sequence[int] = DEFAULT_BUDGETS, probe_every: int = 8,
-                 probe_budget: int = 2) -> None:
+    def __init__(self, cost: CostModel, drafting: DraftCost | None = None, budgets: Sequence[int] = DEFAULT_BUDGETS,
+                 probe_every: int = 8, probe_budget: int = 2) -> None:
         self.cost = cost
+        self.drafting = drafting or DraftCost()
+        self.overhead_ms = 0.0  # per step besides the pass and the drafting: queue, transport, bookkeeping
         self.budgets = sorted(set(budgets) | {0})
         self.probe_every = probe_every
         self.probe_budget = probe_budget
 
-    def goodput(self, nodes: int, acceptance: float | Sequence[float], draft_ms_per_node: float, load: Load) -> float:
+    def goodput(self, nodes: int, acceptance: float | Sequence[float], load: Load = Load()) -> float:
         """Expected committed tokens per second of the whole batch with this request drafting ``nodes``."""
         tokens = expected_tokens(acceptance, nodes) + load.other_tokens
-        ms = self.cost.pass_ms(round(load.other_rows) + 1 + nodes) + nodes * draft_ms_per_node
+        ms = self.cost.pass_ms(round(load.other_rows) + 1 + nodes) + self.drafting.ms(nodes) + self.overhead_ms
         return tokens / ms * 1e3
 
-    def choose(self, max_budget: int, acceptance: float | Sequence[float], draft_ms_per_node: float, load: Load = Load(),
-               steps_without: int = 0) -> int:
+    def choose(self, max_budget: int, acceptance: float | Sequence[float], load: Load = Load(), steps_without: int = 0) -> int:
         """The budget up to ``max_budget`` with the best goodput (the smaller one on a tie); a small
         probe after ``probe_every`` steps in a row without speculation."""
         candidates = [b for b in self.budgets if b < max_budget] + [max_budget]
-        best = max(candidates, key=lambda n: (self.goodput(n, acceptance, draft_ms_per_node, load), -n))
+        best = max(candidates, key=lambda n: (self.goodput(n, acceptance, load), -n))
         if best == 0 and self.probe_every and steps_without >= self.probe_every:
             return min(self.probe_budget, max_budget)
         return best

@@ -196,6 +196,7 @@ async def speculate(
         while True:
             room = request.params.max_tokens - produced
             plan = policy.plan(room, [d.name for d in drafters if getattr(d, "healthy", True)])
+            step_started = time.perf_counter()
             if ahead is not None and plan.budget > 0:
                 draft = Draft(ahead.plan, ahead.trees, ahead.fused.truncated(plan.budget).within_depth(room - 1))
                 draft_ms = 0.0
@@ -241,7 +242,8 @@ async def speculate(
                 if finish_reason is None and new[:-1] == assumed:
                     ahead = drafted_ahead.below(new[-1])
             pending = []
-            policy.observe(StepOutcome(draft.plan, draft.trees, tree, tuple(new), draft_ms, result.pass_ms,
+            step_ms = (time.perf_counter() - step_started) * 1e3
+            policy.observe(StepOutcome(draft.plan, draft.trees, tree, tuple(new), draft_ms, step_ms, result.pass_ms,
                                        result.batch_rows, result.batch_size))
             await asyncio.gather(*(d.commit(rid, new) for d in drafters))  # also the last: history drafters keep answers
             yield StepOutput(new, finish_reason)

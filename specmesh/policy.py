@@ -41,6 +41,7 @@ class StepOutcome:
     fused: TokenTree  # the tree that was verified
     committed: tuple[int, ...]  # the tokens the step committed (accepted, then the bonus)
     draft_ms: float = 0.0  # time the request waited for its drafters (0 when drafted ahead)
+    step_ms: float = 0.0  # the whole step: drafting, queue, transport, the pass
     pass_ms: float = 0.0  # the verification pass's time, as the verifier reports it (0: unknown)
     batch_rows: int = 0  # rows of that pass, every request's root and nodes
     batch_size: int = 0  # requests in that pass
@@ -91,7 +92,6 @@ class PolicyState:
     """What the adaptive policy has learned across requests, besides the router's table."""
 
     fused: dict[str, LevelRecord] = field(default_factory=dict)  # kind -> the fused trees' acceptance per level
-    draft_ms_per_node: float = 0.5  # moving average over every step that drafted
     batch_rows: float = 1.0  # moving averages of the verifier's passes
     batch_size: float = 1.0
     tokens_per_request_step: float = 1.0
@@ -128,9 +128,12 @@ class AdaptivePolicy:
             state.batch_rows = self._moving(state.batch_rows, outcome.batch_rows)
             state.batch_size = self._moving(state.batch_size, max(outcome.batch_size, 1))
         state.tokens_per_request_step = self._moving(state.tokens_per_request_step, len(outcome.committed))
-        if outcome.plan.budget and outcome.draft_ms > 0:
-            nodes = max(len(outcome.fused), 1)
-            state.draft_ms_per_node = self._moving(state.draft_ms_per_node, outcome.draft_ms / nodes)
+        controller = self.controller
+        if outcome.plan.budget and outcome.draft_ms > 0:  # 0: drafted ahead, during the last verification
+            controller.drafting.observe(outcome.plan.budget, outcome.draft_ms)
+        if outcome.batch_size == 1 and outcome.step_ms > 0:  # alone in its pass: the rest is overhead, not waiting
+            overhead = max(outcome.step_ms - outcome.draft_ms - outcome.pass_ms, 0.0)
+            controller.overhead_ms = self._moving(controller.overhead_ms, overhead)
 
     def load(self, own_rows: int) -> Load:
         """The rest of a typical pass, from the verifier's recent reports."""
@@ -164,8 +167,8 @@ class _AdaptiveRequest:
         if self.max_budget <= 0 or room <= 1 or not available:
             return StepPlan()
         if self.adapt_budget:
-            budget = policy.controller.choose(self.max_budget, self.acceptance(), policy.state.draft_ms_per_node,
-                                              policy.load(self.last_rows), self.steps_without)
+            budget = policy.controller.choose(self.max_budget, self.acceptance(), policy.load(self.last_rows),
+                                              self.steps_without)
         else:
             budget = self.max_budget
         if budget <= 0:

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from specmesh.classify import RequestClassifier, default_classifier
-from specmesh.control import CostModel, GoodputController, Load, expected_tokens
+from specmesh.control import CostModel, DraftCost, GoodputController, Load, expected_tokens
 from specmesh.distill.prompts import domain_prompts
 from specmesh.fusion import fuse_trees
 from specmesh.policy import AdaptivePolicy, StepOutcome, StepPlan
@@ -181,27 +181,47 @@ def test_level_record_keeps_the_acceptance_of_each_level_given_the_ones_above():
     assert own.means(2, prior=[0.5, 0.9], strength=1.0) == pytest.approx([0.25, 0.9])
 
 
-def test_controller_speculates_when_it_pays_and_not_when_it_does_not():
+def measured_cost() -> CostModel:
     cost = CostModel()
     for rows, ms in [(1, 20.0), (2, 21.0), (3, 22.0), (5, 23.0), (9, 24.0), (17, 30.0), (65, 90.0), (129, 170.0), (200, 260.0)]:
         cost.observe(rows, ms)
-    controller = GoodputController(cost, probe_every=0)
+    return cost
+
+
+def test_controller_speculates_when_it_pays_and_not_when_it_does_not():
+    cheap = GoodputController(measured_cost(), DraftCost(fixed_ms=0.1, per_node_ms=0.1), probe_every=0)
+    costly = GoodputController(measured_cost(), DraftCost(fixed_ms=2.0, per_node_ms=3.0), probe_every=0)
     # good acceptance, cheap drafting, no load: a deep tree
-    assert controller.choose(8, acceptance=0.8, draft_ms_per_node=0.1) == 8
+    assert cheap.choose(8, acceptance=0.8) == 8
     # poor acceptance and costly drafting: plain decoding
-    assert controller.choose(8, acceptance=0.05, draft_ms_per_node=3.0) == 0
+    assert costly.choose(8, acceptance=0.05) == 0
+    # deeper levels accepted more often once the first is: it pays to go deeper than one rate would say
+    assert costly.choose(8, acceptance=[0.4, 0.9]) > costly.choose(8, acceptance=0.4)
     # the same request under load (63 other requests in each pass): rows are no longer free
-    unloaded = controller.choose(8, acceptance=0.5, draft_ms_per_node=0.1)
-    loaded = controller.choose(8, acceptance=0.5, draft_ms_per_node=0.1, load=Load(other_rows=190, other_tokens=90))
+    unloaded = cheap.choose(8, acceptance=0.5)
+    loaded = cheap.choose(8, acceptance=0.5, load=Load(other_rows=190, other_tokens=90))
     assert loaded < unloaded
     # never more than the request's own cap
-    assert controller.choose(3, acceptance=0.9, draft_ms_per_node=0.0) == 3
+    assert cheap.choose(3, acceptance=0.9) == 3
+
+
+def test_draft_cost_separates_the_round_trip_from_the_cost_per_node():
+    drafting = DraftCost(fixed_ms=1.0, per_node_ms=0.5)
+    assert drafting.ms(0) == 0.0 and drafting.ms(4) == 3.0  # the prior
+    for _ in range(200):
+        for nodes in (1, 4, 8):
+            drafting.observe(nodes, 3.0 + 1.5 * nodes)  # 3 ms round trip, 1.5 ms a level
+    assert drafting.fixed_ms == pytest.approx(3.0, rel=0.05) and drafting.per_node_ms == pytest.approx(1.5, rel=0.05)
+    stuck = DraftCost(fixed_ms=1.0, per_node_ms=0.5)
+    for _ in range(200):
+        stuck.observe(2, 6.0)  # always the same budget: the split stays near the prior's slope
+    assert stuck.ms(2) == pytest.approx(6.0, rel=0.05) and stuck.per_node_ms < 1.5
 
 
 def test_controller_probes_after_a_run_of_plain_steps():
-    controller = GoodputController(CostModel(), probe_every=4, probe_budget=2)
-    assert controller.choose(8, 0.0, 5.0, steps_without=3) == 0
-    assert controller.choose(8, 0.0, 5.0, steps_without=4) == 2
+    controller = GoodputController(CostModel(), DraftCost(fixed_ms=5.0, per_node_ms=5.0), probe_every=4, probe_budget=2)
+    assert controller.choose(8, 0.0, steps_without=3) == 0
+    assert controller.choose(8, 0.0, steps_without=4) == 2
 
 
 def test_adaptive_policy_learns_costs_and_load_from_the_verifiers_reports():
@@ -211,10 +231,12 @@ def test_adaptive_policy_learns_costs_and_load_from_the_verifiers_reports():
     assert plan.drafters == ("a",) and plan.budget > 0
     for _ in range(30):  # a drafter that is never right, slow to draft, in big passes
         outcome = StepOutcome(plan, (TokenTree.chain([7] * plan.budget),), TokenTree.chain([7] * plan.budget), (3,),
-                              draft_ms=20.0, pass_ms=30.0 + plan.budget, batch_rows=1 + plan.budget, batch_size=1)
+                              draft_ms=20.0, step_ms=52.0 + plan.budget, pass_ms=30.0 + plan.budget,
+                              batch_rows=1 + plan.budget, batch_size=1)
         request.observe(outcome)
         plan = request.plan(room=50, available=["a"])
         if plan.budget == 0:
             break
     assert plan == StepPlan()  # speculation stopped paying
+    assert policy.controller.overhead_ms > 0 and policy.controller.drafting.ms(4) > 5.0
     assert request.plan(room=1, available=["a"]) == StepPlan()  # one token left: nothing to draft for
