@@ -22,12 +22,11 @@ $(STAMP): pyproject.toml
 model: $(STAMP)
 	$(PY) -m specmesh prepare
 
-# The whole cluster on this machine (Redis, a verifier, drafter services, the router), a demo request
-# with its speed, then serving on 127.0.0.1:50051 until Ctrl-C. Every drafter of the cluster drafts
-# every request (expertise routing is not in yet), so the demo, a coding question, starts the two that
-# fit it: prompt lookup and the code expert. `specmesh up` alone starts all of them.
+# The whole cluster on this machine (Redis, a verifier, drafter services for prompt lookup and the
+# code, math and writing experts, the router), a demo request with its speed and routing, then serving
+# on 127.0.0.1:50051 until Ctrl-C. The router sends each request to the drafters that fit it.
 run: install
-	$(PY) -m specmesh up --drafter ngram --drafter code
+	$(PY) -m specmesh up
 
 test: install
 	$(PY) -m pytest -q
@@ -37,7 +36,7 @@ test-fast: install
 
 bench: install
 	mkdir -p out
-	$(PY) -m specmesh bench --per-category 2 --json out/bench.json
+	$(PY) -m specmesh bench --per-category 2 --json out/bench.json --plots out/plots
 
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. \

@@ -20,7 +20,7 @@ from specmesh.models.runtime import TargetRuntime, make_runtime
 from specmesh.models.loading import LoadedModel, TargetParts, load_hf_model, parts_of, tokenizer_fingerprint
 from specmesh.policy import adaptive_policy, check_speculation
 from specmesh.prompts import encode_chat
-from specmesh.routing import GENERAL
+from specmesh.routing import GENERAL, MODEL_FREE_KINDS
 from specmesh.sampling import SamplingParams
 
 
@@ -59,12 +59,13 @@ class Assembly:
         if check_speculation(speculation) == "off":
             max_tree_nodes = 0
         domains = {d.name: [getattr(d, "domain", GENERAL)] for d in self.drafters}
+        free = [d.name for d in self.drafters if getattr(d, "kind", "") in MODEL_FREE_KINDS]
         return SpeculativeEngine(
             self.runtime,
             drafters=self.drafters if max_tree_nodes > 0 else [],
             max_tree_nodes=max_tree_nodes,
             eos_token_ids=eos_token_ids(self.target),
-            policy=adaptive_policy(domains, adapt_budget=speculation == "adaptive"),
+            policy=adaptive_policy(domains, adapt_budget=speculation == "adaptive", free=free),
         )
 
     def request(self, prompt: str, params: SamplingParams, classifier: RequestClassifier | None = None) -> Request:

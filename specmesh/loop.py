@@ -88,6 +88,7 @@ class LocalDrafter:
     def __init__(self, drafter: Drafter) -> None:
         self.drafter = drafter
         self.name = drafter.name
+        self.kind = getattr(drafter, "kind", "model")
 
     async def start(self, request_id: str, prompt_ids: Sequence[int]) -> None:
         self.drafter.start(request_id, prompt_ids)

@@ -199,6 +199,7 @@ class _AdaptiveRequest:
 
 
 def adaptive_policy(domains: dict[str, Sequence[str]], adapt_budget: bool = True, seed: int | None = None,
-                    routing: RoutingConfig | None = None) -> AdaptivePolicy:
-    """The router's policy over drafters named in ``domains`` (name -> advertised domains)."""
-    return AdaptivePolicy(ExpertRouter(domains, routing, seed=seed), GoodputController(CostModel()), adapt_budget)
+                    routing: RoutingConfig | None = None, free: Sequence[str] = ()) -> AdaptivePolicy:
+    """The router's policy over drafters named in ``domains`` (name -> advertised domains), of which
+    ``free`` are model-free."""
+    return AdaptivePolicy(ExpertRouter(domains, routing, seed=seed, free=free), GoodputController(CostModel()), adapt_budget)

@@ -16,8 +16,10 @@ is found again:
 - per (request, drafter) (fast decay) — what the drafters actually get accepted on this request, so a
   misclassified request, or one that changes subject, switches experts mid-way.
 
-Selection is greedy on the request's estimate with exploration (a bandit): now and then one drafter
-outside the chosen few drafts as well, so that a drafter that got better, or a new node, is noticed.
+Selection is greedy on the request's estimate with exploration (a bandit): the best few model
+drafters, every model-free one (prompt lookup, history: they cost next to nothing) that is expected to
+be right at all, and now and then one drafter outside the chosen ones, so that a drafter that got
+better, or a new node, is noticed.
 The request's estimates are also the fusion's trust weights (Minions' weighted majority: the weight
 of a drafter that was wrong shrinks).
 """
@@ -32,6 +34,7 @@ from specmesh.errors import InvalidArgument
 from specmesh.tree import TokenTree
 
 GENERAL = "general"
+MODEL_FREE_KINDS = ("ngram", "history")  # drafters with no model: next to no cost, so asked whenever useful
 
 
 def level_hits(tree: TokenTree, committed: Sequence[int]) -> tuple[int, int]:
@@ -104,7 +107,7 @@ class LevelRecord:
 
 @dataclass(frozen=True)
 class RoutingConfig:
-    max_drafters: int = 2  # drafters asked per step (plus one when exploring)
+    max_drafters: int = 1  # model drafters asked per step (besides the model-free ones, and one when exploring)
     explore: float = 0.1  # chance per step of asking one more drafter, outside the chosen ones
     min_acceptance: float = 0.04  # a drafter expected to be right less often than this is not asked
     kind_decay: float = 0.995  # per observation, across requests: ~200 attempts of memory
@@ -134,16 +137,23 @@ class Route:
 class ExpertRouter:
     """Routes requests to drafters by learned acceptance per request kind (see the module doc)."""
 
-    def __init__(self, domains: Mapping[str, Sequence[str]], config: RoutingConfig | None = None, seed: int | None = None) -> None:
-        """``domains``: drafter name -> the domains it advertises (``general`` or none: unspecialised)."""
+    def __init__(self, domains: Mapping[str, Sequence[str]], config: RoutingConfig | None = None, seed: int | None = None,
+                 free: Sequence[str] = ()) -> None:
+        """``domains``: drafter name -> the domains it advertises (``general`` or none: unspecialised);
+        ``free``: the names of model-free drafters."""
         self.domains = {name: tuple(d) for name, d in domains.items()}
+        self.free = set(free)
         self.config = config or RoutingConfig()
         self._kinds: dict[tuple[str, str], Record] = {}
         self._random = random.Random(seed)
 
-    def add(self, name: str, domains: Sequence[str]) -> None:
+    def add(self, name: str, domains: Sequence[str], free: bool = False) -> None:
         """A drafter that joined (or re-advertised its domains)."""
         self.domains[name] = tuple(domains)
+        if free:
+            self.free.add(name)
+        else:
+            self.free.discard(name)
 
     def prior(self, kind: str, name: str) -> float:
         domains = self.domains.get(name, ())
@@ -166,11 +176,12 @@ class ExpertRouter:
         return Route(kind)
 
     def select(self, route: Route, available: Sequence[str]) -> list[str]:
-        """The drafters to ask this step, best first: up to ``max_drafters`` worth asking, and now
-        and then one more, drawn from the rest, to keep learning about them."""
+        """The drafters to ask this step, best first: up to ``max_drafters`` model drafters and every
+        model-free one worth asking, and now and then one more, drawn from the rest, to keep learning."""
         cfg = self.config
         ranked = sorted(available, key=lambda n: (-self.estimate(route, n), n))
-        chosen = [n for n in ranked[: cfg.max_drafters] if self.estimate(route, n) >= cfg.min_acceptance]
+        models = [n for n in ranked if n not in self.free][: cfg.max_drafters]
+        chosen = [n for n in ranked if (n in self.free or n in models) and self.estimate(route, n) >= cfg.min_acceptance]
         rest = [n for n in ranked if n not in chosen]
         if rest and self._random.random() < cfg.explore:
             chosen.append(self._random.choice(rest))

@@ -112,6 +112,16 @@ def test_routing_by_kind_prior_and_trust_weights():
     assert router.table()["code"]["code"] < router.config.domain_prior
 
 
+def test_model_free_drafters_ride_along_with_the_best_expert():
+    router = ExpertRouter({"code": ["code"], "math": ["math"], "ngram": ["general"], "history": ["general"]},
+                          RoutingConfig(max_drafters=1, explore=0.0), free=["ngram", "history"])
+    route = router.open("code")
+    assert router.select(route, ["code", "math", "ngram", "history"]) == ["code", "history", "ngram"]
+    for _ in range(30):  # history never helps this request: it stops being asked, ngram stays
+        router.observe(route, "history", 0, 2)
+    assert router.select(route, ["code", "math", "ngram", "history"]) == ["code", "ngram"]
+
+
 def test_a_hopeless_drafter_is_not_asked_unless_exploring():
     router = ExpertRouter({"bad": ["code"]}, RoutingConfig(max_drafters=2, explore=0.0, kind_decay=1.0))
     route = router.open("code")

@@ -110,13 +110,6 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         return info
 
 
-def drafter_kind(drafter: Drafter) -> str:
-    from specmesh.drafters.expert import ExpertDrafter
-    from specmesh.drafters.ngram import HistoryDrafter, NgramDrafter
-
-    kinds = {ExpertDrafter: "expert", NgramDrafter: "ngram", HistoryDrafter: "history"}
-    return next((kind for cls, kind in kinds.items() if isinstance(drafter, cls)), "model")
-
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specmesh-drafter", description="Serve one drafter over gRPC.")
@@ -147,7 +140,7 @@ async def serve(args: argparse.Namespace) -> None:
     target, drafter = await torch_thread.run(load, args)
     domains = [d for d in (args.domains or getattr(drafter, "domain", "") or "general").split(",") if d]
     info = drafter_pb2.DrafterInfo(
-        name=drafter.name, kind=drafter_kind(drafter), domains=domains, target=target.name,
+        name=drafter.name, kind=getattr(drafter, "kind", "model"), domains=domains, target=target.name,
         tokenizer_hash=tokenizer_fingerprint(target.tokenizer), max_sessions=args.max_sessions,
     )
     servicer = DrafterServicer(DrafterSessions(drafter, target.vocab_size, args.max_sessions), info, torch_thread)

@@ -153,8 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--speculation", choices=SPECULATION_MODES, default=env_default("speculation", "adaptive"),
                         help="for requests that do not choose: adaptive (routed drafters, budget by goodput), fixed "
                              "(routed drafters, the whole budget) or off [SPECMESH_SPECULATION]")
-    parser.add_argument("--max-drafters", type=int, default=int(env_default("max_drafters", "2")),
-                        help="drafters asked per step, the best for the request (default 2) [SPECMESH_MAX_DRAFTERS]")
+    parser.add_argument("--max-drafters", type=int, default=int(env_default("max_drafters", "1")),
+                        help="model drafters asked per step, the best for the request, besides the model-free ones "
+                             "(default 1) [SPECMESH_MAX_DRAFTERS]")
     parser.add_argument("--explore", type=float, default=float(env_default("explore", "0.1")),
                         help="chance per step of also asking a drafter outside the best (default 0.1) [SPECMESH_EXPLORE]")
     parser.add_argument("--job-timeout", type=float, default=float(env_default("job_timeout", "30")),

@@ -19,6 +19,7 @@ from specmesh.tree import TokenTree
 @runtime_checkable
 class Drafter(Protocol):
     name: str
+    kind: str  # "ngram", "history" (model-free: no model, next to no cost), "expert", "model"
 
     def start(self, request_id: str, prompt_ids: Sequence[int]) -> None:
         """Begin a request whose committed tokens so far are ``prompt_ids``."""

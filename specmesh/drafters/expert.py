@@ -132,6 +132,8 @@ class _Request:
 class ExpertDrafter:
     """Drafts a confidence-shaped tree (see ``shape.py``) with the expert on the lean runtime."""
 
+    kind = "expert"
+
     def __init__(
         self,
         model: ExpertModel,

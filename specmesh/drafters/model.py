@@ -26,6 +26,8 @@ class _State:
 
 
 class ModelDrafter:
+    kind = "model"
+
     def __init__(self, model: torch.nn.Module, vocab_size: int, name: str = "model", max_depth: int = 8,
                  branch_below: float = 0.5, branch_width: int = 2) -> None:
         """``vocab_size`` is the target's: rows past it (padding in some checkpoints) are never proposed."""

@@ -102,6 +102,8 @@ def tree_by_agreement(paths: list[list[int]], budget: int) -> TokenTree:
 class NgramDrafter:
     """Prompt lookup over each request's own tokens."""
 
+    kind = "ngram"
+
     def __init__(self, min_n: int = 1, max_n: int = 3, max_matches: int = 4, name: str = "ngram") -> None:
         self.name = name
         self.min_n, self.max_n, self.max_matches = min_n, max_n, max_matches
@@ -129,6 +131,8 @@ class NgramDrafter:
 
 class HistoryDrafter:
     """Lookup over earlier requests (prompt + answer) of this deployment, up to ``capacity_tokens``."""
+
+    kind = "history"
 
     def __init__(self, min_n: int = 2, max_n: int = 6, max_matches: int = 4, capacity_tokens: int = 1_000_000,
                  name: str = "history") -> None:
