@@ -173,7 +173,8 @@ class _AdaptiveRequest:
             budget = self.max_budget
         if budget <= 0:
             return StepPlan()
-        names = policy.router.select(self.route, available)
+        # speculation pays by the controller's estimate (or it is a probe): someone drafts
+        names = policy.router.select(self.route, available, at_least_one=True)
         if not names:
             return StepPlan()
         return StepPlan(tuple(names), tuple(policy.router.weights(self.route, names)), budget)

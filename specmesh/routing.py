@@ -175,13 +175,16 @@ class ExpertRouter:
     def open(self, kind: str) -> Route:
         return Route(kind)
 
-    def select(self, route: Route, available: Sequence[str]) -> list[str]:
+    def select(self, route: Route, available: Sequence[str], at_least_one: bool = False) -> list[str]:
         """The drafters to ask this step, best first: up to ``max_drafters`` model drafters and every
-        model-free one worth asking, and now and then one more, drawn from the rest, to keep learning."""
+        model-free one worth asking, and now and then one more, drawn from the rest, to keep learning.
+        ``at_least_one``: the best is asked even when none seems worth it (a probe)."""
         cfg = self.config
         ranked = sorted(available, key=lambda n: (-self.estimate(route, n), n))
         models = [n for n in ranked if n not in self.free][: cfg.max_drafters]
         chosen = [n for n in ranked if (n in self.free or n in models) and self.estimate(route, n) >= cfg.min_acceptance]
+        if not chosen and at_least_one and ranked:
+            chosen = ranked[:1]
         rest = [n for n in ranked if n not in chosen]
         if rest and self._random.random() < cfg.explore:
             chosen.append(self._random.choice(rest))

@@ -128,6 +128,7 @@ def test_a_hopeless_drafter_is_not_asked_unless_exploring():
     for _ in range(40):
         router.observe(route, "bad", 0, 3)
     assert router.select(route, ["bad"]) == []
+    assert router.select(route, ["bad"], at_least_one=True) == ["bad"]  # a probe asks the best there is
 
 
 # ---- the request classifier ----
