@@ -12,7 +12,9 @@ from specmesh.drafters.ngram import NgramDrafter
 from specmesh.engine import Request, SpeculativeEngine
 from specmesh.errors import InvalidArgument
 from specmesh.models.llama import LlamaRuntime
+from specmesh.policy import adaptive_policy
 from specmesh.sampling import SamplingParams
+from specmesh.tree import TokenTree
 
 from conftest import tiny_llama
 
@@ -73,6 +75,52 @@ def test_model_and_ngram_drafters_together_are_lossless(tiny_model, runtime):
         assert out.token_ids == hf_greedy(tiny_model, prompt, MAX_TOKENS)
 
 
+class NoiseDrafter:
+    """Always wrong: random chains."""
+
+    name = "noise"
+    kind = "model"
+
+    def __init__(self, vocab_size: int) -> None:
+        self.rng = random.Random(0)
+        self.vocab_size = vocab_size
+
+    def start(self, request_id, prompt_ids):
+        pass
+
+    def commit(self, request_id, new_token_ids):
+        pass
+
+    def end(self, request_id):
+        pass
+
+    def propose(self, request_id, budget, assumed=()):
+        return TokenTree.chain([self.rng.randrange(self.vocab_size) for _ in range(budget)], [0.9] * budget)
+
+
+@pytest.mark.parametrize("adapt_budget", [True, False])
+def test_the_router_policy_is_lossless_and_routes_to_the_drafter_that_is_right(tiny_model, runtime, adapt_budget):
+    prompts = ragged_prompts(6, 96, seed=11)
+    answers = {tuple(p): hf_greedy(tiny_model, p, MAX_TOKENS) for p in prompts}
+    drafters = [NoiseDrafter(96), OracleTreeDrafter(answers, vocab_size=96, seed=3), NgramDrafter()]
+    # the noise drafter claims the requests' domain: routing must learn it is wrong
+    policy = adaptive_policy({"noise": ["code"], "oracle-tree": ["general"], "ngram": ["general"]},
+                             adapt_budget=adapt_budget, seed=0, free=["ngram"])
+    engine = SpeculativeEngine(runtime, drafters=drafters, max_tree_nodes=8, policy=policy)
+    outputs = []
+    for start in (0, 3):  # two batches: the second starts from what the first taught the router
+        batch = [Request(tuple(p), SamplingParams(max_tokens=MAX_TOKENS), kind="code") for p in prompts[start : start + 3]]
+        outputs += engine.generate(batch)
+    for prompt, out in zip(prompts, outputs):
+        assert out.token_ids == answers[tuple(prompt)]
+        assert out.stats.request_kind == "code"
+    table = policy.router.table()["code"]
+    assert table["oracle-tree"] > table["noise"]
+    later = outputs[3:]
+    steps = {name: sum(o.stats.drafter_steps.get(name, 0) for o in later) for name in ("noise", "oracle-tree")}
+    assert steps["oracle-tree"] > 3 * steps["noise"], steps  # the noise drafter only when explored
+
+
 def test_the_target_as_its_own_drafter_is_accepted_almost_entirely(tiny_model, runtime):
     chain = ModelDrafter(tiny_model, vocab_size=96, branch_below=0.0)  # never branches: 4 nodes, 4 deep
     engine = SpeculativeEngine(runtime, drafters=[chain], max_tree_nodes=4)
@@ -128,10 +176,11 @@ def _drafter_for_distribution_test(kind: str, model, vocab: int, prompt: list[in
     raise ValueError(kind)
 
 
-@pytest.mark.parametrize("kind", ["oracle", "ngram", "history", "model", "expert"])
+@pytest.mark.parametrize("kind", ["oracle", "ngram", "history", "model", "expert", "router"])
 def test_sampled_two_token_distribution_end_to_end(kind):
     """Engine + tiny model: the first two sampled tokens follow the model's exact (top-k) distribution,
-    whichever drafter proposes the trees."""
+    whichever drafter proposes the trees — and with the router's policy fusing several drafters'
+    trees by learned trust."""
     vocab, top_k = 32, 4
     model = tiny_llama(vocab_size=vocab, seed=3)
     runtime = LlamaRuntime(model)
@@ -148,8 +197,13 @@ def test_sampled_two_token_distribution_end_to_end(kind):
             p2 = second[keep2] / second[keep2].sum()
             for y, py in zip(keep2.tolist(), p2.tolist()):
                 exact[(x, y)] = px * py
-    drafter = _drafter_for_distribution_test(kind, model, vocab, prompt, int(keep[0]))
-    engine = SpeculativeEngine(runtime, drafters=[drafter], max_tree_nodes=6)
+    if kind == "router":  # every step: the best expert and prompt lookup, fused by trust (fixed budget)
+        drafters = [_drafter_for_distribution_test(k, model, vocab, prompt, int(keep[0])) for k in ("oracle", "ngram", "model")]
+        policy = adaptive_policy({d.name: ["general"] for d in drafters}, adapt_budget=False, seed=0, free=["ngram"])
+        engine = SpeculativeEngine(runtime, drafters=drafters, max_tree_nodes=6, policy=policy)
+    else:
+        drafter = _drafter_for_distribution_test(kind, model, vocab, prompt, int(keep[0]))
+        engine = SpeculativeEngine(runtime, drafters=[drafter], max_tree_nodes=6)
     counts = dict.fromkeys(exact, 0)
     drafted = 0
     for batch in range(40):

@@ -31,8 +31,12 @@ def target():
 
 
 @pytest.fixture(scope="module")
-def prompts(target):
-    questions = mtbench_prompts()[:: len(mtbench_prompts()) // NUM_PROMPTS][:NUM_PROMPTS]  # every category
+def questions():
+    return mtbench_prompts()[:: len(mtbench_prompts()) // NUM_PROMPTS][:NUM_PROMPTS]  # every category
+
+
+@pytest.fixture(scope="module")
+def prompts(target, questions):
     return [tuple(encode_chat(target.tokenizer, q.text)) for q in questions]
 
 
@@ -109,3 +113,33 @@ def test_shipped_experts_are_lossless(target, prompts, hf_outputs):
         for i, out in zip(chosen, outputs):
             assert out.token_ids == hf_outputs[i], divergence_report(target, prompts[i], hf_outputs[i], out.token_ids)
         assert sum(len(o.token_ids) for o in outputs) > sum(o.stats.target_steps for o in outputs)
+
+
+def test_the_full_router_is_lossless_and_routes_by_kind(target, questions, prompts, hf_outputs):
+    """Prompt lookup and every shipped expert behind the adaptive policy (classifier, routing, trust-
+    weighted fusion, goodput budget), batched: the greedy output exactly, and each kind's expert drafting."""
+    from specmesh.assembly import load_drafter, shipped_experts
+    from specmesh.classify import default_classifier
+    from specmesh.policy import adaptive_policy
+
+    experts = [load_drafter(domain, target, device=None, dtype=None) for domain in shipped_experts(EMBEDDED_DEFAULT)]
+    drafters = [NgramDrafter(), *experts]
+    policy = adaptive_policy({d.name: [getattr(d, "domain", "general")] for d in drafters}, seed=0, free=["ngram"])
+    engine = SpeculativeEngine(LlamaRuntime(target.model), drafters, max_tree_nodes=8, eos_token_ids=eos_token_ids(target),
+                               policy=policy)
+    classifier = default_classifier()
+    requests = [Request(p, SamplingParams(max_tokens=MAX_TOKENS), kind=classifier.classify(q.text))
+                for q, p in zip(questions, prompts)]
+    outputs = []
+    for start in range(0, len(requests), 5):
+        outputs += engine.generate(requests[start : start + 5])
+    for prompt, expected, out in zip(prompts, hf_outputs, outputs):
+        assert out.token_ids == expected, divergence_report(target, prompt, expected, out.token_ids)
+    coding = [o for q, o in zip(questions, outputs) if q.category == "coding"]
+    assert coding and all(o.stats.request_kind == "code" for o in coding)
+    code_steps = sum(o.stats.drafter_steps.get("code", 0) for o in coding)
+    other_steps = sum(o.stats.drafter_steps.get(name, 0) for o in coding for name in ("math", "writing"))
+    assert code_steps > other_steps, (code_steps, other_steps)
+    tokens = sum(len(o.token_ids) for o in outputs)
+    steps = sum(o.stats.target_steps for o in outputs)
+    print(f"\nSmolLM2 full router: {len(prompts)} prompts identical; mean accepted length {tokens / steps:.2f}")
