@@ -7,23 +7,25 @@ fused trees, level by level; a budget of ``n`` nodes is counted as ``n`` levels)
 whose time depends on *every* row in the batch, the other requests' included — plus the time the
 request waits for its drafters. The controller picks the ``n`` (0 = no speculation) that maximises
 
-    goodput(n) = (E[tokens | n] + E[tokens of the others]) / (pass_ms(others' rows + 1 + n) + draft_ms(n) + overhead_ms)
+    goodput(n) = (E[tokens | n] + E[tokens of the others]) / (pass_ms(requests, others' rows + 1 + n) + draft_ms(n) + overhead_ms)
 
 so under load, when rows are no longer nearly free, it speculates less; with acceptance too low to pay
 for drafting it chooses 0, which is exactly plain (batched) decoding. A request at 0 probes a small
 tree now and then, so that it notices when speculation starts to pay again.
 
-``pass_ms`` is a ``CostModel`` learned online from the verifier's own reports (rows in a pass and the
-pass's time); it starts from a flat prior, which is what the lean runtime measures for small trees.
+``pass_ms`` is a ``CostModel`` learned online from the verifier's own reports (requests and rows in a
+pass, and the pass's time); it starts from a nearly flat prior in rows, which is what the lean runtime
+measures for small trees.
 ``draft_ms`` (a ``DraftCost``: a fixed round trip plus a cost per node) and the step's other overhead
 are learned from what the requests wait for.
 """
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 from typing import Sequence
+
+import numpy as np
 
 DEFAULT_BUDGETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
@@ -40,83 +42,82 @@ def expected_tokens(acceptance: float | Sequence[float], nodes: int) -> float:
     return total
 
 
-class CostModel:
-    """Milliseconds of a verification pass as a function of the rows in it (every request's root and
-    tree nodes), learned from observed passes: a moving average per row count, interpolated between
-    the counts seen, never decreasing with rows; unseen sizes follow the prior ``base_ms + per_row_ms * rows``."""
+class OnlineLinear:
+    """y = w . x fitted online by least squares over decayed sums. Every weight but the first (the
+    intercept) is held towards its prior with ``prior_weight`` pseudo-observations, so a model whose
+    inputs never varied (requests that always ask the same budget) stays near the prior's slopes;
+    slopes are kept >= 0 (more work never costs less)."""
 
-    def __init__(self, base_ms: float = 25.0, per_row_ms: float = 0.25, decay: float = 0.9) -> None:
-        self.base_ms = base_ms
-        self.per_row_ms = per_row_ms
+    def __init__(self, prior: Sequence[float], prior_weight: float = 4.0, decay: float = 0.97) -> None:
+        self.prior = np.asarray(prior, dtype=np.float64)  # [features]
         self.decay = decay
-        self._rows: list[int] = []  # sorted row counts observed
-        self._ms: dict[int, float] = {}
+        self.prior_weight = prior_weight
+        self._xx = np.zeros((len(prior), len(prior)))  # decayed sum of x x^T
+        self._xy = np.zeros(len(prior))  # decayed sum of x y
+        self.weights = self.prior.copy()
 
-    def observe(self, rows: int, ms: float) -> None:
-        if rows < 1 or ms <= 0:
-            return
-        if rows not in self._ms:
-            bisect.insort(self._rows, rows)
-            self._ms[rows] = ms
-        else:
-            self._ms[rows] = self.decay * self._ms[rows] + (1 - self.decay) * ms
+    def observe(self, x: Sequence[float], y: float) -> None:
+        x = np.asarray(x, dtype=np.float64)
+        self._xx = self.decay * self._xx + np.outer(x, x)
+        self._xy = self.decay * self._xy + x * y
+        ridge = np.full(len(x), self.prior_weight)
+        ridge[0] = 0.0
+        weights = np.linalg.lstsq(self._xx + np.diag(ridge), self._xy + ridge * self.prior, rcond=None)[0]
+        weights[1:] = np.maximum(weights[1:], 0.0)
+        self.weights = weights
 
-    def prior_ms(self, rows: int) -> float:
-        return self.base_ms + self.per_row_ms * rows
+    def predict(self, x: Sequence[float]) -> float:
+        return float(np.dot(self.weights, x))
 
-    def pass_ms(self, rows: int) -> float:
-        if not self._rows:
-            return self.prior_ms(rows)
-        i = bisect.bisect_left(self._rows, rows)
-        if i < len(self._rows) and self._rows[i] == rows:
-            estimate = self._ms[rows]
-        elif i == 0:  # fewer rows than any pass seen: no more than the smallest seen
-            estimate = min(self._ms[self._rows[0]], self.prior_ms(rows))
-        elif i == len(self._rows):  # more rows than any pass seen: the prior's slope from the largest
-            last = self._rows[-1]
-            estimate = self._ms[last] + self.per_row_ms * (rows - last)
-        else:
-            lo, hi = self._rows[i - 1], self._rows[i]
-            t = (rows - lo) / (hi - lo)
-            estimate = self._ms[lo] + t * (self._ms[hi] - self._ms[lo])
-        below = [self._ms[r] for r in self._rows[:i]]  # monotone: a pass with more rows is never cheaper
-        return max([estimate, *below])
+
+class CostModel:
+    """Milliseconds of a verification pass: ``base + per_request * (requests - 1) + per_row * (rows -
+    requests)``, learned from the verifier's reports of its passes. Rows (every request's root and
+    tree nodes) cost little each on a flat verify curve; each further request costs what the runtime
+    spends per request (on a CPU, attention runs request by request)."""
+
+    def __init__(self, base_ms: float = 25.0, per_request_ms: float = 2.0, per_row_ms: float = 0.25) -> None:
+        self.fit = OnlineLinear([base_ms, per_request_ms, per_row_ms], prior_weight=2.0, decay=0.98)
+
+    @staticmethod
+    def _features(requests: int, rows: int) -> list[float]:
+        return [1.0, requests - 1.0, rows - requests]
+
+    def observe(self, requests: int, rows: int, ms: float) -> None:
+        if requests >= 1 and rows >= requests and ms > 0:
+            self.fit.observe(self._features(requests, rows), ms)
+
+    def pass_ms(self, requests: int, rows: int) -> float:
+        return max(self.fit.predict(self._features(requests, rows)), 0.0)
 
 
 @dataclass(frozen=True)
 class Load:
     """What else the verifier's passes carry besides this request."""
 
-    other_rows: float = 0.0  # rows of the other requests in a pass
-    other_tokens: float = 0.0  # tokens those requests commit per pass
+    other_requests: float = 0.0  # requests in a pass besides this one
+    other_rows: float = 0.0  # their rows
+    other_tokens: float = 0.0  # tokens they commit per pass
 
 
 class DraftCost:
     """Milliseconds a request waits for its drafters, as a function of the tree budget asked:
-    ``fixed + per_node * nodes`` (a round trip, then a drafter step per level), 0 when nobody is asked.
-    Fitted online by least squares over decayed sums, the slope held towards the prior's where the
-    data cannot tell the two apart (requests that always ask the same budget)."""
+    ``fixed + per_node * nodes`` (a round trip, then a drafter step per level), 0 when nobody is asked."""
 
-    def __init__(self, fixed_ms: float = 1.0, per_node_ms: float = 0.5, decay: float = 0.97, prior_weight: float = 4.0) -> None:
-        self.prior = (fixed_ms, per_node_ms)
-        self.decay = decay
-        self.prior_weight = prior_weight
-        self._sums = [0.0] * 5  # weight, n, n^2, ms, n * ms
-        self.fixed_ms, self.per_node_ms = fixed_ms, per_node_ms
+    def __init__(self, fixed_ms: float = 1.0, per_node_ms: float = 0.5) -> None:
+        self.fit = OnlineLinear([fixed_ms, per_node_ms], prior_weight=4.0, decay=0.97)
+
+    @property
+    def fixed_ms(self) -> float:
+        return max(self.fit.weights[0], 0.0)
+
+    @property
+    def per_node_ms(self) -> float:
+        return self.fit.weights[1]
 
     def observe(self, nodes: int, ms: float) -> None:
-        if nodes <= 0 or ms < 0:
-            return
-        self._sums = [self.decay * s for s in self._sums]
-        for i, value in enumerate((1.0, nodes, nodes * nodes, ms, nodes * ms)):
-            self._sums[i] += value
-        w, n, nn, y, ny = self._sums
-        lam, b0 = self.prior_weight, self.prior[1]
-        # the slope held towards the prior's: [w, n; n, nn + lam] [a, b] = [y, ny + lam b0]
-        det = w * (nn + lam) - n * n
-        a = (y * (nn + lam) - n * (ny + lam * b0)) / det
-        b = (w * (ny + lam * b0) - n * y) / det
-        self.fixed_ms, self.per_node_ms = max(a, 0.0), max(b, 0.0)
+        if nodes > 0 and ms >= 0:
+            self.fit.observe([1.0, nodes], ms)
 
     def ms(self, nodes: int) -> float:
         return self.fixed_ms + self.per_node_ms * nodes if nodes > 0 else 0.0
@@ -135,7 +136,8 @@ class GoodputController:
     def goodput(self, nodes: int, acceptance: float | Sequence[float], load: Load = Load()) -> float:
         """Expected committed tokens per second of the whole batch with this request drafting ``nodes``."""
         tokens = expected_tokens(acceptance, nodes) + load.other_tokens
-        ms = self.cost.pass_ms(round(load.other_rows) + 1 + nodes) + self.drafting.ms(nodes) + self.overhead_ms
+        requests = 1 + round(load.other_requests)
+        ms = self.cost.pass_ms(requests, round(load.other_rows) + 1 + nodes) + self.drafting.ms(nodes) + self.overhead_ms
         return tokens / ms * 1e3
 
     def choose(self, max_budget: int, acceptance: float | Sequence[float], load: Load = Load(), steps_without: int = 0) -> int:

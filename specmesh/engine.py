@@ -85,6 +85,7 @@ class SpeculativeEngine:
 
     async def _run(self, request: Request, drafters: list[LocalDrafter], batcher: BatchingVerifier) -> Completion:
         stats = SpeculationStats()
+        policy = None
         tokens: list[int] = []
         finish_reason = "length"
         try:
@@ -94,5 +95,7 @@ class SpeculativeEngine:
                     tokens.extend(step.token_ids)
                     finish_reason = step.finish_reason or finish_reason
         finally:
+            if policy is not None:
+                policy.end()
             await batcher.close(request.request_id)  # also when the loop never started: others must not wait for it
         return Completion(request.request_id, tokens, finish_reason, stats)

@@ -55,7 +55,8 @@ class RequestPolicy(Protocol):
 
     def observe(self, outcome: StepOutcome) -> None: ...
 
-    def end(self) -> None: ...
+    def end(self) -> None:
+        """The request is over (idempotent: the loop and its caller may both say so)."""
 
 
 class SpeculationPolicy(Protocol):
@@ -92,9 +93,10 @@ class PolicyState:
     """What the adaptive policy has learned across requests, besides the router's table."""
 
     fused: dict[str, LevelRecord] = field(default_factory=dict)  # kind -> the fused trees' acceptance per level
-    batch_rows: float = 1.0  # moving averages of the verifier's passes
-    batch_size: float = 1.0
-    tokens_per_request_step: float = 1.0
+    batch_size: float = 1.0  # moving averages: requests in the verifier's passes,
+    rows_per_request_step: float = 1.0  # a request's rows in one (its root and tree),
+    tokens_per_request_step: float = 1.0  # and the tokens one step commits
+    active: int = 0  # requests of this policy in flight
 
 
 class AdaptivePolicy:
@@ -113,6 +115,7 @@ class AdaptivePolicy:
     def begin(self, kind: str, max_budget: int, fixed_budget: bool | None = None) -> RequestPolicy:
         """``fixed_budget`` True: routing and trust, but the whole budget every step (None: the policy's setting)."""
         fixed = not self.adapt_budget if fixed_budget is None else fixed_budget
+        self.state.active += 1
         return _AdaptiveRequest(self, self.router.open(kind or GENERAL), max_budget, adapt_budget=not fixed)
 
     def fused_record(self, kind: str) -> LevelRecord:
@@ -122,24 +125,25 @@ class AdaptivePolicy:
         return self.average * old + (1 - self.average) * new
 
     def learn_pass(self, outcome: StepOutcome) -> None:
-        state = self.state
-        if outcome.batch_rows and outcome.pass_ms > 0:
-            self.controller.cost.observe(outcome.batch_rows, outcome.pass_ms)
-            state.batch_rows = self._moving(state.batch_rows, outcome.batch_rows)
-            state.batch_size = self._moving(state.batch_size, max(outcome.batch_size, 1))
+        state, controller = self.state, self.controller
+        if outcome.batch_size and outcome.batch_rows and outcome.pass_ms > 0:
+            controller.cost.observe(outcome.batch_size, outcome.batch_rows, outcome.pass_ms)
+            state.batch_size = self._moving(state.batch_size, outcome.batch_size)
+        state.rows_per_request_step = self._moving(state.rows_per_request_step, 1 + len(outcome.fused))
         state.tokens_per_request_step = self._moving(state.tokens_per_request_step, len(outcome.committed))
-        controller = self.controller
         if outcome.plan.budget and outcome.draft_ms > 0:  # 0: drafted ahead, during the last verification
             controller.drafting.observe(outcome.plan.budget, outcome.draft_ms)
-        if outcome.batch_size == 1 and outcome.step_ms > 0:  # alone in its pass: the rest is overhead, not waiting
+        if state.active == 1 and outcome.batch_size == 1 and outcome.step_ms > 0:
+            # alone: the rest of the step is overhead (queue, transport), not waiting for others' passes
             overhead = max(outcome.step_ms - outcome.draft_ms - outcome.pass_ms, 0.0)
             controller.overhead_ms = self._moving(controller.overhead_ms, overhead)
 
-    def load(self, own_rows: int) -> Load:
-        """The rest of a typical pass, from the verifier's recent reports."""
+    def load(self) -> Load:
+        """The rest of a typical pass: this policy's other requests in flight, or what the verifier's
+        recent passes carried when that is more (other routers' requests)."""
         state = self.state
-        others = max(state.batch_size - 1.0, 0.0)
-        return Load(other_rows=max(state.batch_rows - own_rows, others), other_tokens=others * state.tokens_per_request_step)
+        others = max(state.active - 1.0, state.batch_size - 1.0, 0.0)
+        return Load(others, others * state.rows_per_request_step, others * state.tokens_per_request_step)
 
 
 @dataclass
@@ -150,7 +154,7 @@ class _AdaptiveRequest:
     adapt_budget: bool = True
     fused: LevelRecord = field(default_factory=LevelRecord)
     steps_without: int = 0  # steps in a row at budget 0
-    last_rows: int = 1
+    ended: bool = False
 
     @property
     def kind(self) -> str:
@@ -167,8 +171,7 @@ class _AdaptiveRequest:
         if self.max_budget <= 0 or room <= 1 or not available:
             return StepPlan()
         if self.adapt_budget:
-            budget = policy.controller.choose(self.max_budget, self.acceptance(), policy.load(self.last_rows),
-                                              self.steps_without)
+            budget = policy.controller.choose(self.max_budget, self.acceptance(), policy.load(), self.steps_without)
         else:
             budget = self.max_budget
         if budget <= 0:
@@ -182,7 +185,6 @@ class _AdaptiveRequest:
     def observe(self, outcome: StepOutcome) -> None:
         policy = self.policy
         policy.learn_pass(outcome)
-        self.last_rows = 1 + len(outcome.fused)
         if not outcome.plan.budget:
             self.steps_without += 1
             return
@@ -196,7 +198,9 @@ class _AdaptiveRequest:
             policy.fused_record(self.kind).add(hits, attempts, cfg.kind_decay)
 
     def end(self) -> None:
-        pass
+        if not self.ended:
+            self.ended = True
+            self.policy.state.active -= 1
 
 
 def adaptive_policy(domains: dict[str, Sequence[str]], adapt_budget: bool = True, seed: int | None = None,

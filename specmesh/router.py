@@ -173,6 +173,7 @@ class Router:
                     generation.finish_reason = step.finish_reason
                     yield generation, step
         finally:
+            policy.end()  # also when the loop never started
             self.active -= 1
 
 
