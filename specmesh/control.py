@@ -42,6 +42,9 @@ def expected_tokens(acceptance: float | Sequence[float], nodes: int) -> float:
     return total
 
 
+MIN_PASS_MS = 0.01
+
+
 class OnlineLinear:
     """y = w . x fitted online by least squares over decayed sums. Every weight but the first (the
     intercept) is held towards its prior with ``prior_weight`` pseudo-observations, so a model whose
@@ -88,7 +91,7 @@ class CostModel:
             self.fit.observe(self._features(requests, rows), ms)
 
     def pass_ms(self, requests: int, rows: int) -> float:
-        return max(self.fit.predict(self._features(requests, rows)), 0.0)
+        return max(self.fit.predict(self._features(requests, rows)), MIN_PASS_MS)  # a line fit can dip below 0
 
 
 @dataclass(frozen=True)
