@@ -153,7 +153,7 @@ class ModeRecord:
 
     def accepted_length(self, category: str | None = None) -> float:
         cats = [category] if category else list(self.tokens)
-        return sum(self.tokens[c] for c in cats) / max(sum(self.steps[c] for c in cats), 1)
+        return sum(self.tokens[c] for c in cats) / max(sum(self.steps.get(c, 0) for c in cats), 1)
 
     def latency(self) -> dict[str, float]:
         return {"ttft_p50_ms": _percentile(self.first_token_ms, 50), "ttft_p99_ms": _percentile(self.first_token_ms, 99),
@@ -281,7 +281,7 @@ def _concurrency_levels(text: str) -> list[int]:
 
 def _summary(records: dict[str, ModeRecord], identical: float, one_step_ms: float, busy_s: float, union: dict) -> dict:
     speed = {m: r.speed() for m, r in records.items()}
-    accepted = {m: r.accepted_length() for m, r in records.items()}
+    accepted = {m: r.accepted_length() for m, r in records.items() if r.steps}
     singles = {m: accepted[m] for m in records if m.startswith("single:")}
     best_single = max(singles, key=singles.get) if singles else None
     summary = {
