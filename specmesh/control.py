@@ -9,6 +9,9 @@ request waits for its drafters. The controller picks the ``n`` (0 = no speculati
 
     goodput(n) = (E[tokens | n] + E[tokens of the others]) / (pass_ms(requests, others' rows + 1 + n) + draft_ms(n) + overhead_ms)
 
+``draft_ms`` is the asked drafters' (``DraftCost`` each: a round trip plus a cost per node, learned
+from what each took), added up: on one machine drafters share the cores with the verifier.
+
 so under load, when rows are no longer nearly free, it speculates less; with acceptance too low to pay
 for drafting it chooses 0, which is exactly plain (batched) decoding. A request at 0 probes a small
 tree now and then, so that it notices when speculation starts to pay again.
@@ -16,14 +19,13 @@ tree now and then, so that it notices when speculation starts to pay again.
 ``pass_ms`` is a ``CostModel`` learned online from the verifier's own reports (requests and rows in a
 pass, and the pass's time); it starts from a nearly flat prior in rows, which is what the lean runtime
 measures for small trees.
-``draft_ms`` (a ``DraftCost``: a fixed round trip plus a cost per node) and the step's other overhead
-are learned from what the requests wait for.
+The step's other overhead (queue, transport) is learned from what lone requests wait for.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -127,27 +129,29 @@ class DraftCost:
 
 
 class GoodputController:
-    def __init__(self, cost: CostModel, drafting: DraftCost | None = None, budgets: Sequence[int] = DEFAULT_BUDGETS,
-                 probe_every: int = 8, probe_budget: int = 2) -> None:
+    def __init__(self, cost: CostModel, budgets: Sequence[int] = DEFAULT_BUDGETS, probe_every: int = 8,
+                 probe_budget: int = 2) -> None:
         self.cost = cost
-        self.drafting = drafting or DraftCost()
         self.overhead_ms = 0.0  # per step besides the pass and the drafting: queue, transport, bookkeeping
         self.budgets = sorted(set(budgets) | {0})
         self.probe_every = probe_every
         self.probe_budget = probe_budget
 
-    def goodput(self, nodes: int, acceptance: float | Sequence[float], load: Load = Load()) -> float:
+    def goodput(self, nodes: int, acceptance: float | Sequence[float], draft_ms: float, load: Load = Load()) -> float:
         """Expected committed tokens per second of the whole batch with this request drafting ``nodes``."""
         tokens = expected_tokens(acceptance, nodes) + load.other_tokens
         requests = 1 + round(load.other_requests)
-        ms = self.cost.pass_ms(requests, round(load.other_rows) + 1 + nodes) + self.drafting.ms(nodes) + self.overhead_ms
+        ms = self.cost.pass_ms(requests, round(load.other_rows) + 1 + nodes) + draft_ms + self.overhead_ms
         return tokens / ms * 1e3
 
-    def choose(self, max_budget: int, acceptance: float | Sequence[float], load: Load = Load(), steps_without: int = 0) -> int:
-        """The budget up to ``max_budget`` with the best goodput (the smaller one on a tie); a small
-        probe after ``probe_every`` steps in a row without speculation."""
+    def choose(self, max_budget: int, acceptance: float | Sequence[float], draft_ms: Callable[[int], float],
+               load: Load = Load()) -> tuple[int, float]:
+        """The budget up to ``max_budget`` with the best goodput (the smaller one on a tie), and that goodput.
+        ``draft_ms(n)``: what drafting ``n`` nodes costs (0 at 0)."""
         candidates = [b for b in self.budgets if b < max_budget] + [max_budget]
-        best = max(candidates, key=lambda n: (self.goodput(n, acceptance, load), -n))
-        if best == 0 and self.probe_every and steps_without >= self.probe_every:
-            return min(self.probe_budget, max_budget)
-        return best
+        goodput, _, budget = max((self.goodput(n, acceptance, draft_ms(n) if n else 0.0, load), -n, n) for n in candidates)
+        return budget, goodput
+
+    def should_probe(self, steps_without: int) -> bool:
+        """After ``probe_every`` steps in a row without speculation, a small tree, to see if it pays again."""
+        return bool(self.probe_every) and steps_without >= self.probe_every

@@ -150,6 +150,7 @@ class Draft:
     plan: StepPlan
     trees: tuple[TokenTree, ...]  # aligned with plan.drafters
     fused: TokenTree
+    drafter_ms: tuple[float, ...] = ()  # each drafter's time (aligned with plan.drafters)
 
     def below(self, token: int) -> Draft | None:
         """What this draft says after ``token`` (a draft made ahead, once the verdict confirmed its path)."""
@@ -198,7 +199,7 @@ async def speculate(
             room = request.params.max_tokens - produced
             plan = policy.plan(room, [d.name for d in drafters if getattr(d, "healthy", True)])
             step_started = time.perf_counter()
-            if ahead is not None and plan.budget > 0:
+            if ahead is not None and plan.budget > 0:  # its drafting time was hidden behind the last verification
                 draft = Draft(ahead.plan, ahead.trees, ahead.fused.truncated(plan.budget).within_depth(room - 1))
                 draft_ms = 0.0
                 stats.drafted_ahead += 1
@@ -244,8 +245,8 @@ async def speculate(
                     ahead = drafted_ahead.below(new[-1])
             pending = []
             step_ms = (time.perf_counter() - step_started) * 1e3
-            policy.observe(StepOutcome(draft.plan, draft.trees, tree, tuple(new), draft_ms, step_ms, result.pass_ms,
-                                       result.batch_rows, result.batch_size))
+            policy.observe(StepOutcome(draft.plan, draft.trees, tree, tuple(new), draft_ms, draft.drafter_ms, step_ms,
+                                       result.pass_ms, result.batch_rows, result.batch_size))
             await asyncio.gather(*(d.commit(rid, new) for d in drafters))  # also the last: history drafters keep answers
             yield StepOutput(new, finish_reason)
             if finish_reason is not None:
@@ -265,8 +266,16 @@ async def _draft(
     # a step commits at most depth + 1 tokens: deeper guesses than the answer has room for are waste
     if plan.budget <= 0 or max_depth <= 0 or not plan.drafters:
         return Draft(StepPlan(), (), TokenTree())
-    trees = await asyncio.gather(*(drafters[n].propose(request_id, plan.budget, assumed) for n in plan.drafters))
-    return Draft(plan, tuple(trees), fuse_trees(trees, plan.budget, plan.weights).within_depth(max_depth))
+
+    async def timed(name: str) -> tuple[TokenTree, float]:
+        started = time.perf_counter()
+        tree = await drafters[name].propose(request_id, plan.budget, assumed)
+        return tree, (time.perf_counter() - started) * 1e3
+
+    answers = await asyncio.gather(*(timed(n) for n in plan.drafters))
+    trees = [tree for tree, _ in answers]
+    return Draft(plan, tuple(trees), fuse_trees(trees, plan.budget, plan.weights).within_depth(max_depth),
+                 tuple(ms for _, ms in answers))
 
 
 async def _verify(

@@ -4,8 +4,10 @@ trusts each, how many tree nodes — and what the policy learns from the step's 
 ``FixedPolicy`` asks every drafter with equal trust for the same budget every step (0 = plain
 decoding). ``AdaptivePolicy`` is the router's intelligence: expertise routing and trust
 (``routing.ExpertRouter``) and a goodput-chosen budget (``control.GoodputController``), learning
-from every step: each asked drafter's own tree against the committed tokens, the fused tree's
-per-level acceptance, the drafting time, and the verifier's report of its pass (rows and time).
+from every step: each asked drafter's own tree against the committed tokens and its drafting time,
+and the verifier's report of its pass (requests, rows, time). Each step it weighs the routed set —
+the best expert and the model-free drafters — against the model-free drafters alone and against no
+speculation, by the goodput each would give.
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
-from specmesh.control import CostModel, GoodputController, Load
+from specmesh.control import CostModel, DraftCost, GoodputController, Load
 from specmesh.errors import InvalidArgument
-from specmesh.routing import GENERAL, ExpertRouter, LevelRecord, Route, RoutingConfig, level_hits
+from specmesh.routing import GENERAL, ExpertRouter, Route, RoutingConfig, level_hits
 from specmesh.tree import TokenTree
 
 SPECULATION_MODES = ("adaptive", "fixed", "off")  # budget by goodput; the whole budget; plain decoding
@@ -41,6 +43,7 @@ class StepOutcome:
     fused: TokenTree  # the tree that was verified
     committed: tuple[int, ...]  # the tokens the step committed (accepted, then the bonus)
     draft_ms: float = 0.0  # time the request waited for its drafters (0 when drafted ahead)
+    drafter_ms: tuple[float, ...] = ()  # each asked drafter's own time (aligned with plan.drafters; none when drafted ahead)
     step_ms: float = 0.0  # the whole step: drafting, queue, transport, the pass
     pass_ms: float = 0.0  # the verification pass's time, as the verifier reports it (0: unknown)
     batch_rows: int = 0  # rows of that pass, every request's root and nodes
@@ -92,7 +95,7 @@ class _FixedRequest:
 class PolicyState:
     """What the adaptive policy has learned across requests, besides the router's table."""
 
-    fused: dict[str, LevelRecord] = field(default_factory=dict)  # kind -> the fused trees' acceptance per level
+    drafting: dict[str, DraftCost] = field(default_factory=dict)  # drafter -> what drafting costs it
     batch_size: float = 1.0  # moving averages: requests in the verifier's passes,
     rows_per_request_step: float = 1.0  # a request's rows in one (its root and tree),
     tokens_per_request_step: float = 1.0  # and the tokens one step commits
@@ -118,21 +121,22 @@ class AdaptivePolicy:
         self.state.active += 1
         return _AdaptiveRequest(self, self.router.open(kind or GENERAL), max_budget, adapt_budget=not fixed)
 
-    def fused_record(self, kind: str) -> LevelRecord:
-        return self.state.fused.setdefault(kind, LevelRecord())
+    def draft_cost(self, name: str) -> DraftCost:
+        return self.state.drafting.setdefault(name, DraftCost())
 
     def _moving(self, old: float, new: float) -> float:
         return self.average * old + (1 - self.average) * new
 
-    def learn_pass(self, outcome: StepOutcome) -> None:
+    def learn_step(self, outcome: StepOutcome) -> None:
+        """What every step says about the verifier's passes, the drafters' costs and the overhead."""
         state, controller = self.state, self.controller
         if outcome.batch_size and outcome.batch_rows and outcome.pass_ms > 0:
             controller.cost.observe(outcome.batch_size, outcome.batch_rows, outcome.pass_ms)
             state.batch_size = self._moving(state.batch_size, outcome.batch_size)
         state.rows_per_request_step = self._moving(state.rows_per_request_step, 1 + len(outcome.fused))
         state.tokens_per_request_step = self._moving(state.tokens_per_request_step, len(outcome.committed))
-        if outcome.plan.budget and outcome.draft_ms > 0:  # 0: drafted ahead, during the last verification
-            controller.drafting.observe(outcome.plan.budget, outcome.draft_ms)
+        for name, ms in zip(outcome.plan.drafters, outcome.drafter_ms):  # none when drafted ahead
+            self.draft_cost(name).observe(outcome.plan.budget, ms)
         if state.active == 1 and outcome.batch_size == 1 and outcome.step_ms > 0:
             # alone: the rest of the step is overhead (queue, transport), not waiting for others' passes
             overhead = max(outcome.step_ms - outcome.draft_ms - outcome.pass_ms, 0.0)
@@ -152,7 +156,6 @@ class _AdaptiveRequest:
     route: Route
     max_budget: int
     adapt_budget: bool = True
-    fused: LevelRecord = field(default_factory=LevelRecord)
     steps_without: int = 0  # steps in a row at budget 0
     ended: bool = False
 
@@ -160,42 +163,54 @@ class _AdaptiveRequest:
     def kind(self) -> str:
         return self.route.kind
 
-    def acceptance(self) -> list[float]:
-        """The fused trees' expected acceptance of each level on this request, given the levels above."""
-        policy, cfg = self.policy, self.policy.router.config
-        prior = policy.fused_record(self.kind).means(self.max_budget, cfg.general_prior, cfg.kind_strength)
-        return self.fused.means(self.max_budget, prior, cfg.request_strength)
+    def acceptance(self, names: Sequence[str]) -> list[float]:
+        """Expected acceptance of each tree level when ``names`` draft together: a level is right when
+        any of them is (taken as independent, which slightly flatters a large set)."""
+        router = self.policy.router
+        missed = [1.0] * self.max_budget
+        for name in names:
+            for level, rate in enumerate(router.levels(self.route, name, self.max_budget)):
+                missed[level] *= 1.0 - rate
+        return [1.0 - m for m in missed]
 
     def plan(self, room: int, available: Sequence[str]) -> StepPlan:
-        policy = self.policy
+        policy, router = self.policy, self.policy.router
         if self.max_budget <= 0 or room <= 1 or not available:
             return StepPlan()
-        if self.adapt_budget:
-            budget = policy.controller.choose(self.max_budget, self.acceptance(), policy.load(), self.steps_without)
-        else:
-            budget = self.max_budget
-        if budget <= 0:
-            return StepPlan()
-        # speculation pays by the controller's estimate (or it is a probe): someone drafts
-        names = policy.router.select(self.route, available, at_least_one=True)
-        if not names:
-            return StepPlan()
-        return StepPlan(tuple(names), tuple(policy.router.weights(self.route, names)), budget)
+        names = router.select(self.route, available, at_least_one=True)
+        if not self.adapt_budget:
+            return StepPlan(tuple(names), tuple(router.weights(self.route, names)), self.max_budget)
+        # the routed set, or its model-free part alone (an expert whose guesses do not pay for its time)
+        core = [n for n in names if n != self.route.explored]
+        options = [core]
+        free = [n for n in core if n in router.free]
+        if free and len(free) < len(core):
+            options.append(free)
+        load = policy.load()
+        best_goodput, budget, chosen = policy.controller.goodput(0, [], 0.0, load), 0, core
+        for option in options:
+            costs = [policy.draft_cost(n) for n in option]
+            n, goodput = policy.controller.choose(self.max_budget, self.acceptance(option),
+                                                  lambda nodes: sum(c.ms(nodes) for c in costs), load)
+            if n > 0 and goodput > best_goodput:
+                best_goodput, budget, chosen = goodput, n, option
+        if budget == 0:
+            if not policy.controller.should_probe(self.steps_without):
+                return StepPlan()
+            budget = min(policy.controller.probe_budget, self.max_budget)
+        if self.route.explored:
+            chosen = [*chosen, self.route.explored]
+        return StepPlan(tuple(chosen), tuple(router.weights(self.route, chosen)), budget)
 
     def observe(self, outcome: StepOutcome) -> None:
         policy = self.policy
-        policy.learn_pass(outcome)
+        policy.learn_step(outcome)
         if not outcome.plan.budget:
             self.steps_without += 1
             return
         self.steps_without = 0
         for name, tree in zip(outcome.plan.drafters, outcome.trees):
             policy.router.observe(self.route, name, *level_hits(tree, outcome.committed))
-        hits, attempts = level_hits(outcome.fused, outcome.committed)
-        cfg = policy.router.config
-        self.fused.add(hits, attempts, cfg.request_decay)
-        if attempts:
-            policy.fused_record(self.kind).add(hits, attempts, cfg.kind_decay)
 
     def end(self) -> None:
         if not self.ended:

@@ -130,8 +130,8 @@ class Route:
     """One request's routing state: its kind and what each drafter got accepted on it so far."""
 
     kind: str
-    records: dict[str, Record] = field(default_factory=dict)
-    chosen: tuple[str, ...] = ()  # the drafters asked at the last step
+    records: dict[str, LevelRecord] = field(default_factory=dict)
+    explored: str | None = None  # the drafter the last selection added to explore, if any
 
 
 class ExpertRouter:
@@ -144,7 +144,7 @@ class ExpertRouter:
         self.domains = {name: tuple(d) for name, d in domains.items()}
         self.free = set(free)
         self.config = config or RoutingConfig()
-        self._kinds: dict[tuple[str, str], Record] = {}
+        self._kinds: dict[tuple[str, str], LevelRecord] = {}
         self._random = random.Random(seed)
 
     def add(self, name: str, domains: Sequence[str], free: bool = False) -> None:
@@ -163,14 +163,19 @@ class ExpertRouter:
             return self.config.general_prior
         return self.config.other_prior
 
-    def kind_estimate(self, kind: str, name: str) -> float:
-        record = self._kinds.get((kind, name), Record())
-        return record.mean(self.prior(kind, name), self.config.kind_strength)
+    def kind_levels(self, kind: str, name: str, count: int) -> list[float]:
+        record = self._kinds.get((kind, name), LevelRecord())
+        return record.means(count, self.prior(kind, name), self.config.kind_strength)
+
+    def levels(self, route: Route, name: str, count: int) -> list[float]:
+        """Expected acceptance of ``name``'s guesses at tree levels ``0 .. count-1`` on this request,
+        each given the levels above."""
+        record = route.records.get(name, LevelRecord())
+        return record.means(count, self.kind_levels(route.kind, name, count), self.config.request_strength)
 
     def estimate(self, route: Route, name: str) -> float:
-        """Expected per-level acceptance of ``name`` on this request."""
-        record = route.records.get(name, Record())
-        return record.mean(self.kind_estimate(route.kind, name), self.config.request_strength)
+        """Expected acceptance of ``name``'s first guess on this request."""
+        return self.levels(route, name, 1)[0]
 
     def open(self, kind: str) -> Route:
         return Route(kind)
@@ -186,9 +191,10 @@ class ExpertRouter:
         if not chosen and at_least_one and ranked:
             chosen = ranked[:1]
         rest = [n for n in ranked if n not in chosen]
+        route.explored = None
         if rest and self._random.random() < cfg.explore:
-            chosen.append(self._random.choice(rest))
-        route.chosen = tuple(chosen)
+            route.explored = self._random.choice(rest)
+            chosen.append(route.explored)
         return chosen
 
     def weights(self, route: Route, names: Sequence[str]) -> list[float]:
@@ -197,13 +203,13 @@ class ExpertRouter:
 
     def observe(self, route: Route, name: str, hits: int, attempts: int) -> None:
         """One step's outcome for one drafter that drafted (attempts 0: it had nothing to say)."""
-        route.records.setdefault(name, Record()).add(hits, attempts, self.config.request_decay)
+        route.records.setdefault(name, LevelRecord()).add(hits, attempts, self.config.request_decay)
         if attempts:
-            self._kinds.setdefault((route.kind, name), Record()).add(hits, attempts, self.config.kind_decay)
+            self._kinds.setdefault((route.kind, name), LevelRecord()).add(hits, attempts, self.config.kind_decay)
 
     def table(self) -> dict[str, dict[str, float]]:
         """Kind -> drafter -> current estimate, for every pair with evidence (for Info and metrics)."""
         table: dict[str, dict[str, float]] = {}
         for kind, name in self._kinds:
-            table.setdefault(kind, {})[name] = round(self.kind_estimate(kind, name), 4)
+            table.setdefault(kind, {})[name] = round(self.kind_levels(kind, name, 1)[0], 4)
         return table

@@ -203,20 +203,22 @@ def measured_cost() -> CostModel:
 
 
 def test_controller_speculates_when_it_pays_and_not_when_it_does_not():
-    cheap = GoodputController(measured_cost(), DraftCost(fixed_ms=0.1, per_node_ms=0.1), probe_every=0)
-    costly = GoodputController(measured_cost(), DraftCost(fixed_ms=2.0, per_node_ms=3.0), probe_every=0)
+    controller = GoodputController(measured_cost(), probe_every=0)
+    cheap = lambda n: 0.1 + 0.1 * n  # noqa: E731
+    costly = lambda n: 2.0 + 3.0 * n  # noqa: E731
     # good acceptance, cheap drafting, no load: a deep tree
-    assert cheap.choose(8, acceptance=0.8) == 8
+    assert controller.choose(8, 0.8, cheap)[0] == 8
     # poor acceptance and costly drafting: plain decoding
-    assert costly.choose(8, acceptance=0.05) == 0
+    assert controller.choose(8, 0.05, costly)[0] == 0
     # deeper levels accepted more often once the first is: it pays to go deeper than one rate would say
-    assert costly.choose(8, acceptance=[0.4, 0.9]) > costly.choose(8, acceptance=0.4)
+    assert controller.choose(8, [0.4, 0.9], costly)[0] > controller.choose(8, 0.4, costly)[0]
     # the same request under load (15 other requests in each pass): a node's share of the gain shrinks
-    unloaded = costly.choose(8, acceptance=0.5)
-    loaded = costly.choose(8, acceptance=0.5, load=Load(other_requests=15, other_rows=15, other_tokens=15))
+    unloaded = controller.choose(8, 0.5, costly)[0]
+    loaded = controller.choose(8, 0.5, costly, Load(other_requests=15, other_rows=15, other_tokens=15))[0]
     assert loaded < unloaded
-    # never more than the request's own cap
-    assert cheap.choose(3, acceptance=0.9) == 3
+    # never more than the request's own cap; the goodput comes with the budget
+    budget, goodput = controller.choose(3, 0.9, cheap)
+    assert budget == 3 and goodput == pytest.approx(controller.goodput(3, 0.9, cheap(3)))
 
 
 def test_draft_cost_separates_the_round_trip_from_the_cost_per_node():
@@ -233,9 +235,26 @@ def test_draft_cost_separates_the_round_trip_from_the_cost_per_node():
 
 
 def test_controller_probes_after_a_run_of_plain_steps():
-    controller = GoodputController(CostModel(), DraftCost(fixed_ms=5.0, per_node_ms=5.0), probe_every=4, probe_budget=2)
-    assert controller.choose(8, 0.0, steps_without=3) == 0
-    assert controller.choose(8, 0.0, steps_without=4) == 2
+    controller = GoodputController(CostModel(), probe_every=4)
+    assert not controller.should_probe(3) and controller.should_probe(4)
+
+
+def test_the_policy_leaves_out_an_expert_whose_guesses_do_not_pay_for_its_time():
+    policy = AdaptivePolicy(ExpertRouter({"expert": ["code"], "ngram": ["general"]}, RoutingConfig(explore=0.0),
+                                         free=["ngram"]), GoodputController(CostModel(), probe_every=0))
+    request = policy.begin("code", 8)
+    plan = request.plan(room=100, available=["expert", "ngram"])
+    assert set(plan.drafters) == {"expert", "ngram"}  # the expert's domain prior: it is tried first
+    for _ in range(40):
+        truth = (5, 6, 7, 8)
+        trees = {"expert": TokenTree.chain([9] * plan.budget), "ngram": TokenTree.chain(truth[: plan.budget])}
+        ms = {"expert": 2.0 + 2.0 * plan.budget, "ngram": 0.1}
+        asked = plan.drafters
+        request.observe(StepOutcome(plan, tuple(trees[n] for n in asked), trees["ngram"], truth[: plan.budget + 1],
+                                    draft_ms=sum(ms[n] for n in asked), drafter_ms=tuple(ms[n] for n in asked),
+                                    step_ms=25.0, pass_ms=20.0, batch_rows=1 + plan.budget, batch_size=1))
+        plan = request.plan(room=100, available=["expert", "ngram"])
+    assert plan.drafters == ("ngram",) and plan.budget >= 4
 
 
 def test_adaptive_policy_learns_costs_and_load_from_the_verifiers_reports():
@@ -245,14 +264,14 @@ def test_adaptive_policy_learns_costs_and_load_from_the_verifiers_reports():
     assert plan.drafters == ("a",) and plan.budget > 0
     for _ in range(30):  # a drafter that is never right, slow to draft, in big passes
         outcome = StepOutcome(plan, (TokenTree.chain([7] * plan.budget),), TokenTree.chain([7] * plan.budget), (3,),
-                              draft_ms=20.0, step_ms=52.0 + plan.budget, pass_ms=30.0 + plan.budget,
+                              draft_ms=20.0, drafter_ms=(20.0,), step_ms=52.0 + plan.budget, pass_ms=30.0 + plan.budget,
                               batch_rows=1 + plan.budget, batch_size=1)
         request.observe(outcome)
         plan = request.plan(room=50, available=["a"])
         if plan.budget == 0:
             break
     assert plan == StepPlan()  # speculation stopped paying
-    assert policy.controller.overhead_ms > 0 and policy.controller.drafting.ms(4) > 5.0
+    assert policy.controller.overhead_ms > 0 and policy.draft_cost("a").ms(4) > 5.0
     assert request.plan(room=1, available=["a"]) == StepPlan()  # one token left: nothing to draft for
     assert policy.state.active == 1
     request.end()
