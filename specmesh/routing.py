@@ -2,9 +2,9 @@
 
 The router learns, per (request kind, drafter), how often the drafter's guesses are the target's
 tokens, and routes each request to the few drafters it expects to be right most often. A drafter's
-record is its *per-level acceptance*: walking down its own tree along the tokens the target committed,
-each level where it offered a guess is an attempt, each level where one of its guesses was the
-committed token is a hit. This is measured on the drafter's own tree, not on the fused one, so a
+record is its acceptance at each tree level: walking down its own tree along the tokens the target
+committed, each level where it offered a guess is an attempt, each level where one of its guesses was
+the committed token is a hit (``LevelRecord`` keeps each level's rate given the levels above). This is measured on the drafter's own tree, not on the fused one, so a
 drafter is credited for what it would have had accepted even when fusion left some of its nodes out;
 levels past the committed tokens are unobserved, not failures.
 
