@@ -40,6 +40,10 @@ def _passthrough() -> dict:
         (["generate", "--prompts", "/no/such/file.jsonl"], "prompts"),
         (["generate", "hi", "--greedy", "--temperature", "0.5"], "temperature"),
         (["generate", "word " * 9000], "prompt"),
+        (["bench", "--concurrency", "1,x"], "concurrency"),
+        (["bench", "--concurrency", "0"], "concurrency"),
+        (["bench", "--tree-nodes", "0"], "tree_nodes"),
+        (["bench", "--limit", "0"], "limit"),
     ],
 )
 def test_bad_input_is_one_clear_line(args, argument):
@@ -55,6 +59,7 @@ def test_generate_with_compare_plain_reports_identical_output():
     assert result.returncode == 0, result.stderr
     assert "tok/s" in result.stdout and "mean accepted length" in result.stdout
     assert "outputs identical" in result.stdout
+    assert "routed as" in result.stdout
 
 
 def test_generate_from_a_prompt_file(tmp_path):
