@@ -75,25 +75,35 @@ class OnlineLinear:
         return float(np.dot(self.weights, x))
 
 
-class CostModel:
-    """Milliseconds of a verification pass: ``base + per_request * (requests - 1) + per_row * (rows -
-    requests)``, learned from the verifier's reports of its passes. Rows (every request's root and
-    tree nodes) cost little each on a flat verify curve; each further request costs what the runtime
-    spends per request (on a CPU, attention runs request by request)."""
+FLAT_ROWS = 16  # rows a pass's matrix products take at about the cost of one (the verify curve's flat part)
 
-    def __init__(self, base_ms: float = 25.0, per_request_ms: float = 2.0, per_row_ms: float = 0.25) -> None:
-        self.fit = OnlineLinear([base_ms, per_request_ms, per_row_ms], prior_weight=2.0, decay=0.98)
+
+class CostModel:
+    """Milliseconds of a verification pass, learned from the verifier's reports of its passes:
+
+        base + per_request * (requests - 1) + per_tree * trees + per_row * (rows - requests)
+             + per_row_past_flat * max(0, rows - FLAT_ROWS)
+
+    Each further request costs what the runtime spends per request (on a CPU attention runs request by
+    request); a request with a tree costs its tree mask; rows (roots and tree nodes) cost little each
+    while the matrix products stay flat, and more past that. Measured on 2 CPU cores (SmolLM2-135M),
+    one request with 1..9 rows: 19.5..24 ms; 16 requests with 1, 2, 3 rows each: 48, 71, 95 ms."""
+
+    def __init__(self, base_ms: float = 25.0, per_request_ms: float = 2.0, per_tree_ms: float = 0.5,
+                 per_row_ms: float = 0.25, per_row_past_flat_ms: float = 0.5) -> None:
+        self.fit = OnlineLinear([base_ms, per_request_ms, per_tree_ms, per_row_ms, per_row_past_flat_ms],
+                                prior_weight=2.0, decay=0.98)
 
     @staticmethod
-    def _features(requests: int, rows: int) -> list[float]:
-        return [1.0, requests - 1.0, rows - requests]
+    def _features(requests: int, trees: int, rows: int) -> list[float]:
+        return [1.0, requests - 1.0, trees, rows - requests, max(0, rows - FLAT_ROWS)]
 
-    def observe(self, requests: int, rows: int, ms: float) -> None:
+    def observe(self, requests: int, trees: int, rows: int, ms: float) -> None:
         if requests >= 1 and rows >= requests and ms > 0:
-            self.fit.observe(self._features(requests, rows), ms)
+            self.fit.observe(self._features(requests, trees, rows), ms)
 
-    def pass_ms(self, requests: int, rows: int) -> float:
-        return max(self.fit.predict(self._features(requests, rows)), MIN_PASS_MS)  # a line fit can dip below 0
+    def pass_ms(self, requests: int, trees: int, rows: int) -> float:
+        return max(self.fit.predict(self._features(requests, trees, rows)), MIN_PASS_MS)  # a line fit can dip below 0
 
 
 @dataclass(frozen=True)
@@ -101,6 +111,7 @@ class Load:
     """What else the verifier's passes carry besides this request."""
 
     other_requests: float = 0.0  # requests in a pass besides this one
+    other_trees: float = 0.0  # how many of them have a tree
     other_rows: float = 0.0  # their rows
     other_tokens: float = 0.0  # tokens they commit per pass
 
@@ -140,8 +151,8 @@ class GoodputController:
     def goodput(self, nodes: int, acceptance: float | Sequence[float], draft_ms: float, load: Load = Load()) -> float:
         """Expected committed tokens per second of the whole batch with this request drafting ``nodes``."""
         tokens = expected_tokens(acceptance, nodes) + load.other_tokens
-        requests = 1 + round(load.other_requests)
-        ms = self.cost.pass_ms(requests, round(load.other_rows) + 1 + nodes) + draft_ms + self.overhead_ms
+        requests, trees = 1 + round(load.other_requests), round(load.other_trees) + (1 if nodes else 0)
+        ms = self.cost.pass_ms(requests, trees, round(load.other_rows) + 1 + nodes) + draft_ms + self.overhead_ms
         return tokens / ms * 1e3
 
     def choose(self, max_budget: int, acceptance: float | Sequence[float], draft_ms: Callable[[int], float],

@@ -48,6 +48,7 @@ class StepOutcome:
     pass_ms: float = 0.0  # the verification pass's time, as the verifier reports it (0: unknown)
     batch_rows: int = 0  # rows of that pass, every request's root and nodes
     batch_size: int = 0  # requests in that pass
+    batch_trees: int = 0  # requests of that pass with a tree
 
 
 class RequestPolicy(Protocol):
@@ -98,6 +99,7 @@ class PolicyState:
     drafting: dict[str, DraftCost] = field(default_factory=dict)  # drafter -> what drafting costs it
     batch_size: float = 1.0  # moving averages: requests in the verifier's passes,
     rows_per_request_step: float = 1.0  # a request's rows in one (its root and tree),
+    trees_per_request_step: float = 0.0  # how often a request's step has a tree,
     tokens_per_request_step: float = 1.0  # and the tokens one step commits
     active: int = 0  # requests of this policy in flight
 
@@ -131,9 +133,10 @@ class AdaptivePolicy:
         """What every step says about the verifier's passes, the drafters' costs and the overhead."""
         state, controller = self.state, self.controller
         if outcome.batch_size and outcome.batch_rows and outcome.pass_ms > 0:
-            controller.cost.observe(outcome.batch_size, outcome.batch_rows, outcome.pass_ms)
+            controller.cost.observe(outcome.batch_size, outcome.batch_trees, outcome.batch_rows, outcome.pass_ms)
             state.batch_size = self._moving(state.batch_size, outcome.batch_size)
         state.rows_per_request_step = self._moving(state.rows_per_request_step, 1 + len(outcome.fused))
+        state.trees_per_request_step = self._moving(state.trees_per_request_step, 1.0 if len(outcome.fused) else 0.0)
         state.tokens_per_request_step = self._moving(state.tokens_per_request_step, len(outcome.committed))
         for name, ms in zip(outcome.plan.drafters, outcome.drafter_ms):  # none when drafted ahead
             self.draft_cost(name).observe(outcome.plan.budget, ms)
@@ -147,7 +150,8 @@ class AdaptivePolicy:
         recent passes carried when that is more (other routers' requests)."""
         state = self.state
         others = max(state.active - 1.0, state.batch_size - 1.0, 0.0)
-        return Load(others, others * state.rows_per_request_step, others * state.tokens_per_request_step)
+        return Load(others, others * state.trees_per_request_step, others * state.rows_per_request_step,
+                    others * state.tokens_per_request_step)
 
 
 @dataclass

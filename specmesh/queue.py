@@ -102,7 +102,8 @@ def encode_result(result: VerifyResult, verifier_id: str, **timings) -> bytes:
     status = verifier_pb2.VerifyResult.RESYNC if result.resync else verifier_pb2.VerifyResult.OK
     message = verifier_pb2.VerifyResult(
         request_id=result.request_id, step=result.step, status=status, verifier_id=verifier_id,
-        prefilled_tokens=result.prefilled_tokens, pass_ms=result.pass_ms, batch_rows=result.batch_rows, **timings,
+        prefilled_tokens=result.prefilled_tokens, pass_ms=result.pass_ms, batch_rows=result.batch_rows,
+        batch_trees=result.batch_trees, **timings,
     )
     if result.verdict is not None:
         message.accepted_nodes.extend(result.verdict.accepted_nodes)
@@ -204,7 +205,7 @@ class QueueVerifierClient:
         self.affinity[job.request_id] = message.verifier_id
         verdict = Verdict(tuple(message.accepted_nodes), tuple(message.tokens))
         return VerifyResult(job.request_id, job.step, verdict, message.prefilled_tokens, message.pass_ms,
-                            message.batch_rows, message.batch_size)
+                            message.batch_rows, message.batch_size, message.batch_trees)
 
     async def close(self, request_id: str) -> None:
         """Free the request's cache on its verifier now (idle sessions are also evicted there)."""

@@ -57,6 +57,7 @@ class VerifyResult:
     pass_ms: float = 0.0  # time of the tree pass this job was verified in (prefill excluded)
     batch_rows: int = 0  # rows of that pass: every job's root and tree nodes
     batch_size: int = 0  # jobs in that pass
+    batch_trees: int = 0  # jobs in that pass with a tree (the others are plain decoding steps)
 
     @property
     def resync(self) -> bool:
@@ -152,9 +153,11 @@ class TreeVerifier:
             verdicts = self._verify_trees([jobs[i] for i in ready])
             pass_ms = (time.perf_counter() - passed_at) * 1e3
             rows = sum(1 + len(jobs[i].tree) for i in ready)
+            trees = sum(1 for i in ready if len(jobs[i].tree))
             for i, verdict in zip(ready, verdicts):
                 prefilled = jobs[i].position if i in prefills else 0
-                results[i] = VerifyResult(jobs[i].request_id, jobs[i].step, verdict, prefilled, pass_ms, rows, len(ready))
+                results[i] = VerifyResult(jobs[i].request_id, jobs[i].step, verdict, prefilled, pass_ms, rows, len(ready),
+                                          trees)
         self.stats.batches += 1
         self.stats.jobs += len(jobs)
         self.stats.busy_s += time.perf_counter() - started

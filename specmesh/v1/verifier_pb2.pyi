@@ -77,7 +77,7 @@ class VerifyJob(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., step: _Optional[int] = ..., position: _Optional[int] = ..., root: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., history: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., reply_to: _Optional[str] = ..., deadline_unix_ms: _Optional[int] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("request_id", "step", "status", "accepted_nodes", "tokens", "verifier_id", "message", "prefilled_tokens", "queue_ms", "verify_ms", "batch_size", "pass_ms", "batch_rows")
+    __slots__ = ("request_id", "step", "status", "accepted_nodes", "tokens", "verifier_id", "message", "prefilled_tokens", "queue_ms", "verify_ms", "batch_size", "pass_ms", "batch_rows", "batch_trees")
     class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATUS_UNSPECIFIED: _ClassVar[VerifyResult.Status]
@@ -101,6 +101,7 @@ class VerifyResult(_message.Message):
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     PASS_MS_FIELD_NUMBER: _ClassVar[int]
     BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_TREES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     step: int
     status: VerifyResult.Status
@@ -114,4 +115,5 @@ class VerifyResult(_message.Message):
     batch_size: int
     pass_ms: float
     batch_rows: int
-    def __init__(self, request_id: _Optional[str] = ..., step: _Optional[int] = ..., status: _Optional[_Union[VerifyResult.Status, str]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., verifier_id: _Optional[str] = ..., message: _Optional[str] = ..., prefilled_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., pass_ms: _Optional[float] = ..., batch_rows: _Optional[int] = ...) -> None: ...
+    batch_trees: int
+    def __init__(self, request_id: _Optional[str] = ..., step: _Optional[int] = ..., status: _Optional[_Union[VerifyResult.Status, str]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., verifier_id: _Optional[str] = ..., message: _Optional[str] = ..., prefilled_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., pass_ms: _Optional[float] = ..., batch_rows: _Optional[int] = ..., batch_trees: _Optional[int] = ...) -> None: ...
