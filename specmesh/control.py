@@ -117,11 +117,13 @@ class Load:
 
 
 class DraftCost:
-    """Milliseconds a request waits for its drafters, as a function of the tree budget asked:
-    ``fixed + per_node * nodes`` (a round trip, then a drafter step per level), 0 when nobody is asked."""
+    """Milliseconds one drafter takes to propose: ``fixed + per_node * nodes + per_token * catch_up``
+    — a round trip, a drafter step per level, and first the tokens committed since it last drafted for
+    the request (a model drafter feeds them through its model: the whole prompt at its first proposal,
+    a long stretch when it comes back after other drafters served the request); 0 when not asked."""
 
-    def __init__(self, fixed_ms: float = 1.0, per_node_ms: float = 0.5) -> None:
-        self.fit = OnlineLinear([fixed_ms, per_node_ms], prior_weight=4.0, decay=0.97)
+    def __init__(self, fixed_ms: float = 1.0, per_node_ms: float = 0.5, per_token_ms: float = 0.05) -> None:
+        self.fit = OnlineLinear([fixed_ms, per_node_ms, per_token_ms], prior_weight=4.0, decay=0.97)
 
     @property
     def fixed_ms(self) -> float:
@@ -131,12 +133,16 @@ class DraftCost:
     def per_node_ms(self) -> float:
         return self.fit.weights[1]
 
-    def observe(self, nodes: int, ms: float) -> None:
-        if nodes > 0 and ms >= 0:
-            self.fit.observe([1.0, nodes], ms)
+    @property
+    def per_token_ms(self) -> float:
+        return self.fit.weights[2]
 
-    def ms(self, nodes: int) -> float:
-        return self.fixed_ms + self.per_node_ms * nodes if nodes > 0 else 0.0
+    def observe(self, nodes: int, catch_up: int, ms: float) -> None:
+        if nodes > 0 and ms >= 0:
+            self.fit.observe([1.0, nodes, catch_up], ms)
+
+    def ms(self, nodes: int, catch_up: int = 0) -> float:
+        return self.fixed_ms + self.per_node_ms * nodes + self.per_token_ms * catch_up if nodes > 0 else 0.0
 
 
 class GoodputController:

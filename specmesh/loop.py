@@ -197,7 +197,7 @@ async def speculate(
         ahead: Draft | None = None  # a draft made during the last verification and confirmed by its verdict
         while True:
             room = request.params.max_tokens - produced
-            plan = policy.plan(room, [d.name for d in drafters if getattr(d, "healthy", True)])
+            plan = policy.plan(room, [d.name for d in drafters if getattr(d, "healthy", True)], len(context))
             step_started = time.perf_counter()
             if ahead is not None and plan.budget > 0:  # its drafting time was hidden behind the last verification
                 draft = Draft(ahead.plan, ahead.trees, ahead.fused.truncated(plan.budget).within_depth(room - 1))

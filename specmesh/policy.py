@@ -54,8 +54,9 @@ class StepOutcome:
 class RequestPolicy(Protocol):
     kind: str
 
-    def plan(self, room: int, available: Sequence[str]) -> StepPlan:
-        """The next step's plan; ``room``: tokens the answer may still take; ``available``: live drafters."""
+    def plan(self, room: int, available: Sequence[str], position: int) -> StepPlan:
+        """The next step's plan; ``room``: tokens the answer may still take; ``available``: live
+        drafters; ``position``: tokens committed so far, the prompt's included."""
 
     def observe(self, outcome: StepOutcome) -> None: ...
 
@@ -80,7 +81,7 @@ class _FixedRequest:
     kind: str
     budget: int
 
-    def plan(self, room: int, available: Sequence[str]) -> StepPlan:
+    def plan(self, room: int, available: Sequence[str], position: int) -> StepPlan:
         if self.budget <= 0 or not available:
             return StepPlan()
         return StepPlan(tuple(available), (1.0,) * len(available), self.budget)
@@ -138,8 +139,6 @@ class AdaptivePolicy:
         state.rows_per_request_step = self._moving(state.rows_per_request_step, 1 + len(outcome.fused))
         state.trees_per_request_step = self._moving(state.trees_per_request_step, 1.0 if len(outcome.fused) else 0.0)
         state.tokens_per_request_step = self._moving(state.tokens_per_request_step, len(outcome.committed))
-        for name, ms in zip(outcome.plan.drafters, outcome.drafter_ms):  # none when drafted ahead
-            self.draft_cost(name).observe(outcome.plan.budget, ms)
         if state.active == 1 and outcome.batch_size == 1 and outcome.step_ms > 0:
             # alone: the rest of the step is overhead (queue, transport), not waiting for others' passes
             overhead = max(outcome.step_ms - outcome.draft_ms - outcome.pass_ms, 0.0)
@@ -162,6 +161,8 @@ class _AdaptiveRequest:
     adapt_budget: bool = True
     steps_without: int = 0  # steps in a row at budget 0
     ended: bool = False
+    drafted_at: dict[str, int] = field(default_factory=dict)  # drafter -> the position it last drafted from
+    position: int = 0  # of the step being planned
 
     @property
     def kind(self) -> str:
@@ -177,8 +178,13 @@ class _AdaptiveRequest:
                 missed[level] *= 1.0 - rate
         return [1.0 - m for m in missed]
 
-    def plan(self, room: int, available: Sequence[str]) -> StepPlan:
+    def catch_up(self, name: str) -> int:
+        """Tokens ``name`` has to take in before it can draft: those committed since it last drafted."""
+        return self.position - self.drafted_at.get(name, 0)
+
+    def plan(self, room: int, available: Sequence[str], position: int) -> StepPlan:
         policy, router = self.policy, self.policy.router
+        self.position = position
         if self.max_budget <= 0 or room <= 1 or not available:
             return StepPlan()
         names = router.select(self.route, available, at_least_one=True)
@@ -193,22 +199,27 @@ class _AdaptiveRequest:
         load = policy.load()
         best_goodput, budget, chosen = policy.controller.goodput(0, [], 0.0, load), 0, core
         for option in options:
-            costs = [policy.draft_cost(n) for n in option]
+            costs = [(policy.draft_cost(n), self.catch_up(n)) for n in option]
             n, goodput = policy.controller.choose(self.max_budget, self.acceptance(option),
-                                                  lambda nodes: sum(c.ms(nodes) for c in costs), load)
+                                                  lambda nodes: sum(c.ms(nodes, t) for c, t in costs), load)
             if n > 0 and goodput > best_goodput:
                 best_goodput, budget, chosen = goodput, n, option
         if budget == 0:
             if not policy.controller.should_probe(self.steps_without):
                 return StepPlan()
-            budget = min(policy.controller.probe_budget, self.max_budget)
-        if self.route.explored:
+            # the cheapest look: in a busy batch an expert's catch-up would hold up every request
+            budget, chosen = min(policy.controller.probe_budget, self.max_budget), free or core
+        elif self.route.explored:
             chosen = [*chosen, self.route.explored]
         return StepPlan(tuple(chosen), tuple(router.weights(self.route, chosen)), budget)
 
     def observe(self, outcome: StepOutcome) -> None:
         policy = self.policy
         policy.learn_step(outcome)
+        for name, ms in zip(outcome.plan.drafters, outcome.drafter_ms):  # none when drafted ahead
+            policy.draft_cost(name).observe(outcome.plan.budget, self.catch_up(name), ms)
+        for name in outcome.plan.drafters:
+            self.drafted_at[name] = self.position
         if not outcome.plan.budget:
             self.steps_without += 1
             return

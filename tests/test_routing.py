@@ -228,16 +228,17 @@ def test_controller_speculates_when_it_pays_and_not_when_it_does_not():
     assert budget == 3 and goodput == pytest.approx(controller.goodput(3, 0.9, cheap(3)))
 
 
-def test_draft_cost_separates_the_round_trip_from_the_cost_per_node():
-    drafting = DraftCost(fixed_ms=1.0, per_node_ms=0.5)
-    assert drafting.ms(0) == 0.0 and drafting.ms(4) == 3.0  # the prior
+def test_draft_cost_separates_round_trip_levels_and_catch_up():
+    drafting = DraftCost(fixed_ms=1.0, per_node_ms=0.5, per_token_ms=0.05)
+    assert drafting.ms(0) == 0.0 and drafting.ms(4, catch_up=20) == 4.0  # the prior
     for _ in range(200):
-        for nodes in (1, 4, 8):
-            drafting.observe(nodes, 3.0 + 1.5 * nodes)  # 3 ms round trip, 1.5 ms a level
+        for nodes, catch_up in ((1, 2), (4, 3), (8, 1), (4, 120)):
+            drafting.observe(nodes, catch_up, 3.0 + 1.5 * nodes + 0.1 * catch_up)  # 3 ms round trip, 1.5 ms a level
     assert drafting.fixed_ms == pytest.approx(3.0, rel=0.05) and drafting.per_node_ms == pytest.approx(1.5, rel=0.05)
+    assert drafting.per_token_ms == pytest.approx(0.1, rel=0.05)
     stuck = DraftCost(fixed_ms=1.0, per_node_ms=0.5)
     for _ in range(200):
-        stuck.observe(2, 6.0)  # always the same budget: the split stays near the prior's slope
+        stuck.observe(2, 0, 6.0)  # always the same budget: the split stays near the prior's slope
     assert stuck.ms(2) == pytest.approx(6.0, rel=0.05) and stuck.per_node_ms < 1.5
 
 
@@ -250,7 +251,7 @@ def test_the_policy_leaves_out_an_expert_whose_guesses_do_not_pay_for_its_time()
     policy = AdaptivePolicy(ExpertRouter({"expert": ["code"], "ngram": ["general"]}, RoutingConfig(explore=0.0),
                                          free=["ngram"]), GoodputController(CostModel(), probe_every=0))
     request = policy.begin("code", 8)
-    plan = request.plan(room=100, available=["expert", "ngram"])
+    plan = request.plan(room=100, available=["expert", "ngram"], position=100)
     assert set(plan.drafters) == {"expert", "ngram"}  # the expert's domain prior: it is tried first
     for _ in range(40):
         truth = (5, 6, 7, 8)
@@ -260,26 +261,26 @@ def test_the_policy_leaves_out_an_expert_whose_guesses_do_not_pay_for_its_time()
         request.observe(StepOutcome(plan, tuple(trees[n] for n in asked), trees["ngram"], truth[: plan.budget + 1],
                                     draft_ms=sum(ms[n] for n in asked), drafter_ms=tuple(ms[n] for n in asked),
                                     step_ms=25.0, pass_ms=20.0, batch_rows=1 + plan.budget, batch_size=1))
-        plan = request.plan(room=100, available=["expert", "ngram"])
+        plan = request.plan(room=100, available=["expert", "ngram"], position=100)
     assert plan.drafters == ("ngram",) and plan.budget >= 4
 
 
 def test_adaptive_policy_learns_costs_and_load_from_the_verifiers_reports():
     policy = AdaptivePolicy(ExpertRouter({"a": ["general"]}), GoodputController(CostModel(), probe_every=0))
     request = policy.begin("general", 8)
-    plan = request.plan(room=50, available=["a"])
+    plan = request.plan(room=50, available=["a"], position=50)
     assert plan.drafters == ("a",) and plan.budget > 0
     for _ in range(30):  # a drafter that is never right, slow to draft, in big passes
         outcome = StepOutcome(plan, (TokenTree.chain([7] * plan.budget),), TokenTree.chain([7] * plan.budget), (3,),
                               draft_ms=20.0, drafter_ms=(20.0,), step_ms=52.0 + plan.budget, pass_ms=30.0 + plan.budget,
                               batch_rows=1 + plan.budget, batch_size=1)
         request.observe(outcome)
-        plan = request.plan(room=50, available=["a"])
+        plan = request.plan(room=50, available=["a"], position=50)
         if plan.budget == 0:
             break
     assert plan == StepPlan()  # speculation stopped paying
     assert policy.controller.overhead_ms > 0 and policy.draft_cost("a").ms(4) > 5.0
-    assert request.plan(room=1, available=["a"]) == StepPlan()  # one token left: nothing to draft for
+    assert request.plan(room=1, available=["a"], position=99) == StepPlan()  # one token left: nothing to draft for
     assert policy.state.active == 1
     request.end()
     request.end()  # the loop and its caller may both end it
