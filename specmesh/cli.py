@@ -264,7 +264,8 @@ def _up(args: argparse.Namespace) -> int:
                        max_tree_nodes=args.tree_nodes, draft_ahead=args.draft_ahead, router_port=args.port,
                        log_dir=args.log_dir, speculation=args.speculation)
     cluster = LocalCluster(spec)
-    print(f"starting Redis, {spec.verifiers} verifier(s), drafters {', '.join(spec.drafters)} and the router "
+    print(f"starting Redis, {spec.verifiers} verifier(s), drafters {', '.join(spec.drafters)} (model-free ones "
+          "inside the router) and the router "
           f"(logs: {cluster.log_dir}) ...", flush=True)
     started = time.perf_counter()
     with cluster:

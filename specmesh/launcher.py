@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specmesh.errors import Unavailable
 from specmesh.models.loading import EMBEDDED_DEFAULT
 from specmesh.redis_server import RedisServer, free_port
+from specmesh.routing import MODEL_FREE_KINDS
 
 DEFAULT_DRAFTERS = ("ngram", "code", "math", "writing")
 
@@ -146,17 +147,20 @@ class LocalCluster:
 
     def start(self, timeout_s: float = 600.0) -> LocalCluster:
         spec = self.spec
+        # model-free drafters need only the tokens the router holds: they run inside it, no network hop
+        local = [d for d in spec.drafters if d in MODEL_FREE_KINDS]
         try:
             self.redis.start()
             self.verifiers = [self.verifier_process(i) for i in range(spec.verifiers)]
-            self.drafters = [self.drafter_process(d) for d in spec.drafters]
+            self.drafters = [self.drafter_process(d) for d in spec.drafters if d not in local]
             for process in [*self.verifiers, *self.drafters]:
                 process.start()
             for process in [*self.verifiers, *self.drafters]:
                 process.wait_ready(timeout_s)
             args = ["--model", spec.model, "--redis-url", self.redis.url, "--max-tree-nodes", str(spec.max_tree_nodes),
                     "--job-timeout", str(spec.job_timeout_s), "--drafters", ",".join(d.address for d in self.drafters),
-                    "--draft-ahead", "on" if spec.draft_ahead else "off", "--speculation", spec.speculation]
+                    "--draft-ahead", "on" if spec.draft_ahead else "off", "--speculation", spec.speculation,
+                    "--local-drafters", ",".join(local)]
             self.router = self._service("router", "router", args, 1, spec.router_port)
             self.router.start()
             self.router.wait_ready(timeout_s)

@@ -13,7 +13,7 @@ from typing import Sequence
 import redis.asyncio as aioredis
 
 from specmesh import __version__
-from specmesh.assembly import configure_threads
+from specmesh.assembly import MODEL_FREE_DRAFTERS, configure_threads
 from specmesh.errors import InvalidArgument
 from specmesh.models.loading import EMBEDDED_DEFAULT, load_target_parts, tokenizer_fingerprint
 from specmesh.queue import QueueKeys, QueueVerifierClient
@@ -21,7 +21,8 @@ from specmesh.remote import RemoteDrafter
 from specmesh.classify import default_classifier
 from specmesh.policy import SPECULATION_MODES, adaptive_policy
 from specmesh.router import Generation, ModelCard, Router, RouterLimits, TextStream
-from specmesh.routing import RoutingConfig
+from specmesh.loop import LocalDrafter
+from specmesh.routing import GENERAL, RoutingConfig
 from specmesh.serving import Service, env_default, run_service, start_server
 from specmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 from specmesh.wire import sampling_from_pb
@@ -125,7 +126,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         limits = self.router.limits
         return router_pb2.RouterInfo(
             model=self._card(),
-            drafters=[router_pb2.DrafterStatus(address=d.address, name=d.name, domains=d.domains, healthy=d.healthy)
+            drafters=[router_pb2.DrafterStatus(address=getattr(d, "address", IN_ROUTER), name=d.name,
+                                               domains=getattr(d, "domains", (GENERAL,)), healthy=getattr(d, "healthy", True))
                       for d in self.router.drafters],
             active_requests=self.router.active, max_concurrent_requests=limits.max_concurrent_requests,
             max_tree_nodes=limits.max_tree_nodes, verifiers=len(self.verifier_client.alive), version=__version__,
@@ -133,6 +135,18 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                      for kind, row in sorted(self.router.policy.router.table().items()) for name, value in sorted(row.items())],
             speculation=limits.speculation,
         )
+
+
+IN_ROUTER = "in-router"
+
+
+def local_drafter_names(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in MODEL_FREE_DRAFTERS]
+    if unknown:
+        raise InvalidArgument("local_drafters", f"{', '.join(unknown)} cannot run in the router; model-free drafters: "
+                                                f"{', '.join(MODEL_FREE_DRAFTERS)}")
+    return names
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--pool", default=env_default("pool", "default"), help="verifier pool [SPECMESH_POOL]")
     parser.add_argument("--drafters", default=env_default("drafters", ""),
                         help="comma-separated drafter addresses host:port [SPECMESH_DRAFTERS]")
+    parser.add_argument("--local-drafters", default=env_default("local_drafters", ""),
+                        help="model-free drafters to run inside the router, comma-separated: ngram (prompt "
+                             "lookup), history; they need only the tokens the router holds, so no network hop "
+                             "[SPECMESH_LOCAL_DRAFTERS]")
     parser.add_argument("--listen", default=env_default("listen", "127.0.0.1:50051"), help="host:port [SPECMESH_LISTEN]")
     parser.add_argument("--max-concurrent", type=int, default=int(env_default("max_concurrent", "64")))
     parser.add_argument("--max-queue-backlog", type=int, default=int(env_default("max_queue_backlog", "256")))
@@ -177,6 +195,7 @@ async def serve(args: argparse.Namespace) -> None:
     verifier = QueueVerifierClient(redis, QueueKeys(args.pool), f"router-{os.getpid()}-{uuid.uuid4().hex[:6]}",
                                    job_timeout_s=args.job_timeout)
     await verifier.start()
+    local = [LocalDrafter(MODEL_FREE_DRAFTERS[name]()) for name in local_drafter_names(args.local_drafters)]
     drafters = [RemoteDrafter(a.strip(), timeout_s=args.drafter_timeout) for a in args.drafters.split(",") if a.strip()]
     for drafter in drafters:
         if not await drafter.connect(card.tokenizer_hash):
@@ -184,7 +203,7 @@ async def serve(args: argparse.Namespace) -> None:
     limits = RouterLimits(args.max_concurrent, args.max_queue_backlog, args.default_max_tokens, args.max_tree_nodes,
                           draft_ahead=args.draft_ahead == "on", speculation=args.speculation)
     policy = adaptive_policy({}, routing=RoutingConfig(max_drafters=args.max_drafters, explore=args.explore))
-    router = Router(target.tokenizer, card, drafters, verifier, limits, policy, default_classifier())
+    router = Router(target.tokenizer, card, [*local, *drafters], verifier, limits, policy, default_classifier())
     servicer = RouterServicer(router, verifier)
     server = await start_server(
         [Service(router_pb2.DESCRIPTOR.services_by_name["Router"].full_name,
@@ -195,7 +214,7 @@ async def serve(args: argparse.Namespace) -> None:
     print(f"specmesh-router ready on port {server.port}", flush=True)
     await server.wait(grace_s=30)
     await verifier.stop()
-    await asyncio.gather(*(d.close() for d in drafters))
+    await asyncio.gather(*(d.close() for d in drafters))  # the remote ones
     await redis.aclose()
 
 
