@@ -147,11 +147,8 @@ class DraftCost:
 
 class GoodputController:
     def __init__(self, cost: CostModel, budgets: Sequence[int] = DEFAULT_BUDGETS, probe_every: int = 8,
-                 probe_budget: int = 2, margin: float = 0.05) -> None:
-        """``margin``: how much more goodput than plain decoding speculation must promise (the models'
-        errors are of that order, and a wrong guess under load costs every request of the batch)."""
+                 probe_budget: int = 2) -> None:
         self.cost = cost
-        self.margin = margin
         self.overhead_ms = 0.0  # per step besides the pass and the drafting: queue, transport, bookkeeping
         self.budgets = sorted(set(budgets) | {0})
         self.probe_every = probe_every
@@ -170,13 +167,7 @@ class GoodputController:
         ``draft_ms(n)``: what drafting ``n`` nodes costs (0 at 0)."""
         candidates = [b for b in self.budgets if b < max_budget] + [max_budget]
         goodput, _, budget = max((self.goodput(n, acceptance, draft_ms(n) if n else 0.0, load), -n, n) for n in candidates)
-        if budget and goodput < self.plain_goodput(load):
-            return 0, self.goodput(0, [], 0.0, load)
         return budget, goodput
-
-    def plain_goodput(self, load: Load = Load()) -> float:
-        """The goodput speculation has to beat: plain decoding's, raised by the margin."""
-        return self.goodput(0, [], 0.0, load) * (1.0 + self.margin)
 
     def should_probe(self, steps_without: int) -> bool:
         """After ``probe_every`` steps in a row without speculation, a small tree, to see if it pays again."""

@@ -197,7 +197,7 @@ class _AdaptiveRequest:
         if free and len(free) < len(core):
             options.append(free)
         load = policy.load()
-        best_goodput, budget, chosen = policy.controller.plain_goodput(load), 0, core
+        best_goodput, budget, chosen = policy.controller.goodput(0, [], 0.0, load), 0, core
         for option in options:
             costs = [(policy.draft_cost(n), self.catch_up(n)) for n in option]
             n, goodput = policy.controller.choose(self.max_budget, self.acceptance(option),

@@ -226,10 +226,6 @@ def test_controller_speculates_when_it_pays_and_not_when_it_does_not():
     # never more than the request's own cap; the goodput comes with the budget
     budget, goodput = controller.choose(3, 0.9, cheap)
     assert budget == 3 and goodput == pytest.approx(controller.goodput(3, 0.9, cheap(3)))
-    # a gain the models' errors could explain is not taken: speculation must beat plain by the margin
-    gain = controller.goodput(1, 0.1, cheap(1)) / controller.goodput(0, [], 0.0) - 1
-    assert 0 < gain < controller.margin and controller.choose(1, 0.1, cheap)[0] == 0
-    assert GoodputController(measured_cost(), margin=0.0).choose(1, 0.1, cheap)[0] == 1
 
 
 def test_draft_cost_separates_round_trip_levels_and_catch_up():
