@@ -7,7 +7,7 @@ fused trees, level by level; a budget of ``n`` nodes is counted as ``n`` levels)
 whose time depends on *every* row in the batch, the other requests' included — plus the time the
 request waits for its drafters. The controller picks the ``n`` (0 = no speculation) that maximises
 
-    goodput(n) = (E[tokens | n] + E[tokens of the others]) / (pass_ms(requests, others' rows + 1 + n) + draft_ms(n) + overhead_ms)
+    goodput(n) = (E[tokens | n] + E[tokens of the others]) / (pass_ms(requests, others' rows + 1 + n) + draft_ms(n) + overhead_ms(n))
 
 ``draft_ms`` is the asked drafters' (``DraftCost`` each: a round trip plus a cost per node, learned
 from what each took), added up: on one machine drafters share the cores with the verifier.
@@ -19,7 +19,9 @@ tree now and then, so that it notices when speculation starts to pay again.
 ``pass_ms`` is a ``CostModel`` learned online from the verifier's own reports (requests and rows in a
 pass, and the pass's time); it starts from a nearly flat prior in rows, which is what the lean runtime
 measures for small trees.
-The step's other overhead (queue, transport) is learned from what lone requests wait for.
+The step's other overhead (queue, transport, the tree's encoding and acceptance) is learned from what
+lone requests wait for, apart for steps with a tree and without: through the cluster on 2 cores a
+step with 2-3 nodes waited ~3 ms more for its verification than a plain one, most of it outside the pass.
 """
 
 from __future__ import annotations
@@ -149,7 +151,9 @@ class GoodputController:
     def __init__(self, cost: CostModel, budgets: Sequence[int] = DEFAULT_BUDGETS, probe_every: int = 8,
                  probe_budget: int = 2) -> None:
         self.cost = cost
-        self.overhead_ms = 0.0  # per step besides the pass and the drafting: queue, transport, bookkeeping
+        # per step besides the pass and the drafting (queue, transport, bookkeeping): without a tree, with
+        # one; None until seen (the other one stands in)
+        self.overhead_ms: list[float | None] = [None, None]
         self.budgets = sorted(set(budgets) | {0})
         self.probe_every = probe_every
         self.probe_budget = probe_budget
@@ -158,8 +162,16 @@ class GoodputController:
         """Expected committed tokens per second of the whole batch with this request drafting ``nodes``."""
         tokens = expected_tokens(acceptance, nodes) + load.other_tokens
         requests, trees = 1 + round(load.other_requests), round(load.other_trees) + (1 if nodes else 0)
-        ms = self.cost.pass_ms(requests, trees, round(load.other_rows) + 1 + nodes) + draft_ms + self.overhead_ms
+        ms = self.cost.pass_ms(requests, trees, round(load.other_rows) + 1 + nodes) + draft_ms + self.overhead(nodes > 0)
         return tokens / ms * 1e3
+
+    def overhead(self, with_tree: bool) -> float:
+        own, other = self.overhead_ms[with_tree], self.overhead_ms[not with_tree]
+        return own if own is not None else other if other is not None else 0.0
+
+    def learn_overhead(self, with_tree: bool, ms: float, weight_of_past: float) -> None:
+        old = self.overhead_ms[with_tree]
+        self.overhead_ms[with_tree] = ms if old is None else weight_of_past * old + (1 - weight_of_past) * ms
 
     def choose(self, max_budget: int, acceptance: float | Sequence[float], draft_ms: Callable[[int], float],
                load: Load = Load()) -> tuple[int, float]:

@@ -142,7 +142,7 @@ class AdaptivePolicy:
         if state.active == 1 and outcome.batch_size == 1 and outcome.step_ms > 0:
             # alone: the rest of the step is overhead (queue, transport), not waiting for others' passes
             overhead = max(outcome.step_ms - outcome.draft_ms - outcome.pass_ms, 0.0)
-            controller.overhead_ms = self._moving(controller.overhead_ms, overhead)
+            controller.learn_overhead(len(outcome.fused) > 0, overhead, self.average)
 
     def load(self) -> Load:
         """The rest of a typical pass: this policy's other requests in flight, or what the verifier's

@@ -242,6 +242,16 @@ def test_draft_cost_separates_round_trip_levels_and_catch_up():
     assert stuck.ms(2) == pytest.approx(6.0, rel=0.05) and stuck.per_node_ms < 1.5
 
 
+def test_overhead_is_learned_apart_for_steps_with_and_without_a_tree():
+    controller = GoodputController(CostModel())
+    assert controller.overhead(with_tree=False) == controller.overhead(with_tree=True) == 0.0
+    controller.learn_overhead(False, 2.0, weight_of_past=0.9)
+    assert controller.overhead(with_tree=True) == 2.0  # unseen: the other stands in
+    controller.learn_overhead(True, 6.0, weight_of_past=0.9)
+    assert controller.overhead(with_tree=True) == 6.0 and controller.overhead(with_tree=False) == 2.0
+    assert controller.goodput(2, 0.0, 0.0) < controller.goodput(0, 0.0, 0.0)  # a tree nobody gets right only costs
+
+
 def test_controller_probes_after_a_run_of_plain_steps():
     controller = GoodputController(CostModel(), probe_every=4)
     assert not controller.should_probe(3) and controller.should_probe(4)
@@ -279,7 +289,7 @@ def test_adaptive_policy_learns_costs_and_load_from_the_verifiers_reports():
         if plan.budget == 0:
             break
     assert plan == StepPlan()  # speculation stopped paying
-    assert policy.controller.overhead_ms > 0 and policy.draft_cost("a").ms(4) > 5.0
+    assert policy.controller.overhead(with_tree=True) > 0 and policy.draft_cost("a").ms(4) > 5.0
     assert request.plan(room=1, available=["a"], position=99) == StepPlan()  # one token left: nothing to draft for
     assert policy.state.active == 1
     request.end()
