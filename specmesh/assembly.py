@@ -20,7 +20,6 @@ from specmesh.models.runtime import TargetRuntime, make_runtime
 from specmesh.models.loading import LoadedModel, TargetParts, load_hf_model, parts_of, tokenizer_fingerprint
 from specmesh.policy import adaptive_policy, check_speculation
 from specmesh.prompts import encode_chat
-from specmesh.routing import GENERAL, MODEL_FREE_KINDS
 from specmesh.sampling import SamplingParams
 
 
@@ -58,14 +57,15 @@ class Assembly:
         the whole budget every step) or ``off``."""
         if check_speculation(speculation) == "off":
             max_tree_nodes = 0
-        domains = {d.name: [getattr(d, "domain", GENERAL)] for d in self.drafters}
-        free = [d.name for d in self.drafters if getattr(d, "kind", "") in MODEL_FREE_KINDS]
+        policy = adaptive_policy({}, adapt_budget=speculation == "adaptive")
+        for drafter in self.drafters:
+            policy.router.register(drafter)
         return SpeculativeEngine(
             self.runtime,
             drafters=self.drafters if max_tree_nodes > 0 else [],
             max_tree_nodes=max_tree_nodes,
             eos_token_ids=eos_token_ids(self.target),
-            policy=adaptive_policy(domains, adapt_budget=speculation == "adaptive", free=free),
+            policy=policy,
         )
 
     def request(self, prompt: str, params: SamplingParams, classifier: RequestClassifier | None = None) -> Request:

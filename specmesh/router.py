@@ -17,7 +17,7 @@ from specmesh.errors import InvalidArgument, ResourceExhausted
 from specmesh.classify import RequestClassifier
 from specmesh.loop import AsyncDrafter, Request, SpeculationStats, StepOutput, VerifierClient, speculate
 from specmesh.policy import AdaptivePolicy, check_speculation, FixedPolicy, adaptive_policy
-from specmesh.routing import GENERAL, MODEL_FREE_KINDS
+from specmesh.routing import GENERAL
 from specmesh.sampling import SamplingParams
 
 MAX_REQUEST_ID = 128
@@ -141,8 +141,7 @@ class Router:
             if drafter.name not in unique or not getattr(unique[drafter.name], "healthy", True):
                 unique[drafter.name] = drafter
         for drafter in unique.values():
-            self.policy.router.add(drafter.name, getattr(drafter, "domains", ()) or (GENERAL,),
-                                   free=getattr(drafter, "kind", "") in MODEL_FREE_KINDS)
+            self.policy.router.register(drafter)
         return list(unique.values())
 
     # ---- generation ----

@@ -155,6 +155,12 @@ class ExpertRouter:
         else:
             self.free.discard(name)
 
+    def register(self, drafter) -> None:
+        """A drafter object, by what it advertises: a remote drafter's card lists ``domains``, an
+        in-process expert names its ``domain``; model-free by its ``kind``."""
+        domains = getattr(drafter, "domains", None) or [d for d in [getattr(drafter, "domain", None)] if d]
+        self.add(drafter.name, domains or (GENERAL,), free=getattr(drafter, "kind", "") in MODEL_FREE_KINDS)
+
     def prior(self, kind: str, name: str) -> float:
         domains = self.domains.get(name, ())
         if kind in domains:

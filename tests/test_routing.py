@@ -122,6 +122,17 @@ def test_model_free_drafters_ride_along_with_the_best_expert():
     assert router.select(route, ["code", "math", "ngram", "history"]) == ["code", "ngram"]
 
 
+def test_drafters_register_by_what_they_advertise():
+    from types import SimpleNamespace
+
+    router = ExpertRouter({})
+    router.register(SimpleNamespace(name="code", kind="expert", domain="code"))  # an in-process expert
+    router.register(SimpleNamespace(name="remote-math", kind="expert", domains=("math", "reasoning")))  # a card
+    router.register(SimpleNamespace(name="ngram", kind="ngram"))
+    assert router.domains == {"code": ("code",), "remote-math": ("math", "reasoning"), "ngram": (GENERAL,)}
+    assert router.free == {"ngram"}
+
+
 def test_a_hopeless_drafter_is_not_asked_unless_exploring():
     router = ExpertRouter({"bad": ["code"]}, RoutingConfig(max_drafters=2, explore=0.0, kind_decay=1.0))
     route = router.open("code")
