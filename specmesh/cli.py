@@ -89,14 +89,15 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--target", default=EMBEDDED_DEFAULT, help="the target model (default: the embedded one)")
     dist.add_argument("--domain", required=True, help="the expert's domain, e.g. code, math, writing")
     dist.add_argument("--prompts", help="JSONL training prompts (default: specmesh's templated prompts for --domain)")
-    dist.add_argument("--count", type=int, default=360, help="templated prompts to make when --prompts is absent")
+    dist.add_argument("--count", type=int, default=1200, help="templated prompts to make when --prompts is absent")
     dist.add_argument("--out", required=True, help="the drafter directory to write")
     dist.add_argument("--minutes", type=float, default=10.0, help="training time budget (default 10)")
     dist.add_argument("--layers", type=int, default=3)
     dist.add_argument("--learning-rate", type=float, default=2e-3)
     dist.add_argument("--batch-tokens", type=int, default=2048, help="padded tokens per training batch")
     dist.add_argument("--subset-size", type=int, default=8192, help="output head vocabulary subset (default 8192)")
-    dist.add_argument("--answer-tokens", type=int, default=192, help="max tokens of each target answer")
+    dist.add_argument("--answer-tokens", type=int, default=128,
+                      help="max tokens of each target answer (default 128: many short answers teach more than few long ones)")
     dist.add_argument("--boost-from", action="append", default=[],
                       help="an earlier drafter of the set: positions it gets wrong weigh more (repeatable)")
     dist.add_argument("--seed", type=int, default=0)
@@ -271,7 +272,7 @@ def _up(args: argparse.Namespace) -> int:
     with cluster:
         print(f"cluster up in {time.perf_counter() - started:.0f} s", flush=True)
         for process in cluster.processes():
-            print(f"  {process.name:<18} {process.address}")
+            print(f"  {process.name:<18} {process.address:<18} metrics {process.metrics_url}")
         print(f"  {'redis':<18} {cluster.redis.url}")
         try:
             if not args.no_demo:

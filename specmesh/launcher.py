@@ -54,11 +54,16 @@ class ServiceProcess:
     port: int
     log_path: Path
     env: dict[str, str]
+    metrics_port: int = 0  # where its Prometheus metrics are served (0: not served)
     popen: subprocess.Popen | None = None
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics" if self.metrics_port else ""
 
     def start(self) -> None:
         log = open(self.log_path, "ab")
@@ -128,9 +133,10 @@ class LocalCluster:
         return env
 
     def _service(self, name: str, module: str, args: list[str], threads: int, port: int = 0) -> ServiceProcess:
-        port = port or free_port()
-        command = [sys.executable, "-m", f"specmesh.services.{module}", "--listen", f"127.0.0.1:{port}", *args]
-        return ServiceProcess(name, command, port, self.log_dir / f"{name}.log", self._env(threads))
+        port, metrics_port = port or free_port(), free_port()
+        command = [sys.executable, "-m", f"specmesh.services.{module}", "--listen", f"127.0.0.1:{port}",
+                   "--metrics-address", f"127.0.0.1:{metrics_port}", *args]
+        return ServiceProcess(name, command, port, self.log_dir / f"{name}.log", self._env(threads), metrics_port)
 
     def verifier_process(self, index: int) -> ServiceProcess:
         spec = self.spec

@@ -15,6 +15,7 @@ from typing import AsyncIterator, Sequence
 from specmesh.engine import MAX_TREE_NODES, validate_request
 from specmesh.errors import InvalidArgument, ResourceExhausted
 from specmesh.classify import RequestClassifier
+from specmesh.metrics import MeteredRequest, RequestClock, RouterMetrics
 from specmesh.loop import AsyncDrafter, Request, SpeculationStats, StepOutput, VerifierClient, speculate
 from specmesh.policy import AdaptivePolicy, check_speculation, FixedPolicy, adaptive_policy
 from specmesh.routing import GENERAL
@@ -72,11 +73,12 @@ class Router:
     def __init__(
         self, tokenizer, card: ModelCard, drafters: Sequence[AsyncDrafter], verifier: VerifierClient,
         limits: RouterLimits | None = None, policy: AdaptivePolicy | None = None,
-        classifier: RequestClassifier | None = None,
+        classifier: RequestClassifier | None = None, metrics: RouterMetrics | None = None,
     ) -> None:
         """``policy``: the adaptive policy over the drafters' names (default: built from their
         advertised domains); ``classifier``: the request kind from the prompt's text (default: none,
-        every request is ``general`` and routing learns from acceptance alone)."""
+        every request is ``general`` and routing learns from acceptance alone); ``metrics``: where the
+        loop's steps and latencies are counted (none: not counted)."""
         self.tokenizer = tokenizer
         self.card = card
         self.drafters = list(drafters)
@@ -85,6 +87,7 @@ class Router:
         check_speculation(self.limits.speculation)
         self.policy = policy or adaptive_policy({})
         self.classifier = classifier
+        self.metrics = metrics
         self.active = 0
 
     # ---- inputs ----
@@ -162,6 +165,12 @@ class Router:
         else:
             policy = self.policy.begin(request.kind, budget, fixed_budget=ticket.speculation == "fixed")
         generation = Generation(request, len(request.prompt_ids))
+        clock = None
+        if self.metrics is not None:
+            policy = MeteredRequest(policy, self.metrics)
+            clock = RequestClock(self.metrics)
+            self.metrics.requests_by_kind.labels(request.kind or GENERAL).inc()
+            self.metrics.in_flight.inc()
         self.active += 1
         try:
             steps = speculate(request, drafters, self.verifier, policy, self.card.eos_token_ids, generation.stats,
@@ -170,10 +179,15 @@ class Router:
                 async for step in steps:
                     generation.token_ids.extend(step.token_ids)
                     generation.finish_reason = step.finish_reason
+                    if clock is not None:
+                        clock.tokens_arrived(len(step.token_ids))
                     yield generation, step
         finally:
             policy.end()  # also when the loop never started
             self.active -= 1
+            if self.metrics is not None:
+                self.metrics.in_flight.dec()
+                self.metrics.finished.labels(generation.finish_reason or "aborted").inc()
 
 
 class TextStream:

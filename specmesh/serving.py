@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Sequence
@@ -17,6 +18,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from specmesh.errors import InvalidArgument, NotFound, ResourceExhausted, SpecmeshError, Unavailable
+from specmesh.metrics import ServiceMetrics
 
 log = logging.getLogger("specmesh.serving")
 
@@ -39,7 +41,15 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Maps the domain's exceptions to status codes in one place; any other exception becomes INTERNAL
-    (logged with its traceback) instead of an opaque UNKNOWN. Servicers just raise."""
+    (logged with its traceback) instead of an opaque UNKNOWN. Servicers just raise. With ``metrics``,
+    every call is counted by method and status code, and timed."""
+
+    def __init__(self, metrics: ServiceMetrics | None = None) -> None:
+        self.metrics = metrics
+
+    def _done(self, method: str, code: grpc.StatusCode, started: float) -> None:
+        if self.metrics is not None:
+            self.metrics.rpc_done(method, code.name, time.perf_counter() - started)
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -50,12 +60,20 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             inner = handler.unary_unary
 
             async def unary(request, context):
+                started, code = time.perf_counter(), grpc.StatusCode.OK
                 try:
                     return await inner(request, context)
-                except (asyncio.CancelledError, grpc.aio.AbortError):
+                except asyncio.CancelledError:
+                    code = grpc.StatusCode.CANCELLED
+                    raise
+                except grpc.aio.AbortError:
+                    code = context.code() or grpc.StatusCode.UNKNOWN
                     raise
                 except Exception as exc:
+                    code = status_for(exc)[0]
                     await _abort(context, method, exc)
+                finally:
+                    self._done(method, code, started)
 
             return grpc.unary_unary_rpc_method_handler(
                 unary, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
@@ -64,13 +82,21 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             inner_stream = handler.unary_stream
 
             async def stream(request, context):
+                started, code = time.perf_counter(), grpc.StatusCode.OK
                 try:
                     async for item in inner_stream(request, context):
                         yield item
-                except (asyncio.CancelledError, grpc.aio.AbortError, GeneratorExit):
+                except (asyncio.CancelledError, GeneratorExit):
+                    code = grpc.StatusCode.CANCELLED
+                    raise
+                except grpc.aio.AbortError:
+                    code = context.code() or grpc.StatusCode.UNKNOWN
                     raise
                 except Exception as exc:
+                    code = status_for(exc)[0]
                     await _abort(context, method, exc)
+                finally:
+                    self._done(method, code, started)
 
             return grpc.unary_stream_rpc_method_handler(
                 stream, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
@@ -134,15 +160,17 @@ class Server:
         await self.shutdown(grace_s)
 
 
-async def start_server(services: Sequence[Service], address: str, max_message_mb: int = 64) -> Server:
+async def start_server(
+    services: Sequence[Service], address: str, max_message_mb: int = 64, metrics: ServiceMetrics | None = None,
+) -> Server:
     """Start a gRPC server with health checking, reflection and the error interceptor on ``address``
-    (``host:port``; port 0 picks a free one)."""
+    (``host:port``; port 0 picks a free one); ``metrics`` counts its calls."""
     options = [
         ("grpc.max_receive_message_length", max_message_mb << 20),
         ("grpc.max_send_message_length", max_message_mb << 20),
         ("grpc.so_reuseport", 0),
     ]
-    server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=options)
+    server = grpc.aio.server(interceptors=[ErrorInterceptor(metrics)], options=options)
     for service in services:
         service.add(server)
     health = HealthServicer()

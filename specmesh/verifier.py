@@ -110,6 +110,11 @@ class TreeVerifier:
     def num_sessions(self) -> int:
         return len(self._sessions)
 
+    @property
+    def cache_bytes(self) -> int:
+        """Memory held by every session's KV cache."""
+        return sum(session.nbytes for session in self._sessions.values())
+
     def check(self, job: VerifyJob) -> None:
         """Refuse a job that no model could verify (the router validates requests before this)."""
         vocab = self.runtime.vocab_size

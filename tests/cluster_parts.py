@@ -9,13 +9,14 @@ import redis.asyncio as aioredis
 from specmesh.drafters.base import Drafter
 from specmesh.models.llama import LlamaRuntime
 from specmesh.models.loading import tokenizer_fingerprint
+from specmesh.metrics import DrafterMetrics, MetricsEndpoint, RouterMetrics, serve_metrics
 from specmesh.queue import QueueKeys, QueueVerifierClient, VerifierQueue
 from specmesh.remote import RemoteDrafter
 from specmesh.classify import default_classifier
 from specmesh.router import ModelCard, Router, RouterLimits
 from specmesh.serving import Service, TorchThread, start_server
 from specmesh.services.drafter.server import DrafterServicer, DrafterSessions
-from specmesh.services.router.server import RouterServicer
+from specmesh.services.router.server import RouterServicer, watch_cluster
 from specmesh.services.verifier.server import VerifierWorker
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc, router_pb2_grpc
 from specmesh.verifier import TreeVerifier
@@ -62,8 +63,12 @@ class ServiceStack:
     """A router and one drafter as real gRPC servers on loopback, over an in-process verifier pool."""
 
     def __init__(self, url: str, model, tokenizer, drafter: Drafter, limits: RouterLimits | None = None,
-                 listen: str = "127.0.0.1:0") -> None:
+                 listen: str = "127.0.0.1:0", metrics: bool = False) -> None:
+        """``metrics``: each service counts into its own registry, served over HTTP on a free port
+        (``metrics_urls``), as the real services do."""
         self.listen = listen
+        self.with_metrics = metrics
+        self.endpoints: dict[str, MetricsEndpoint] = {}
         self.pool = InProcessPool(url, model, workers=1)
         self.model = model
         self.tokenizer = tokenizer
@@ -78,26 +83,42 @@ class ServiceStack:
         self.sessions = DrafterSessions(self.drafter, vocab, max_sessions=16)
         info = drafter_pb2.DrafterInfo(name=self.drafter.name, kind="ngram", domains=["general"],
                                        tokenizer_hash=tokenizer_fingerprint(self.tokenizer))
-        servicer = DrafterServicer(self.sessions, info, TorchThread("draft"))
+        drafter_metrics, router_metrics = DrafterMetrics(), RouterMetrics() if self.with_metrics else None
+        servicer = DrafterServicer(self.sessions, info, TorchThread("draft"), drafter_metrics)
         self.drafter_server = await start_server(
             [Service("specmesh.v1.Drafter", lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s))],
-            "127.0.0.1:0",
+            "127.0.0.1:0", metrics=drafter_metrics,
         )
         self.remote = RemoteDrafter(f"127.0.0.1:{self.drafter_server.port}")
         await self.remote.connect(tokenizer_fingerprint(self.tokenizer))
         card = ModelCard("tiny", vocab, self.model.config.max_position_embeddings,
                          tokenizer_fingerprint(self.tokenizer), frozenset())
         self.router = Router(self.tokenizer, card, [self.remote], self.pool.client, self.limits,
-                             classifier=default_classifier())
+                             classifier=default_classifier(), metrics=router_metrics)
         router_servicer = RouterServicer(self.router, self.pool.client)
         self.router_server = await start_server(
             [Service("specmesh.v1.Router", lambda s: router_pb2_grpc.add_RouterServicer_to_server(router_servicer, s))],
-            self.listen,
+            self.listen, metrics=router_metrics,
         )
         self.address = f"127.0.0.1:{self.router_server.port}"
+        self.watcher = None
+        if self.with_metrics:
+            self.watcher = asyncio.create_task(watch_cluster(self.router, self.pool.client, router_metrics, every_s=0.2))
+            self.endpoints = {"router": serve_metrics(router_metrics, "127.0.0.1:0"),
+                              "drafter": serve_metrics(drafter_metrics, "127.0.0.1:0"),
+                              **{f"verifier-{i}": serve_metrics(w.metrics, "127.0.0.1:0")
+                                 for i, w in enumerate(self.pool.workers)}}
         return self
 
+    @property
+    def metrics_urls(self) -> dict[str, str]:
+        return {name: endpoint.url for name, endpoint in self.endpoints.items()}
+
     async def __aexit__(self, *exc):
+        if self.watcher is not None:
+            self.watcher.cancel()
+        for endpoint in self.endpoints.values():
+            endpoint.close()
         await self.router_server.server.stop(0)
         await self.drafter_server.server.stop(0)
         await self.remote.close()

@@ -13,6 +13,7 @@ from typing import Sequence
 from specmesh.assembly import configure_threads, load_drafter
 from specmesh.drafters.base import Drafter
 from specmesh.engine import MAX_TREE_NODES
+from specmesh.metrics import DrafterMetrics, serve_metrics
 from specmesh.errors import InvalidArgument, NotFound
 from specmesh.models.loading import EMBEDDED_DEFAULT, load_target_parts, tokenizer_fingerprint
 from specmesh.serving import Service, TorchThread, env_default, run_service, start_server
@@ -84,23 +85,31 @@ class DrafterSessions:
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
-    def __init__(self, sessions: DrafterSessions, info: drafter_pb2.DrafterInfo, torch_thread: TorchThread) -> None:
+    def __init__(self, sessions: DrafterSessions, info: drafter_pb2.DrafterInfo, torch_thread: TorchThread,
+                 metrics: DrafterMetrics | None = None) -> None:
         self.sessions = sessions
         self.info = info
         self._run = torch_thread.run
+        self.metrics = metrics or DrafterMetrics()
 
     async def OpenSession(self, request, context):
         await self._run(self.sessions.open, request.request_id, tuple(request.prompt_ids))
+        self.metrics.sessions.labels(self.info.name).set(len(self.sessions))
         return drafter_pb2.OpenSessionResponse()
 
     async def Propose(self, request, context):
         started = time.perf_counter()
         tree = await self._run(self.sessions.propose, request.request_id, tuple(request.committed), request.budget,
                                tuple(request.assumed))
-        return drafter_pb2.ProposeResponse(tree=tree_to_pb(tree), draft_ms=(time.perf_counter() - started) * 1e3)
+        seconds = time.perf_counter() - started
+        self.metrics.proposals.labels(self.info.name).inc()
+        self.metrics.proposed_nodes.labels(self.info.name).inc(len(tree))
+        self.metrics.propose_seconds.labels(self.info.name).observe(seconds)
+        return drafter_pb2.ProposeResponse(tree=tree_to_pb(tree), draft_ms=seconds * 1e3)
 
     async def CloseSession(self, request, context):
         await self._run(self.sessions.close, request.request_id, tuple(request.committed))
+        self.metrics.sessions.labels(self.info.name).set(len(self.sessions))
         return drafter_pb2.CloseSessionResponse()
 
     async def Info(self, request, context):
@@ -121,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--domains", default=env_default("domains"),
                         help="comma-separated domains this drafter is good at (default: the expert's own, else general)")
     parser.add_argument("--listen", default=env_default("listen", "127.0.0.1:50061"), help="host:port [SPECMESH_LISTEN]")
+    parser.add_argument("--metrics-address", default=env_default("metrics_address", "127.0.0.1:9402"),
+                        help="serve Prometheus metrics at http://ADDRESS/metrics ('' = off) [SPECMESH_METRICS_ADDRESS]")
     parser.add_argument("--threads", type=int, default=int(env_default("threads", "1")), help="torch threads")
     parser.add_argument("--max-sessions", type=int, default=int(env_default("max_sessions", "1024")))
     parser.add_argument("--device", default=env_default("device"))
@@ -143,15 +154,20 @@ async def serve(args: argparse.Namespace) -> None:
         name=drafter.name, kind=getattr(drafter, "kind", "model"), domains=domains, target=target.name,
         tokenizer_hash=tokenizer_fingerprint(target.tokenizer), max_sessions=args.max_sessions,
     )
-    servicer = DrafterServicer(DrafterSessions(drafter, target.vocab_size, args.max_sessions), info, torch_thread)
+    metrics = DrafterMetrics()
+    endpoint = serve_metrics(metrics, args.metrics_address)
+    servicer = DrafterServicer(DrafterSessions(drafter, target.vocab_size, args.max_sessions), info, torch_thread, metrics)
     server = await start_server(
         [Service(drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name,
                  lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s))],
-        args.listen,
+        args.listen, metrics=metrics,
     )
     log.info("drafter %s (%s, domains %s) serving on port %d", drafter.name, info.kind, ",".join(domains), server.port)
-    print(f"specmesh-drafter ready on port {server.port}", flush=True)
+    metrics_note = f", metrics at {endpoint.url}" if endpoint else ""
+    print(f"specmesh-drafter ready on port {server.port}{metrics_note}", flush=True)
     await server.wait()
+    if endpoint:
+        endpoint.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

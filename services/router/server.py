@@ -14,7 +14,8 @@ import redis.asyncio as aioredis
 
 from specmesh import __version__
 from specmesh.assembly import MODEL_FREE_DRAFTERS, configure_threads
-from specmesh.errors import InvalidArgument
+from specmesh.errors import InvalidArgument, Unavailable
+from specmesh.metrics import RouterMetrics, serve_metrics
 from specmesh.models.loading import EMBEDDED_DEFAULT, load_target_parts, tokenizer_fingerprint
 from specmesh.queue import QueueKeys, QueueVerifierClient
 from specmesh.remote import RemoteDrafter
@@ -162,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "lookup), history; they need only the tokens the router holds, so no network hop "
                              "[SPECMESH_LOCAL_DRAFTERS]")
     parser.add_argument("--listen", default=env_default("listen", "127.0.0.1:50051"), help="host:port [SPECMESH_LISTEN]")
+    parser.add_argument("--metrics-address", default=env_default("metrics_address", "127.0.0.1:9400"),
+                        help="serve Prometheus metrics at http://ADDRESS/metrics ('' = off) [SPECMESH_METRICS_ADDRESS]")
     parser.add_argument("--max-concurrent", type=int, default=int(env_default("max_concurrent", "64")))
     parser.add_argument("--max-queue-backlog", type=int, default=int(env_default("max_queue_backlog", "256")))
     parser.add_argument("--max-tree-nodes", type=int, default=int(env_default("max_tree_nodes", "8")))
@@ -184,6 +187,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+async def watch_cluster(router: Router, verifier: QueueVerifierClient, metrics: RouterMetrics, every_s: float = 1.0) -> None:
+    """Keep the cluster gauges current: queue depth, live verifiers, reachable drafters."""
+    while True:
+        try:
+            metrics.queue_depth.set(await verifier.backlog())
+        except Unavailable:
+            pass  # Redis is down: the depth is unknown, the last value stays
+        metrics.verifiers_alive.set(len(verifier.alive))
+        for drafter in router.drafters:
+            metrics.drafter_up.labels(drafter.name, getattr(drafter, "address", IN_ROUTER)).set(
+                1 if getattr(drafter, "healthy", True) else 0)
+        await asyncio.sleep(every_s)
+
+
 async def serve(args: argparse.Namespace) -> None:
     configure_threads(1)
     target = load_target_parts(args.model)
@@ -203,16 +220,23 @@ async def serve(args: argparse.Namespace) -> None:
     limits = RouterLimits(args.max_concurrent, args.max_queue_backlog, args.default_max_tokens, args.max_tree_nodes,
                           draft_ahead=args.draft_ahead == "on", speculation=args.speculation)
     policy = adaptive_policy({}, routing=RoutingConfig(max_drafters=args.max_drafters, explore=args.explore))
-    router = Router(target.tokenizer, card, [*local, *drafters], verifier, limits, policy, default_classifier())
+    metrics = RouterMetrics()
+    endpoint = serve_metrics(metrics, args.metrics_address)
+    router = Router(target.tokenizer, card, [*local, *drafters], verifier, limits, policy, default_classifier(), metrics)
     servicer = RouterServicer(router, verifier)
     server = await start_server(
         [Service(router_pb2.DESCRIPTOR.services_by_name["Router"].full_name,
                  lambda s: router_pb2_grpc.add_RouterServicer_to_server(servicer, s))],
-        args.listen,
+        args.listen, metrics=metrics,
     )
+    gauges = asyncio.create_task(watch_cluster(router, verifier, metrics))
     log.info("router on port %d: %d drafters, pool %s", server.port, len(drafters), args.pool)
-    print(f"specmesh-router ready on port {server.port}", flush=True)
+    metrics_note = f", metrics at {endpoint.url}" if endpoint else ""
+    print(f"specmesh-router ready on port {server.port}{metrics_note}", flush=True)
     await server.wait(grace_s=30)
+    gauges.cancel()
+    if endpoint:
+        endpoint.close()
     await verifier.stop()
     await asyncio.gather(*(d.close() for d in drafters))  # the remote ones
     await redis.aclose()

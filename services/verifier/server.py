@@ -21,6 +21,7 @@ import redis.asyncio as aioredis
 
 from specmesh.assembly import configure_threads
 from specmesh.engine import MAX_TREE_NODES
+from specmesh.metrics import VerifierMetrics, serve_metrics
 from specmesh.errors import InvalidArgument
 from specmesh.models.loading import EMBEDDED_DEFAULT, load_hf_model, tokenizer_fingerprint
 from specmesh.models.runtime import make_runtime
@@ -41,8 +42,10 @@ def job_rows(entry: Entry) -> int:
 
 class VerifierWorker:
     def __init__(self, verifier: TreeVerifier, queue: VerifierQueue, torch_thread: TorchThread,
-                 max_batch_rows: int = 2048, max_jobs_per_read: int = 64, session_idle_s: float = 300.0) -> None:
+                 max_batch_rows: int = 2048, max_jobs_per_read: int = 64, session_idle_s: float = 300.0,
+                 metrics: VerifierMetrics | None = None) -> None:
         self.verifier = verifier
+        self.metrics = metrics or VerifierMetrics()
         self.torch_thread = torch_thread
         self.queue = queue
         self.max_batch_rows = max_batch_rows
@@ -78,11 +81,16 @@ class VerifierWorker:
                     await self.queue.heartbeat()
                     next_beat = now + self.queue.heartbeat_ttl_s / 3
                 if now >= next_reclaim and not self.draining:
-                    backlog += await self.queue.reclaim()
+                    reclaimed = await self.queue.reclaim()
+                    self.metrics.reclaimed.inc(len(reclaimed))
+                    backlog += reclaimed
                     await self.torch_thread.run(self.verifier.evict_idle, self.session_idle_s)
+                    self.metrics.kv_sessions.set(self.verifier.num_sessions)
+                    self.metrics.kv_bytes.set(self.verifier.cache_bytes)
                     next_reclaim = now + 1.0
                 backlog += await self.queue.read(self.max_jobs_per_read, 1 if backlog else 100, not self.draining)
                 backlog = await self._serve(backlog)
+                self.metrics.pending.set(len(backlog))
                 delay = 0.05
             except REDIS_DOWN as exc:  # keep the KV sessions; routers re-send what was lost
                 if registered:
@@ -102,14 +110,17 @@ class VerifierWorker:
                 self._recent.pop(entry.close_request, None)
                 answered.append((entry, None))
             elif entry.queued is None or 0 < entry.queued.deadline_unix_ms < now_ms:
+                self.metrics.jobs.labels("expired").inc()
                 answered.append((entry, None))  # unreadable, or its router has given up on it
             elif (repeat := self._repeat(entry)) is not False:
+                self.metrics.jobs.labels("repeat").inc()
                 answered.append((entry, repeat))
             else:
                 try:
                     self.verifier.check(entry.queued.job)
                     runnable.append(entry)
                 except InvalidArgument as exc:
+                    self.metrics.jobs.labels("error").inc()
                     job = entry.queued.job
                     answered.append((entry, encode_error(job.request_id, job.step, self.verifier_id, str(exc))))
         batch, rest = plan_batch(runnable, job_rows, lambda e: e.queued.job.request_id, self.max_batch_rows)
@@ -134,9 +145,11 @@ class VerifierWorker:
             results = await self.torch_thread.run(self.verifier.verify, jobs)
         except Exception as exc:  # a failing pass fails its jobs, not the service
             log.exception("verification pass failed")
+            self.metrics.jobs.labels("error").inc(len(batch))
             return [(e, encode_error(j.request_id, j.step, self.verifier_id, f"verification failed: {exc}"))
                     for e, j in zip(batch, jobs)]
         verify_ms = (time.monotonic() - started) * 1e3
+        self._count_pass(batch, results, started, verify_ms)
         answered = []
         for entry, job, result in zip(batch, jobs, results):
             payload = encode_result(
@@ -150,6 +163,17 @@ class VerifierWorker:
                     self._recent.popitem(last=False)
             answered.append((entry, payload))
         return answered
+
+    def _count_pass(self, batch: list[Entry], results, started: float, verify_ms: float) -> None:
+        m = self.metrics
+        m.batch_requests.observe(len(batch))
+        m.batch_rows.observe(sum(job_rows(e) for e in batch))
+        m.pass_seconds.observe(verify_ms / 1e3)
+        for entry, result in zip(batch, results):
+            m.queue_wait.observe(max(started - entry.received, 0.0))
+            m.jobs.labels("resync" if result.resync else "ok").inc()
+        m.kv_sessions.set(self.verifier.num_sessions)
+        m.kv_bytes.set(self.verifier.cache_bytes)
 
     async def drain(self) -> int:
         """Stop taking pool jobs and heartbeats (routers move requests elsewhere), finish what is held."""
@@ -192,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--redis-url", default=env_default("redis_url", "redis://127.0.0.1:6379/0"), help="[SPECMESH_REDIS_URL]")
     parser.add_argument("--pool", default=env_default("pool", "default"), help="verifier pool (one stream) [SPECMESH_POOL]")
     parser.add_argument("--listen", default=env_default("listen", "127.0.0.1:50071"), help="control API host:port")
+    parser.add_argument("--metrics-address", default=env_default("metrics_address", "127.0.0.1:9401"),
+                        help="serve Prometheus metrics at http://ADDRESS/metrics ('' = off) [SPECMESH_METRICS_ADDRESS]")
     parser.add_argument("--verifier-id", default=env_default("verifier_id"), help="default: host-pid-random")
     parser.add_argument("--threads", type=int, default=int(env_default("threads", "0")) or None, help="torch threads")
     parser.add_argument("--max-sessions", type=int, default=int(env_default("max_sessions", "256")))
@@ -216,7 +242,9 @@ async def serve(args: argparse.Namespace) -> None:
     verifier_id = args.verifier_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     redis = aioredis.Redis.from_url(args.redis_url, socket_timeout=5, socket_connect_timeout=2)
     queue = VerifierQueue(redis, QueueKeys(args.pool), verifier_id, heartbeat_ttl_s=args.heartbeat_ttl)
-    worker = VerifierWorker(verifier, queue, torch_thread, max_batch_rows=args.max_batch_rows)
+    metrics = VerifierMetrics()
+    endpoint = serve_metrics(metrics, args.metrics_address)
+    worker = VerifierWorker(verifier, queue, torch_thread, max_batch_rows=args.max_batch_rows, metrics=metrics)
     info = verifier_pb2.VerifierInfo(
         verifier_id=verifier_id, pool=args.pool, model=target.name, tokenizer_hash=tokenizer_fingerprint(target.tokenizer),
         vocab_size=runtime.vocab_size, max_length=runtime.max_length, max_sessions=args.max_sessions,
@@ -230,15 +258,18 @@ async def serve(args: argparse.Namespace) -> None:
     server = await start_server(
         [Service(verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name,
                  lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s), drain)],
-        args.listen,
+        args.listen, metrics=metrics,
     )
     worker_task = asyncio.create_task(worker.run())
     log.info("verifier %s (%s) on pool %s, control port %d", verifier_id, target.name, args.pool, server.port)
-    print(f"specmesh-verifier {verifier_id} ready on port {server.port}", flush=True)
+    metrics_note = f", metrics at {endpoint.url}" if endpoint else ""
+    print(f"specmesh-verifier {verifier_id} ready on port {server.port}{metrics_note}", flush=True)
     await server.wait()  # SIGTERM: drains (see drain above), then stops
     worker.stopped.set()
     await worker_task
     await redis.aclose()
+    if endpoint:
+        endpoint.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -21,6 +21,12 @@ class HFSession:
     max_length: int
     length: int = 0
 
+    @property
+    def nbytes(self) -> int:
+        """Memory held by the cache's keys and values."""
+        return sum(t.numel() * t.element_size() for layer in self.cache.layers
+                   for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None)
+
     def reserve(self, extra: int) -> None:
         if self.length + extra > self.max_length:
             raise InvalidArgument(

@@ -25,6 +25,11 @@ class KVSession:
     def capacity(self) -> int:
         return int(self.kv.shape[3])
 
+    @property
+    def nbytes(self) -> int:
+        """Memory held by the buffer (committed entries, scratch and spare capacity)."""
+        return self.kv.numel() * self.kv.element_size()
+
     def reserve(self, extra: int) -> None:
         """Make room for ``extra`` entries past the committed ones (grows the buffer, keeps contents)."""
         needed = self.length + extra

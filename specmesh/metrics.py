@@ -1,0 +1,348 @@
+"""Prometheus metrics of the services: counters and histograms, never precomputed rates.
+
+Every service keeps its metrics in its own registry (tests host several services in one process) and
+serves them over HTTP (``serve_metrics``). Derived quantities are PromQL over these series; the
+recording rules (``deploy/grafana/rules/specmesh.rules.yml``) and the dashboards use exactly these
+expressions, so a number on a dashboard means what is written here:
+
+- acceptance rate of a drafter (its guesses the target kept, per guess made)::
+
+    sum by (drafter) (rate(specmesh_drafter_accepted_tokens_total[5m]))
+      / sum by (drafter) (rate(specmesh_drafter_draft_tokens_total[5m]))
+
+- acceptance at tree depth d given every level above was accepted::
+
+    sum by (drafter, position) (rate(specmesh_drafter_position_hits_total[5m]))
+      / sum by (drafter, position) (rate(specmesh_drafter_position_attempts_total[5m]))
+
+- mean accepted length (tokens committed per target pass; 1 = plain decoding)::
+
+    sum(rate(specmesh_committed_tokens_total[5m])) / sum(rate(specmesh_target_steps_total[5m]))
+
+- goodput (tokens per second delivered to clients)::  sum(rate(specmesh_generated_tokens_total[5m]))
+- verifier busy fraction::  sum by (instance) (rate(specmesh_verify_pass_seconds_sum[5m]))
+- latency quantiles::  histogram_quantile(0.99, sum by (le) (rate(specmesh_time_to_first_token_seconds_bucket[5m])))
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from prometheus_client import (CollectorRegistry, Counter, Gauge, GCCollector, Histogram, PlatformCollector, ProcessCollector,
+                               start_http_server)
+
+from specmesh import __version__
+from specmesh.errors import InvalidArgument
+from specmesh.policy import RequestPolicy, StepOutcome, StepPlan
+from specmesh.routing import level_hits
+
+MAX_POSITION_LABEL = 16  # deeper tree levels share the last label: bounded label sets
+# seconds: from a fraction of a millisecond (a model-free draft) to a minute (a long request)
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+COUNT_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+def position_label(depth: int) -> str:
+    return str(min(depth, MAX_POSITION_LABEL))
+
+
+class ServiceMetrics:
+    """What every service exports: its identity and its gRPC calls by method and status code."""
+
+    def __init__(self, service: str) -> None:
+        self.service = service
+        self.registry = CollectorRegistry()
+        r = self.registry
+        ProcessCollector(registry=r)  # CPU seconds, resident memory, open files: the per-node dashboard
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
+        Gauge("specmesh_build_info", "Always 1: the service and its version", ["service", "version"],
+              registry=r).labels(service, __version__).set(1)
+        self.rpc_requests = Counter("specmesh_rpc_requests", "gRPC calls handled, by method and status code",
+                                    ["method", "code"], registry=r)
+        self.rpc_seconds = Histogram("specmesh_rpc_duration_seconds", "gRPC call duration (streams: until the last message)",
+                                     ["method"], buckets=LATENCY_BUCKETS, registry=r)
+
+    def rpc_done(self, method: str, code: str, seconds: float) -> None:
+        short = method.rsplit("/", 1)[-1]
+        self.rpc_requests.labels(short, code).inc()
+        self.rpc_seconds.labels(short).observe(seconds)
+
+
+class RouterMetrics(ServiceMetrics):
+    """The speculation loop as the router sees it: tokens, latency, drafters, routing, budgets."""
+
+    def __init__(self) -> None:
+        super().__init__("router")
+        r = self.registry
+        self.in_flight = Gauge("specmesh_requests_in_flight", "Requests being generated", registry=r)
+        self.finished = Counter("specmesh_requests_finished", "Requests that ended, by finish reason (stop, length; aborted: an error or the client left)",
+                                ["reason"], registry=r)
+        self.generated = Counter("specmesh_generated_tokens", "Tokens delivered to clients", registry=r)
+        self.target_steps = Counter("specmesh_target_steps", "Verification passes that committed tokens", registry=r)
+        self.committed = Counter("specmesh_committed_tokens", "Tokens committed (accepted guesses + the target's own token)", registry=r)
+        self.tree_accepted = Counter("specmesh_tree_accepted_tokens", "Fused-tree nodes the target accepted", registry=r)
+        self.tree_nodes = Histogram("specmesh_tree_nodes", "Nodes of each fused tree sent to verification",
+                                    buckets=COUNT_BUCKETS[:8], registry=r)
+        self.budget = Histogram("specmesh_speculation_budget", "Tree budget the policy chose for a step (0 = plain decoding)",
+                                buckets=COUNT_BUCKETS[:8], registry=r)
+        self.routing = Counter("specmesh_routing_decisions", "Steps each drafter was asked to draft, by request kind",
+                               ["kind", "drafter"], registry=r)
+        self.requests_by_kind = Counter("specmesh_requests_by_kind", "Requests admitted, by the kind they were classified as",
+                                        ["kind"], registry=r)
+        self.drafts = Counter("specmesh_drafter_drafts", "Trees asked of each drafter", ["drafter"], registry=r)
+        self.draft_tokens = Counter("specmesh_drafter_draft_tokens", "Nodes of each drafter's own trees", ["drafter"], registry=r)
+        self.accepted = Counter("specmesh_drafter_accepted_tokens", "Nodes of each drafter's own tree on the committed path",
+                                ["drafter"], registry=r)
+        self.position_attempts = Counter(
+            "specmesh_drafter_position_attempts", "Tree levels where a drafter guessed, every level above accepted",
+            ["drafter", "position"], registry=r)
+        self.position_hits = Counter("specmesh_drafter_position_hits", "Tree levels where one of a drafter's guesses was accepted",
+                                     ["drafter", "position"], registry=r)
+        self.stage_seconds = Histogram("specmesh_step_stage_seconds",
+                                       "Time a step spent per stage: draft (waiting for drafters), queue (queue, transport and "
+                                       "scheduling around the pass), verify (the target pass), step (all of it)",
+                                       ["stage"], buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("specmesh_time_to_first_token_seconds", "Time from admission to the first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.inter_token = Histogram("specmesh_inter_token_seconds", "Time between successive tokens of a request",
+                                     buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_depth = Gauge("specmesh_queue_depth", "Jobs in the verifier pool's stream (waiting or held)", registry=r)
+        self.verifiers_alive = Gauge("specmesh_verifiers_alive", "Verifiers of the pool with a live heartbeat", registry=r)
+        self.drafter_up = Gauge("specmesh_drafter_up", "1 while the router can reach a drafter, else 0",
+                                ["drafter", "address"], registry=r)
+
+    def plan(self, kind: str, plan: StepPlan) -> None:
+        self.budget.observe(plan.budget)
+        for name in plan.drafters:
+            self.routing.labels(kind or "general", name).inc()
+
+    def step(self, outcome: StepOutcome) -> None:
+        """One step of a request: what each drafter guessed and got accepted, and where the time went."""
+        self.target_steps.inc()
+        self.committed.inc(len(outcome.committed))
+        self.tree_nodes.observe(len(outcome.fused))
+        self.tree_accepted.inc(max(len(outcome.committed) - 1, 0) if len(outcome.fused) else 0)
+        for name, tree in zip(outcome.plan.drafters, outcome.trees):
+            hits, attempts = level_hits(tree, outcome.committed)
+            self.drafts.labels(name).inc()
+            self.draft_tokens.labels(name).inc(len(tree))
+            self.accepted.labels(name).inc(hits)
+            for depth in range(1, attempts + 1):
+                self.position_attempts.labels(name, position_label(depth)).inc()
+                if depth <= hits:
+                    self.position_hits.labels(name, position_label(depth)).inc()
+        if outcome.trees:
+            self.stage_seconds.labels("draft").observe(outcome.draft_ms / 1e3)
+        if outcome.pass_ms > 0:
+            self.stage_seconds.labels("verify").observe(outcome.pass_ms / 1e3)
+            waited_ms = outcome.step_ms - outcome.draft_ms - outcome.pass_ms  # queue, transport, scheduling
+            self.stage_seconds.labels("queue").observe(max(waited_ms, 0.0) / 1e3)
+        self.stage_seconds.labels("step").observe(outcome.step_ms / 1e3)
+
+
+class MeteredRequest:
+    """A request's policy, with every plan and outcome also counted (the policy itself stays pure)."""
+
+    def __init__(self, inner: RequestPolicy, metrics: RouterMetrics) -> None:
+        self.inner = inner
+        self.metrics = metrics
+
+    @property
+    def kind(self) -> str:
+        return self.inner.kind
+
+    def plan(self, room: int, available: Sequence[str], position: int) -> StepPlan:
+        plan = self.inner.plan(room, available, position)
+        self.metrics.plan(self.kind, plan)
+        return plan
+
+    def observe(self, outcome: StepOutcome) -> None:
+        self.inner.observe(outcome)
+        self.metrics.step(outcome)
+
+    def end(self) -> None:
+        self.inner.end()
+
+
+class RequestClock:
+    """TTFT and inter-token latency of one request, fed as its tokens arrive."""
+
+    def __init__(self, metrics: RouterMetrics) -> None:
+        self.metrics = metrics
+        self.started = self.last = time.perf_counter()
+        self.tokens = 0
+
+    def tokens_arrived(self, count: int) -> None:
+        if count <= 0:
+            return
+        now = time.perf_counter()
+        self.metrics.generated.inc(count)
+        if self.tokens == 0:
+            self.metrics.ttft.observe(now - self.started)
+        else:
+            gap = (now - self.last) / count  # a step's tokens arrive together: its time is spread over them
+            for _ in range(count):
+                self.metrics.inter_token.observe(gap)
+        self.tokens += count
+        self.last = now
+
+
+class VerifierMetrics(ServiceMetrics):
+    def __init__(self) -> None:
+        super().__init__("verifier")
+        r = self.registry
+        self.jobs = Counter("specmesh_verify_jobs", "Jobs taken from the queue, by outcome (ok, resync, repeat, error, expired)",
+                            ["outcome"], registry=r)
+        self.batch_requests = Histogram("specmesh_verify_batch_requests", "Requests per verification pass",
+                                        buckets=COUNT_BUCKETS[:10], registry=r)
+        self.batch_rows = Histogram("specmesh_verify_batch_tokens", "Rows (tokens: roots, tree nodes, prefill) per verification pass",
+                                    buckets=COUNT_BUCKETS, registry=r)
+        self.pass_seconds = Histogram("specmesh_verify_pass_seconds", "Duration of a verification pass",
+                                      buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_wait = Histogram("specmesh_queue_wait_seconds", "Time a job waited on this verifier before its pass",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.reclaimed = Counter("specmesh_queue_reclaimed_jobs", "Jobs reclaimed from verifiers that stopped answering", registry=r)
+        self.pending = Gauge("specmesh_queue_pending_jobs", "Jobs read from the queue and not yet answered", registry=r)
+        self.kv_sessions = Gauge("specmesh_kv_sessions", "Requests whose KV cache this verifier holds", registry=r)
+        self.kv_bytes = Gauge("specmesh_kv_cache_bytes", "Memory held by the KV caches", registry=r)
+
+
+class DrafterMetrics(ServiceMetrics):
+    def __init__(self) -> None:
+        super().__init__("drafter")
+        r = self.registry
+        self.proposals = Counter("specmesh_drafter_proposals", "Trees proposed, by drafter", ["drafter"], registry=r)
+        self.proposed_nodes = Counter("specmesh_drafter_proposed_nodes", "Nodes of the trees proposed", ["drafter"], registry=r)
+        self.propose_seconds = Histogram("specmesh_drafter_propose_seconds", "Time to propose a tree (catch-up included)",
+                                         ["drafter"], buckets=LATENCY_BUCKETS, registry=r)
+        self.sessions = Gauge("specmesh_drafter_sessions", "Requests whose drafting state this service holds", ["drafter"], registry=r)
+
+
+@dataclass
+class MetricsEndpoint:
+    host: str
+    port: int
+    _server: object
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def serve_metrics(metrics: ServiceMetrics, address: str) -> MetricsEndpoint | None:
+    """Serve ``metrics`` at ``http://address/metrics`` (``host:port``; port 0 picks a free one; an empty
+    address serves nothing)."""
+    if not address:
+        return None
+    host, _, port = address.rpartition(":")
+    if not port.isdigit():
+        raise InvalidArgument("metrics_address", f"is {address!r}; use host:port (port 0: any free port)")
+    try:
+        server, _ = start_http_server(int(port), addr=host or "0.0.0.0", registry=metrics.registry)
+    except OSError as exc:
+        raise InvalidArgument("metrics_address", f"cannot listen on {address}: {exc}") from None
+    return MetricsEndpoint(host or "0.0.0.0", server.server_port, server)
+
+
+# ---- derived quantities: the PromQL the recording rules, alerts and dashboards are built from ----
+
+
+@dataclass(frozen=True)
+class Derived:
+    """A quantity computed from the counters: ``expr`` has ``{w}`` where the rate window goes (``5m`` in
+    the recording rules, ``$__rate_interval`` on the dashboards)."""
+
+    record: str  # the recording rule's series name
+    expr: str
+    help: str
+    unit: str = "none"  # Grafana unit of the dashboards' panels
+
+    def at(self, window: str) -> str:
+        return self.expr.replace("{w}", window)
+
+
+def _ratio(numerator: str, denominator: str, by: str = "") -> str:
+    group = f" by ({by})" if by else ""
+    return f"sum{group} (rate({numerator}[{{w}}])) / sum{group} (rate({denominator}[{{w}}]))"
+
+
+def _quantile(q: float, histogram: str, by: str = "") -> str:
+    extra = f", {by}" if by else ""
+    return f"histogram_quantile({q}, sum by (le{extra}) (rate({histogram}_bucket[{{w}}])))"
+
+
+GENERATE_METHODS = 'method=~"Generate|GenerateStream"'
+DERIVED = {d.record: d for d in (
+    Derived("specmesh:drafter_acceptance:ratio",
+            _ratio("specmesh_drafter_accepted_tokens_total", "specmesh_drafter_draft_tokens_total", "drafter"),
+            "Share of each drafter's guesses that the target kept", "percentunit"),
+    Derived("specmesh:drafter_position_acceptance:ratio",
+            _ratio("specmesh_drafter_position_hits_total", "specmesh_drafter_position_attempts_total", "drafter, position"),
+            "Acceptance at each tree depth, given every level above was accepted", "percentunit"),
+    Derived("specmesh:mean_accepted_length:ratio",
+            _ratio("specmesh_committed_tokens_total", "specmesh_target_steps_total"),
+            "Tokens committed per target pass (1 = plain decoding)"),
+    Derived("specmesh:goodput:tokens_per_second", "sum(rate(specmesh_generated_tokens_total[{w}]))",
+            "Tokens delivered to clients per second", "short"),
+    Derived("specmesh:request_errors:ratio",
+            f'sum(rate(specmesh_rpc_requests_total{{{GENERATE_METHODS}, code!="OK"}}[{{w}}])) '
+            f'/ sum(rate(specmesh_rpc_requests_total{{{GENERATE_METHODS}}}[{{w}}]))',
+            "Share of generation calls that did not end OK", "percentunit"),
+    Derived("specmesh:time_to_first_token_seconds:p99", _quantile(0.99, "specmesh_time_to_first_token_seconds"),
+            "99th percentile of the time to the first token", "s"),
+    Derived("specmesh:inter_token_seconds:p50", _quantile(0.5, "specmesh_inter_token_seconds"),
+            "Median time between tokens", "s"),
+    Derived("specmesh:inter_token_seconds:p99", _quantile(0.99, "specmesh_inter_token_seconds"),
+            "99th percentile of the time between tokens", "s"),
+    Derived("specmesh:step_stage_seconds:p99", _quantile(0.99, "specmesh_step_stage_seconds", "stage"),
+            "99th percentile of each step stage", "s"),
+    Derived("specmesh:speculation_budget:mean", _ratio("specmesh_speculation_budget_sum", "specmesh_speculation_budget_count"),
+            "Mean tree budget the policy chose per step (0 = plain decoding)"),
+    Derived("specmesh:verify_batch_requests:mean",
+            _ratio("specmesh_verify_batch_requests_sum", "specmesh_verify_batch_requests_count", "instance"),
+            "Mean requests per verification pass, per verifier"),
+    Derived("specmesh:verifier_busy:ratio", "sum by (instance) (rate(specmesh_verify_pass_seconds_sum[{w}]))",
+            "Share of time each verifier spends in target passes", "percentunit"),
+    Derived("specmesh:routing_decisions:rate", "sum by (kind, drafter) (rate(specmesh_routing_decisions_total[{w}]))",
+            "Steps per second each drafter drafts for each request kind", "short"),
+)}
+
+
+@dataclass(frozen=True)
+class Alert:
+    """An alert is a quantity and a condition on it (the quantity alone is what tests query for data)."""
+
+    name: str
+    quantity: str
+    condition: str
+    for_: str
+    severity: str
+    summary: str
+
+    @property
+    def expr(self) -> str:
+        return f"({self.quantity}) {self.condition}"
+
+
+ALERTS = (
+    Alert("SpecmeshAcceptanceCollapse", DERIVED["specmesh:drafter_acceptance:ratio"].at("10m"),
+          "< 0.05 and on (drafter) sum by (drafter) (rate(specmesh_drafter_drafts_total[10m])) > 0.1", "15m", "warning",
+          "Drafter {{ $labels.drafter }} gets under 5 % of its guesses accepted: it costs time and earns nothing"),
+    Alert("SpecmeshQueueBacklog", "max(specmesh_queue_depth)", "> 200", "5m", "warning",
+          "{{ $value }} verification jobs are queued: the verifiers cannot keep up"),
+    Alert("SpecmeshNoVerifier", "max(specmesh_verifiers_alive)", "< 1", "1m", "critical",
+          "No verifier of the pool has a live heartbeat: every request is failing"),
+    Alert("SpecmeshDrafterUnreachable", "max by (drafter, address) (specmesh_drafter_up)", "< 1", "5m", "warning",
+          "Drafter {{ $labels.drafter }} at {{ $labels.address }} is unreachable: its requests lose speculation"),
+    Alert("SpecmeshRequestErrors", DERIVED["specmesh:request_errors:ratio"].at("5m"), "> 0.05", "10m", "warning",
+          "{{ $value | humanizePercentage }} of generation calls fail"),
+    Alert("SpecmeshSlowFirstToken", DERIVED["specmesh:time_to_first_token_seconds:p99"].at("5m"), "> 10", "10m", "warning",
+          "p99 time to the first token is {{ $value | humanizeDuration }}"),
+)
