@@ -47,8 +47,8 @@ def generate_examples(
     tokenizer,
     prompts: Sequence[Prompt],
     cache_file: Path,
-    max_tokens: int = 192,
-    batch_size: int = 16,
+    max_tokens: int = 128,
+    batch_size: int = 64,  # the lean runtime decodes ~2.5x more tokens/s at 64 requests a pass than at 16
 ) -> list[Example]:
     """Answers for every prompt, reusing those already in ``cache_file`` and appending the new ones."""
     cache_file.parent.mkdir(parents=True, exist_ok=True)

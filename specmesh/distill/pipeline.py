@@ -67,7 +67,7 @@ def distill(
     out_dir: Path,
     config: TrainConfig,
     boost_from: Sequence[str | Path] = (),
-    max_answer_tokens: int = 192,
+    max_answer_tokens: int = 128,
 ) -> ExpertSpec:
     out_dir.mkdir(parents=True, exist_ok=True)
     examples = generate_examples(assembly.engine(0), assembly.target.tokenizer, prompts, out_dir / "answers.jsonl",
