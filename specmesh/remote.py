@@ -42,6 +42,11 @@ class RemoteDrafter:
         self.failures = 0
 
     @property
+    def active_requests(self) -> int:
+        """Requests started on this drafter and not yet ended."""
+        return len(self._context)
+
+    @property
     def healthy(self) -> bool:
         return time.monotonic() >= self._down_until
 

@@ -5,12 +5,16 @@ and their model passes should not stall the server."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import time
 from collections import OrderedDict
 from typing import Sequence
 
+import redis.asyncio as aioredis
+
 from specmesh.assembly import configure_threads, load_drafter
+from specmesh.discovery import RedisRegistry
 from specmesh.drafters.base import Drafter
 from specmesh.engine import MAX_TREE_NODES
 from specmesh.metrics import DrafterMetrics, serve_metrics
@@ -132,6 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--listen", default=env_default("listen", "127.0.0.1:50061"), help="host:port [SPECMESH_LISTEN]")
     parser.add_argument("--metrics-address", default=env_default("metrics_address", "127.0.0.1:9402"),
                         help="serve Prometheus metrics at http://ADDRESS/metrics ('' = off) [SPECMESH_METRICS_ADDRESS]")
+    parser.add_argument("--announce", default=env_default("announce"),
+                        help="host:port at which routers reach this drafter: announced in the Redis registry (with "
+                             "--redis-url) for routers started with --discovery redis [SPECMESH_ANNOUNCE]")
+    parser.add_argument("--redis-url", default=env_default("redis_url", "redis://127.0.0.1:6379/0"),
+                        help="the registry for --announce [SPECMESH_REDIS_URL]")
     parser.add_argument("--threads", type=int, default=int(env_default("threads", "1")), help="torch threads")
     parser.add_argument("--max-sessions", type=int, default=int(env_default("max_sessions", "1024")))
     parser.add_argument("--device", default=env_default("device"))
@@ -163,9 +172,17 @@ async def serve(args: argparse.Namespace) -> None:
         args.listen, metrics=metrics,
     )
     log.info("drafter %s (%s, domains %s) serving on port %d", drafter.name, info.kind, ",".join(domains), server.port)
+    announcing = redis = None
+    if args.announce:
+        redis = aioredis.Redis.from_url(args.redis_url, socket_timeout=5, socket_connect_timeout=2)
+        announcing = asyncio.create_task(RedisRegistry(redis).heartbeat(args.announce, drafter.name, domains))
     metrics_note = f", metrics at {endpoint.url}" if endpoint else ""
     print(f"specmesh-drafter ready on port {server.port}{metrics_note}", flush=True)
     await server.wait()
+    if announcing is not None:  # withdrawn: routers stop sending new requests at once
+        announcing.cancel()
+        await asyncio.gather(announcing, return_exceptions=True)
+        await redis.aclose()
     if endpoint:
         endpoint.close()
 

@@ -19,6 +19,8 @@ from specmesh.metrics import RouterMetrics, serve_metrics
 from specmesh.models.loading import EMBEDDED_DEFAULT, load_target_parts, tokenizer_fingerprint
 from specmesh.queue import QueueKeys, QueueVerifierClient
 from specmesh.remote import RemoteDrafter
+from specmesh.discovery import (DEFAULT_SELECTOR, DISCOVERY_MODES, DrafterSet, KubernetesWatcher, RedisRegistry,
+                                follow_kubernetes, follow_registry, kubernetes_api, pod_namespace)
 from specmesh.classify import default_classifier
 from specmesh.policy import SPECULATION_MODES, adaptive_policy
 from specmesh.router import Generation, ModelCard, Router, RouterLimits, TextStream
@@ -158,6 +160,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--pool", default=env_default("pool", "default"), help="verifier pool [SPECMESH_POOL]")
     parser.add_argument("--drafters", default=env_default("drafters", ""),
                         help="comma-separated drafter addresses host:port [SPECMESH_DRAFTERS]")
+    parser.add_argument("--discovery", choices=DISCOVERY_MODES, default=env_default("discovery", "static"),
+                        help="how drafters are found: static (--drafters), redis (drafters announce themselves in "
+                             "the registry) or kubernetes (EndpointSlices of labelled Services) [SPECMESH_DISCOVERY]")
+    parser.add_argument("--discovery-selector", default=env_default("discovery_selector", DEFAULT_SELECTOR),
+                        help=f"kubernetes: label selector of the drafter Services (default {DEFAULT_SELECTOR}) "
+                             "[SPECMESH_DISCOVERY_SELECTOR]")
+    parser.add_argument("--namespace", default=env_default("namespace"),
+                        help="kubernetes: namespace of the drafter Services (default: the router pod's) [SPECMESH_NAMESPACE]")
     parser.add_argument("--local-drafters", default=env_default("local_drafters", ""),
                         help="model-free drafters to run inside the router, comma-separated: ngram (prompt "
                              "lookup), history; they need only the tokens the router holds, so no network hop "
@@ -189,15 +199,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 async def watch_cluster(router: Router, verifier: QueueVerifierClient, metrics: RouterMetrics, every_s: float = 1.0) -> None:
     """Keep the cluster gauges current: queue depth, live verifiers, reachable drafters."""
+    shown: set[tuple[str, str]] = set()
     while True:
         try:
             metrics.queue_depth.set(await verifier.backlog())
         except Unavailable:
             pass  # Redis is down: the depth is unknown, the last value stays
         metrics.verifiers_alive.set(len(verifier.alive))
-        for drafter in router.drafters:
-            metrics.drafter_up.labels(drafter.name, getattr(drafter, "address", IN_ROUTER)).set(
-                1 if getattr(drafter, "healthy", True) else 0)
+        now = {(d.name, getattr(d, "address", IN_ROUTER)): getattr(d, "healthy", True) for d in router.drafters}
+        for labels, healthy in now.items():
+            metrics.drafter_up.labels(*labels).set(1 if healthy else 0)
+        for labels in shown - set(now):  # a drafter that left (discovery) is not "down": its series goes
+            metrics.drafter_up.remove(*labels)
+        shown = set(now)
         await asyncio.sleep(every_s)
 
 
@@ -213,16 +227,21 @@ async def serve(args: argparse.Namespace) -> None:
                                    job_timeout_s=args.job_timeout)
     await verifier.start()
     local = [LocalDrafter(MODEL_FREE_DRAFTERS[name]()) for name in local_drafter_names(args.local_drafters)]
-    drafters = [RemoteDrafter(a.strip(), timeout_s=args.drafter_timeout) for a in args.drafters.split(",") if a.strip()]
-    for drafter in drafters:
-        if not await drafter.connect(card.tokenizer_hash):
-            log.warning("drafter %s is not reachable yet; it will be retried", drafter.address)
+    drafters: list = [*local]
+    remote = DrafterSet(drafters, lambda address: RemoteDrafter(address, timeout_s=args.drafter_timeout), card.tokenizer_hash)
+    await remote.update(a.strip() for a in args.drafters.split(",") if a.strip())
+    discovery = None
+    if args.discovery == "redis":
+        discovery = asyncio.create_task(follow_registry(RedisRegistry(redis), remote))
+    elif args.discovery == "kubernetes":
+        watcher = KubernetesWatcher(kubernetes_api(), args.namespace or pod_namespace(), args.discovery_selector)
+        discovery = asyncio.create_task(follow_kubernetes(watcher, remote))
     limits = RouterLimits(args.max_concurrent, args.max_queue_backlog, args.default_max_tokens, args.max_tree_nodes,
                           draft_ahead=args.draft_ahead == "on", speculation=args.speculation)
     policy = adaptive_policy({}, routing=RoutingConfig(max_drafters=args.max_drafters, explore=args.explore))
     metrics = RouterMetrics()
     endpoint = serve_metrics(metrics, args.metrics_address)
-    router = Router(target.tokenizer, card, [*local, *drafters], verifier, limits, policy, default_classifier(), metrics)
+    router = Router(target.tokenizer, card, drafters, verifier, limits, policy, default_classifier(), metrics)
     servicer = RouterServicer(router, verifier)
     server = await start_server(
         [Service(router_pb2.DESCRIPTOR.services_by_name["Router"].full_name,
@@ -230,15 +249,19 @@ async def serve(args: argparse.Namespace) -> None:
         args.listen, metrics=metrics,
     )
     gauges = asyncio.create_task(watch_cluster(router, verifier, metrics))
-    log.info("router on port %d: %d drafters, pool %s", server.port, len(drafters), args.pool)
+    log.info("router on port %d: drafters %s (discovery %s), pool %s", server.port,
+             ", ".join(d.name for d in drafters) or "none yet", args.discovery, args.pool)
     metrics_note = f", metrics at {endpoint.url}" if endpoint else ""
     print(f"specmesh-router ready on port {server.port}{metrics_note}", flush=True)
     await server.wait(grace_s=30)
     gauges.cancel()
+    if discovery is not None:
+        discovery.cancel()
     if endpoint:
         endpoint.close()
     await verifier.stop()
-    await asyncio.gather(*(d.close() for d in drafters))  # the remote ones
+    await remote.close()
+    await asyncio.gather(*(d.close() for d in drafters if isinstance(d, RemoteDrafter)))
     await redis.aclose()
 
 
