@@ -181,6 +181,9 @@ class GoodputController:
         goodput, _, budget = max((self.goodput(n, acceptance, draft_ms(n) if n else 0.0, load), -n, n) for n in candidates)
         return budget, goodput
 
-    def should_probe(self, steps_without: int) -> bool:
-        """After ``probe_every`` steps in a row without speculation, a small tree, to see if it pays again."""
-        return bool(self.probe_every) and steps_without >= self.probe_every
+    def should_probe(self, steps_without: int, load: Load = Load()) -> bool:
+        """After ``probe_every`` steps in a row without speculation, a small tree, to see if it pays again.
+        In a busy batch each request probes proportionally less often: a probe's tree makes the whole
+        pass slower (the first tree of a request costs more than its rows), while what it teaches is
+        shared by every request of its kind, so the batch as a whole keeps probing at the same rate."""
+        return bool(self.probe_every) and steps_without >= self.probe_every * (1.0 + load.other_requests)

@@ -205,7 +205,7 @@ class _AdaptiveRequest:
             if n > 0 and goodput > best_goodput:
                 best_goodput, budget, chosen = goodput, n, option
         if budget == 0:
-            if not policy.controller.should_probe(self.steps_without):
+            if not policy.controller.should_probe(self.steps_without, load):
                 return StepPlan()
             # the cheapest look: in a busy batch an expert's catch-up would hold up every request
             budget, chosen = min(policy.controller.probe_budget, self.max_budget), free or core

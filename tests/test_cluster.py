@@ -11,6 +11,7 @@ process started by its command line, as `specmesh up` does.
 import signal
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -62,10 +63,37 @@ def generate_all(client: Client, questions, concurrency: int):
         return list(pool.map(lambda q: client.generate(chat=[("user", q)], max_tokens=MAX_TOKENS), questions))
 
 
+def metric_total(url: str, name: str) -> float:
+    """The sum of a metric's samples (every label set) as the service's /metrics shows it now."""
+    with urllib.request.urlopen(url, timeout=5) as answer:
+        text = answer.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and line[len(name)] in " {")
+
+
+# what each kind of service counts for every request
+MOVING = {"router": ("specmesh_generated_tokens_total", "specmesh_target_steps_total", "specmesh_drafter_drafts_total",
+                     "specmesh_drafter_draft_tokens_total", "specmesh_routing_decisions_total"),
+          "drafter": ("specmesh_rpc_requests_total",),
+          "verifier": ("specmesh_verify_jobs_total", "specmesh_verify_batch_tokens_count")}
+
+
 @pytest.mark.parametrize("concurrency", [1, 8])
 def test_greedy_through_the_cluster_is_plain_greedy(cluster, questions, plain_outputs, concurrency):
+    def totals():  # per kind of service (two verifiers share the jobs: one may get none)
+        found: dict[tuple[str, str], float] = {}
+        for process in cluster.processes():
+            kind = process.name.split("-")[0]
+            for name in MOVING[kind]:
+                found[kind, name] = found.get((kind, name), 0.0) + metric_total(process.metrics_url, name)
+        return found
+
+    before = totals()
     with Client(cluster.router_address) as client:
         results = generate_all(client, questions, concurrency)
+    after = totals()
+    still = [key for key in before if after[key] <= before[key]]
+    assert not still, f"these metrics did not move during the requests: {still}"
     different = [i for i, (r, ref) in enumerate(zip(results, plain_outputs)) if r.token_ids != ref]
     assert not different, f"prompts {different} differ from plain greedy decoding"
     steps = sum(r.stats.target_steps for r in results)

@@ -263,9 +263,11 @@ def test_overhead_is_learned_apart_for_steps_with_and_without_a_tree():
     assert controller.goodput(2, 0.0, 0.0) < controller.goodput(0, 0.0, 0.0)  # a tree nobody gets right only costs
 
 
-def test_controller_probes_after_a_run_of_plain_steps():
+def test_controller_probes_after_a_run_of_plain_steps_and_less_often_in_a_busy_batch():
     controller = GoodputController(CostModel(), probe_every=4)
     assert not controller.should_probe(3) and controller.should_probe(4)
+    busy = Load(other_requests=3, other_rows=3)  # four requests a pass: each probes a quarter as often
+    assert not controller.should_probe(15, busy) and controller.should_probe(16, busy)
 
 
 def test_the_policy_leaves_out_an_expert_whose_guesses_do_not_pay_for_its_time():
