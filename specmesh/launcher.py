@@ -26,7 +26,7 @@ from specmesh.models.loading import EMBEDDED_DEFAULT
 from specmesh.redis_server import RedisServer, free_port
 from specmesh.routing import MODEL_FREE_KINDS
 
-DEFAULT_DRAFTERS = ("ngram", "code", "math", "writing")
+DEFAULT_DRAFTERS = ("ngram", "code", "math", "writing", "knowledge")
 
 
 @dataclass

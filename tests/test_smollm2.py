@@ -101,7 +101,7 @@ def test_shipped_experts_are_lossless(target, prompts, hf_outputs):
     from specmesh.assembly import load_drafter, shipped_experts
 
     experts = shipped_experts(EMBEDDED_DEFAULT)
-    assert set(experts) >= {"code", "math", "writing"}, f"shipped experts: {sorted(experts)}"
+    assert set(experts) >= {"code", "math", "writing", "knowledge"}, f"shipped experts: {sorted(experts)}"
     runtime = LlamaRuntime(target.model)
     for domain in experts:
         drafter = load_drafter(domain, target, device=None, dtype=None)
@@ -142,7 +142,7 @@ def test_the_full_router_is_lossless_and_routes_by_kind(target, questions, promp
     assert coding and all(o.stats.request_kind == "code" for o in coding)
     if speculation == "fixed":  # (adaptive: whether an expert pays in a batch of five is the controller's call)
         code_steps = sum(o.stats.drafter_steps.get("code", 0) for o in coding)
-        other_steps = sum(o.stats.drafter_steps.get(name, 0) for o in coding for name in ("math", "writing"))
+        other_steps = sum(o.stats.drafter_steps.get(name, 0) for o in coding for name in ("math", "writing", "knowledge"))
         assert code_steps > other_steps, (code_steps, other_steps)
     tokens = sum(len(o.token_ids) for o in outputs)
     steps = sum(o.stats.target_steps for o in outputs)
