@@ -151,6 +151,7 @@ class Draft:
     trees: tuple[TokenTree, ...]  # aligned with plan.drafters
     fused: TokenTree
     drafter_ms: tuple[float, ...] = ()  # each drafter's time (aligned with plan.drafters)
+    fuse_ms: float = 0.0  # merging their trees into one
 
     def below(self, token: int) -> Draft | None:
         """What this draft says after ``token`` (a draft made ahead, once the verdict confirmed its path)."""
@@ -246,7 +247,8 @@ async def speculate(
             pending = []
             step_ms = (time.perf_counter() - step_started) * 1e3
             policy.observe(StepOutcome(draft.plan, draft.trees, tree, tuple(new), draft_ms, draft.drafter_ms, step_ms,
-                                       result.pass_ms, result.batch_rows, result.batch_size, result.batch_trees))
+                                       result.pass_ms, result.batch_rows, result.batch_size, result.batch_trees,
+                                       draft.fuse_ms))
             await asyncio.gather(*(d.commit(rid, new) for d in drafters))  # also the last: history drafters keep answers
             yield StepOutput(new, finish_reason)
             if finish_reason is not None:
@@ -274,8 +276,9 @@ async def _draft(
 
     answers = await asyncio.gather(*(timed(n) for n in plan.drafters))
     trees = [tree for tree, _ in answers]
-    return Draft(plan, tuple(trees), fuse_trees(trees, plan.budget, plan.weights).within_depth(max_depth),
-                 tuple(ms for _, ms in answers))
+    fusing = time.perf_counter()
+    fused = fuse_trees(trees, plan.budget, plan.weights).within_depth(max_depth)
+    return Draft(plan, tuple(trees), fused, tuple(ms for _, ms in answers), (time.perf_counter() - fusing) * 1e3)
 
 
 async def _verify(

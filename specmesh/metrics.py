@@ -102,8 +102,9 @@ class RouterMetrics(ServiceMetrics):
         self.position_hits = Counter("specmesh_drafter_position_hits", "Tree levels where one of a drafter's guesses was accepted",
                                      ["drafter", "position"], registry=r)
         self.stage_seconds = Histogram("specmesh_step_stage_seconds",
-                                       "Time a step spent per stage: draft (waiting for drafters), queue (queue, transport and "
-                                       "scheduling around the pass), verify (the target pass), step (all of it)",
+                                       "Time a step spent per stage: draft (waiting for drafters, fusion included), fuse (merging "
+                                       "their trees), queue (queue, transport and scheduling around the pass), verify (the "
+                                       "target pass), step (all of it)",
                                        ["stage"], buckets=LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("specmesh_time_to_first_token_seconds", "Time from admission to the first token",
                               buckets=LATENCY_BUCKETS, registry=r)
@@ -136,6 +137,7 @@ class RouterMetrics(ServiceMetrics):
                     self.position_hits.labels(name, position_label(depth)).inc()
         if outcome.trees:
             self.stage_seconds.labels("draft").observe(outcome.draft_ms / 1e3)
+            self.stage_seconds.labels("fuse").observe(outcome.fuse_ms / 1e3)
         if outcome.pass_ms > 0:
             self.stage_seconds.labels("verify").observe(outcome.pass_ms / 1e3)
             waited_ms = outcome.step_ms - outcome.draft_ms - outcome.pass_ms  # queue, transport, scheduling

@@ -49,6 +49,7 @@ class StepOutcome:
     batch_rows: int = 0  # rows of that pass, every request's root and nodes
     batch_size: int = 0  # requests in that pass
     batch_trees: int = 0  # requests of that pass with a tree
+    fuse_ms: float = 0.0  # of draft_ms: merging the drafters' trees into one
 
 
 class RequestPolicy(Protocol):

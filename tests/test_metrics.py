@@ -73,7 +73,7 @@ def test_a_step_counts_each_drafters_guesses_and_hits_by_depth():
     right = TokenTree.chain([5, 6, 7])  # the target commits 5, 6, then 9: two hits, a miss at depth 3
     wrong = TokenTree.chain([8])
     outcome = StepOutcome(StepPlan(("expert", "ngram"), (1.0, 1.0), 4), (right, wrong), right, (5, 6, 9),
-                          draft_ms=2.0, step_ms=30.0, pass_ms=20.0)
+                          draft_ms=2.0, step_ms=30.0, pass_ms=20.0, fuse_ms=0.5)
     metrics.plan("code", outcome.plan)
     metrics.step(outcome)
     value = metrics.registry.get_sample_value
@@ -85,6 +85,7 @@ def test_a_step_counts_each_drafters_guesses_and_hits_by_depth():
     assert value("specmesh_committed_tokens_total") == 3 and value("specmesh_target_steps_total") == 1
     assert value("specmesh_routing_decisions_total", {"kind": "code", "drafter": "ngram"}) == 1
     assert value("specmesh_step_stage_seconds_sum", {"stage": "queue"}) == pytest.approx(0.008)  # 30 - 2 - 20 ms
+    assert value("specmesh_step_stage_seconds_sum", {"stage": "fuse"}) == pytest.approx(0.0005)
 
 
 def test_metrics_are_served_over_http_and_a_bad_address_is_refused():

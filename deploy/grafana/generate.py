@@ -108,7 +108,8 @@ DASHBOARDS: dict[str, tuple[str, str, tuple[PanelSpec, ...]]] = {
     )),
     "pipeline": ("specmesh / pipeline and queue", "Where a step's time goes, the queue and the verification batches", (
         PanelSpec("Step time by stage (p99)", (derived("specmesh:step_stage_seconds:p99", "{{stage}}"),), "s",
-                  "draft: waiting for drafters; queue: queue, transport, scheduling; verify: the target pass"),
+                  "draft: waiting for drafters; fuse: merging their trees; queue: queue, transport, scheduling; "
+                  "verify: the target pass"),
         PanelSpec("Step time by stage (p50)", (quantile(0.5, "specmesh_step_stage_seconds", "stage", "{{stage}}"),), "s"),
         PanelSpec("Queue depth", (Query("max(specmesh_queue_depth)", "pool stream"),
                                   Query("sum by (instance) (specmesh_queue_pending_jobs)", "held by {{instance}}")), "short"),
