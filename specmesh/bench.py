@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -175,6 +176,8 @@ def run_bench(args: argparse.Namespace) -> int:
         raise InvalidArgument("limit", f"must be >= 1, got {args.limit}")
     if args.max_tokens < 1:
         raise InvalidArgument("max_tokens", f"must be >= 1, got {args.max_tokens}")
+    if args.sweep_rounds < 1:
+        raise InvalidArgument("sweep_rounds", f"must be >= 1, got {args.sweep_rounds}")
     if args.tree_nodes < 1:
         raise InvalidArgument("tree_nodes", f"the benchmark compares speculation: must be >= 1, got {args.tree_nodes}")
     concurrency = _concurrency_levels(args.concurrency)
@@ -234,7 +237,8 @@ def run_bench(args: argparse.Namespace) -> int:
             reference = outputs.get("hf_plain", outputs["own_plain"])
             identical += all(outputs[m] == reference for m in modes)
         busy_s = _verifier_busy_s(cluster) - busy_before if cluster else 0.0
-        load_sweep = _load_sweep(cluster, prompts, args.max_tokens, concurrency) if cluster and concurrency else []
+        load_sweep = (_load_sweep(cluster, prompts, args.max_tokens, concurrency, args.sweep_rounds)
+                      if cluster and concurrency else [])
     machine["load_average_after"] = os.getloadavg()[0]
     report = {
         "machine": machine,
@@ -252,6 +256,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "drafter_union_agreement": union,
         "per_category": _per_category(records),
         "load_sweep": load_sweep,
+        "load_sweep_verdicts": adaptive_verdicts(load_sweep) if load_sweep else [],
     }
     _print_report(report)
     if args.json_out:
@@ -349,17 +354,21 @@ def _per_category(records: dict[str, ModeRecord]) -> dict[str, dict]:
 
 
 LOAD_POLICIES = ("none", "fixed", "adaptive")
+LOAD_ROUNDS = 3  # runs of each policy at each concurrency, in rotated/mirrored orders
 _SPECULATION_OF = {"none": "off", "fixed": "fixed", "adaptive": "adaptive"}
 
 
-def _load_sweep(cluster: LocalCluster, prompts: list[Prompt], max_tokens: int, levels: list[int]) -> list[dict]:
+def _load_sweep(cluster: LocalCluster, prompts: list[Prompt], max_tokens: int, levels: list[int],
+                rounds: int = LOAD_ROUNDS) -> list[dict]:
     """At each concurrency, the same requests through the cluster with each policy (no speculation,
-    fixed k, adaptive), in a rotated order per level; tokens/s and per-token latency percentiles."""
+    fixed k, adaptive), ``rounds`` times in rotated (then mirrored) orders, so that drift and warm-up hit
+    every policy alike. Per (level, policy): mean tokens/s over the rounds and its spread, per-token
+    latency percentiles over every request of every round."""
     import asyncio
 
     from specmesh.client import AsyncClient
 
-    async def one_policy(level: int, policy: str) -> dict:
+    async def one_run(level: int, policy: str) -> tuple[float, list[float]]:
         count = max(2 * level, min(len(prompts), 8))
         chosen = [prompts[i % len(prompts)] for i in range(count)]
         gate = asyncio.Semaphore(level)
@@ -379,15 +388,56 @@ def _load_sweep(cluster: LocalCluster, prompts: list[Prompt], max_tokens: int, l
             started = time.perf_counter()
             await asyncio.gather(*(send(client, p) for p in chosen))
             wall = time.perf_counter() - started
-        return {"concurrency": level, "policy": policy, "requests": count, "tokens_per_s": round(tokens / wall, 2),
-                "p50_ms": _percentile(latencies, 50), "p99_ms": _percentile(latencies, 99)}
+        return tokens / wall, latencies
 
     rows = []
     for index, level in enumerate(tqdm(levels, desc="load sweep", unit="level")):
-        order = LOAD_POLICIES[index % 3:] + LOAD_POLICIES[: index % 3]
-        for policy in order:
-            rows.append(asyncio.run(one_policy(level, policy)))
-    return sorted(rows, key=lambda r: (r["concurrency"], LOAD_POLICIES.index(r["policy"])))
+        speeds: dict[str, list[float]] = {p: [] for p in LOAD_POLICIES}
+        latencies: dict[str, list[float]] = {p: [] for p in LOAD_POLICIES}
+        for round_ in range(rounds):
+            for policy in sweep_order(index + round_, mirrored=(round_ // len(LOAD_POLICIES)) % 2 == 1):
+                speed, latency = asyncio.run(one_run(level, policy))
+                speeds[policy].append(speed)
+                latencies[policy].extend(latency)
+        count = max(2 * level, min(len(prompts), 8))
+        for policy in LOAD_POLICIES:
+            rows.append({"concurrency": level, "policy": policy, "requests": count, "rounds": rounds,
+                         "tokens_per_s": round(statistics.fmean(speeds[policy]), 2),
+                         "tokens_per_s_runs": [round(s, 2) for s in speeds[policy]],
+                         "tokens_per_s_spread": round(_spread(speeds[policy]), 2),
+                         "p50_ms": _percentile(latencies[policy], 50), "p99_ms": _percentile(latencies[policy], 99)})
+    return rows
+
+
+def sweep_order(rotation: int, mirrored: bool) -> tuple[str, ...]:
+    """The policies rotated by ``rotation``, reversed when ``mirrored``: three rotations in a row put each
+    policy in each slot once (a Latin square); the next three, mirrored, balance who runs after whom."""
+    shift = rotation % len(LOAD_POLICIES)
+    order = LOAD_POLICIES[shift:] + LOAD_POLICIES[:shift]
+    return order[::-1] if mirrored else order
+
+
+def _spread(values: list[float]) -> float:
+    """Standard error of the mean (0 for a single run): the noise a comparison of means must beat."""
+    return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
+
+
+def adaptive_verdicts(rows: list[dict]) -> list[dict]:
+    """Per concurrency: is adaptive never worse than no speculation and than fixed k, within noise
+    (its mean tokens/s at least the other's minus twice their combined standard error)?"""
+    verdicts = []
+    for level in sorted({r["concurrency"] for r in rows}):
+        by_policy = {r["policy"]: r for r in rows if r["concurrency"] == level}
+        adaptive = by_policy["adaptive"]
+        verdict = {"concurrency": level}
+        for other in ("none", "fixed"):
+            noise = 2 * math.hypot(adaptive["tokens_per_s_spread"], by_policy[other]["tokens_per_s_spread"])
+            margin = adaptive["tokens_per_s"] - by_policy[other]["tokens_per_s"]
+            verdict[f"vs_{other}_tokens_per_s"] = round(margin, 2)
+            verdict[f"vs_{other}_noise"] = round(noise, 2)
+            verdict[f"not_worse_than_{other}"] = margin >= -noise
+        verdicts.append(verdict)
+    return verdicts
 
 
 def _start_cluster(args: argparse.Namespace, drafters) -> LocalCluster:
@@ -428,5 +478,11 @@ def _print_report(report: dict) -> None:
     for category, row in report["per_category"].items():
         print(f"  {category:12s} speedup {row['speedup_vs_plain']:.2f}x  accepted length {row['mean_accepted_length']:.2f}")
     for row in report["load_sweep"]:
-        print(f"  load: concurrency {row['concurrency']:3d} {row['policy']:8s} {row['tokens_per_s']:7.2f} tok/s, "
+        print(f"  load: concurrency {row['concurrency']:3d} {row['policy']:8s} {row['tokens_per_s']:7.2f} "
+              f"± {row['tokens_per_s_spread']:.2f} tok/s over {row['rounds']} rounds {row['tokens_per_s_runs']}, "
               f"per token p50 {row['p50_ms']:.1f} ms, p99 {row['p99_ms']:.1f} ms")
+    for verdict in report["load_sweep_verdicts"]:
+        print(f"  load: concurrency {verdict['concurrency']:3d} adaptive vs none {verdict['vs_none_tokens_per_s']:+.2f} "
+              f"(noise {verdict['vs_none_noise']:.2f}), vs fixed {verdict['vs_fixed_tokens_per_s']:+.2f} "
+              f"(noise {verdict['vs_fixed_noise']:.2f}): never worse within noise: "
+              f"{verdict['not_worse_than_none'] and verdict['not_worse_than_fixed']}")

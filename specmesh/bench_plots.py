@@ -54,13 +54,14 @@ def _latency_vs_load(report: dict, path: Path) -> Path:
         line, = latency.plot(levels, [r["p50_ms"] for r in mine], marker="o", label=f"{policy} p50")
         latency.plot(levels, [r["p99_ms"] for r in mine], marker="x", linestyle="--", color=line.get_color(),
                      label=f"{policy} p99")
-        throughput.plot(levels, [r["tokens_per_s"] for r in mine], marker="o", label=policy)
+        throughput.errorbar(levels, [r["tokens_per_s"] for r in mine], yerr=[r.get("tokens_per_s_spread", 0) for r in mine],
+                            marker="o", capsize=3, label=policy)
     for axes in (latency, throughput):
         axes.set_xscale("log", base=2)
         axes.set_xlabel("concurrent requests")
         axes.legend(fontsize="small")
     latency.set_ylabel("latency per output token (ms)")
-    throughput.set_ylabel("tokens/s (all requests)")
+    throughput.set_ylabel("tokens/s (all requests; mean ± s.e. over rounds)")
     figure.suptitle(f"{report['target']} through the local cluster: no speculation, fixed k, adaptive")
     figure.tight_layout()
     figure.savefig(path, dpi=120)

@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--concurrency", default="1,4,16",
                        help="the load sweep's concurrency levels through the cluster, comma-separated; '' skips it "
                        "(default 1,4,16)")
+    bench.add_argument("--sweep-rounds", type=int, default=3,
+                       help="runs of each policy at each concurrency in the load sweep, in rotated orders (default 3)")
     bench.add_argument("--plots", metavar="DIR", help="also write PNG plots here (speedup per category; latency vs load)")
     bench.add_argument("--skip-drafter-report", action="store_true",
                        help="skip the teacher-forced agreement of each drafter on MT-Bench")

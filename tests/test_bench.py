@@ -6,9 +6,8 @@ import json
 
 import pytest
 
+from specmesh.bench import LOAD_POLICIES, adaptive_verdicts, sweep_order
 from specmesh.cli import main
-
-pytestmark = pytest.mark.slow
 
 SUMMARY_KEYS = {
     "greedy_identical_fraction", "plain_tokens_per_s", "hf_assisted_tokens_per_s", "own_plain_tokens_per_s",
@@ -18,9 +17,10 @@ SUMMARY_KEYS = {
 }
 
 
+@pytest.mark.slow
 def test_bench_writes_the_summary_and_plots(tmp_path):
     out = tmp_path / "bench.json"
-    code = main(["bench", "--limit", "2", "--max-tokens", "12", "--skip-drafter-report", "--concurrency", "1,2",
+    code = main(["bench", "--limit", "2", "--max-tokens", "12", "--skip-drafter-report", "--concurrency", "1,2", "--sweep-rounds", "2",
                  "--drafter", "ngram", "--drafter", "code", "--json", str(out), "--plots", str(tmp_path / "plots")])
     assert code == 0
     report = json.loads(out.read_text())
@@ -33,5 +33,32 @@ def test_bench_writes_the_summary_and_plots(tmp_path):
     assert {(r["concurrency"], r["policy"]) for r in report["load_sweep"]} == {
         (c, p) for c in (1, 2) for p in ("none", "fixed", "adaptive")}
     assert all(r["tokens_per_s"] > 0 and r["p99_ms"] >= r["p50_ms"] > 0 for r in report["load_sweep"])
+    assert all(r["rounds"] == 2 and len(r["tokens_per_s_runs"]) == 2 and r["tokens_per_s_spread"] >= 0
+               for r in report["load_sweep"])
+    assert [v["concurrency"] for v in report["load_sweep_verdicts"]] == [1, 2]
     for name in ("speedup_per_category.png", "latency_vs_load.png"):
         assert (tmp_path / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sweep_orders_put_every_policy_in_every_slot():
+    for mirrored in (False, True):
+        orders = [sweep_order(rotation, mirrored) for rotation in range(3)]
+        assert all(sorted(order) == sorted(LOAD_POLICIES) for order in orders)
+        for slot in range(3):
+            assert {order[slot] for order in orders} == set(LOAD_POLICIES)
+    six = [sweep_order(rotation, mirrored=rotation >= 3) for rotation in range(6)]
+    follows = [(order[i], order[i + 1]) for order in six for i in range(2)]
+    assert all(follows.count((a, b)) == 2 for a in LOAD_POLICIES for b in LOAD_POLICIES if a != b)
+
+
+def _row(level, policy, speed, spread):
+    return {"concurrency": level, "policy": policy, "tokens_per_s": speed, "tokens_per_s_spread": spread}
+
+
+def test_adaptive_verdict_allows_noise_but_not_a_real_loss():
+    rows = [_row(4, "none", 80.0, 2.0), _row(4, "fixed", 60.0, 1.0), _row(4, "adaptive", 77.0, 1.0),
+            _row(16, "none", 160.0, 1.0), _row(16, "fixed", 80.0, 1.0), _row(16, "adaptive", 140.0, 1.0)]
+    at4, at16 = adaptive_verdicts(rows)
+    assert at4["not_worse_than_none"] and at4["not_worse_than_fixed"]  # -3 within 2 * hypot(2, 1) = 4.47
+    assert at4["vs_none_tokens_per_s"] == -3.0 and at4["vs_none_noise"] == 4.47
+    assert not at16["not_worse_than_none"] and at16["not_worse_than_fixed"]  # -20 beyond 2.83
