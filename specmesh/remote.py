@@ -21,6 +21,10 @@ from specmesh.wire import tree_from_pb
 
 log = logging.getLogger("specmesh.remote")
 
+# drafter kinds that learn from every delivered answer (a suffix index over the deployment's responses):
+# they see each request from its start, drafted for or not
+LEARNS_FROM_EVERY_ANSWER = frozenset({"history"})
+
 
 class RemoteDrafter:
     def __init__(self, address: str, timeout_s: float = 2.0, max_backoff_s: float = 10.0) -> None:
@@ -78,7 +82,9 @@ class RemoteDrafter:
                 log.warning("%s", exc)
                 self._down_until = time.monotonic() + self.max_backoff_s
                 return
-        if self.healthy:
+        # other drafters open the session with the first proposal: a request the policy never drafts
+        # for (budget 0 all along, or routed elsewhere) costs them nothing, not even a call
+        if self.healthy and self.kind in LEARNS_FROM_EVERY_ANSWER:
             await self._open_session(request_id)
 
     async def propose(self, request_id: str, budget: int, assumed: Sequence[int] = ()) -> TokenTree:

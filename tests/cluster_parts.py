@@ -81,7 +81,7 @@ class ServiceStack:
         await self.pool.__aenter__()
         vocab = self.model.config.vocab_size
         self.sessions = DrafterSessions(self.drafter, vocab, max_sessions=16)
-        info = drafter_pb2.DrafterInfo(name=self.drafter.name, kind="ngram", domains=["general"],
+        info = drafter_pb2.DrafterInfo(name=self.drafter.name, kind=self.drafter.kind, domains=["general"],
                                        tokenizer_hash=tokenizer_fingerprint(self.tokenizer))
         drafter_metrics, router_metrics = DrafterMetrics(), RouterMetrics() if self.with_metrics else None
         servicer = DrafterServicer(self.sessions, info, TorchThread("draft"), drafter_metrics)

@@ -18,8 +18,11 @@ from specmesh.drafters.ngram import HistoryDrafter, NgramDrafter
 from specmesh.engine import Request, SpeculativeEngine
 from specmesh.models.llama import LlamaRuntime
 from specmesh.models.loading import EMBEDDED_DEFAULT, resolve_model_dir
+from specmesh.remote import RemoteDrafter
 from specmesh.router import RouterLimits
 from specmesh.sampling import SamplingParams
+from specmesh.serving import Service, TorchThread, start_server
+from specmesh.services.drafter.server import DrafterServicer, DrafterSessions
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc, router_pb2, router_pb2_grpc
 
 from cluster_parts import ServiceStack
@@ -185,6 +188,42 @@ def test_drafter_service_errors(redis_server, model, tokenizer):
                      grpc.StatusCode.INVALID_ARGUMENT]
     assert tokens[:1] == [6]  # ... 4 5 -> 6 by lookup
     assert open_sessions == 0
+
+
+def test_a_drafter_opens_a_session_only_when_asked_to_draft_but_history_sees_every_answer(tokenizer):
+    """A request the policy never drafts for (budget 0 all along, routed elsewhere) costs a drafter
+    no call at all; a history drafter still hears every answer, since it drafts from earlier ones."""
+    async def main():
+        counts = {}
+        for drafter in (NgramDrafter(), HistoryDrafter(min_n=1, max_n=3)):
+            sessions = DrafterSessions(drafter, vocab_size=len(tokenizer), max_sessions=4)
+            info = drafter_pb2.DrafterInfo(name=drafter.name, kind=drafter.kind, domains=["general"], tokenizer_hash="h")
+            servicer = DrafterServicer(sessions, info, TorchThread("draft"))
+            server = await start_server(
+                [Service("specmesh.v1.Drafter", lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s))],
+                "127.0.0.1:0")
+            remote = RemoteDrafter(f"127.0.0.1:{server.port}")
+            try:
+                await remote.connect("h")
+                await remote.start("idle", [5, 6, 7, 5, 6])
+                await remote.commit("idle", [7, 5])
+                after_start = len(sessions)
+                await remote.end("idle")
+                await remote.start("asked", [5, 6, 7, 5, 6])
+                tree = await remote.propose("asked", 4)
+                during = len(sessions)
+                await remote.end("asked")
+                counts[drafter.kind] = (after_start, list(tree.tokens), during, len(sessions))
+            finally:
+                await remote.close()
+                await server.server.stop(0)
+        return counts
+
+    counts = run(main())
+    after_start, tokens, during, after = counts["ngram"]
+    assert (after_start, during, after) == (0, 1, 0) and tokens[:3] == [7, 5, 6]  # opened by the proposal
+    history_after_start, _, history_during, history_after = counts["history"]
+    assert (history_after_start, history_during, history_after) == (1, 1, 0)
 
 
 def test_overload_is_resource_exhausted_and_cancel_frees_everything(redis_server, model, tokenizer):
