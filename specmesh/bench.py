@@ -368,9 +368,7 @@ def _load_sweep(cluster: LocalCluster, prompts: list[Prompt], max_tokens: int, l
 
     from specmesh.client import AsyncClient
 
-    async def one_run(level: int, policy: str) -> tuple[float, list[float]]:
-        count = max(2 * level, min(len(prompts), 8))
-        chosen = [prompts[i % len(prompts)] for i in range(count)]
+    async def one_run(level: int, policy: str, chosen: list[Prompt]) -> tuple[float, list[float]]:
         gate = asyncio.Semaphore(level)
         latencies: list[float] = []
         tokens = 0
@@ -392,14 +390,15 @@ def _load_sweep(cluster: LocalCluster, prompts: list[Prompt], max_tokens: int, l
 
     rows = []
     for index, level in enumerate(tqdm(levels, desc="load sweep", unit="level")):
+        count = max(2 * level, min(len(prompts), 8))
+        chosen = [prompts[i % len(prompts)] for i in range(count)]
         speeds: dict[str, list[float]] = {p: [] for p in LOAD_POLICIES}
         latencies: dict[str, list[float]] = {p: [] for p in LOAD_POLICIES}
         for round_ in range(rounds):
             for policy in sweep_order(index + round_, mirrored=(round_ // len(LOAD_POLICIES)) % 2 == 1):
-                speed, latency = asyncio.run(one_run(level, policy))
+                speed, latency = asyncio.run(one_run(level, policy, chosen))
                 speeds[policy].append(speed)
                 latencies[policy].extend(latency)
-        count = max(2 * level, min(len(prompts), 8))
         for policy in LOAD_POLICIES:
             rows.append({"concurrency": level, "policy": policy, "requests": count, "rounds": rounds,
                          "tokens_per_s": round(statistics.fmean(speeds[policy]), 2),
