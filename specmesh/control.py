@@ -38,12 +38,17 @@ def expected_tokens(acceptance: float | Sequence[float], nodes: int) -> float:
     """1 + a1 + a1 a2 + ... + a1 ... an: committed tokens per step with ``nodes`` levels, level ``i``
     accepted with ``acceptance[i]`` given the levels above (one value: the same for every level; levels
     past the list's end take its last value)."""
+    return expected_tokens_upto(acceptance, nodes)[nodes]
+
+
+def expected_tokens_upto(acceptance: float | Sequence[float], nodes: int) -> list[float]:
+    """``expected_tokens(acceptance, n)`` for every n in 0..nodes, in one walk down the levels."""
     rates = [acceptance] if isinstance(acceptance, (int, float)) else list(acceptance) or [0.0]
-    total, along = 1.0, 1.0
+    totals, along = [1.0], 1.0
     for level in range(nodes):
         along *= min(max(rates[min(level, len(rates) - 1)], 0.0), 1.0)
-        total += along
-    return total
+        totals.append(totals[-1] + along)
+    return totals
 
 
 MIN_PASS_MS = 0.01
@@ -62,6 +67,7 @@ class OnlineLinear:
         self._xx = np.zeros((len(prior), len(prior)))  # decayed sum of x x^T
         self._xy = np.zeros(len(prior))  # decayed sum of x y
         self.weights = self.prior.copy()
+        self.coefficients = self.weights.tolist()  # the same as plain floats: predictions run for every budget of every step
 
     def observe(self, x: Sequence[float], y: float) -> None:
         x = np.asarray(x, dtype=np.float64)
@@ -72,9 +78,10 @@ class OnlineLinear:
         weights = np.linalg.lstsq(self._xx + np.diag(ridge), self._xy + ridge * self.prior, rcond=None)[0]
         weights[1:] = np.maximum(weights[1:], 0.0)
         self.weights = weights
+        self.coefficients = weights.tolist()
 
     def predict(self, x: Sequence[float]) -> float:
-        return float(np.dot(self.weights, x))
+        return sum(w * v for w, v in zip(self.coefficients, x))
 
 
 FLAT_ROWS = 16  # rows a pass's matrix products take at about the cost of one (the verify curve's flat part)
@@ -129,15 +136,15 @@ class DraftCost:
 
     @property
     def fixed_ms(self) -> float:
-        return max(self.fit.weights[0], 0.0)
+        return max(self.fit.coefficients[0], 0.0)
 
     @property
     def per_node_ms(self) -> float:
-        return self.fit.weights[1]
+        return self.fit.coefficients[1]
 
     @property
     def per_token_ms(self) -> float:
-        return self.fit.weights[2]
+        return self.fit.coefficients[2]
 
     def observe(self, nodes: int, catch_up: int, ms: float) -> None:
         if nodes > 0 and ms >= 0:
@@ -160,7 +167,10 @@ class GoodputController:
 
     def goodput(self, nodes: int, acceptance: float | Sequence[float], draft_ms: float, load: Load = Load()) -> float:
         """Expected committed tokens per second of the whole batch with this request drafting ``nodes``."""
-        tokens = expected_tokens(acceptance, nodes) + load.other_tokens
+        return self._goodput(nodes, expected_tokens(acceptance, nodes), draft_ms, load)
+
+    def _goodput(self, nodes: int, own_tokens: float, draft_ms: float, load: Load) -> float:
+        tokens = own_tokens + load.other_tokens
         requests, trees = 1 + round(load.other_requests), round(load.other_trees) + (1 if nodes else 0)
         ms = self.cost.pass_ms(requests, trees, round(load.other_rows) + 1 + nodes) + draft_ms + self.overhead(nodes > 0)
         return tokens / ms * 1e3
@@ -178,7 +188,8 @@ class GoodputController:
         """The budget up to ``max_budget`` with the best goodput (the smaller one on a tie), and that goodput.
         ``draft_ms(n)``: what drafting ``n`` nodes costs (0 at 0)."""
         candidates = [b for b in self.budgets if b < max_budget] + [max_budget]
-        goodput, _, budget = max((self.goodput(n, acceptance, draft_ms(n) if n else 0.0, load), -n, n) for n in candidates)
+        tokens = expected_tokens_upto(acceptance, max_budget)
+        goodput, _, budget = max((self._goodput(n, tokens[n], draft_ms(n) if n else 0.0, load), -n, n) for n in candidates)
         return budget, goodput
 
     def should_probe(self, steps_without: int, load: Load = Load()) -> bool:

@@ -104,6 +104,7 @@ class PolicyState:
     trees_per_request_step: float = 0.0  # how often a request's step has a tree,
     tokens_per_request_step: float = 1.0  # and the tokens one step commits
     active: int = 0  # requests of this policy in flight
+    last_pass: tuple = ()  # the last verification pass learned from (each request of a pass reports it)
 
 
 class AdaptivePolicy:
@@ -134,7 +135,9 @@ class AdaptivePolicy:
     def learn_step(self, outcome: StepOutcome) -> None:
         """What every step says about the verifier's passes, the drafters' costs and the overhead."""
         state, controller = self.state, self.controller
-        if outcome.batch_size and outcome.batch_rows and outcome.pass_ms > 0:
+        this_pass = (outcome.batch_size, outcome.batch_trees, outcome.batch_rows, outcome.pass_ms)
+        if outcome.batch_size and outcome.batch_rows and outcome.pass_ms > 0 and this_pass != state.last_pass:
+            state.last_pass = this_pass  # learnt once, not once per request in it
             controller.cost.observe(outcome.batch_size, outcome.batch_trees, outcome.batch_rows, outcome.pass_ms)
             state.batch_size = self._moving(state.batch_size, outcome.batch_size)
         state.rows_per_request_step = self._moving(state.rows_per_request_step, 1 + len(outcome.fused))

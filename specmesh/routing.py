@@ -94,14 +94,18 @@ class LevelRecord:
     def means(self, count: int, prior: float | Sequence[float], strength: float) -> list[float]:
         """Posterior mean acceptance of levels ``0 .. count-1``. ``prior``: one value for the top level,
         or one per level; a level with no prior of its own takes the level above's estimate."""
+        one_prior = isinstance(prior, (int, float))
         estimates: list[float] = []
         for level in range(count):
-            if isinstance(prior, (int, float)):
+            if one_prior:
                 level_prior = estimates[-1] if estimates else float(prior)
             else:
                 level_prior = prior[level] if level < len(prior) else estimates[-1]
-            record = self.levels[level] if level < len(self.levels) else Record()
-            estimates.append(record.mean(level_prior, strength))
+            if level < len(self.levels):
+                record = self.levels[level]
+                estimates.append((record.hits + strength * level_prior) / (record.attempts + strength))
+            else:
+                estimates.append(level_prior)  # no record: the prior itself
         return estimates
 
 

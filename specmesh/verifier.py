@@ -25,11 +25,10 @@ import torch
 from specmesh.acceptance import Verdict, verify_greedy, verify_mss
 from specmesh.errors import InvalidArgument
 from specmesh.models.llama import TreeBatch
-from specmesh.models.runtime import TargetRuntime
+from specmesh.models.runtime import TargetRuntime, prefill_sessions
 from specmesh.sampling import SamplingParams, target_probabilities
 from specmesh.tree import CompiledTree, TokenTree, compile_tree
 
-PREFILL_CHUNK = 512  # prompt tokens per prefill pass: bounds the attention scores' memory
 _MASK64 = (1 << 64) - 1
 
 
@@ -195,19 +194,7 @@ class TreeVerifier:
     def _prefill(self, jobs: Sequence[VerifyJob]) -> None:
         """Cache each job's history, in chunks so attention memory stays bounded."""
         self.stats.prefill_tokens += sum(j.position for j in jobs)
-        while True:
-            pending = [j for j in jobs if self._sessions[j.request_id].length < j.position]
-            if not pending:
-                return
-            sessions, trees = [], []
-            for job in pending:
-                session = self._sessions[job.request_id]
-                chunk = job.history[session.length : job.position][:PREFILL_CHUNK]
-                sessions.append(session)
-                trees.append(compile_tree(chunk[0], TokenTree.chain(chunk[1:])))
-            self.runtime.forward(TreeBatch.build(sessions, trees), logits_rows=torch.empty(0, dtype=torch.long))
-            for session, tree in zip(sessions, trees):
-                session.keep_rows(list(range(tree.num_rows)))
+        prefill_sessions(self.runtime, [self._sessions[j.request_id] for j in jobs], [j.history[: j.position] for j in jobs])
 
     def _verify_trees(self, jobs: Sequence[VerifyJob]) -> list[Verdict]:
         sessions = [self._sessions[j.request_id] for j in jobs]

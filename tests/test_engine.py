@@ -233,9 +233,9 @@ def test_bad_requests_name_the_argument(runtime, prompt, max_tokens, field):
 
 
 def test_long_prompts_prefill_in_chunks(tiny_model, runtime, monkeypatch):
-    import specmesh.verifier as verifier_module
+    import specmesh.models.runtime as runtime_module
 
-    monkeypatch.setattr(verifier_module, "PREFILL_CHUNK", 4)
+    monkeypatch.setattr(runtime_module, "PREFILL_CHUNK", 4)
     prompts = ragged_prompts(3, 96, seed=9)
     engine = SpeculativeEngine(runtime, drafters=[NgramDrafter()], max_tree_nodes=4)
     outputs = engine.generate([Request(tuple(p), SamplingParams(max_tokens=MAX_TOKENS)) for p in prompts])

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from specmesh.distill.data import Example, target_soft_labels
+from specmesh.distill.data import Example, generate_examples, greedy_answers, recorded_soft_labels, soft_labels, target_soft_labels
 from specmesh.distill.evaluate import agreement_by_category, expected_tokens_per_step, teacher_forced_hits, union_hits
 from specmesh.distill.train import TrainConfig, build_student, labels_for, train_student
 from specmesh.drafters.expert import ExpertDrafter, ExpertSpec, load_expert, save_expert, subset_for
@@ -44,6 +44,60 @@ def trained(target, examples):
     result = train_student(model, examples, TrainConfig(layers=1, minutes=0.15, learning_rate=3e-3, tokens_per_batch=512),
                            soft_labels=soft, validation=examples[:6], validate_every_s=2.0)
     return model, before, result
+
+
+def test_greedy_answers_record_the_teacher_forced_distribution(target, examples):
+    runtime = LlamaRuntime(target)
+    chosen = examples[:6]
+    results = greedy_answers(runtime, [e.prompt_ids for e in chosen], max_tokens=16, top_k=8)
+    forced = target_soft_labels(runtime, chosen, top_k=8)
+    for example, (answer, labels), reference in zip(chosen, results, forced):
+        assert tuple(answer) == example.response_ids  # plain greedy decoding, as the engine does it
+        assert labels.token_ids.shape == (len(answer), 8)
+        assert labels.token_ids[:, 0].tolist() == answer
+        assert torch.allclose(labels.probs, reference.probs, atol=1e-4)
+
+
+def test_greedy_answers_stop_at_eos(target, examples):
+    example = examples[0]
+    eos = example.response_ids[2]
+    [(answer, labels)] = greedy_answers(LlamaRuntime(target), [example.prompt_ids], max_tokens=16, eos_token_ids=[eos])
+    assert answer == list(example.response_ids[: example.response_ids.index(eos) + 1])
+    assert labels.token_ids.shape[0] == len(answer)
+
+
+class CharTokenizer:
+    """Text to ids by character (the tiny target has no real tokenizer)."""
+
+    def __call__(self, text):
+        return {"input_ids": [2 + ord(c) % (VOCAB - 2) for c in text]}
+
+
+def test_generated_examples_are_cached_with_their_soft_labels(target, tmp_path):
+    from specmesh.prompts import Prompt
+
+    runtime = LlamaRuntime(target)
+    prompts = [Prompt(f"prompt number {i}", "c") for i in range(5)]
+    cache = tmp_path / "answers.jsonl"
+    first = generate_examples(runtime, CharTokenizer(), prompts[:3], cache, max_tokens=10, batch_size=2)
+    again = generate_examples(runtime, CharTokenizer(), prompts, cache, max_tokens=10, batch_size=2)
+    assert again[:3] == first and len(again) == 5
+    assert len(cache.read_text().splitlines()) == 5  # only the two new prompts were generated
+    labels = recorded_soft_labels(cache, again)
+    assert labels is not None and [l.token_ids[:, 0].tolist() for l in labels] == [list(e.response_ids) for e in again]
+    assert soft_labels(runtime, again, cache) is not None
+
+
+def test_answers_cached_without_labels_get_a_teacher_forced_pass_once(target, examples, tmp_path, monkeypatch):
+    import specmesh.distill.data as data
+
+    runtime = LlamaRuntime(target)
+    chosen = examples[:3]  # built without recorded labels, as in a cache written before they were recorded
+    assert recorded_soft_labels(tmp_path / "answers.jsonl", chosen) is None
+    first = soft_labels(runtime, chosen, tmp_path / "answers.jsonl")
+    monkeypatch.setattr(data, "target_soft_labels", lambda *args: pytest.fail("the teacher-forced pass ran twice"))
+    second = soft_labels(runtime, chosen, tmp_path / "answers.jsonl")
+    assert all(torch.allclose(a.probs, b.probs, atol=1e-3) for a, b in zip(first, second))
 
 
 def test_subset_is_frequency_ranked():

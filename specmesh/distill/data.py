@@ -1,11 +1,17 @@
-"""The target's own greedy answers to training prompts, cached as JSONL and resumable.
+"""The target's own greedy answers to training prompts, with its top-k next-token distribution at every
+answer position, cached (JSONL + safetensors shards) and resumable.
 
 Under teacher forcing on its own greedy output, the target's argmax at every position is the next
-token of the answer, so these answers are exactly the labels that top-1 agreement is measured by.
+token of the answer, so these answers are exactly the labels that top-1 agreement is measured by; and
+the distribution greedy decoding computes at each step is exactly the teacher-forced one, so the soft
+labels come free with the answers.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,9 +20,12 @@ from typing import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from specmesh.engine import Request, SpeculativeEngine
+from specmesh.models.llama import TreeBatch
+from specmesh.models.runtime import prefill_sessions
 from specmesh.prompts import Prompt, encode_chat
-from specmesh.sampling import SamplingParams
+from specmesh.tree import TokenTree, compile_tree
+
+SOFT_LABEL_TOP_K = 16
 
 
 @dataclass(frozen=True)
@@ -25,50 +34,11 @@ class Example:
     category: str
     prompt_ids: tuple[int, ...]
     response_ids: tuple[int, ...]
+    labels: tuple[str, int] | None = None  # (shard file, index in it) of the soft labels recorded with the answer
 
     @property
     def token_ids(self) -> list[int]:
         return [*self.prompt_ids, *self.response_ids]
-
-
-def load_examples(path: Path) -> list[Example]:
-    if not path.exists():
-        return []
-    examples = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            row = json.loads(line)
-            examples.append(Example(row["prompt"], row["category"], tuple(row["prompt_ids"]), tuple(row["response_ids"])))
-    return examples
-
-
-def generate_examples(
-    engine: SpeculativeEngine,
-    tokenizer,
-    prompts: Sequence[Prompt],
-    cache_file: Path,
-    max_tokens: int = 128,
-    batch_size: int = 64,  # the lean runtime decodes ~2.5x more tokens/s at 64 requests a pass than at 16
-) -> list[Example]:
-    """Answers for every prompt, reusing those already in ``cache_file`` and appending the new ones."""
-    cache_file.parent.mkdir(parents=True, exist_ok=True)
-    done = {e.prompt: e for e in load_examples(cache_file)}
-    todo = [p for p in prompts if p.text not in done]
-    params = SamplingParams(max_tokens=max_tokens)
-    with cache_file.open("a", encoding="utf-8") as out, tqdm(total=len(prompts), initial=len(prompts) - len(todo),
-                                                             desc="target answers", unit="prompt") as bar:
-        for start in range(0, len(todo), batch_size):
-            batch = todo[start : start + batch_size]
-            encoded = [tuple(encode_chat(tokenizer, p.text)) for p in batch]
-            results = engine.generate([Request(ids, params) for ids in encoded])
-            for prompt, ids, result in zip(batch, encoded, results):
-                example = Example(prompt.text, prompt.category, ids, tuple(result.token_ids))
-                done[prompt.text] = example
-                out.write(json.dumps({"prompt": example.prompt, "category": example.category,
-                                      "prompt_ids": list(ids), "response_ids": list(example.response_ids)}) + "\n")
-            out.flush()
-            bar.update(len(batch))
-    return [done[p.text] for p in prompts if p.text in done]
 
 
 @dataclass(frozen=True)
@@ -79,11 +49,124 @@ class SoftLabels:
     probs: torch.Tensor  # [answer_len, k] float32, the target's probabilities (not renormalised)
 
 
-def target_soft_labels(runtime, examples: Sequence[Example], top_k: int = 16) -> list[SoftLabels]:
-    """One teacher-forced target pass per example: its distribution after every answer position's input."""
-    from specmesh.models.llama import TreeBatch
-    from specmesh.tree import TokenTree, compile_tree
+def load_examples(path: Path) -> list[Example]:
+    if not path.exists():
+        return []
+    examples = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            row = json.loads(line)
+            labels = tuple(row["labels"]) if "labels" in row else None
+            examples.append(Example(row["prompt"], row["category"], tuple(row["prompt_ids"]), tuple(row["response_ids"]),
+                                    labels))
+    return examples
 
+
+def greedy_answers(
+    runtime, prompts: Sequence[Sequence[int]], max_tokens: int, eos_token_ids: Sequence[int] = (), top_k: int = SOFT_LABEL_TOP_K,
+) -> list[tuple[list[int], SoftLabels]]:
+    """Plain greedy decoding of every prompt together (one target pass per step), recording the target's
+    top-k distribution at each step: the answer, and the soft labels of its every position."""
+    eos = frozenset(eos_token_ids)
+    sessions = [runtime.new_session() for _ in prompts]
+    try:
+        for session, ids in zip(sessions, prompts):
+            session.reserve(len(ids) + max_tokens)  # one buffer for the whole answer: no regrowth, no fragments
+        prefill_sessions(runtime, sessions, [ids[:-1] for ids in prompts])
+        answers: list[list[int]] = [[] for _ in prompts]
+        tops: list[list[torch.Tensor]] = [[] for _ in prompts]  # per step [2, k]: ids, probs
+        last = [ids[-1] for ids in prompts]
+        active = list(range(len(prompts)))
+        while active:
+            trees = [compile_tree(last[i], TokenTree()) for i in active]
+            logits = runtime.forward(TreeBatch.build([sessions[i] for i in active], trees))  # [active, vocab]
+            top = logits.float().softmax(-1).topk(top_k, dim=-1)
+            still = []
+            for row, i in enumerate(active):
+                sessions[i].keep_rows([0])
+                token = int(top.indices[row, 0])  # the argmax: softmax keeps the order
+                answers[i].append(token)
+                tops[i].append(torch.stack([top.indices[row].float(), top.values[row]]))
+                last[i] = token
+                if token not in eos and len(answers[i]) < max_tokens:
+                    still.append(i)
+            active = still
+    finally:
+        for session in sessions:
+            session.free()
+        release_freed_memory()
+    labels = []
+    for steps in tops:
+        stacked = torch.stack(steps)  # [answer_len, 2, k]
+        labels.append(SoftLabels(stacked[:, 0].long(), stacked[:, 1].contiguous()))
+    return list(zip(answers, labels))
+
+
+def release_freed_memory() -> None:
+    """Hand freed heap pages back to the OS (glibc keeps them otherwise: a long generation's KV buffers of
+    varying sizes fragment the heap until the process holds many times what it uses)."""
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
+def generate_examples(
+    runtime,
+    tokenizer,
+    prompts: Sequence[Prompt],
+    cache_file: Path,
+    max_tokens: int = 128,
+    eos_token_ids: Sequence[int] = (),
+    batch_size: int = 64,  # the lean runtime decodes ~2.5x more tokens/s at 64 requests a pass than at 16
+) -> list[Example]:
+    """Answers for every prompt, reusing those already in ``cache_file`` and appending the new ones; each
+    batch's soft labels go to a safetensors shard beside it (``<cache>.labels/``)."""
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    shards = _shard_dir(cache_file)
+    shards.mkdir(exist_ok=True)
+    done = {e.prompt: e for e in load_examples(cache_file)}
+    todo = [p for p in prompts if p.text not in done]
+    with cache_file.open("a", encoding="utf-8") as out, tqdm(total=len(prompts), initial=len(prompts) - len(todo),
+                                                             desc="target answers", unit="prompt") as bar:
+        for start in range(0, len(todo), batch_size):
+            batch = todo[start : start + batch_size]
+            encoded = [tuple(encode_chat(tokenizer, p.text)) for p in batch]
+            results = greedy_answers(runtime, encoded, max_tokens, eos_token_ids)
+            shard = hashlib.sha256(repr(encoded).encode()).hexdigest()[:16] + ".safetensors"
+            _save_shard(shards / shard, [labels for _, labels in results])
+            for index, (prompt, ids, (answer, _)) in enumerate(zip(batch, encoded, results)):
+                example = Example(prompt.text, prompt.category, ids, tuple(answer), (shard, index))
+                done[prompt.text] = example
+                out.write(json.dumps({"prompt": example.prompt, "category": example.category, "prompt_ids": list(ids),
+                                      "response_ids": answer, "labels": [shard, index]}) + "\n")
+            out.flush()
+            bar.update(len(batch))
+    return [done[p.text] for p in prompts if p.text in done]
+
+
+def recorded_soft_labels(cache_file: Path, examples: Sequence[Example]) -> list[SoftLabels] | None:
+    """The soft labels recorded with ``examples``' answers, or None where any is missing (an older cache)."""
+    if any(e.labels is None for e in examples):
+        return None
+    shards: dict[str, list[SoftLabels]] = {}
+    labels = []
+    for example in examples:
+        name, index = example.labels
+        if name not in shards:
+            path = _shard_dir(cache_file) / name
+            if not path.exists():
+                return None
+            shards[name] = _load_shard(path)
+        label = shards[name][index]
+        if label.token_ids.shape[0] != len(example.response_ids):
+            return None
+        labels.append(label)
+    return labels
+
+
+def target_soft_labels(runtime, examples: Sequence[Example], top_k: int = SOFT_LABEL_TOP_K) -> list[SoftLabels]:
+    """One teacher-forced target pass per example: its distribution after every answer position's input."""
     labels = []
     for example in tqdm(examples, desc="target distributions", unit="answer"):
         tokens = example.token_ids[:-1]
@@ -95,33 +178,48 @@ def target_soft_labels(runtime, examples: Sequence[Example], top_k: int = 16) ->
             logits = runtime.forward(TreeBatch.build([session], [tree]), logits_rows=rows)  # [answer_len, vocab]
         finally:
             session.free()
+            release_freed_memory()
         top = logits.softmax(-1).topk(top_k, dim=-1)
         labels.append(SoftLabels(top.indices, top.values))
     return labels
 
 
-def cached_soft_labels(runtime, examples: Sequence[Example], cache_file: Path, top_k: int = 16) -> list[SoftLabels]:
-    """``target_soft_labels``, kept in a safetensors file that is reused while the examples are the same."""
-    import hashlib
+def soft_labels(runtime, examples: Sequence[Example], answers_file: Path) -> list[SoftLabels]:
+    """The soft labels recorded with the answers; for answers cached without them (older caches), one
+    teacher-forced pass, kept in a shard keyed by the examples so that it is paid once."""
+    recorded = recorded_soft_labels(answers_file, examples)
+    if recorded is not None:
+        return recorded
+    digest = hashlib.sha256(repr([(e.prompt_ids, e.response_ids) for e in examples]).encode()).hexdigest()[:16]
+    shard = _shard_dir(answers_file) / f"teacher-forced-{digest}.safetensors"
+    if shard.exists():
+        return _load_shard(shard)
+    labels = target_soft_labels(runtime, examples)
+    shard.parent.mkdir(parents=True, exist_ok=True)
+    _save_shard(shard, labels)
+    return labels
 
-    from safetensors.torch import load_file, save_file
 
-    digest = hashlib.sha256(repr([(e.prompt_ids, e.response_ids) for e in examples]).encode()).hexdigest()
-    key = torch.tensor(list(bytes.fromhex(digest)) + [top_k], dtype=torch.int32)
-    if cache_file.exists():
-        stored = load_file(str(cache_file))
-        if torch.equal(stored["key"], key):
-            offsets = stored["offsets"].tolist()
-            return [SoftLabels(stored["token_ids"][a:b].long(), stored["probs"][a:b].float())
-                    for a, b in zip(offsets, offsets[1:])]
-    labels = target_soft_labels(runtime, examples, top_k)
+def _shard_dir(cache_file: Path) -> Path:
+    return cache_file.with_name(cache_file.name + ".labels")
+
+
+def _save_shard(path: Path, labels: Sequence[SoftLabels]) -> None:
+    from safetensors.torch import save_file
+
     offsets = [0]
     for label in labels:
         offsets.append(offsets[-1] + label.token_ids.shape[0])
     save_file({
-        "key": key,
         "offsets": torch.tensor(offsets, dtype=torch.int64),
         "token_ids": torch.cat([l.token_ids for l in labels]).to(torch.int32),
         "probs": torch.cat([l.probs for l in labels]).to(torch.float16),
-    }, str(cache_file))
-    return labels
+    }, str(path))
+
+
+def _load_shard(path: Path) -> list[SoftLabels]:
+    from safetensors.torch import load_file
+
+    stored = load_file(str(path))
+    offsets = stored["offsets"].tolist()
+    return [SoftLabels(stored["token_ids"][a:b].long(), stored["probs"][a:b].float()) for a, b in zip(offsets, offsets[1:])]

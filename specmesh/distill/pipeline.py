@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Sequence
 
 
-from specmesh.assembly import Assembly, load_expert_for
-from specmesh.distill.data import Example, cached_soft_labels, generate_examples
+from specmesh.assembly import Assembly, eos_token_ids, load_expert_for
+from specmesh.distill.data import Example, generate_examples, soft_labels
 from specmesh.distill.evaluate import agreement_by_category, expected_tokens_per_step, step_cost_ms, teacher_forced_hits, union_hits
 from specmesh.distill.train import TrainConfig, build_student, train_student
 from specmesh.drafters.expert import ExpertDrafter, ExpertSpec, drafter_dtype, save_expert, subset_for
@@ -43,7 +43,8 @@ def mtbench_examples(assembly: Assembly, max_tokens: int = MTBENCH_ANSWER_TOKENS
     """The target's greedy answers to MT-Bench's first turns (cached): the evaluation set."""
     name = assembly.target.name.replace("/", "_")
     cache = cache_root() / "eval" / f"mtbench-{name}-{max_tokens}.jsonl"
-    return generate_examples(assembly.engine(0), assembly.target.tokenizer, mtbench_prompts(), cache, max_tokens)
+    return generate_examples(assembly.runtime, assembly.target.tokenizer, mtbench_prompts(), cache, max_tokens,
+                             eos_token_ids(assembly.target))
 
 
 def boost_weights(assembly: Assembly, examples: Sequence[Example], earlier_dirs: Sequence[str | Path]) -> list[list[float]]:
@@ -70,8 +71,9 @@ def distill(
     max_answer_tokens: int = 128,
 ) -> ExpertSpec:
     out_dir.mkdir(parents=True, exist_ok=True)
-    examples = generate_examples(assembly.engine(0), assembly.target.tokenizer, prompts, out_dir / "answers.jsonl",
-                                 max_tokens=max_answer_tokens)
+    answers_file = out_dir / "answers.jsonl"
+    examples = generate_examples(assembly.runtime, assembly.target.tokenizer, prompts, answers_file, max_answer_tokens,
+                                 eos_token_ids(assembly.target))
     rng = random.Random(config.seed)
     shuffled = examples[:]
     rng.shuffle(shuffled)
@@ -82,7 +84,7 @@ def distill(
     weights = boost_weights(assembly, training, boost_from) if boost_from else None
     soft = None
     if config.soft_weight > 0:
-        labels = cached_soft_labels(assembly.runtime, examples, out_dir / "soft_labels.safetensors")
+        labels = soft_labels(assembly.runtime, examples, answers_file)
         by_prompt = dict(zip((e.prompt for e in examples), labels))
         soft = [by_prompt[e.prompt] for e in training]
     model = build_student(assembly.target.model, subset, config.layers)

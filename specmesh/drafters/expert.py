@@ -26,7 +26,7 @@ from specmesh.models.kv_cache import KVSession
 from specmesh.models.llama import LlamaRuntime, TreeBatch
 from specmesh.drafters.shape import common_prefix, confident_tree
 from specmesh.tree import TokenTree, compile_tree
-from specmesh.verifier import PREFILL_CHUNK
+from specmesh.models.runtime import PREFILL_CHUNK
 
 FORMAT = "specmesh-drafter/1"
 

@@ -27,10 +27,27 @@ def make_runtime(hf_model: torch.nn.Module, lean: bool = True) -> TargetRuntime:
     return HFRuntime(hf_model)
 
 
+PREFILL_CHUNK = 512  # tokens per session per prefill pass: bounds the attention scores' memory
+
+
+def prefill_sessions(runtime: TargetRuntime, sessions: Sequence, histories: Sequence[Sequence[int]]) -> None:
+    """Extend each session's cache until it holds its whole history, all sessions in each pass (no logits)."""
+    while True:
+        pending = [(s, h) for s, h in zip(sessions, histories) if s.length < len(h)]
+        if not pending:
+            return
+        trees = []
+        for session, history in pending:
+            chunk = history[session.length :][:PREFILL_CHUNK]
+            trees.append(compile_tree(chunk[0], TokenTree.chain(chunk[1:])))
+        batch_sessions = [s for s, _ in pending]
+        runtime.forward(TreeBatch.build(batch_sessions, trees), logits_rows=torch.empty(0, dtype=torch.long))
+        for session, tree in zip(batch_sessions, trees):
+            session.keep_rows(list(range(tree.num_rows)))
+
+
 def prefilled_session(runtime: TargetRuntime, tokens: Sequence[int]):
-    """A new session whose cache holds ``tokens`` (one pass, no logits): a starting point for timing."""
+    """A new session whose cache holds ``tokens`` (no logits): a starting point for timing."""
     session = runtime.new_session()
-    prefix = compile_tree(tokens[0], TokenTree.chain(tokens[1:]))
-    runtime.forward(TreeBatch.build([session], [prefix]), logits_rows=torch.empty(0, dtype=torch.long))
-    session.keep_rows(list(range(prefix.num_rows)))
+    prefill_sessions(runtime, [session], [tokens])
     return session
