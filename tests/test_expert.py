@@ -100,6 +100,11 @@ def test_answers_cached_without_labels_get_a_teacher_forced_pass_once(target, ex
     assert all(torch.allclose(a.probs, b.probs, atol=1e-3) for a, b in zip(first, second))
 
 
+def test_batched_teacher_forcing_equals_one_example_at_a_time(trained, examples):
+    model, _, _ = trained
+    assert teacher_forced_hits(model, examples, tokens_per_batch=128) == teacher_forced_hits(model, examples, tokens_per_batch=1)
+
+
 def test_subset_is_frequency_ranked():
     assert subset_for([5, 5, 5, 2, 2, 9], vocab_size=10, size=2).tolist() == [5, 2]
     assert subset_for([5, 2], vocab_size=10, size=8).tolist() == [2, 5]  # only seen tokens; ties by id

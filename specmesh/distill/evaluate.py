@@ -23,20 +23,34 @@ MAX_K = 8
 
 
 @torch.no_grad()
-def teacher_forced_hits(model: ExpertModel, examples: Sequence[Example]) -> list[list[bool]]:
-    """Per example, per answer position: whether the drafter's top-1 guess is the target's next token."""
+def teacher_forced_hits(model: ExpertModel, examples: Sequence[Example], tokens_per_batch: int = 4096) -> list[list[bool]]:
+    """Per example, per answer position: whether the drafter's top-1 guess is the target's next token.
+    Examples of similar length go through together, right-padded (causal attention keeps every real
+    position's output what it is alone)."""
     subset = model.subset_ids
     fallback = len(subset)
-    hits = []
-    for example in examples:
-        tokens = torch.tensor([example.token_ids])
-        guesses = model(tokens)[0].argmax(-1)  # [seq] subset indices
-        start = len(example.prompt_ids) - 1
-        row = []
-        for position in range(start, len(example.token_ids) - 1):
-            guess = int(guesses[position])
-            row.append(guess != fallback and int(subset[guess]) == example.token_ids[position + 1])
-        hits.append(row)
+    hits: list[list[bool]] = [[] for _ in examples]
+    order = sorted(range(len(examples)), key=lambda i: len(examples[i].token_ids))
+    start = 0
+    while start < len(order):
+        width = len(examples[order[start]].token_ids)
+        end = start + 1
+        while end < len(order) and len(examples[order[end]].token_ids) * (end - start + 1) <= tokens_per_batch:
+            end += 1
+        group = [examples[i] for i in order[start:end]]
+        width = max(len(e.token_ids) for e in group)
+        ids = torch.zeros(len(group), width, dtype=torch.long)
+        mask = torch.zeros(len(group), width, dtype=torch.long)
+        for row, example in enumerate(group):
+            ids[row, : len(example.token_ids)] = torch.tensor(example.token_ids)
+            mask[row, : len(example.token_ids)] = 1
+        guesses = model(ids, attention_mask=mask).argmax(-1)  # [batch, width] subset indices
+        guessed = torch.cat([subset, torch.tensor([-1], dtype=subset.dtype)])[guesses]  # token ids; -1 = fallback
+        for row, (index, example) in enumerate(zip(order[start:end], group)):
+            first, last = len(example.prompt_ids) - 1, len(example.token_ids) - 1
+            truth = torch.tensor(example.token_ids[first + 1 : last + 1])
+            hits[index] = (guessed[row, first:last] == truth).tolist()
+        start = end
     return hits
 
 
