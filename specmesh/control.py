@@ -96,9 +96,12 @@ class CostModel:
     Each further request costs what the runtime spends per request (on a CPU attention runs request by
     request); a request with a tree costs its tree mask; rows (roots and tree nodes) cost little each
     while the matrix products stay flat, and more past that. Measured on 2 CPU cores (SmolLM2-135M),
-    one request with 1..9 rows: 19.5..24 ms; 16 requests with 1, 2, 3 rows each: 48, 71, 95 ms."""
+    one request with 1..9 rows: 19.5..24 ms; 16 requests with 1, 2, 3 rows each: 48, 71, 95 ms; on a
+    slower day, a pass of 1 / 4 / 16 one-row requests 49 / 52 / 131 ms, and one of them with a tree of
+    2 nodes +8 / +8 / +10 ms: the first rows of a tree cost ~0.2 of a one-request pass, so the prior
+    says so (learning a tree's cost takes passes with trees, which a loaded batch rarely has)."""
 
-    def __init__(self, base_ms: float = 25.0, per_request_ms: float = 2.0, per_tree_ms: float = 0.5,
+    def __init__(self, base_ms: float = 25.0, per_request_ms: float = 2.0, per_tree_ms: float = 4.0,
                  per_row_ms: float = 0.25, per_row_past_flat_ms: float = 0.5) -> None:
         self.fit = OnlineLinear([base_ms, per_request_ms, per_tree_ms, per_row_ms, per_row_past_flat_ms],
                                 prior_weight=2.0, decay=0.98)

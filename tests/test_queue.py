@@ -16,7 +16,7 @@ from specmesh.models.llama import LlamaRuntime
 from specmesh.queue import VerifierQueue, encode_job
 from specmesh.redis_server import RedisServer
 from specmesh.sampling import SamplingParams
-from specmesh.scheduling import plan_batch
+from specmesh.scheduling import PassRhythm, plan_batch
 from specmesh.tree import TokenTree
 from specmesh.verifier import VerifyJob
 
@@ -156,6 +156,19 @@ def test_redis_down_fails_with_unavailable_then_recovers(tiny_model, tmp_path):
         server.stop()
     assert failed_after < 5
     assert before == after
+
+
+def test_the_next_pass_waits_briefly_only_for_the_last_pass_requests_still_on_their_way():
+    rhythm = PassRhythm(max_wait_share=0.25, max_wait_ms=50.0, average=0.5)
+    assert rhythm.wait_ms() == 0.0 and rhythm.missing(["a"]) == set()  # no pass yet: nothing to wait for
+    rhythm.passed(["a", "b", "c"], pass_ms=100.0)
+    assert rhythm.missing(["a", "x"]) == {"b", "c"}  # x is new: welcome, but not waited for
+    assert rhythm.wait_ms() == 25.0  # a quarter of a pass
+    rhythm.ended("b")  # its close arrived: it sends nothing more
+    assert rhythm.missing(["a"]) == {"c"}
+    rhythm.passed(["a", "c"], pass_ms=1000.0)
+    assert rhythm.pass_ms == 550.0 and rhythm.wait_ms() == 50.0  # a moving average, capped
+    assert rhythm.missing(["a", "c"]) == set()
 
 
 def test_the_batch_scheduler_fills_a_row_budget_in_readiness_order():

@@ -26,7 +26,7 @@ from specmesh.errors import InvalidArgument
 from specmesh.models.loading import EMBEDDED_DEFAULT, load_hf_model, tokenizer_fingerprint
 from specmesh.models.runtime import make_runtime
 from specmesh.queue import REDIS_DOWN, Entry, QueueKeys, VerifierQueue, encode_error, encode_result
-from specmesh.scheduling import plan_batch
+from specmesh.scheduling import PassRhythm, plan_batch
 from specmesh.serving import Service, TorchThread, env_default, run_service, start_server
 from specmesh.v1 import verifier_pb2, verifier_pb2_grpc
 from specmesh.verifier import TreeVerifier
@@ -55,6 +55,7 @@ class VerifierWorker:
         self.stopped = asyncio.Event()
         self.finished = asyncio.Event()
         self._recent: OrderedDict[str, tuple[int, bytes]] = OrderedDict()  # request -> (step, posted result)
+        self.rhythm = PassRhythm()
 
     @property
     def verifier_id(self) -> str:
@@ -89,7 +90,7 @@ class VerifierWorker:
                     self.metrics.kv_bytes.set(self.verifier.cache_bytes)
                     next_reclaim = now + 1.0
                 backlog += await self.queue.read(self.max_jobs_per_read, 1 if backlog else 100, not self.draining)
-                backlog = await self._serve(backlog)
+                backlog = await self._serve(await self._gather(backlog))
                 self.metrics.pending.set(len(backlog))
                 delay = 0.05
             except REDIS_DOWN as exc:  # keep the KV sessions; routers re-send what was lost
@@ -99,6 +100,28 @@ class VerifierWorker:
                 backlog = []
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
+
+    async def _gather(self, backlog: list[Entry]) -> list[Entry]:
+        """With jobs waiting, wait a moment for those of the last pass's requests that are on their way
+        (``PassRhythm``), so that one round of requests is one pass, not two."""
+        def arrived(entries: list[Entry]) -> list[str]:
+            for entry in entries:
+                if entry.close_request is not None:
+                    self.rhythm.ended(entry.close_request)
+            return [e.queued.job.request_id for e in entries if e.queued is not None]
+
+        ready = arrived(backlog)
+        if not ready:
+            return backlog
+        deadline = time.monotonic() + self.rhythm.wait_ms() / 1e3
+        while self.rhythm.missing(ready) and not self.draining:
+            left_ms = int((deadline - time.monotonic()) * 1e3)
+            if left_ms < 1:
+                break
+            more = await self.queue.read(self.max_jobs_per_read, left_ms, True)
+            backlog += more
+            ready += arrived(more)
+        return backlog
 
     async def _serve(self, backlog: list[Entry]) -> list[Entry]:
         answered: list[tuple[Entry, bytes | None]] = []
@@ -150,6 +173,7 @@ class VerifierWorker:
                     for e, j in zip(batch, jobs)]
         verify_ms = (time.monotonic() - started) * 1e3
         self._count_pass(batch, results, started, verify_ms)
+        self.rhythm.passed([j.request_id for j, r in zip(jobs, results) if not r.resync], verify_ms)
         answered = []
         for entry, job, result in zip(batch, jobs, results):
             payload = encode_result(
