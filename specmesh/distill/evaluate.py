@@ -28,12 +28,10 @@ def teacher_forced_hits(model: ExpertModel, examples: Sequence[Example], tokens_
     Examples of similar length go through together, right-padded (causal attention keeps every real
     position's output what it is alone)."""
     subset = model.subset_ids
-    fallback = len(subset)
     hits: list[list[bool]] = [[] for _ in examples]
     order = sorted(range(len(examples)), key=lambda i: len(examples[i].token_ids))
     start = 0
     while start < len(order):
-        width = len(examples[order[start]].token_ids)
         end = start + 1
         while end < len(order) and len(examples[order[end]].token_ids) * (end - start + 1) <= tokens_per_batch:
             end += 1
