@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -105,10 +106,16 @@ def greedy_answers(
 def release_freed_memory() -> None:
     """Hand freed heap pages back to the OS (glibc keeps them otherwise: a long generation's KV buffers of
     varying sizes fragment the heap until the process holds many times what it uses)."""
-    name = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(name) if name else None
+    libc = _libc()
     if libc is not None and hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)
+
+
+@functools.cache
+def _libc():
+    """The C library, found once (``find_library`` runs ``ldconfig``: not for every answer)."""
+    name = ctypes.util.find_library("c")
+    return ctypes.CDLL(name) if name else None
 
 
 def generate_examples(
