@@ -55,15 +55,22 @@ MIN_PASS_MS = 0.01
 
 
 class OnlineLinear:
-    """y = w . x fitted online by least squares over decayed sums. Every weight but the first (the
-    intercept) is held towards its prior with ``prior_weight`` pseudo-observations, so a model whose
-    inputs never varied (requests that always ask the same budget) stays near the prior's slopes;
-    slopes are kept >= 0 (more work never costs less)."""
+    """y = w . x fitted online by least squares over decayed sums. Each weight is held towards its
+    prior with ``prior_weight`` pseudo-observations (one number: every weight but the first, the
+    intercept, which is then free; or one per weight), so a model whose inputs never varied (requests
+    that always ask the same budget) stays near the prior's split between them; slopes are kept >= 0
+    (more work never costs less)."""
 
-    def __init__(self, prior: Sequence[float], prior_weight: float = 4.0, decay: float = 0.97) -> None:
+    def __init__(self, prior: Sequence[float], prior_weight: float | Sequence[float] = 4.0, decay: float = 0.97) -> None:
         self.prior = np.asarray(prior, dtype=np.float64)  # [features]
         self.decay = decay
-        self.prior_weight = prior_weight
+        if isinstance(prior_weight, (int, float)):
+            self.ridge = np.full(len(prior), float(prior_weight))
+            self.ridge[0] = 0.0
+        else:
+            self.ridge = np.asarray(prior_weight, dtype=np.float64)  # [features]
+            if self.ridge.shape != self.prior.shape:
+                raise ValueError(f"{len(self.ridge)} prior weights for {len(self.prior)} features")
         self._xx = np.zeros((len(prior), len(prior)))  # decayed sum of x x^T
         self._xy = np.zeros(len(prior))  # decayed sum of x y
         self.weights = self.prior.copy()
@@ -73,9 +80,7 @@ class OnlineLinear:
         x = np.asarray(x, dtype=np.float64)
         self._xx = self.decay * self._xx + np.outer(x, x)
         self._xy = self.decay * self._xy + x * y
-        ridge = np.full(len(x), self.prior_weight)
-        ridge[0] = 0.0
-        weights = np.linalg.lstsq(self._xx + np.diag(ridge), self._xy + ridge * self.prior, rcond=None)[0]
+        weights = np.linalg.lstsq(self._xx + np.diag(self.ridge), self._xy + self.ridge * self.prior, rcond=None)[0]
         weights[1:] = np.maximum(weights[1:], 0.0)
         self.weights = weights
         self.coefficients = weights.tolist()
@@ -132,10 +137,15 @@ class DraftCost:
     """Milliseconds one drafter takes to propose: ``fixed + per_node * nodes + per_token * catch_up``
     — a round trip, a drafter step per level, and first the tokens committed since it last drafted for
     the request (a model drafter feeds them through its model: the whole prompt at its first proposal,
-    a long stretch when it comes back after other drafters served the request); 0 when not asked."""
+    a long stretch when it comes back after other drafters served the request); 0 when not asked.
+
+    The round trip is held to its prior too, if more loosely than the rest: left free, a drafter's first
+    proposal (session opened, whole prompt taken in) went into the round trip whole — 73 ms measured
+    through the cluster — so that it looked too dear to ask again and never got to show otherwise. Held,
+    most of that time goes where the inputs were large (the catch-up), and an expert is asked again."""
 
     def __init__(self, fixed_ms: float = 1.0, per_node_ms: float = 0.5, per_token_ms: float = 0.05) -> None:
-        self.fit = OnlineLinear([fixed_ms, per_node_ms, per_token_ms], prior_weight=4.0, decay=0.97)
+        self.fit = OnlineLinear([fixed_ms, per_node_ms, per_token_ms], prior_weight=(0.5, 4.0, 4.0), decay=0.97)
 
     @property
     def fixed_ms(self) -> float:
@@ -153,7 +163,7 @@ class DraftCost:
         if nodes > 0 and ms >= 0:
             self.fit.observe([1.0, nodes, catch_up], ms)
 
-    def ms(self, nodes: int, catch_up: int = 0) -> float:
+    def ms(self, nodes: int, catch_up: float = 0) -> float:
         return self.fixed_ms + self.per_node_ms * nodes + self.per_token_ms * catch_up if nodes > 0 else 0.0
 
 

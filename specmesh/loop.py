@@ -248,7 +248,7 @@ async def speculate(
             step_ms = (time.perf_counter() - step_started) * 1e3
             policy.observe(StepOutcome(draft.plan, draft.trees, tree, tuple(new), draft_ms, draft.drafter_ms, step_ms,
                                        result.pass_ms, result.batch_rows, result.batch_size, result.batch_trees,
-                                       draft.fuse_ms))
+                                       draft.fuse_ms, result.prefilled_tokens))
             await asyncio.gather(*(d.commit(rid, new) for d in drafters))  # also the last: history drafters keep answers
             yield StepOutput(new, finish_reason)
             if finish_reason is not None:

@@ -2,6 +2,7 @@
 the request classifier, the cost model and the goodput controller."""
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -253,6 +254,26 @@ def test_draft_cost_separates_round_trip_levels_and_catch_up():
     assert stuck.ms(2) == pytest.approx(6.0, rel=0.05) and stuck.per_node_ms < 1.5
 
 
+def test_a_first_proposal_that_took_in_the_whole_prompt_does_not_make_the_drafter_look_dear():
+    drafting = DraftCost(fixed_ms=1.0, per_node_ms=0.5, per_token_ms=0.05)
+    drafting.observe(8, 65, 80.0)  # session opened, 65 prompt tokens taken in, 8 levels drafted (through the cluster)
+    assert drafting.ms(8, catch_up=65) > 40.0  # the same again is expected to cost most of that
+    assert drafting.ms(8, catch_up=2) < 15.0  # but a step that only catches up on the last tokens is cheap
+    assert drafting.fixed_ms < 2.0
+
+
+def test_a_step_that_prefilled_does_not_teach_the_step_overhead():
+    policy = AdaptivePolicy(ExpertRouter({"ngram": ["general"]}, free=["ngram"]), GoodputController(CostModel()))
+    request = policy.begin("general", 4)
+    plan = request.plan(16, ["ngram"], 60)
+    first = StepOutcome(plan, (TokenTree(),), TokenTree(), (3,), step_ms=260.0, pass_ms=50.0, batch_rows=1,
+                        batch_size=1, prefilled=60)  # 200 ms of it were the prompt's prefill
+    request.observe(first)
+    assert policy.controller.overhead_ms == [None, None]
+    request.observe(replace(first, step_ms=53.0, prefilled=0))
+    assert policy.controller.overhead(with_tree=False) == pytest.approx(3.0)
+
+
 def test_overhead_is_learned_apart_for_steps_with_and_without_a_tree():
     controller = GoodputController(CostModel())
     assert controller.overhead(with_tree=False) == controller.overhead(with_tree=True) == 0.0
@@ -286,6 +307,18 @@ def test_the_policy_leaves_out_an_expert_whose_guesses_do_not_pay_for_its_time()
                                     step_ms=25.0, pass_ms=20.0, batch_rows=1 + plan.budget, batch_size=1))
         plan = request.plan(room=100, available=["expert", "ngram"], position=100)
     assert plan.drafters == ("ngram",) and plan.budget >= 4
+
+
+def test_an_expert_joining_late_pays_its_catch_up_over_the_steps_it_will_draft():
+    policy = AdaptivePolicy(ExpertRouter({"expert": ["code"]}, RoutingConfig(explore=0.0)),
+                            GoodputController(CostModel(), probe_every=0))
+    policy.draft_cost("expert").fit.observe([1.0, 8.0, 100.0], 2.0 + 4.0 * 8 + 0.35 * 100)  # 0.35 ms a context token
+    policy.state.tokens_per_request_step = 2.0
+    request = policy.begin("code", 8)
+    # the expert never drafted for this request: 100 tokens to take in first, then it drafts for the rest
+    assert request.plan(room=200, available=["expert"], position=100).budget > 0
+    # the same catch-up for a step or two of room left is not worth it
+    assert request.plan(room=3, available=["expert"], position=100).budget == 0
 
 
 def test_adaptive_policy_learns_costs_and_load_from_the_verifiers_reports():
