@@ -176,16 +176,6 @@ class _AdaptiveRequest:
     def kind(self) -> str:
         return self.route.kind
 
-    def acceptance(self, names: Sequence[str]) -> list[float]:
-        """Expected acceptance of each tree level when ``names`` draft together: a level is right when
-        any of them is (taken as independent, which slightly flatters a large set)."""
-        router = self.policy.router
-        missed = [1.0] * self.max_budget
-        for name in names:
-            for level, rate in enumerate(router.levels(self.route, name, self.max_budget)):
-                missed[level] *= 1.0 - rate
-        return [1.0 - m for m in missed]
-
     def catch_up(self, name: str) -> int:
         """Tokens ``name`` has to take in before it can draft: those committed since it last drafted."""
         return self.position - self.drafted_at.get(name, 0)
@@ -217,7 +207,7 @@ class _AdaptiveRequest:
         best_goodput, budget, chosen = policy.controller.goodput(0, [], 0.0, load), 0, core
         for option in options:
             costs = [(policy.draft_cost(n), self.charged_catch_up(n, room)) for n in option]
-            n, goodput = policy.controller.choose(self.max_budget, self.acceptance(option),
+            n, goodput = policy.controller.choose(self.max_budget, router.team_levels(self.route, option, self.max_budget),
                                                   lambda nodes: sum(c.ms(nodes, t) for c, t in costs), load)
             if n > 0 and goodput > best_goodput:
                 best_goodput, budget, chosen = goodput, n, option
@@ -243,6 +233,8 @@ class _AdaptiveRequest:
         self.steps_without = 0
         for name, tree in zip(outcome.plan.drafters, outcome.trees):
             policy.router.observe(self.route, name, *level_hits(tree, outcome.committed))
+        team = [n for n in outcome.plan.drafters if n != self.route.explored]  # the option the budget was chosen for
+        policy.router.observe_team(self.route, team, *level_hits(outcome.fused, outcome.committed))
 
     def end(self) -> None:
         if not self.ended:

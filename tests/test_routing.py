@@ -123,6 +123,23 @@ def test_model_free_drafters_ride_along_with_the_best_expert():
     assert router.select(route, ["code", "math", "ngram", "history"]) == ["code", "ngram"]
 
 
+def test_a_team_is_expected_to_be_right_as_often_as_its_fused_trees_were():
+    router = ExpertRouter({"a": ["code"], "b": ["code"]}, RoutingConfig(explore=0.0))
+    route = router.open("code")
+    for step in range(60):  # each right half the time, on the same tokens: together no better than one
+        hit = step % 2
+        router.observe(route, "a", hit, 1)
+        router.observe(route, "b", hit, 1)
+        router.observe_team(route, ["a", "b"], hit, 1)
+    alone = router.levels(route, "a", 1)[0]
+    independent = 1 - (1 - alone) * (1 - router.levels(route, "b", 1)[0])
+    together = router.team_levels(route, ["b", "a"], 1)[0]  # the order of the names does not matter
+    assert alone == pytest.approx(0.5, abs=0.1) and independent > 0.7
+    assert together == pytest.approx(0.5, abs=0.1)
+    assert router.team_levels(router.open("code"), ["a", "b"], 1)[0] < 0.65  # the next request of the kind knows it too
+    assert set(router.table()["code"]) == {"a", "b"}  # teams are not drafters
+
+
 def test_drafters_register_by_what_they_advertise():
     from types import SimpleNamespace
 
