@@ -249,7 +249,8 @@ async def speculate(
             policy.observe(StepOutcome(draft.plan, draft.trees, tree, tuple(new), draft_ms, draft.drafter_ms, step_ms,
                                        result.pass_ms, result.batch_rows, result.batch_size, result.batch_trees,
                                        draft.fuse_ms, result.prefilled_tokens))
-            await asyncio.gather(*(d.commit(rid, new) for d in drafters))  # also the last: history drafters keep answers
+            for drafter in drafters:  # also the last: history drafters keep answers
+                await drafter.commit(rid, new)  # bookkeeping, sent with the next proposal: one at a time costs no gather
             yield StepOutput(new, finish_reason)
             if finish_reason is not None:
                 return

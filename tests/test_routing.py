@@ -338,6 +338,25 @@ def test_an_expert_joining_late_pays_its_catch_up_over_the_steps_it_will_draft()
     assert request.plan(room=3, available=["expert"], position=100).budget == 0
 
 
+def test_in_a_busy_batch_a_request_without_speculation_weighs_it_again_every_few_steps():
+    policy = AdaptivePolicy(ExpertRouter({"ngram": ["general"]}, RoutingConfig(explore=0.0), free=["ngram"]),
+                            GoodputController(CostModel(), probe_every=0))
+    others = [policy.begin("general", 4) for _ in range(7)]  # in flight beside it: a busy batch
+    request = policy.begin("general", 4)
+    policy.draft_cost("ngram").fit.observe([1.0, 4.0, 0.0], 400.0)  # drafting looks hopeless
+    plans = []
+    for step in range(8):
+        plan = request.plan(room=50, available=["ngram"], position=50 + step)
+        plans.append(plan.budget)
+        request.observe(StepOutcome(plan, (), TokenTree(), (3,), step_ms=60.0, pass_ms=50.0, batch_rows=8, batch_size=8))
+        if step == 1:  # from here on drafting looks cheap and right: noticed at the next weighing
+            policy.state.drafting.clear()
+            for _ in range(30):
+                policy.router.observe(request.route, "ngram", 4, 4)
+    assert plans[:4] == [0, 0, 0, 0] and plans[4] > 0
+    assert len(others) == 7
+
+
 def test_adaptive_policy_learns_costs_and_load_from_the_verifiers_reports():
     policy = AdaptivePolicy(ExpertRouter({"a": ["general"]}), GoodputController(CostModel(), probe_every=0))
     request = policy.begin("general", 8)
