@@ -70,6 +70,7 @@ class Stats:
     verify_ms: float  # waiting for verification (queue, transport, target pass)
     request_kind: str  # what the router took the request to be about
     drafter_steps: dict[str, int]  # drafter -> steps it drafted for
+    verifier_ms: float  # of verify_ms, the verifier's own work (prefill, passes); the rest is queue and transport
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ def _stats(message) -> Stats:
     return Stats(message.target_steps, message.drafted_nodes, message.accepted_tokens, message.mean_accepted_length,
                  message.resyncs, message.first_token_ms, message.total_ms, tuple(message.drafters),
                  message.drafted_ahead, message.draft_ms, message.verify_ms, message.request_kind,
-                 dict(message.drafter_steps))
+                 dict(message.drafter_steps), message.verifier_ms)
 
 
 def _generation(message: router_pb2.GenerateResponse) -> Generation:

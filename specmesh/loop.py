@@ -49,6 +49,7 @@ class SpeculationStats:
     draft_s: float = 0.0  # time spent waiting for drafters
     drafted_ahead: int = 0  # steps whose tree was drafted during the previous verification
     verify_s: float = 0.0  # time spent waiting for verification (queue + target pass)
+    verifier_s: float = 0.0  # of verify_s, the verifier's own work (prefill, passes); the rest is queue and transport
     request_kind: str = ""  # the request kind its drafters were routed by
     drafter_steps: dict[str, int] = field(default_factory=dict)  # drafter -> steps it drafted for
 
@@ -221,6 +222,7 @@ async def speculate(
                     _draft(by_name, plan, rid, max_depth=room - len(assumed) - 2, assumed=assumed)))
             result = await verifying
             stats.verify_s += time.perf_counter() - verified_at
+            stats.verifier_s += result.verify_ms / 1e3
             send_history = False
             verdict = result.verdict
             new = list(verdict.tokens)

@@ -205,7 +205,7 @@ class QueueVerifierClient:
         self.affinity[job.request_id] = message.verifier_id
         verdict = Verdict(tuple(message.accepted_nodes), tuple(message.tokens))
         return VerifyResult(job.request_id, job.step, verdict, message.prefilled_tokens, message.pass_ms,
-                            message.batch_rows, message.batch_size, message.batch_trees)
+                            message.batch_rows, message.batch_size, message.batch_trees, message.verify_ms)
 
     async def close(self, request_id: str) -> None:
         """Free the request's cache on its verifier now (idle sessions are also evicted there)."""

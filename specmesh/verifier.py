@@ -57,6 +57,7 @@ class VerifyResult:
     batch_rows: int = 0  # rows of that pass: every job's root and tree nodes
     batch_size: int = 0  # jobs in that pass
     batch_trees: int = 0  # jobs in that pass with a tree (the others are plain decoding steps)
+    verify_ms: float = 0.0  # the verifier's whole work for that pass: any prefill, then the tree pass
 
     @property
     def resync(self) -> bool:
@@ -152,6 +153,7 @@ class TreeVerifier:
                 self.stats.resyncs += 1
                 results[i] = VerifyResult(job.request_id, job.step, None)
         self._prefill([jobs[i] for i in prefills])
+        prefill_ms = (time.perf_counter() - started) * 1e3
         if ready:
             passed_at = time.perf_counter()
             verdicts = self._verify_trees([jobs[i] for i in ready])
@@ -161,7 +163,7 @@ class TreeVerifier:
             for i, verdict in zip(ready, verdicts):
                 prefilled = jobs[i].position if i in prefills else 0
                 results[i] = VerifyResult(jobs[i].request_id, jobs[i].step, verdict, prefilled, pass_ms, rows, len(ready),
-                                          trees)
+                                          trees, prefill_ms + pass_ms)
         self.stats.batches += 1
         self.stats.jobs += len(jobs)
         self.stats.busy_s += time.perf_counter() - started

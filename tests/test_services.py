@@ -95,6 +95,7 @@ def test_speculation_modes_and_routing_through_the_router(redis_server, model, t
     for mode, answer in answers.items():
         assert answer.token_ids == plain(model, prompt), mode
         assert answer.stats.request_kind == "code", mode
+        assert 0 < answer.stats.verifier_ms < answer.stats.verify_ms, mode  # the rest was queue and transport
     assert answers["off"].stats.drafted_nodes == 0 and answers["off"].stats.drafter_steps == {}
     fixed = answers["fixed"].stats
     assert list(fixed.drafter_steps) == ["ngram"] and fixed.target_steps - 1 <= fixed.drafter_steps["ngram"] <= fixed.target_steps

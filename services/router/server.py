@@ -43,7 +43,7 @@ def _stats(generation: Generation) -> router_pb2.SpeculationStats:
         target_steps=s.target_steps, drafted_nodes=s.drafted_nodes, accepted_tokens=s.accepted_tokens,
         mean_accepted_length=s.mean_accepted_length, resyncs=s.resyncs, first_token_ms=s.first_token_s * 1e3,
         total_ms=s.total_s * 1e3, drafters=generation.drafters, drafted_ahead=s.drafted_ahead,
-        draft_ms=s.draft_s * 1e3, verify_ms=s.verify_s * 1e3, request_kind=s.request_kind, drafter_steps=s.drafter_steps,
+        draft_ms=s.draft_s * 1e3, verify_ms=s.verify_s * 1e3, verifier_ms=s.verifier_s * 1e3, request_kind=s.request_kind, drafter_steps=s.drafter_steps,
     )
 
 

@@ -60,7 +60,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("target_steps", "drafted_nodes", "accepted_tokens", "mean_accepted_length", "resyncs", "first_token_ms", "total_ms", "drafters", "drafted_ahead", "draft_ms", "verify_ms", "request_kind", "drafter_steps")
+    __slots__ = ("target_steps", "drafted_nodes", "accepted_tokens", "mean_accepted_length", "resyncs", "first_token_ms", "total_ms", "drafters", "drafted_ahead", "draft_ms", "verify_ms", "request_kind", "drafter_steps", "verifier_ms")
     class DrafterStepsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class SpeculationStats(_message.Message):
     VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_KIND_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    VERIFIER_MS_FIELD_NUMBER: _ClassVar[int]
     target_steps: int
     drafted_nodes: int
     accepted_tokens: int
@@ -94,7 +95,8 @@ class SpeculationStats(_message.Message):
     verify_ms: float
     request_kind: str
     drafter_steps: _containers.ScalarMap[str, int]
-    def __init__(self, target_steps: _Optional[int] = ..., drafted_nodes: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., resyncs: _Optional[int] = ..., first_token_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., drafters: _Optional[_Iterable[str]] = ..., drafted_ahead: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., request_kind: _Optional[str] = ..., drafter_steps: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    verifier_ms: float
+    def __init__(self, target_steps: _Optional[int] = ..., drafted_nodes: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., resyncs: _Optional[int] = ..., first_token_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., drafters: _Optional[_Iterable[str]] = ..., drafted_ahead: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., request_kind: _Optional[str] = ..., drafter_steps: _Optional[_Mapping[str, int]] = ..., verifier_ms: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "stats")
