@@ -226,3 +226,35 @@ def test_no_drafter_step_is_wasted_after_the_deepest_guess():
     tree = confident_tree(sure, lambda t: calls.append(t) or sure, None, budget=8, max_depth=3, branch_below=0.0,
                           branch_width=1)
     assert len(tree) == 3 and len(calls) == 2
+
+
+def test_int8_drafting_stays_close_to_fp32_and_lossless(trained, target, examples):
+    from specmesh.models.linear import Int8Linear, int8_available
+
+    if not int8_available("cpu"):
+        pytest.skip("no FBGEMM on this CPU")
+    weight, x = torch.randn(40, 24), torch.randn(3, 24)
+    approx, exact = Int8Linear(weight)(x), x @ weight.T
+    assert (approx - exact).abs().max() < 0.05 * exact.abs().max()  # ~1 % per row, scaled
+
+    model, _, _ = trained
+    fp32 = ExpertDrafter(model, name="fp32", int8_weights=False)
+    int8 = ExpertDrafter(model, name="int8", int8_weights=True)
+    assert isinstance(int8.runtime.layers[0].qkv, Int8Linear) and isinstance(int8.runtime.lm_head, Int8Linear)
+    same, total = 0, 0
+    for number, example in enumerate(examples[:10]):
+        for drafter in (fp32, int8):
+            drafter.start(f"r{number}", example.prompt_ids)
+        for token in example.response_ids:
+            a = fp32._catch_up(fp32._requests[f"r{number}"], [*fp32._requests[f"r{number}"].committed])
+            b = int8._catch_up(int8._requests[f"r{number}"], [*int8._requests[f"r{number}"].committed])
+            assert (a - b).abs().max() < 0.05  # probabilities over the subset + fallback
+            same += int(a.argmax() == b.argmax())
+            total += 1
+            fp32.commit(f"r{number}", [token])
+            int8.commit(f"r{number}", [token])
+    assert same >= 0.9 * total
+
+    engine = SpeculativeEngine(LlamaRuntime(target), [int8], max_tree_nodes=6)  # the target stays exact
+    outputs = engine.generate([Request(e.prompt_ids, SamplingParams(max_tokens=16)) for e in examples[:8]])
+    assert [tuple(o.token_ids) for o in outputs] == [e.response_ids for e in examples[:8]]

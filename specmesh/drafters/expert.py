@@ -23,6 +23,7 @@ from torch import nn
 
 from specmesh.errors import InvalidArgument
 from specmesh.models.kv_cache import KVSession
+from specmesh.models.linear import int8_available
 from specmesh.models.llama import LlamaRuntime, TreeBatch
 from specmesh.drafters.shape import common_prefix, confident_tree
 from specmesh.tree import TokenTree, compile_tree
@@ -96,6 +97,12 @@ def drafter_dtype(device: torch.device | str) -> torch.dtype:
     return torch.float32
 
 
+def drafter_int8(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Int8 linears for a drafter in fp32 on a CPU (no fast bf16 there): a drafting step streams the
+    weights once per token, so a quarter of the bytes is most of the cost saved."""
+    return dtype == torch.float32 and int8_available(device)
+
+
 def save_expert(model: ExpertModel, spec: ExpertSpec, directory: Path) -> None:
     from safetensors.torch import save_file
 
@@ -143,10 +150,15 @@ class ExpertDrafter:
         branch_below: float = 0.6,
         branch_width: int = 2,
         stop_below: float = 0.0,
+        int8_weights: bool | None = None,
     ) -> None:
+        """``int8_weights``: approximate int8 linears (None: where they pay, see ``drafter_int8``)."""
         self.name = name
         self.domain = domain
-        self.runtime = LlamaRuntime(model.body, head_weight=model.head.weight)
+        weight = model.head.weight
+        if int8_weights is None:
+            int8_weights = drafter_int8(weight.device, weight.dtype)
+        self.runtime = LlamaRuntime(model.body, head_weight=weight, int8_weights=int8_weights)
         self.subset_ids = model.subset_ids.tolist()
         self.fallback = len(self.subset_ids)
         self.max_depth = max_depth

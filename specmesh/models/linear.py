@@ -6,9 +6,15 @@ Verification multiplies every weight by a handful of rows (the tree's nodes). On
 expensive as a decode step. oneDNN with the weight pre-packed for a small batch costs the same for
 1..9 rows (1.0-1.2x) and is faster even for one row, so on CPU the weights are packed once at load.
 On CUDA, and where oneDNN is missing, ``W @ x.T`` (flat for 1..3 rows on CPU) or plain ``F.linear``.
+
+Drafters may trade exactness for speed (their numbers never reach the output: verification keeps
+only what the target itself produces), so on a CPU they can use ``Int8Linear``: at one row a step
+the product only streams the weights, and int8 streams a quarter of fp32's bytes.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -53,3 +59,44 @@ def _pack_onednn(weight: torch.Tensor) -> torch.Tensor | None:
     except (RuntimeError, NotImplementedError):
         return None
     return packed
+
+
+class Int8Linear:
+    """y ~ x @ weight.T + bias with int8 weights (symmetric, one scale per output row) and each call's
+    rows quantized on the fly (FBGEMM's dynamic linear) for x [rows, in_features] -> [rows, out_features].
+
+    Approximate: for drafters only. Measured on a 3-layer expert of the embedded default, one thread:
+    a drafting step 0.55-0.65x the time of ``PackedLinear``'s.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        weight = weight.detach().float()
+        self.out_features, self.in_features = weight.shape
+        scales = (weight.abs().amax(dim=1) / 127).clamp_min(1e-12)  # [out_features]
+        with warnings.catch_warnings():  # quantized tensors are deprecated as a public API, not the ops
+            warnings.simplefilter("ignore", UserWarning)
+            quantized = torch.quantize_per_channel(
+                weight, scales.double(), torch.zeros(self.out_features, dtype=torch.long), 0, torch.qint8
+            )
+        self.packed = torch.ops.quantized.linear_prepack(quantized, None if bias is None else bias.detach().float())
+
+    kind = "int8"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # reduce_range: 7-bit activations, so AVX2's 16-bit pairwise sums of u8 x s8 cannot saturate
+        return torch.ops.quantized.linear_dynamic(x.float().contiguous(), self.packed, True).to(x.dtype)
+
+
+def int8_available(device: torch.device | str) -> bool:
+    """Whether ``Int8Linear`` runs here: CPUs with FBGEMM (x86)."""
+    if torch.device(device).type != "cpu" or "fbgemm" not in torch.backends.quantized.supported_engines:
+        return False
+    try:
+        Int8Linear(torch.ones(2, 4))(torch.ones(1, 4))
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return False
+    return True
+
+
+def linear_for(weight: torch.Tensor, bias: torch.Tensor | None = None, int8: bool = False) -> PackedLinear | Int8Linear:
+    return Int8Linear(weight, bias) if int8 else PackedLinear(weight, bias)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from specmesh.errors import InvalidArgument
 from specmesh.kernels.tree_attention_reference import masked_attention, tree_attention_mask
 from specmesh.models.kv_cache import KVSession, new_session
-from specmesh.models.linear import PackedLinear
+from specmesh.models.linear import Int8Linear, PackedLinear, linear_for
 from specmesh.tree import CompiledTree
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -75,19 +75,20 @@ class TreeBatch:
 @dataclass
 class _Layer:
     input_norm: torch.Tensor  # [hidden]
-    qkv: PackedLinear  # hidden -> (heads + 2 * kv_heads) * head_dim
-    out: PackedLinear  # heads * head_dim -> hidden
+    qkv: PackedLinear | Int8Linear  # hidden -> (heads + 2 * kv_heads) * head_dim
+    out: PackedLinear | Int8Linear  # heads * head_dim -> hidden
     post_norm: torch.Tensor  # [hidden]
-    gate_up: PackedLinear  # hidden -> 2 * intermediate
-    down: PackedLinear  # intermediate -> hidden
+    gate_up: PackedLinear | Int8Linear  # hidden -> 2 * intermediate
+    down: PackedLinear | Int8Linear  # intermediate -> hidden
 
 
 class LlamaRuntime:
     """Target-model runtime: KV sessions and batched tree-scoring for a Llama-family model."""
 
-    def __init__(self, hf_model: torch.nn.Module, head_weight: torch.Tensor | None = None) -> None:
+    def __init__(self, hf_model: torch.nn.Module, head_weight: torch.Tensor | None = None, int8_weights: bool = False) -> None:
         """``hf_model``: a Llama-family causal LM, or its base model with ``head_weight`` [outputs, hidden]
-        (drafters with a head over a vocabulary subset)."""
+        (drafters with a head over a vocabulary subset). ``int8_weights``: approximate int8 linears
+        (``Int8Linear``), for drafters on CPU only; a target must stay exact."""
         config = hf_model.config
         reason = lean_unsupported(config)
         if reason:
@@ -105,12 +106,13 @@ class LlamaRuntime:
         self.scale = self.head_dim**-0.5
         self.embed = inner.embed_tokens.weight.detach()  # [vocab, hidden]
         self.final_norm = inner.norm.weight.detach()  # [hidden]
-        self.lm_head = PackedLinear(head_weight if head_weight is not None else hf_model.lm_head.weight)  # hidden -> outputs
+        self.int8_weights = int8_weights
+        head = head_weight if head_weight is not None else hf_model.lm_head.weight
+        self.lm_head = linear_for(head, int8=int8_weights)  # hidden -> outputs
         self.rotary = inner.rotary_emb  # HF's module: knows the model's RoPE variant and scaling
         self.layers = [self._fuse_layer(layer) for layer in inner.layers]
 
-    @staticmethod
-    def _fuse_layer(layer: torch.nn.Module) -> _Layer:
+    def _fuse_layer(self, layer: torch.nn.Module) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
         projections = (attn.q_proj, attn.k_proj, attn.v_proj)
         bias = None
@@ -118,11 +120,11 @@ class LlamaRuntime:
             bias = torch.cat([p.bias.detach() for p in projections])
         return _Layer(
             input_norm=layer.input_layernorm.weight.detach(),
-            qkv=PackedLinear(torch.cat([p.weight.detach() for p in projections]), bias),
-            out=PackedLinear(attn.o_proj.weight),
+            qkv=linear_for(torch.cat([p.weight.detach() for p in projections]), bias, int8=self.int8_weights),
+            out=linear_for(attn.o_proj.weight, int8=self.int8_weights),
             post_norm=layer.post_attention_layernorm.weight.detach(),
-            gate_up=PackedLinear(torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()])),
-            down=PackedLinear(mlp.down_proj.weight),
+            gate_up=linear_for(torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()]), int8=self.int8_weights),
+            down=linear_for(mlp.down_proj.weight, int8=self.int8_weights),
         )
 
     def new_session(self) -> KVSession:
