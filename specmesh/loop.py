@@ -12,6 +12,7 @@ The loop holds the request's whole token history, so a verifier that lost the re
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ from specmesh.routing import GENERAL
 from specmesh.sampling import SamplingParams
 from specmesh.tree import TokenTree
 from specmesh.verifier import TreeVerifier, VerifyJob, VerifyResult
+
+log = logging.getLogger(__name__)
 
 MAX_RESYNCS_PER_STEP = 3  # a verifier that keeps asking for history is broken, not slow
 
@@ -251,6 +254,11 @@ async def speculate(
             policy.observe(StepOutcome(draft.plan, draft.trees, tree, tuple(new), draft_ms, draft.drafter_ms, step_ms,
                                        result.pass_ms, result.batch_rows, result.batch_size, result.batch_trees,
                                        draft.fuse_ms, result.prefilled_tokens))
+            if log.isEnabledFor(logging.DEBUG):  # why a request speculated as it did, step by step
+                log.debug("%s step %d at %d: drafters %s budget %d -> tree %d, committed %d; draft %.1f ms "
+                          "(%s), pass %.1f ms, step %.1f ms, batch %d", rid, step, len(context) - len(new),
+                          ",".join(draft.plan.drafters) or "-", draft.plan.budget, len(tree), len(new), draft_ms,
+                          " ".join(f"{ms:.1f}" for ms in draft.drafter_ms), result.pass_ms, step_ms, result.batch_size)
             for drafter in drafters:  # also the last: history drafters keep answers
                 await drafter.commit(rid, new)  # bookkeeping, sent with the next proposal: one at a time costs no gather
             yield StepOutput(new, finish_reason)
