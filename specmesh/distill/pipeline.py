@@ -13,7 +13,8 @@ from typing import Sequence
 
 from specmesh.assembly import Assembly, eos_token_ids, load_expert_for
 from specmesh.distill.data import Example, generate_examples, soft_labels
-from specmesh.distill.evaluate import agreement_by_category, expected_tokens_per_step, step_cost_ms, teacher_forced_hits, union_hits
+from specmesh.distill.evaluate import (agreement_by_category, expected_tokens_per_step, interface_hits, step_cost_ms,
+                                      teacher_forced_hits, union_hits)
 from specmesh.distill.train import TrainConfig, build_student, train_student
 from specmesh.drafters.expert import ExpertDrafter, ExpertSpec, drafter_dtype, save_expert, subset_for
 from specmesh.models.llama import TreeBatch
@@ -92,9 +93,9 @@ def distill(
 
     held_out_hits = teacher_forced_hits(model, validation)
     bench = mtbench_examples(assembly)
-    bench_hits = teacher_forced_hits(model, bench)
-    deployed = copy.deepcopy(model).to(drafter_dtype(assembly.runtime.device))  # as it will run: cost is measured so
+    deployed = copy.deepcopy(model).to(drafter_dtype(assembly.runtime.device))
     drafter = ExpertDrafter(deployed, name=out_dir.name, domain=domain)
+    bench_hits, _ = interface_hits(drafter, bench)  # as it will run (its precision, int8 linears on a CPU)
     context = list(bench[0].prompt_ids)
     cost_ms = step_cost_ms(drafter, context)
     target_ms = target_step_ms(assembly, context)
