@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from specmesh.bench import LOAD_POLICIES, adaptive_verdicts, sweep_order
+from specmesh.bench import LOAD_POLICIES, adaptive_verdicts, sweep_order, t95
 from specmesh.cli import main
 
 SUMMARY_KEYS = {
@@ -51,14 +51,28 @@ def test_sweep_orders_put_every_policy_in_every_slot():
     assert all(follows.count((a, b)) == 2 for a in LOAD_POLICIES for b in LOAD_POLICIES if a != b)
 
 
-def _row(level, policy, speed, spread):
-    return {"concurrency": level, "policy": policy, "tokens_per_s": speed, "tokens_per_s_spread": spread}
+def _row(level, policy, runs):
+    return {"concurrency": level, "policy": policy, "tokens_per_s": sum(runs) / len(runs), "tokens_per_s_runs": runs}
 
 
-def test_adaptive_verdict_allows_noise_but_not_a_real_loss():
-    rows = [_row(4, "none", 80.0, 2.0), _row(4, "fixed", 60.0, 1.0), _row(4, "adaptive", 77.0, 1.0),
-            _row(16, "none", 160.0, 1.0), _row(16, "fixed", 80.0, 1.0), _row(16, "adaptive", 140.0, 1.0)]
+def test_adaptive_verdict_compares_round_by_round_within_students_t():
+    # at 4: the machine drifts 20 tok/s between rounds, which pairing cancels; adaptive's differences to
+    # none (+1, -6, -1) average -2, inside 4.303 (t, 2 degrees of freedom) * their standard error 2.08
+    rows = [_row(4, "none", [80.0, 100.0, 60.0]), _row(4, "fixed", [60.0, 75.0, 45.0]),
+            _row(4, "adaptive", [81.0, 94.0, 59.0]),
+            # at 16: a loss of ~20 in every round is real however much the rounds differ (noise 4.303 * 0.58)
+            _row(16, "none", [160.0, 120.0, 140.0]), _row(16, "fixed", [80.0, 70.0, 75.0]),
+            _row(16, "adaptive", [139.0, 101.0, 120.0])]
     at4, at16 = adaptive_verdicts(rows)
-    assert at4["not_worse_than_none"] and at4["not_worse_than_fixed"]  # -3 within 2 * hypot(2, 1) = 4.47
-    assert at4["vs_none_tokens_per_s"] == -3.0 and at4["vs_none_noise"] == 4.47
-    assert not at16["not_worse_than_none"] and at16["not_worse_than_fixed"]  # -20 beyond 2.83
+    assert at4["vs_none_tokens_per_s"] == -2.0 and at4["vs_none_noise"] == 8.96
+    assert at4["not_worse_than_none"] and at4["not_worse_than_fixed"]
+    assert at16["vs_none_tokens_per_s"] == -20.0 and at16["vs_none_noise"] == 2.48
+    assert not at16["not_worse_than_none"] and at16["not_worse_than_fixed"]
+    single = adaptive_verdicts([_row(1, "none", [20.0]), _row(1, "fixed", [25.0]), _row(1, "adaptive", [24.0])])[0]
+    assert single["vs_fixed_noise"] == 0.0 and not single["not_worse_than_fixed"] and single["not_worse_than_none"]
+
+
+def test_students_t_quantiles():
+    assert t95(1) == 12.706 and t95(2) == 4.303 and t95(11) == t95(10) and t95(1000) == 1.96
+    with pytest.raises(ValueError):
+        t95(0)
