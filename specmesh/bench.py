@@ -35,7 +35,7 @@ from specmesh.assembly import (
 )
 from specmesh.classify import default_classifier
 from specmesh.client import Client
-from specmesh.engine import SpeculativeEngine
+from specmesh.engine import MAX_TREE_NODES, SpeculativeEngine
 from specmesh.errors import InvalidArgument
 from specmesh.launcher import DEFAULT_DRAFTERS, ClusterSpec, LocalCluster
 from specmesh.models.llama import TreeBatch
@@ -181,6 +181,8 @@ def run_bench(args: argparse.Namespace) -> int:
         raise InvalidArgument("sweep_rounds", f"must be >= 1, got {args.sweep_rounds}")
     if args.tree_nodes < 1:
         raise InvalidArgument("tree_nodes", f"the benchmark compares speculation: must be >= 1, got {args.tree_nodes}")
+    if not 1 <= args.fixed_tree_nodes <= MAX_TREE_NODES:
+        raise InvalidArgument("fixed_tree_nodes", f"must be in 1..{MAX_TREE_NODES}, got {args.fixed_tree_nodes}")
     concurrency = _concurrency_levels(args.concurrency)
     configure_threads(args.threads)
     machine = _machine()
@@ -207,7 +209,7 @@ def run_bench(args: argparse.Namespace) -> int:
     engines: dict[str, SpeculativeEngine] = {"own_plain": assembly.engine(0)}
     for drafter in assembly.drafters:  # each drafter alone, the whole budget every step
         engines[f"single:{drafter.name}"] = SpeculativeEngine(assembly.runtime, [drafter], args.tree_nodes, eos)
-    engines["router_fixed"] = assembly.engine(args.tree_nodes, "fixed")
+    engines["router_fixed"] = assembly.engine(args.fixed_tree_nodes, "fixed")
     engines["engine"] = assembly.engine(args.tree_nodes, "adaptive")
     modes = ([] if args.skip_baselines else ["hf_plain", "hf_assisted"]) + list(engines)
     with ExitStack() as cleanup:
@@ -239,7 +241,7 @@ def run_bench(args: argparse.Namespace) -> int:
             reference = outputs.get("hf_plain", outputs["own_plain"])
             identical += all(outputs[m] == reference for m in modes)
         busy_s = _verifier_busy_s(cluster) - busy_before if cluster else 0.0
-        load_sweep = (_load_sweep(cluster, prompts, args.max_tokens, concurrency, args.sweep_rounds)
+        load_sweep = (_load_sweep(cluster, prompts, args.max_tokens, concurrency, args.fixed_tree_nodes, args.sweep_rounds)
                       if cluster and concurrency else [])
     machine["load_average_after"] = os.getloadavg()[0]
     report = {
@@ -247,6 +249,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "target": args.model,
         "drafter_set": list(drafter_names),
         "tree_nodes": args.tree_nodes,
+        "fixed_tree_nodes": args.fixed_tree_nodes,
         "max_tokens": args.max_tokens,
         "prompts": {"source": source, "count": len(prompts)},
         "summary": _summary(records, identical / len(prompts), one_step_ms, busy_s, union),
@@ -362,9 +365,9 @@ _SPECULATION_OF = {"none": "off", "fixed": "fixed", "adaptive": "adaptive"}
 
 
 def _load_sweep(cluster: LocalCluster, prompts: list[Prompt], max_tokens: int, levels: list[int],
-                rounds: int = LOAD_ROUNDS) -> list[dict]:
+                fixed_tree_nodes: int, rounds: int = LOAD_ROUNDS) -> list[dict]:
     """At each concurrency, the same requests through the cluster with each policy (no speculation,
-    fixed k, adaptive), ``rounds`` times in rotated (then mirrored) orders, so that drift and warm-up hit
+    fixed k = ``fixed_tree_nodes`` every step, adaptive up to the cluster's cap), ``rounds`` times in rotated (then mirrored) orders, so that drift and warm-up hit
     every policy alike. Per (level, policy): mean tokens/s over the rounds and its spread, per-token
     latency percentiles over every request of every round."""
     import asyncio
@@ -381,7 +384,8 @@ def _load_sweep(cluster: LocalCluster, prompts: list[Prompt], max_tokens: int, l
             async with gate:
                 started = time.perf_counter()
                 answer = await client.generate(chat=[("user", prompt.text)], max_tokens=max_tokens,
-                                               speculation=_SPECULATION_OF[policy])
+                                               speculation=_SPECULATION_OF[policy],
+                                               max_tree_nodes=fixed_tree_nodes if policy == "fixed" else None)
                 latencies.append((time.perf_counter() - started) * 1e3 / max(len(answer.token_ids), 1))
                 tokens += len(answer.token_ids)
 

@@ -39,7 +39,9 @@ class RouterLimits:
     max_concurrent_requests: int = 64
     max_queue_backlog: int = 256  # pool jobs no verifier has taken yet: beyond this, new requests wait elsewhere
     default_max_tokens: int = 256
-    max_tree_nodes: int = 8
+    # A cap: the adaptive policy picks smaller trees (or none) where a bigger one does not pay; at c=1 on 2
+    # cores, 16 beat 8 by 3.8 % through the cluster (18.94 vs 18.25 tok/s, 16 MT-Bench prompts)
+    max_tree_nodes: int = 16
     draft_ahead: bool = True  # draft the next tree while the current one is verified
     speculation: str = "adaptive"  # for requests that do not say: adaptive, fixed (the whole budget) or off
 

@@ -43,6 +43,8 @@ def _passthrough() -> dict:
         (["bench", "--concurrency", "1,x"], "concurrency"),
         (["bench", "--concurrency", "0"], "concurrency"),
         (["bench", "--tree-nodes", "0"], "tree_nodes"),
+        (["bench", "--fixed-tree-nodes", "0"], "fixed_tree_nodes"),
+        (["bench", "--fixed-tree-nodes", "65"], "fixed_tree_nodes"),
         (["bench", "--limit", "0"], "limit"),
     ],
 )
