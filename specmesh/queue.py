@@ -333,9 +333,13 @@ class VerifierQueue:
         try:
             answer = await self.redis.xreadgroup(GROUP, self.verifier_id, streams, count=count, block=block_ms)
         except ResponseError as exc:
-            if "NOGROUP" not in str(exc):
+            # NOGROUP: Redis restarted empty; UNBLOCKED: a stream was deleted under this blocked read (the
+            # others adopt the own stream of a verifier whose heartbeat stopped: one draining, or one
+            # stalled past its TTL). Serving, it re-registers; draining, it has nothing more to read.
+            if "NOGROUP" not in str(exc) and "UNBLOCKED" not in str(exc):
                 raise
-            await self.register()  # Redis restarted empty: the groups are gone
+            if include_pool:
+                await self.register()
             return []
         return self._entries(answer)
 

@@ -118,6 +118,39 @@ def test_jobs_held_by_a_dead_verifier_are_reclaimed(redis_server, tiny_model, re
     assert members == {b"survivor"}  # the dead verifier's stream was adopted, then removed
 
 
+def test_a_read_whose_stream_is_adopted_away_returns_empty_instead_of_crashing(redis_server):
+    """A draining verifier has stopped its heartbeat; another adopts and deletes its own stream while its
+    read is blocked on it (Redis answers UNBLOCKED). Draining, it reads nothing more and stays unregistered;
+    serving, it re-registers and reads on."""
+    import redis.asyncio as aioredis
+
+    from specmesh.queue import QueueKeys
+
+    async def main():
+        redis = aioredis.Redis.from_url(redis_server.url)
+        keys = QueueKeys(pool="adopted")
+        outcomes = []
+        try:
+            for include_pool in (False, True):
+                queue = VerifierQueue(redis, keys, f"leaving-{include_pool}")
+                await queue.register()
+                await queue.unregister()
+                blocked = asyncio.create_task(queue.read(count=10, block_ms=5000, include_pool=include_pool))
+                await asyncio.sleep(0.3)
+                await redis.delete(keys.own_jobs(queue.verifier_id))  # as the adopting verifier does
+                entries = await asyncio.wait_for(blocked, 3)
+                alive = bool(await redis.exists(keys.alive(queue.verifier_id)))
+                again = await queue.read(count=10, block_ms=10, include_pool=include_pool)
+                outcomes.append((entries, alive, again))
+        finally:
+            await redis.aclose()
+        return outcomes
+
+    (draining, serving) = asyncio.run(main())
+    assert draining == ([], False, [])  # no crash, and a draining verifier is not made alive again
+    assert serving == ([], True, [])  # a serving one re-registers and its next read works
+
+
 def test_a_resent_job_is_answered_from_the_first_result(redis_server, tiny_model):
     async def main():
         async with InProcessPool(redis_server.url, tiny_model, workers=1) as pool:
