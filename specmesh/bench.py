@@ -367,9 +367,10 @@ _SPECULATION_OF = {"none": "off", "fixed": "fixed", "adaptive": "adaptive"}
 def _load_sweep(cluster: LocalCluster, prompts: list[Prompt], max_tokens: int, levels: list[int],
                 fixed_tree_nodes: int, rounds: int = LOAD_ROUNDS) -> list[dict]:
     """At each concurrency, the same requests through the cluster with each policy (no speculation,
-    fixed k = ``fixed_tree_nodes`` every step, adaptive up to the cluster's cap), ``rounds`` times in rotated (then mirrored) orders, so that drift and warm-up hit
-    every policy alike. Per (level, policy): mean tokens/s over the rounds and its spread, per-token
-    latency percentiles over every request of every round."""
+    fixed k = ``fixed_tree_nodes`` every step, adaptive up to the cluster's cap), ``rounds`` times in
+    rotated (then mirrored) orders, so that drift and warm-up hit every policy alike. Per (level,
+    policy): mean tokens/s over the rounds and its spread, per-token latency percentiles over every
+    request of every round."""
     import asyncio
 
     from specmesh.client import AsyncClient

@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--fixed-tree-nodes", type=int, default=8,
                        help="the budget of fixed-k speculation (router_fixed and the load sweep's fixed policy), "
                        "every step; the adaptive modes and each single drafter get --tree-nodes (default 8: on 2 CPU cores "
-                       "fixed 8 ran 1.19x plain, fixed 16 1.04x)")
+                       "fixed 8 ran 1.19x own plain, fixed 16 1.04x)")
     bench.add_argument("--sweep-rounds", type=int, default=3,
                        help="runs of each policy at each concurrency in the load sweep, in rotated orders (default 3)")
     bench.add_argument("--plots", metavar="DIR", help="also write PNG plots here (speedup per category; latency vs load)")
