@@ -71,6 +71,7 @@ COPY --from=build /opt/specmesh /opt/specmesh
 COPY deploy/docker/healthcheck.py /usr/local/bin/specmesh-healthcheck
 # SPECMESH_CACHE: the converted embedded model, read-only. Everything a service may write goes to
 # /tmp or ~/.cache (both emptyDir volumes in the Helm chart, whose root filesystem is read-only).
+# GOMP_SPINCOUNT: why 1000000, see OPENMP_SPIN_COUNT in specmesh/launcher.py.
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -79,7 +80,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     HF_HOME=/home/specmesh/.cache/huggingface \
     TRITON_CACHE_DIR=/home/specmesh/.cache/triton \
     MPLCONFIGDIR=/tmp/matplotlib \
-    GOMP_SPINCOUNT=100000
+    GOMP_SPINCOUNT=1000000
 USER 10001:10001
 WORKDIR /home/specmesh
 EXPOSE 50051 50061 50071 9400
