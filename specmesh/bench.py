@@ -231,7 +231,8 @@ def run_bench(args: argparse.Namespace) -> int:
                     outputs[mode] = _hf_generate(assembly, request.prompt_ids, args.max_tokens, assisted=mode == "hf_assisted")
                     steps = len(outputs[mode]) if mode == "hf_plain" else None  # HF does not say how many passes
                 elif mode == "cluster":
-                    answer = client.generate(chat=[("user", prompt.text)], max_tokens=args.max_tokens)
+                    answer = client.generate(chat=[("user", prompt.text)], max_tokens=args.max_tokens,
+                                             max_tree_nodes=args.tree_nodes)
                     outputs[mode], steps, first_token_s = answer.token_ids, answer.stats.target_steps, answer.stats.first_token_ms / 1e3
                     records[mode].transport_s += max(answer.stats.verify_ms - answer.stats.verifier_ms, 0.0) / 1e3
                 else:
@@ -241,7 +242,8 @@ def run_bench(args: argparse.Namespace) -> int:
             reference = outputs.get("hf_plain", outputs["own_plain"])
             identical += all(outputs[m] == reference for m in modes)
         busy_s = _verifier_busy_s(cluster) - busy_before if cluster else 0.0
-        load_sweep = (_load_sweep(cluster, prompts, args.max_tokens, concurrency, args.fixed_tree_nodes, args.sweep_rounds)
+        load_sweep = (_load_sweep(cluster, prompts, args.max_tokens, concurrency, args.fixed_tree_nodes, args.tree_nodes,
+                                  args.sweep_rounds)
                       if cluster and concurrency else [])
     machine["load_average_after"] = os.getloadavg()[0]
     report = {
@@ -365,9 +367,9 @@ _SPECULATION_OF = {"none": "off", "fixed": "fixed", "adaptive": "adaptive"}
 
 
 def _load_sweep(cluster: LocalCluster, prompts: list[Prompt], max_tokens: int, levels: list[int],
-                fixed_tree_nodes: int, rounds: int = LOAD_ROUNDS) -> list[dict]:
+                fixed_tree_nodes: int, tree_nodes: int, rounds: int = LOAD_ROUNDS) -> list[dict]:
     """At each concurrency, the same requests through the cluster with each policy (no speculation,
-    fixed k = ``fixed_tree_nodes`` every step, adaptive up to the cluster's cap), ``rounds`` times in
+    fixed k = ``fixed_tree_nodes`` every step, adaptive up to ``tree_nodes``), ``rounds`` times in
     rotated (then mirrored) orders, so that drift and warm-up hit every policy alike. Per (level,
     policy): mean tokens/s over the rounds and its spread, per-token latency percentiles over every
     request of every round."""
@@ -386,7 +388,7 @@ def _load_sweep(cluster: LocalCluster, prompts: list[Prompt], max_tokens: int, l
                 started = time.perf_counter()
                 answer = await client.generate(chat=[("user", prompt.text)], max_tokens=max_tokens,
                                                speculation=_SPECULATION_OF[policy],
-                                               max_tree_nodes=fixed_tree_nodes if policy == "fixed" else None)
+                                               max_tree_nodes=fixed_tree_nodes if policy == "fixed" else tree_nodes)
                 latencies.append((time.perf_counter() - started) * 1e3 / max(len(answer.token_ids), 1))
                 tokens += len(answer.token_ids)
 
@@ -469,7 +471,9 @@ def _start_cluster(args: argparse.Namespace, drafters) -> LocalCluster:
     """The cluster with the engine's drafters, so that the two differ only in transport and processes."""
 
     print("starting the local cluster ...", flush=True)
-    spec = ClusterSpec(model=args.model, drafters=tuple(drafters), max_tree_nodes=args.tree_nodes, dtype=args.dtype)
+    # the cap admits the fixed-k requests of the load sweep; adaptive ones ask for --tree-nodes
+    cap = max(args.tree_nodes, args.fixed_tree_nodes)
+    spec = ClusterSpec(model=args.model, drafters=tuple(drafters), max_tree_nodes=cap, dtype=args.dtype)
     return LocalCluster(spec).start()
 
 

@@ -125,9 +125,11 @@ class Router:
         speculation = check_speculation(speculation or self.limits.speculation)
         if len(request_id) > MAX_REQUEST_ID:
             raise InvalidArgument("request_id", f"is {len(request_id)} characters; at most {MAX_REQUEST_ID}")
-        budget = self.limits.max_tree_nodes if max_tree_nodes is None else max_tree_nodes
-        if not 0 <= budget <= MAX_TREE_NODES:
-            raise InvalidArgument("max_tree_nodes", f"must be in 0..{MAX_TREE_NODES}, got {budget}")
+        if max_tree_nodes is not None and not 0 <= max_tree_nodes <= MAX_TREE_NODES:
+            raise InvalidArgument("max_tree_nodes", f"must be in 0..{MAX_TREE_NODES}, got {max_tree_nodes}")
+        # a request may lower the router's cap, not raise it: every node of every tree lengthens the
+        # batch's pass, so the cap is the operator's bound on what one client costs the others
+        budget = self.limits.max_tree_nodes if max_tree_nodes is None else min(max_tree_nodes, self.limits.max_tree_nodes)
         # the internal id is always fresh: a client's id names its request to it, but two clients (or one
         # retrying) may reuse an id, and drafter and verifier state is keyed by it
         internal_id = f"{request_id}:{uuid.uuid4().hex}" if request_id else uuid.uuid4().hex

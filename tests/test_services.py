@@ -88,6 +88,9 @@ def test_speculation_modes_and_routing_through_the_router(redis_server, model, t
             async with AsyncClient(stack.address) as client:
                 answers = {mode: await client.generate(chat=code_chat, max_tokens=MAX_TOKENS, speculation=mode)
                            for mode in ("adaptive", "fixed", "off")}
+                for nodes in (2, 40):  # the router's cap is 6: a request may lower it, not raise it
+                    answers[f"fixed-{nodes}"] = await client.generate(chat=code_chat, max_tokens=MAX_TOKENS,
+                                                                      speculation="fixed", max_tree_nodes=nodes)
                 info = await client.info()
             return answers, info, stack.router.encode_chat(code_chat)
 
@@ -99,6 +102,10 @@ def test_speculation_modes_and_routing_through_the_router(redis_server, model, t
     assert answers["off"].stats.drafted_nodes == 0 and answers["off"].stats.drafter_steps == {}
     fixed = answers["fixed"].stats
     assert list(fixed.drafter_steps) == ["ngram"] and fixed.target_steps - 1 <= fixed.drafter_steps["ngram"] <= fixed.target_steps
+    for nodes, cap in ((2, 2), (40, 6)):
+        stats = answers[f"fixed-{nodes}"].stats
+        assert 0 < stats.drafted_nodes <= cap * stats.target_steps, (nodes, stats)
+    assert answers["fixed-40"].stats.drafted_nodes == fixed.drafted_nodes  # the same trees as at the cap
     assert info.speculation == "fixed"
     assert [(e.kind, e.drafter) for e in info.routing] == [("code", "ngram")]  # learned from the requests
     with pytest.raises(ValueError, match="speculation"):  # the SDK refuses an unknown mode before sending
