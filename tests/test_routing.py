@@ -10,7 +10,7 @@ from specmesh.classify import RequestClassifier, default_classifier
 from specmesh.control import CostModel, DraftCost, GoodputController, Load, expected_tokens
 from specmesh.distill.prompts import domain_prompts
 from specmesh.fusion import fuse_trees
-from specmesh.policy import AdaptivePolicy, StepOutcome, StepPlan
+from specmesh.policy import SPECULATION_MARGIN, AdaptivePolicy, StepOutcome, StepPlan
 from specmesh.routing import GENERAL, ExpertRouter, LevelRecord, RoutingConfig, level_hits
 from specmesh.tree import TokenTree
 
@@ -324,6 +324,21 @@ def test_the_policy_leaves_out_an_expert_whose_guesses_do_not_pay_for_its_time()
                                     step_ms=25.0, pass_ms=20.0, batch_rows=1 + plan.budget, batch_size=1))
         plan = request.plan(room=100, available=["expert", "ngram"], position=100)
     assert plan.drafters == ("ngram",) and plan.budget >= 4
+
+
+def test_a_predicted_gain_within_the_margin_is_not_worth_a_tree():
+    class Predicting(GoodputController):  # the goodput model, with its prediction for a tree set by the test
+        gain = 1.0
+
+        def choose(self, max_budget, acceptance, draft_ms, load=Load()):
+            return 4, self.goodput(0, [], 0.0, load) * self.gain
+
+    controller = Predicting(CostModel(), probe_every=0)
+    policy = AdaptivePolicy(ExpertRouter({"ngram": ["general"]}, RoutingConfig(explore=0.0), free=["ngram"]), controller)
+    request = policy.begin("general", 8)
+    for gain, budget in ((1.0 + SPECULATION_MARGIN / 2, 0), (1.0 + 2 * SPECULATION_MARGIN, 4)):
+        controller.gain = gain
+        assert request.plan(room=100, available=["ngram"], position=100).budget == budget, gain
 
 
 def test_an_expert_joining_late_pays_its_catch_up_over_the_steps_it_will_draft():
