@@ -326,7 +326,7 @@ def test_the_policy_leaves_out_an_expert_whose_guesses_do_not_pay_for_its_time()
     assert plan.drafters == ("ngram",) and plan.budget >= 4
 
 
-def test_a_predicted_gain_within_the_margin_is_not_worth_a_tree():
+def test_in_a_shared_pass_a_predicted_gain_within_the_margin_is_not_worth_a_tree():
     class Predicting(GoodputController):  # the goodput model, with its prediction for a tree set by the test
         gain = 1.0
 
@@ -336,9 +336,13 @@ def test_a_predicted_gain_within_the_margin_is_not_worth_a_tree():
     controller = Predicting(CostModel(), probe_every=0)
     policy = AdaptivePolicy(ExpertRouter({"ngram": ["general"]}, RoutingConfig(explore=0.0), free=["ngram"]), controller)
     request = policy.begin("general", 8)
+    controller.gain = 1.0 + SPECULATION_MARGIN / 2
+    assert request.plan(room=100, available=["ngram"], position=100).budget == 4  # alone: the model holds
+    others = [policy.begin("general", 8) for _ in range(3)]  # four requests a pass
     for gain, budget in ((1.0 + SPECULATION_MARGIN / 2, 0), (1.0 + 2 * SPECULATION_MARGIN, 4)):
         controller.gain = gain
         assert request.plan(room=100, available=["ngram"], position=100).budget == budget, gain
+    assert len(others) == 3
 
 
 def test_an_expert_joining_late_pays_its_catch_up_over_the_steps_it_will_draft():
