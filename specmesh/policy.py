@@ -225,7 +225,7 @@ class _AdaptiveRequest:
             if n > 0 and goodput > best_goodput:
                 best_goodput, budget, chosen = goodput, n, option
         if budget and load.other_requests >= 0.5 and best_goodput < plain_goodput * (1 + SPECULATION_MARGIN):
-            budget, chosen = 0, core  # a gain within the model's error: plain decoding (or a probe, below)
+            budget = 0  # a gain within the model's error: plain decoding (or a probe, below)
         if budget == 0:
             if not policy.controller.should_probe(self.steps_without, load):
                 return StepPlan()
