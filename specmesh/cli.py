@@ -106,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--subset-size", type=int, default=8192, help="output head vocabulary subset (default 8192)")
     dist.add_argument("--answer-tokens", type=int, default=128,
                       help="max tokens of each target answer (default 128: many short answers teach more than few long ones)")
+    dist.add_argument("--sampled-answers", type=int, default=0,
+                      help="sampled answers per training prompt, besides the greedy one (labels stay the target's "
+                      "greedy next token; default 0)")
+    dist.add_argument("--temperature", type=float, default=0.7, help="temperature of the sampled answers (default 0.7)")
     dist.add_argument("--boost-from", action="append", default=[],
                       help="an earlier drafter of the set: positions it gets wrong weigh more (repeatable)")
     dist.add_argument("--seed", type=int, default=0)
@@ -328,17 +332,22 @@ def _distill(args: argparse.Namespace) -> int:
         raise InvalidArgument("layers", f"must be in 1..64, got {args.layers}")
     if args.subset_size < 16:
         raise InvalidArgument("subset_size", f"must be >= 16, got {args.subset_size}")
-    prompts = load_prompts(args.prompts) if args.prompts else domain_prompts(args.domain, args.count, args.seed)
-    configure_threads(args.threads)
-    assembly = assemble(args.target, drafters=[], dtype="float32")
     if not 0 < args.learning_rate < 1:
         raise InvalidArgument("learning_rate", f"must be in (0, 1), got {args.learning_rate}")
     if args.batch_tokens < 64:
         raise InvalidArgument("batch_tokens", f"must be >= 64, got {args.batch_tokens}")
+    if not 0 <= args.sampled_answers <= 16:
+        raise InvalidArgument("sampled_answers", f"must be in 0..16, got {args.sampled_answers}")
+    if not 0 < args.temperature <= 4:
+        raise InvalidArgument("temperature", f"must be in (0, 4], got {args.temperature}")
+    prompts = load_prompts(args.prompts) if args.prompts else domain_prompts(args.domain, args.count, args.seed)
+    configure_threads(args.threads)
+    assembly = assemble(args.target, drafters=[], dtype="float32")
     config = TrainConfig(layers=args.layers, subset_size=args.subset_size, minutes=args.minutes, seed=args.seed,
                          learning_rate=args.learning_rate, tokens_per_batch=args.batch_tokens)
     spec = distill(assembly, args.domain, prompts, Path(args.out), config, boost_from=args.boost_from,
-                   max_answer_tokens=args.answer_tokens)
+                   max_answer_tokens=args.answer_tokens, sampled_answers=args.sampled_answers,
+                   temperature=args.temperature)
     measured = spec.measured
     print(f"drafter {spec.name} ({spec.domain}) written to {args.out}")
     print(f"  MT-Bench agreement: {measured['mtbench_agreement']}")

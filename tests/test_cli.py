@@ -46,6 +46,9 @@ def _passthrough() -> dict:
         (["bench", "--fixed-tree-nodes", "0"], "fixed_tree_nodes"),
         (["bench", "--fixed-tree-nodes", "65"], "fixed_tree_nodes"),
         (["bench", "--limit", "0"], "limit"),
+        (["distill", "--domain", "code", "--out", "unused", "--sampled-answers", "-1"], "sampled_answers"),
+        (["distill", "--domain", "code", "--out", "unused", "--temperature", "0"], "temperature"),
+        (["distill", "--domain", "code", "--out", "unused", "--learning-rate", "2"], "learning_rate"),
     ],
 )
 def test_bad_input_is_one_clear_line(args, argument):

@@ -88,6 +88,32 @@ def test_generated_examples_are_cached_with_their_soft_labels(target, tmp_path):
     assert soft_labels(runtime, again, cache) is not None
 
 
+def test_sampled_answers_are_labelled_with_the_target_greedy_next_token(target, examples, tmp_path):
+    from specmesh.prompts import Prompt
+
+    runtime = LlamaRuntime(target)
+    prompts = [Prompt(f"prompt number {i}", "c") for i in range(6)]
+    cache = tmp_path / "sampled.jsonl"
+    sampled = generate_examples(runtime, CharTokenizer(), prompts, cache, max_tokens=12, batch_size=3, temperature=1.5, seed=4)
+    greedy = generate_examples(runtime, CharTokenizer(), prompts, tmp_path / "greedy.jsonl", max_tokens=12, batch_size=3)
+    assert any(s.response_ids != g.response_ids for s, g in zip(sampled, greedy))  # other contexts than greedy's
+    recorded = recorded_soft_labels(cache, sampled)
+    forced = target_soft_labels(runtime, sampled, top_k=16)  # a teacher-forced pass over the sampled answers
+    for example, labels, reference in zip(sampled, recorded, forced):
+        assert example.greedy_next == tuple(reference.token_ids[:, 0].tolist())  # the argmax after each sampled input
+        assert labels.token_ids[:, 0].tolist() == list(example.target_next)
+        assert torch.allclose(labels.probs, reference.probs, atol=2e-3)  # untempered, stored in fp16
+    subset = {token: token for token in range(VOCAB)}
+    example = sampled[0]
+    hard = labels_for(example, subset, fallback=VOCAB)
+    assert hard[len(example.prompt_ids) - 1:][: len(example.target_next)] == list(example.target_next)
+    # Seeded per batch: the same draws again, and a resumed cache reads back what was drawn.
+    again = generate_examples(runtime, CharTokenizer(), prompts, tmp_path / "again.jsonl", max_tokens=12, batch_size=3,
+                              temperature=1.5, seed=4)
+    assert again == sampled
+    assert generate_examples(runtime, CharTokenizer(), prompts, cache, max_tokens=12, temperature=1.5, seed=4) == sampled
+
+
 def test_answers_cached_without_labels_get_a_teacher_forced_pass_once(target, examples, tmp_path, monkeypatch):
     import specmesh.distill.data as data
 

@@ -87,12 +87,20 @@ def test_distill_writes_a_drafter_directory_that_generate_uses(tiny_dir, tmp_pat
     assert result.returncode == 0, result.stderr[-2000:]
     assert "outputs identical" in result.stdout
 
-    boosted = tmp_path / "math-expert"  # collective boost-tuning: the second expert learns from the first's misses
+    # Collective boost-tuning: the second expert learns from the first's misses; and from one sampled answer per
+    # training prompt besides the greedy one.
+    boosted = tmp_path / "math-expert"
     result = subprocess.run(
         [sys.executable, "-m", "specmesh", "distill", "--target", str(tiny_dir), "--domain", "math", "--count", "8",
          "--answer-tokens", "8", "--minutes", "0.05", "--subset-size", "64", "--layers", "1", "--out", str(boosted),
-         "--boost-from", str(out)],
+         "--boost-from", str(out), "--sampled-answers", "1", "--temperature", "1.2"],
         capture_output=True, text=True, timeout=600, env=env,
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    assert json.loads((boosted / "drafter.json").read_text())["training"]["boosted_from"] == ["code-expert"]
+    training = json.loads((boosted / "drafter.json").read_text())["training"]
+    assert training["boosted_from"] == ["code-expert"]
+    assert training["sampled_answers_per_prompt"] == 1 and training["examples"] == 14  # 7 training prompts, twice
+    sampled = [json.loads(line) for line in (boosted / "answers-sampled-0.jsonl").read_text().splitlines()]
+    every_prompt = {json.loads(line)["prompt"] for line in (boosted / "answers.jsonl").read_text().splitlines()}
+    assert len(sampled) == 7 and {row["prompt"] for row in sampled} < every_prompt  # the held-out one is not sampled
+    assert all(len(row["greedy_next"]) == len(row["response_ids"]) for row in sampled)

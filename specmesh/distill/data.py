@@ -1,10 +1,12 @@
-"""The target's own greedy answers to training prompts, with its top-k next-token distribution at every
+"""The target's own answers to training prompts, with its top-k next-token distribution at every
 answer position, cached (JSONL + safetensors shards) and resumable.
 
 Under teacher forcing on its own greedy output, the target's argmax at every position is the next
 token of the answer, so these answers are exactly the labels that top-1 agreement is measured by; and
 the distribution greedy decoding computes at each step is exactly the teacher-forced one, so the soft
-labels come free with the answers.
+labels come free with the answers. Sampled answers (temperature > 0) give other contexts from the same
+prompts, as the target's sampled requests see them; their labels are still the target's greedy next
+token at every position (the top-1 of the recorded distribution), not the token that was sampled.
 """
 
 from __future__ import annotations
@@ -36,10 +38,19 @@ class Example:
     prompt_ids: tuple[int, ...]
     response_ids: tuple[int, ...]
     labels: tuple[str, int] | None = None  # (shard file, index in it) of the soft labels recorded with the answer
+    # The target's greedy next token after each answer position's input, where the answer was sampled;
+    # None for a greedy answer, whose own tokens are those.
+    greedy_next: tuple[int, ...] | None = None
 
     @property
     def token_ids(self) -> list[int]:
         return [*self.prompt_ids, *self.response_ids]
+
+    @property
+    def target_next(self) -> tuple[int, ...]:
+        """What the target's greedy decoding would emit after each answer position's input: the labels of
+        top-1 agreement (aligned with ``response_ids``)."""
+        return self.response_ids if self.greedy_next is None else self.greedy_next
 
 
 @dataclass(frozen=True)
@@ -58,16 +69,20 @@ def load_examples(path: Path) -> list[Example]:
         if line.strip():
             row = json.loads(line)
             labels = tuple(row["labels"]) if "labels" in row else None
+            greedy_next = tuple(row["greedy_next"]) if "greedy_next" in row else None
             examples.append(Example(row["prompt"], row["category"], tuple(row["prompt_ids"]), tuple(row["response_ids"]),
-                                    labels))
+                                    labels, greedy_next))
     return examples
 
 
 def greedy_answers(
     runtime, prompts: Sequence[Sequence[int]], max_tokens: int, eos_token_ids: Sequence[int] = (), top_k: int = SOFT_LABEL_TOP_K,
+    temperature: float = 0.0, generator: torch.Generator | None = None,
 ) -> list[tuple[list[int], SoftLabels]]:
-    """Plain greedy decoding of every prompt together (one target pass per step), recording the target's
-    top-k distribution at each step: the answer, and the soft labels of its every position."""
+    """Plain decoding of every prompt together (one target pass per step), recording the target's top-k
+    distribution at each step: the answer, and the soft labels of its every position. Greedy at
+    temperature 0; above it, each token is sampled from the tempered distribution (the recorded one
+    stays untempered: its top-1 is the greedy label)."""
     eos = frozenset(eos_token_ids)
     sessions = [runtime.new_session() for _ in prompts]
     try:
@@ -81,11 +96,15 @@ def greedy_answers(
         while active:
             trees = [compile_tree(last[i], TokenTree()) for i in active]
             logits = runtime.forward(TreeBatch.build([sessions[i] for i in active], trees))  # [active, vocab]
-            top = logits.float().softmax(-1).topk(top_k, dim=-1)
+            probs = logits.float().softmax(-1)  # [active, vocab]
+            top = probs.topk(top_k, dim=-1)
+            if temperature > 0:
+                tempered = (logits.float() / temperature).softmax(-1)
+                drawn = torch.multinomial(tempered, 1, generator=generator)[:, 0].tolist()  # [active]
             still = []
             for row, i in enumerate(active):
                 sessions[i].keep_rows([0])
-                token = int(top.indices[row, 0])  # the argmax: softmax keeps the order
+                token = drawn[row] if temperature > 0 else int(top.indices[row, 0])  # softmax keeps the argmax
                 answers[i].append(token)
                 tops[i].append(torch.stack([top.indices[row].float(), top.values[row]]))
                 last[i] = token
@@ -126,9 +145,12 @@ def generate_examples(
     max_tokens: int = 128,
     eos_token_ids: Sequence[int] = (),
     batch_size: int = 64,  # the lean runtime decodes ~2.5x more tokens/s at 64 requests a pass than at 16
+    temperature: float = 0.0,
+    seed: int = 0,
 ) -> list[Example]:
     """Answers for every prompt, reusing those already in ``cache_file`` and appending the new ones; each
-    batch's soft labels go to a safetensors shard beside it (``<cache>.labels/``)."""
+    batch's soft labels go to a safetensors shard beside it (``<cache>.labels/``). At a temperature
+    above 0 the answers are sampled (seeded per batch, so a resumed run draws what a whole one would)."""
     cache_file.parent.mkdir(parents=True, exist_ok=True)
     shards = _shard_dir(cache_file)
     shards.mkdir(exist_ok=True)
@@ -139,14 +161,20 @@ def generate_examples(
         for start in range(0, len(todo), batch_size):
             batch = todo[start : start + batch_size]
             encoded = [tuple(encode_chat(tokenizer, p.text)) for p in batch]
-            results = greedy_answers(runtime, encoded, max_tokens, eos_token_ids)
-            shard = hashlib.sha256(repr(encoded).encode()).hexdigest()[:16] + ".safetensors"
+            key = hashlib.sha256(repr((encoded, temperature, seed)).encode()).hexdigest()[:16]
+            generator = torch.Generator().manual_seed(int(key, 16) % 2**63) if temperature > 0 else None
+            results = greedy_answers(runtime, encoded, max_tokens, eos_token_ids, temperature=temperature, generator=generator)
+            shard = (key if temperature > 0 else hashlib.sha256(repr(encoded).encode()).hexdigest()[:16]) + ".safetensors"
             _save_shard(shards / shard, [labels for _, labels in results])
-            for index, (prompt, ids, (answer, _)) in enumerate(zip(batch, encoded, results)):
-                example = Example(prompt.text, prompt.category, ids, tuple(answer), (shard, index))
-                done[prompt.text] = example
-                out.write(json.dumps({"prompt": example.prompt, "category": example.category, "prompt_ids": list(ids),
-                                      "response_ids": answer, "labels": [shard, index]}) + "\n")
+            for index, (prompt, ids, (answer, labels)) in enumerate(zip(batch, encoded, results)):
+                row = {"prompt": prompt.text, "category": prompt.category, "prompt_ids": list(ids), "response_ids": answer,
+                       "labels": [shard, index]}
+                greedy_next = None
+                if temperature > 0:
+                    greedy_next = tuple(labels.token_ids[:, 0].tolist())
+                    row["greedy_next"] = list(greedy_next)
+                done[prompt.text] = Example(prompt.text, prompt.category, ids, tuple(answer), (shard, index), greedy_next)
+                out.write(json.dumps(row) + "\n")
             out.flush()
             bar.update(len(batch))
     return [done[p.text] for p in prompts if p.text in done]

@@ -46,7 +46,7 @@ def teacher_forced_hits(model: ExpertModel, examples: Sequence[Example], tokens_
         guessed = torch.cat([subset, torch.tensor([-1], dtype=subset.dtype)])[guesses]  # token ids; -1 = fallback
         for row, (index, example) in enumerate(zip(order[start:end], group)):
             first, last = len(example.prompt_ids) - 1, len(example.token_ids) - 1
-            truth = torch.tensor(example.token_ids[first + 1 : last + 1])
+            truth = torch.tensor(example.target_next)  # [last - first]
             hits[index] = (guessed[row, first:last] == truth).tolist()
         start = end
     return hits
@@ -108,11 +108,11 @@ def interface_hits(drafter, examples: Sequence[Example]) -> tuple[list[list[bool
         drafter.start(request, example.prompt_ids)
         row = []
         try:
-            for token in example.response_ids:
+            for token, label in zip(example.response_ids, example.target_next):
                 started = time.perf_counter()
                 tree = drafter.propose(request, 1)
                 times.append(time.perf_counter() - started)
-                row.append(len(tree) > 0 and tree.tokens[0] == token)
+                row.append(len(tree) > 0 and tree.tokens[0] == label)
                 drafter.commit(request, [token])
         finally:
             drafter.end(request)

@@ -71,11 +71,11 @@ def build_student(target_model: torch.nn.Module, subset_ids: torch.Tensor, layer
 
 
 def labels_for(example: Example, subset_index: dict[int, int], fallback: int) -> list[int]:
-    """Per input position: the subset index of the target's next token on answer positions, else IGNORE."""
-    tokens = example.token_ids
-    labels = [IGNORE] * len(tokens)
-    for position in range(len(example.prompt_ids) - 1, len(tokens) - 1):
-        labels[position] = subset_index.get(tokens[position + 1], fallback)
+    """Per input position: the subset index of the target's greedy next token on answer positions, else IGNORE."""
+    labels = [IGNORE] * len(example.token_ids)
+    first = len(example.prompt_ids) - 1
+    for offset, token in enumerate(example.target_next):
+        labels[first + offset] = subset_index.get(token, fallback)
     return labels
 
 
