@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from specmesh.distill.data import Example, generate_examples, greedy_answers, recorded_soft_labels, soft_labels, target_soft_labels
+from specmesh.distill.data import Example, generate_examples, target_answers, recorded_soft_labels, soft_labels, target_soft_labels
 from specmesh.distill.evaluate import agreement_by_category, expected_tokens_per_step, teacher_forced_hits, union_hits
 from specmesh.distill.train import TrainConfig, build_student, labels_for, train_student
 from specmesh.drafters.expert import ExpertDrafter, ExpertSpec, load_expert, save_expert, subset_for
@@ -49,7 +49,7 @@ def trained(target, examples):
 def test_greedy_answers_record_the_teacher_forced_distribution(target, examples):
     runtime = LlamaRuntime(target)
     chosen = examples[:6]
-    results = greedy_answers(runtime, [e.prompt_ids for e in chosen], max_tokens=16, top_k=8)
+    results = target_answers(runtime, [e.prompt_ids for e in chosen], max_tokens=16, top_k=8)
     forced = target_soft_labels(runtime, chosen, top_k=8)
     for example, (answer, labels), reference in zip(chosen, results, forced):
         assert tuple(answer) == example.response_ids  # plain greedy decoding, as the engine does it
@@ -61,7 +61,7 @@ def test_greedy_answers_record_the_teacher_forced_distribution(target, examples)
 def test_greedy_answers_stop_at_eos(target, examples):
     example = examples[0]
     eos = example.response_ids[2]
-    [(answer, labels)] = greedy_answers(LlamaRuntime(target), [example.prompt_ids], max_tokens=16, eos_token_ids=[eos])
+    [(answer, labels)] = target_answers(LlamaRuntime(target), [example.prompt_ids], max_tokens=16, eos_token_ids=[eos])
     assert answer == list(example.response_ids[: example.response_ids.index(eos) + 1])
     assert labels.token_ids.shape[0] == len(answer)
 

@@ -75,7 +75,7 @@ def load_examples(path: Path) -> list[Example]:
     return examples
 
 
-def greedy_answers(
+def target_answers(
     runtime, prompts: Sequence[Sequence[int]], max_tokens: int, eos_token_ids: Sequence[int] = (), top_k: int = SOFT_LABEL_TOP_K,
     temperature: float = 0.0, generator: torch.Generator | None = None,
 ) -> list[tuple[list[int], SoftLabels]]:
@@ -163,7 +163,7 @@ def generate_examples(
             encoded = [tuple(encode_chat(tokenizer, p.text)) for p in batch]
             key = hashlib.sha256(repr((encoded, temperature, seed)).encode()).hexdigest()[:16]
             generator = torch.Generator().manual_seed(int(key, 16) % 2**63) if temperature > 0 else None
-            results = greedy_answers(runtime, encoded, max_tokens, eos_token_ids, temperature=temperature, generator=generator)
+            results = target_answers(runtime, encoded, max_tokens, eos_token_ids, temperature=temperature, generator=generator)
             shard = (key if temperature > 0 else hashlib.sha256(repr(encoded).encode()).hexdigest()[:16]) + ".safetensors"
             _save_shard(shards / shard, [labels for _, labels in results])
             for index, (prompt, ids, (answer, labels)) in enumerate(zip(batch, encoded, results)):
