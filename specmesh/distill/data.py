@@ -96,10 +96,10 @@ def target_answers(
         while active:
             trees = [compile_tree(last[i], TokenTree()) for i in active]
             logits = runtime.forward(TreeBatch.build([sessions[i] for i in active], trees))  # [active, vocab]
-            probs = logits.float().softmax(-1)  # [active, vocab]
-            top = probs.topk(top_k, dim=-1)
+            scores = logits.float()  # [active, vocab]
+            top = scores.softmax(-1).topk(top_k, dim=-1)
             if temperature > 0:
-                tempered = (logits.float() / temperature).softmax(-1)
+                tempered = (scores / temperature).softmax(-1)
                 drawn = torch.multinomial(tempered, 1, generator=generator)[:, 0].tolist()  # [active]
             still = []
             for row, i in enumerate(active):
@@ -161,10 +161,11 @@ def generate_examples(
         for start in range(0, len(todo), batch_size):
             batch = todo[start : start + batch_size]
             encoded = [tuple(encode_chat(tokenizer, p.text)) for p in batch]
-            key = hashlib.sha256(repr((encoded, temperature, seed)).encode()).hexdigest()[:16]
-            generator = torch.Generator().manual_seed(int(key, 16) % 2**63) if temperature > 0 else None
+            batch_key = repr((encoded, temperature, seed)) if temperature > 0 else repr(encoded)
+            digest = hashlib.sha256(batch_key.encode()).hexdigest()[:16]
+            generator = torch.Generator().manual_seed(int(digest, 16) % 2**63) if temperature > 0 else None
             results = target_answers(runtime, encoded, max_tokens, eos_token_ids, temperature=temperature, generator=generator)
-            shard = (key if temperature > 0 else hashlib.sha256(repr(encoded).encode()).hexdigest()[:16]) + ".safetensors"
+            shard = digest + ".safetensors"
             _save_shard(shards / shard, [labels for _, labels in results])
             for index, (prompt, ids, (answer, labels)) in enumerate(zip(batch, encoded, results)):
                 row = {"prompt": prompt.text, "category": prompt.category, "prompt_ids": list(ids), "response_ids": answer,

@@ -12,7 +12,7 @@ from typing import Sequence
 
 
 from specmesh.assembly import Assembly, eos_token_ids, load_expert_for
-from specmesh.distill.data import Example, generate_examples, recorded_soft_labels, soft_labels
+from specmesh.distill.data import Example, generate_examples, soft_labels
 from specmesh.distill.evaluate import (agreement_by_category, expected_tokens_per_step, interface_hits, step_cost_ms,
                                       teacher_forced_hits, union_hits)
 from specmesh.distill.train import TrainConfig, build_student, train_student
@@ -89,7 +89,7 @@ def distill(
         by_prompt = dict(zip((e.prompt for e in examples), labels))
         soft = [by_prompt[e.prompt] for e in training]
     # More contexts from the training prompts only (the held-out prompts stay unseen): sampled answers,
-    # labelled with the target's greedy next token at every position; their soft labels are always recorded.
+    # labelled with the target's greedy next token at every position.
     training_prompts = [Prompt(e.prompt, e.category) for e in training]
     for round_ in range(sampled_answers):
         sampled_file = out_dir / f"answers-sampled-{round_}.jsonl"
@@ -97,7 +97,7 @@ def distill(
                                     max_answer_tokens, eos, temperature=temperature, seed=config.seed + round_)
         training = training + sampled
         if soft is not None:
-            soft = soft + recorded_soft_labels(sampled_file, sampled)
+            soft = soft + soft_labels(assembly.runtime, sampled, sampled_file)  # recorded as they were sampled
     vocab = assembly.target.model.config.vocab_size
     subset = subset_for([t for e in training for t in e.target_next], vocab, config.subset_size)
     weights = boost_weights(assembly, training, boost_from) if boost_from else None
