@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--domain", required=True, help="the expert's domain: code, math, writing, knowledge (templated prompts), or any name with --prompts")
     dist.add_argument("--prompts", help="JSONL training prompts (default: specmesh's templated prompts for --domain)")
     dist.add_argument("--count", type=int, default=1200, help="templated prompts to make when --prompts is absent")
+    dist.add_argument("--synthesize", type=int, default=0, metavar="N",
+                      help="instead of templates: N requests the target writes itself (cached, shared by its experts), "
+                      "of which those the request classifier puts in --domain are the training prompts")
     dist.add_argument("--out", required=True, help="the drafter directory to write")
     dist.add_argument("--minutes", type=float, default=10.0, help="training time budget (default 10)")
     dist.add_argument("--layers", type=int, default=3)
@@ -321,8 +324,9 @@ def _distill(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from specmesh.assembly import assemble, configure_threads
-    from specmesh.distill.pipeline import distill
-    from specmesh.distill.prompts import domain_prompts
+    from specmesh.distill.pipeline import distill, synthesized_prompts
+    from specmesh.distill.prompts import DOMAINS, domain_prompts
+    from specmesh.routing import GENERAL
     from specmesh.distill.train import TrainConfig
     from specmesh.prompts import load_prompts
 
@@ -340,9 +344,23 @@ def _distill(args: argparse.Namespace) -> int:
         raise InvalidArgument("sampled_answers", f"must be in 0..16, got {args.sampled_answers}")
     if not 0 < args.temperature <= 4:
         raise InvalidArgument("temperature", f"must be in (0, 4], got {args.temperature}")
-    prompts = load_prompts(args.prompts) if args.prompts else domain_prompts(args.domain, args.count, args.seed)
+    if args.synthesize < 0:
+        raise InvalidArgument("synthesize", f"must be >= 0, got {args.synthesize}")
+    if args.synthesize and args.prompts:
+        raise InvalidArgument("synthesize", "give --prompts or --synthesize, not both")
+    if args.synthesize and args.domain not in (*DOMAINS, GENERAL):
+        raise InvalidArgument("domain", f"--synthesize keeps the requests classified as one of {sorted(DOMAINS)} "
+                              f"or {GENERAL!r} (all but code and math), not {args.domain!r}")
+    prompts = load_prompts(args.prompts) if args.prompts else None
+    if prompts is None and not args.synthesize:
+        prompts = domain_prompts(args.domain, args.count, args.seed)
     configure_threads(args.threads)
     assembly = assemble(args.target, drafters=[], dtype="float32")
+    if prompts is None:
+        prompts = synthesized_prompts(assembly, args.domain, args.synthesize, args.seed)
+        print(f"{len(prompts)} of {args.synthesize} target-written requests are {args.domain} requests")
+        if not prompts:
+            raise InvalidArgument("synthesize", f"none of the {args.synthesize} requests is a {args.domain} request; draw more")
     config = TrainConfig(layers=args.layers, subset_size=args.subset_size, minutes=args.minutes, seed=args.seed,
                          learning_rate=args.learning_rate, tokens_per_batch=args.batch_tokens)
     spec = distill(assembly, args.domain, prompts, Path(args.out), config, boost_from=args.boost_from,

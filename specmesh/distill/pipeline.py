@@ -12,9 +12,11 @@ from typing import Sequence
 
 
 from specmesh.assembly import Assembly, eos_token_ids, load_expert_for
+from specmesh.classify import default_classifier
 from specmesh.distill.data import Example, generate_examples, soft_labels
 from specmesh.distill.evaluate import (agreement_by_category, expected_tokens_per_step, interface_hits, step_cost_ms,
                                       teacher_forced_hits, union_hits)
+from specmesh.distill.synthesis import classified_prompts, synthesize_requests
 from specmesh.distill.train import TrainConfig, build_student, train_student
 from specmesh.drafters.expert import ExpertDrafter, ExpertSpec, drafter_dtype, save_expert, subset_for
 from specmesh.models.llama import TreeBatch
@@ -47,6 +49,16 @@ def mtbench_examples(assembly: Assembly, max_tokens: int = MTBENCH_ANSWER_TOKENS
     cache = cache_root() / "eval" / f"mtbench-{name}-{max_tokens}.jsonl"
     return generate_examples(assembly.runtime, assembly.target.tokenizer, mtbench_prompts(), cache, max_tokens,
                              eos_token_ids(assembly.target))
+
+
+def synthesized_prompts(assembly: Assembly, domain: str, count: int, seed: int = 0) -> list[Prompt]:
+    """Of ``count`` requests the target writes itself (one cached pool per target, grown as needed), those the
+    request classifier puts in ``domain``'s kinds; never sharing a long word run with an MT-Bench question."""
+    name = assembly.target.name.replace("/", "_")
+    pool = cache_root() / "synthesized" / f"requests-{name}-seed{seed}.jsonl"
+    requests = synthesize_requests(assembly.runtime, assembly.target.tokenizer, count, pool, eos_token_ids(assembly.target),
+                                   avoid=[p.text for p in mtbench_prompts()], seed=seed)
+    return classified_prompts(requests, domain, default_classifier().classify)
 
 
 def boost_weights(assembly: Assembly, examples: Sequence[Example], earlier_dirs: Sequence[str | Path]) -> list[list[float]]:
