@@ -28,7 +28,8 @@ SHIPPED_EXPERTS = Path(__file__).parent / "experts"  # experts/<target>/<domain>
 
 
 def shipped_experts(target_name: str) -> dict[str, Path]:
-    """Domain -> directory of the experts shipped for a target (the embedded default has three)."""
+    """Name -> directory of the experts shipped for a target (the embedded default's: code, math, writing,
+    knowledge, and chat, whose domain is general)."""
     folder = SHIPPED_EXPERTS / target_name.replace("/", "_")
     if not folder.is_dir():
         return {}
@@ -88,7 +89,7 @@ def eos_token_ids(model: LoadedModel) -> list[int]:
 
 
 def load_drafter(spec: str, target: LoadedModel | TargetParts, device: str | None, dtype: str | None) -> Drafter:
-    """A model-free drafter (``ngram``, ``history``), a shipped expert's domain (``code``), a drafter
+    """A model-free drafter (``ngram``, ``history``), a shipped expert's name (``code``), a drafter
     directory made by ``specmesh distill``, or a small LM sharing the target's tokenizer."""
     target = parts_of(target) if isinstance(target, LoadedModel) else target
     if spec in MODEL_FREE_DRAFTERS:

@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     up = commands.add_parser("up", help="run the whole cluster on this machine, with a demo request")
     up.add_argument("--model", default=EMBEDDED_DEFAULT, help="the target model")
     up.add_argument("--drafter", action="append", default=None,
-                    help="a drafter service to start (ngram, history, code, math, writing, knowledge, a directory, a model); "
+                    help="a drafter service to start (ngram, history, code, math, writing, knowledge, chat, a directory, a model); "
                     "repeatable (default: ngram and every shipped expert)")
     up.add_argument("--verifiers", type=int, default=1, help="verifier processes (default 1)")
     up.add_argument("--port", type=int, default=50051, help="the router's port (default 50051; 0 = any free)")
@@ -95,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     dist = commands.add_parser("distill", help="train an expert drafter for a target on one domain")
     dist.add_argument("--target", default=EMBEDDED_DEFAULT, help="the target model (default: the embedded one)")
-    dist.add_argument("--domain", required=True, help="the expert's domain: code, math, writing, knowledge (templated prompts), or any name with --prompts")
+    dist.add_argument("--domain", required=True, help="the expert's domain: code, math, writing, knowledge (templated prompts, or with --synthesize; "
+                      "general: with --synthesize, every request not code or math), or any name with --prompts")
     dist.add_argument("--prompts", help="JSONL training prompts (default: specmesh's templated prompts for --domain)")
     dist.add_argument("--count", type=int, default=1200, help="templated prompts to make when --prompts is absent")
     dist.add_argument("--synthesize", type=int, default=0, metavar="N",

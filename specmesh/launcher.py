@@ -26,7 +26,7 @@ from specmesh.models.loading import EMBEDDED_DEFAULT
 from specmesh.redis_server import RedisServer, free_port
 from specmesh.routing import MODEL_FREE_KINDS
 
-DEFAULT_DRAFTERS = ("ngram", "code", "math", "writing", "knowledge")
+DEFAULT_DRAFTERS = ("ngram", "code", "math", "writing", "knowledge", "chat")
 
 # How long an idle OpenMP thread spins before it sleeps (only the verifiers run more than one thread).
 # About 35 ms on 2 cores: long enough to stay awake through a step's drafting at concurrency 1, so the

@@ -101,11 +101,11 @@ def test_shipped_experts_are_lossless(target, prompts, hf_outputs):
     from specmesh.assembly import load_drafter, shipped_experts
 
     experts = shipped_experts(EMBEDDED_DEFAULT)
-    assert set(experts) >= {"code", "math", "writing", "knowledge"}, f"shipped experts: {sorted(experts)}"
+    assert set(experts) >= {"code", "math", "writing", "knowledge", "chat"}, f"shipped experts: {sorted(experts)}"
     runtime = LlamaRuntime(target.model)
-    for domain in experts:
-        drafter = load_drafter(domain, target, device=None, dtype=None)
-        assert drafter.domain == domain
+    for name in experts:
+        drafter = load_drafter(name, target, device=None, dtype=None)
+        assert drafter.name == name and drafter.domain == ("general" if name == "chat" else name)
         engine = SpeculativeEngine(runtime, [drafter, NgramDrafter()], max_tree_nodes=8,
                                    eos_token_ids=eos_token_ids(target))
         chosen = range(0, len(prompts), 4)  # five prompts across the categories
@@ -124,7 +124,7 @@ def test_the_full_router_is_lossless_and_routes_by_kind(target, questions, promp
     from specmesh.classify import default_classifier
     from specmesh.policy import adaptive_policy
 
-    experts = [load_drafter(domain, target, device=None, dtype=None) for domain in shipped_experts(EMBEDDED_DEFAULT)]
+    experts = [load_drafter(name, target, device=None, dtype=None) for name in shipped_experts(EMBEDDED_DEFAULT)]
     drafters = [NgramDrafter(), *experts]
     policy = adaptive_policy({d.name: [getattr(d, "domain", "general")] for d in drafters}, seed=0, free=["ngram"],
                              adapt_budget=speculation == "adaptive")
@@ -142,7 +142,7 @@ def test_the_full_router_is_lossless_and_routes_by_kind(target, questions, promp
     assert coding and all(o.stats.request_kind == "code" for o in coding)
     if speculation == "fixed":  # (adaptive: whether an expert pays in a batch of five is the controller's call)
         code_steps = sum(o.stats.drafter_steps.get("code", 0) for o in coding)
-        other_steps = sum(o.stats.drafter_steps.get(name, 0) for o in coding for name in ("math", "writing", "knowledge"))
+        other_steps = sum(o.stats.drafter_steps.get(name, 0) for o in coding for name in ("math", "writing", "knowledge", "chat"))
         assert code_steps > other_steps, (code_steps, other_steps)
     tokens = sum(len(o.token_ids) for o in outputs)
     steps = sum(o.stats.target_steps for o in outputs)

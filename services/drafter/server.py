@@ -127,7 +127,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specmesh-drafter", description="Serve one drafter over gRPC.")
     parser.add_argument("--drafter", default=env_default("drafter", "ngram"),
-                        help="ngram, history, a shipped expert's domain (code, math, writing, knowledge), a drafter directory "
+                        help="ngram, history, a shipped expert (code, math, writing, knowledge, chat), a drafter directory "
                              "or a small HF model sharing the target's tokenizer [SPECMESH_DRAFTER]")
     parser.add_argument("--target", default=env_default("target", EMBEDDED_DEFAULT),
                         help="the target model drafted for (its tokenizer and embeddings are read) [SPECMESH_TARGET]")
