@@ -327,9 +327,9 @@ def _distill(args: argparse.Namespace) -> int:
     from specmesh.assembly import assemble, configure_threads
     from specmesh.distill.pipeline import distill, synthesized_prompts
     from specmesh.distill.prompts import DOMAINS, domain_prompts
-    from specmesh.routing import GENERAL
     from specmesh.distill.train import TrainConfig
     from specmesh.prompts import load_prompts
+    from specmesh.routing import GENERAL
 
     if args.minutes <= 0:
         raise InvalidArgument("minutes", f"must be > 0, got {args.minutes}")

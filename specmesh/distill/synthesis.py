@@ -112,8 +112,8 @@ def synthesize_requests(
 
 
 def domain_kinds(domain: str) -> tuple[str, ...]:
-    """The request kinds an expert of ``domain`` trains on: its own; a general (chat) expert takes every
-    request that is not code or math (the kinds with experts of their own, and requests of no clear kind)."""
+    """The request kinds an expert of ``domain`` trains on: its own; a general (chat) expert's are writing,
+    knowledge and requests of no clear kind: all but code and math."""
     return (GENERAL, "writing", "knowledge") if domain == GENERAL else (domain,)
 
 
