@@ -43,6 +43,11 @@ def _words(text: str) -> list[str]:
     return re.findall(r"[a-z0-9]+", text.lower())
 
 
+def _key(text: str) -> str:
+    """A request's identity up to case, punctuation and spacing."""
+    return " ".join(_words(text))
+
+
 def _shingles(text: str, n: int = BENCHMARK_SHINGLE) -> set[tuple[str, ...]]:
     words = _words(text)
     return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
@@ -52,7 +57,7 @@ def acceptable(text: str, seen: set[str], banned_shingles: set[tuple[str, ...]])
     """A request worth training on: sensible length, printable, new, and not a benchmark question."""
     if not MIN_CHARS <= len(text) <= MAX_CHARS or not text.replace("\n", " ").isprintable():
         return False
-    key = " ".join(_words(text))
+    key = _key(text)
     if not key or key in seen:
         return False
     return not (_shingles(text) & banned_shingles)
@@ -80,7 +85,7 @@ def synthesize_requests(
     requests = [json.loads(line) for line in cache_file.read_text(encoding="utf-8").splitlines() if line.strip()] \
         if cache_file.exists() else []
     avoid = list(avoid)
-    seen = {" ".join(_words(r)) for r in [*requests, *avoid]}  # a short benchmark question has no 8-word run
+    seen = {_key(r) for r in [*requests, *avoid]}  # a short benchmark question has no 8-word run
     banned = set().union(*(_shingles(t) for t in avoid)) if avoid else set()
     prefix = user_turn_prefix(tokenizer)
     eos = frozenset(eos_token_ids)
@@ -103,7 +108,7 @@ def synthesize_requests(
                 text = tokenizer.decode(ids[:-1], skip_special_tokens=True).strip()
                 if len(requests) >= count or not acceptable(text, seen, banned):
                     continue
-                seen.add(" ".join(_words(text)))
+                seen.add(_key(text))
                 requests.append(text)
                 out.write(json.dumps(text) + "\n")
                 bar.update(1)
