@@ -116,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--temperature", type=float, default=0.7, help="temperature of the sampled answers (default 0.7)")
     dist.add_argument("--boost-from", action="append", default=[],
                       help="an earlier drafter of the set: positions it gets wrong weigh more (repeatable)")
+    dist.add_argument("--no-copy", action="store_true",
+                      help="no copy gate: the expert never copies from its context (default: it does, gated)")
     dist.add_argument("--seed", type=int, default=0)
     dist.add_argument("--threads", type=int, default=None)
 
@@ -363,7 +365,7 @@ def _distill(args: argparse.Namespace) -> int:
         if not prompts:
             raise InvalidArgument("synthesize", f"none of the {args.synthesize} requests is a {args.domain} request; draw more")
     config = TrainConfig(layers=args.layers, subset_size=args.subset_size, minutes=args.minutes, seed=args.seed,
-                         learning_rate=args.learning_rate, tokens_per_batch=args.batch_tokens)
+                         learning_rate=args.learning_rate, tokens_per_batch=args.batch_tokens, copy_gate=not args.no_copy)
     spec = distill(assembly, args.domain, prompts, Path(args.out), config, boost_from=args.boost_from,
                    max_answer_tokens=args.answer_tokens, sampled_answers=args.sampled_answers,
                    temperature=args.temperature)

@@ -190,12 +190,13 @@ def test_save_load_round_trip_and_losslessness(trained, target, examples, tmp_pa
 
 
 def test_trees_branch_where_the_drafter_is_unsure():
-    from specmesh.drafters.shape import confident_tree
+    from specmesh.drafters.shape import Step, confident_tree
 
     # outputs 0..3 name tokens 10..13; output 4 is the fallback ("not in my subset")
-    sure = torch.tensor([0.9, 0.05, 0.03, 0.01, 0.01])
-    unsure = torch.tensor([0.4, 0.35, 0.15, 0.05, 0.05])
-    stop = torch.tensor([0.1, 0.1, 0.1, 0.1, 0.6])
+    names = [10, 11, 12, 13]
+    sure = Step(torch.tensor([0.9, 0.05, 0.03, 0.01, 0.01]), names)
+    unsure = Step(torch.tensor([0.4, 0.35, 0.15, 0.05, 0.05]), names)
+    stop = Step(torch.tensor([0.1, 0.1, 0.1, 0.1, 0.6]), names)
     script = iter([unsure, sure, stop])
     fed = []
 
@@ -203,13 +204,13 @@ def test_trees_branch_where_the_drafter_is_unsure():
         fed.append(token)
         return next(script)
 
-    tree = confident_tree(sure, advance, [10, 11, 12, 13], budget=8, max_depth=8, branch_below=0.6,
+    tree = confident_tree(sure, advance, budget=8, max_depth=8, branch_below=0.6,
                           branch_width=3, stop_index=4)
     # depth 1: sure -> 10 alone; depth 2: unsure -> 10 with siblings 11, 12; depth 3: sure -> 10; then stop
     assert tree.tokens == (10, 10, 11, 12, 10)
     assert tree.parents == (ROOT, 0, 0, 0, 1)
     assert fed == [10, 10, 10]
-    small = confident_tree(unsure, lambda t: sure, None, budget=2, max_depth=8, branch_below=0.6, branch_width=3)
+    small = confident_tree(Step(unsure.probs, None), lambda t: sure, budget=2, max_depth=8, branch_below=0.6, branch_width=3)
     assert small.tokens == (0, 1) and small.parents == (ROOT, ROOT)
 
 
@@ -224,13 +225,13 @@ def test_expert_drafter_proposes_within_budget(trained, examples):
 
 
 def test_trees_stop_where_the_path_is_unlikely():
-    from specmesh.drafters.shape import confident_tree
+    from specmesh.drafters.shape import Step, confident_tree
 
-    half = torch.tensor([0.5, 0.3, 0.2])
-    tree = confident_tree(half, lambda t: half, None, budget=8, max_depth=8, branch_below=0.0, branch_width=1,
+    half = Step(torch.tensor([0.5, 0.3, 0.2]), None)
+    tree = confident_tree(half, lambda t: half, budget=8, max_depth=8, branch_below=0.0, branch_width=1,
                           stop_below=0.2)
     assert tree.tokens == (0, 0)  # path confidence 0.5, 0.25, then 0.125 < 0.2: stop
-    first_only = confident_tree(half, lambda t: half, None, budget=8, max_depth=8, branch_below=0.0, branch_width=1,
+    first_only = confident_tree(half, lambda t: half, budget=8, max_depth=8, branch_below=0.0, branch_width=1,
                                 stop_below=0.9)
     assert len(first_only) == 1  # the first guess is always made
 
@@ -245,11 +246,11 @@ def test_soft_targets_of_a_prompt_longer_than_the_training_window(target, exampl
 
 
 def test_no_drafter_step_is_wasted_after_the_deepest_guess():
-    from specmesh.drafters.shape import confident_tree
+    from specmesh.drafters.shape import Step, confident_tree
 
     calls = []
-    sure = torch.tensor([0.9, 0.1])
-    tree = confident_tree(sure, lambda t: calls.append(t) or sure, None, budget=8, max_depth=3, branch_below=0.0,
+    sure = Step(torch.tensor([0.9, 0.1]), None)
+    tree = confident_tree(sure, lambda t: calls.append(t) or sure, budget=8, max_depth=3, branch_below=0.0,
                           branch_width=1)
     assert len(tree) == 3 and len(calls) == 2
 
@@ -272,8 +273,8 @@ def test_int8_drafting_stays_close_to_fp32_and_lossless(trained, target, example
         for drafter in (fp32, int8):
             drafter.start(f"r{number}", example.prompt_ids)
         for token in example.response_ids:
-            a = fp32._catch_up(fp32._requests[f"r{number}"], [*fp32._requests[f"r{number}"].committed])
-            b = int8._catch_up(int8._requests[f"r{number}"], [*int8._requests[f"r{number}"].committed])
+            a = fp32._catch_up(fp32._requests[f"r{number}"], [*fp32._requests[f"r{number}"].committed]).probs
+            b = int8._catch_up(int8._requests[f"r{number}"], [*int8._requests[f"r{number}"].committed]).probs
             assert (a - b).abs().max() < 0.05  # probabilities over the subset + fallback
             same += int(a.argmax() == b.argmax())
             total += 1

@@ -23,12 +23,10 @@ MAX_K = 8
 
 
 @torch.no_grad()
-def teacher_forced_hits(model: ExpertModel, examples: Sequence[Example], tokens_per_batch: int = 4096) -> list[list[bool]]:
-    """Per example, per answer position: whether the drafter's top-1 guess is the target's next token.
-    Examples of similar length go through together, right-padded (causal attention keeps every real
-    position's output what it is alone)."""
-    subset = model.subset_ids
-    hits: list[list[bool]] = [[] for _ in examples]
+def teacher_forced_states(model: ExpertModel, examples: Sequence[Example], tokens_per_batch: int = 4096):
+    """Per example (in order of length): (its index, the model's hidden states [answer_len, hidden] at its
+    answer positions' inputs). Examples of similar length go through together, right-padded (causal
+    attention keeps every real position's output what it is alone)."""
     order = sorted(range(len(examples)), key=lambda i: len(examples[i].token_ids))
     start = 0
     while start < len(order):
@@ -42,13 +40,21 @@ def teacher_forced_hits(model: ExpertModel, examples: Sequence[Example], tokens_
         for row, example in enumerate(group):
             ids[row, : len(example.token_ids)] = torch.tensor(example.token_ids)
             mask[row, : len(example.token_ids)] = 1
-        guesses = model(ids, attention_mask=mask).argmax(-1)  # [batch, width] subset indices
-        guessed = torch.cat([subset, torch.tensor([-1], dtype=subset.dtype)])[guesses]  # token ids; -1 = fallback
+        hidden = model.hidden_states(ids, attention_mask=mask)  # [batch, width, hidden]
         for row, (index, example) in enumerate(zip(order[start:end], group)):
             first, last = len(example.prompt_ids) - 1, len(example.token_ids) - 1
-            truth = torch.tensor(example.target_next)  # [last - first]
-            hits[index] = (guessed[row, first:last] == truth).tolist()
+            yield index, hidden[row, first:last]
         start = end
+
+
+@torch.no_grad()
+def teacher_forced_hits(model: ExpertModel, examples: Sequence[Example], tokens_per_batch: int = 4096) -> list[list[bool]]:
+    """Per example, per answer position: whether the drafter's top-1 guess is the target's next token."""
+    hits: list[list[bool]] = [[] for _ in examples]
+    for index, hidden in teacher_forced_states(model, examples, tokens_per_batch):
+        example = examples[index]
+        guessed = model.guesses(hidden, example.token_ids, len(example.prompt_ids) - 1)  # token ids; -1 = no guess
+        hits[index] = (guessed == torch.tensor(example.target_next)).tolist()
     return hits
 
 

@@ -17,8 +17,8 @@ from specmesh.distill.data import Example, generate_examples, soft_labels
 from specmesh.distill.evaluate import (agreement_by_category, expected_tokens_per_step, interface_hits, step_cost_ms,
                                       teacher_forced_hits, union_hits)
 from specmesh.distill.synthesis import classified_prompts, synthesize_requests
-from specmesh.distill.train import TrainConfig, build_student, train_student
-from specmesh.drafters.expert import ExpertDrafter, ExpertSpec, drafter_dtype, save_expert, subset_for
+from specmesh.distill.train import TrainConfig, build_student, fit_copy_gate, train_student
+from specmesh.drafters.expert import ExpertDrafter, ExpertModel, ExpertSpec, drafter_dtype, save_expert, subset_for
 from specmesh.models.llama import TreeBatch
 from specmesh.models.loading import cache_root, tokenizer_fingerprint
 from specmesh.models.runtime import prefilled_session
@@ -116,28 +116,15 @@ def distill(
     model = build_student(assembly.target.model, subset, config.layers)
     result = train_student(model, training, config, position_weights=weights, soft_labels=soft, validation=validation)
 
-    held_out_hits = teacher_forced_hits(model, validation)
-    bench = mtbench_examples(assembly)
-    deployed = copy.deepcopy(model).to(drafter_dtype(assembly.runtime.device))
-    drafter = ExpertDrafter(deployed, name=out_dir.name, domain=domain)
-    bench_hits, _ = interface_hits(drafter, bench)  # as it will run (its precision, int8 linears on a CPU)
-    context = list(bench[0].prompt_ids)
-    cost_ms = step_cost_ms(drafter, context)
-    target_ms = target_step_ms(assembly, context)
+    copy_fit = fit_copy_gate(model, validation) if config.copy_gate else {}
     spec = ExpertSpec(
         name=out_dir.name,
         domain=domain,
         target={"name": assembly.target.name, "tokenizer_hash": tokenizer_fingerprint(assembly.target.tokenizer),
                 "vocab_size": vocab},
         architecture=model.config.to_dict() | {"vocab_size": vocab},
-        measured={
-            "held_out_agreement": agreement_by_category(validation, held_out_hits)["all"],
-            "mtbench_agreement": agreement_by_category(bench, bench_hits),
-            "mtbench_expected_tokens_per_step": expected_tokens_per_step(bench_hits),
-            "cost_ms": round(cost_ms, 3),
-            "target_step_ms": round(target_ms, 3),
-            "cost_fraction": round(cost_ms / target_ms, 4),
-        },
+        measured=measure_expert(assembly, model, out_dir.name, domain, validation),
+        copy=copy_fit,
         training=asdict(config) | {"examples": len(training), "answer_tokens": sum(len(e.response_ids) for e in training),
                                    "sampled_answers_per_prompt": sampled_answers,
                                    "sampling_temperature": temperature if sampled_answers else None,
@@ -148,3 +135,24 @@ def distill(
     )
     save_expert(model, spec, out_dir)
     return spec
+
+
+def measure_expert(assembly: Assembly, model: ExpertModel, name: str, domain: str, held_out: Sequence[Example]) -> dict:
+    """``drafter.json``'s measurements: held-out and MT-Bench agreement (the latter through the drafter
+    interface, as it will run: its precision, int8 linears on a CPU), expected tokens per step, cost."""
+    held_out_hits = teacher_forced_hits(model, held_out)
+    bench = mtbench_examples(assembly)
+    deployed = copy.deepcopy(model).to(drafter_dtype(assembly.runtime.device))
+    drafter = ExpertDrafter(deployed, name=name, domain=domain)
+    bench_hits, _ = interface_hits(drafter, bench)
+    context = list(bench[0].prompt_ids)
+    cost_ms = step_cost_ms(drafter, context)
+    target_ms = target_step_ms(assembly, context)
+    return {
+        "held_out_agreement": agreement_by_category(held_out, held_out_hits)["all"],
+        "mtbench_agreement": agreement_by_category(bench, bench_hits),
+        "mtbench_expected_tokens_per_step": expected_tokens_per_step(bench_hits),
+        "cost_ms": round(cost_ms, 3),
+        "target_step_ms": round(target_ms, 3),
+        "cost_fraction": round(cost_ms / target_ms, 4),
+    }

@@ -4,11 +4,13 @@ What makes them cheap: a few layers at the target's width, the target's own (fro
 and an output head over a frequency-ranked subset of the vocabulary (the domain's common tokens) plus
 one *fallback* class meaning "the next token is not in my subset" — when it wins, the drafter stops
 guessing instead of proposing a token it cannot know. At run time the model runs on the lean runtime
-(pre-packed linears, KV sessions), like the target.
+(pre-packed linears, KV sessions), like the target. An expert may also copy from its context, through
+a learned gate (``copying.py``): its distribution then has one more output, the copy candidate.
 
 A drafter directory holds ``drafter.json`` (architecture, domain, target tokenizer hash, the measured
-agreement and cost) and ``weights.safetensors`` (fp16: the layers, the final norm, the head rows and
-the subset's token ids). The input embeddings are read from the target model's safetensors at load.
+agreement and cost) and ``weights.safetensors`` (fp16: the layers, the final norm, the head rows, the
+copy gate if any, and the subset's token ids). The input embeddings are read from the target model's
+safetensors at load.
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from specmesh.drafters.copying import ContextIndex, CopyGate, copy_candidates, copy_guess, gate_features
+from specmesh.drafters.shape import Step, common_prefix, confident_tree
 from specmesh.errors import InvalidArgument
 from specmesh.models.kv_cache import KVSession
 from specmesh.models.linear import int8_available
 from specmesh.models.llama import LlamaRuntime, TreeBatch
-from specmesh.drafters.shape import common_prefix, confident_tree
 from specmesh.tree import TokenTree, compile_tree
 from specmesh.models.runtime import PREFILL_CHUNK
 
@@ -35,19 +38,46 @@ FORMAT = "specmesh-drafter/1"
 class ExpertModel(nn.Module):
     """Token ids [batch, seq] -> logits [batch, seq, subset + 1] (last column = fallback)."""
 
-    def __init__(self, config, embedding: torch.Tensor, subset_ids: torch.Tensor) -> None:
+    def __init__(self, config, embedding: torch.Tensor, subset_ids: torch.Tensor, copy_gate: bool = False) -> None:
         from transformers import LlamaModel
 
         super().__init__()
         self.config = config
         self.body = LlamaModel(config)
         self.body.embed_tokens.weight = nn.Parameter(embedding.clone(), requires_grad=False)
-        self.register_buffer("subset_ids", subset_ids.to(torch.long), persistent=False)  # [subset]
+        subset_ids = subset_ids.to(torch.long)
+        self.register_buffer("subset_ids", subset_ids, persistent=False)  # [subset]
+        output_of = torch.full((embedding.shape[0],), -1, dtype=torch.long)
+        output_of[subset_ids] = torch.arange(len(subset_ids))
+        self.register_buffer("output_of", output_of, persistent=False)  # [vocab]: token id -> subset index, -1 outside
         self.head = nn.Linear(config.hidden_size, len(subset_ids) + 1, bias=False)
+        self.copy_gate = CopyGate(config.hidden_size) if copy_gate else None
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        return self.head(hidden)
+        return self.head(self.hidden_states(input_ids, attention_mask))
+
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """[batch, seq] -> the final (normed) hidden states [batch, seq, hidden]."""
+        return self.body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+    def copy_features(self, hidden: torch.Tensor, tokens: Sequence[int], first: int):
+        """Teacher forcing over ``tokens``' positions first..: hidden [n, hidden] (those positions') ->
+        (probs [n, subset + 1], candidate [n], candidate_index [n], length [n], hidden_logit [n])."""
+        probs = self.head(hidden).float().softmax(-1)
+        candidates, lengths = copy_candidates(tokens, first)
+        candidate = torch.tensor(candidates[: hidden.shape[0]], dtype=torch.long)
+        length = torch.tensor(lengths[: hidden.shape[0]], dtype=torch.long)
+        candidate_index = torch.where(candidate >= 0, self.output_of[candidate.clamp_min(0)], torch.full_like(candidate, -1))
+        return probs, candidate, candidate_index, length, hidden.float() @ self.copy_gate.hidden.float()
+
+    def guesses(self, hidden: torch.Tensor, tokens: Sequence[int], first: int) -> torch.Tensor:
+        """Top-1 token ids [n] at ``tokens``' positions first.. (hidden [n, hidden] there); -1 = no guess."""
+        if self.copy_gate is None:
+            top = self.head(hidden).argmax(-1)
+            return torch.cat([self.subset_ids, self.subset_ids.new_tensor([-1])])[top]
+        probs, candidate, candidate_index, length, hidden_logit = self.copy_features(hidden, tokens, first)
+        g = self.copy_gate(hidden_logit, gate_features(probs, candidate_index, length), length)
+        return copy_guess(probs, g, candidate_index, candidate, self.subset_ids)
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """Everything but the frozen embeddings (which are the target's)."""
@@ -71,6 +101,7 @@ class ExpertSpec:
     architecture: dict  # LlamaConfig fields
     measured: dict = field(default_factory=dict)
     training: dict = field(default_factory=dict)
+    copy: dict = field(default_factory=dict)  # how its copy gate was fit (the weights say whether it has one)
 
     def to_json(self) -> str:
         return json.dumps({"format": FORMAT, **self.__dict__}, indent=2) + "\n"
@@ -121,7 +152,8 @@ def load_expert(directory: str | Path, embedding: torch.Tensor, dtype: torch.dty
     spec = ExpertSpec.read(directory)
     tensors = load_file(str(directory / "weights.safetensors"))
     subset = tensors.pop("subset_ids").to(torch.long)
-    model = ExpertModel(LlamaConfig(**spec.architecture), embedding.to(dtype), subset)
+    copies = any(name.startswith("copy_gate.") for name in tensors)
+    model = ExpertModel(LlamaConfig(**spec.architecture), embedding.to(dtype), subset, copy_gate=copies)
     missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=False)
     missing = [k for k in missing if not k.startswith("body.embed_tokens")]
     if missing or unexpected:
@@ -134,6 +166,17 @@ class _Request:
     committed: list[int]
     session: KVSession
     cached: list[int] = field(default_factory=list)  # tokens whose K/V the session holds
+    context: ContextIndex | None = None  # the committed tokens, for copy candidates
+
+
+class _Outputs:
+    """Output index -> token id for a step whose last output is a copy candidate outside the subset."""
+
+    def __init__(self, subset_ids: list[int], candidate: int) -> None:
+        self.subset_ids, self.candidate = subset_ids, candidate
+
+    def __getitem__(self, index: int) -> int:
+        return self.candidate if index == len(self.subset_ids) + 1 else self.subset_ids[index]
 
 
 class ExpertDrafter:
@@ -158,8 +201,12 @@ class ExpertDrafter:
         weight = model.head.weight
         if int8_weights is None:
             int8_weights = drafter_int8(weight.device, weight.dtype)
+        self.gate = model.copy_gate
+        if self.gate is not None:  # the gate's hidden term rides along as one more head row
+            weight = torch.cat([weight, self.gate.hidden.detach().to(weight.dtype)[None]])
         self.runtime = LlamaRuntime(model.body, head_weight=weight, int8_weights=int8_weights)
         self.subset_ids = model.subset_ids.tolist()
+        self.output_of = {token: index for index, token in enumerate(self.subset_ids)}
         self.fallback = len(self.subset_ids)
         self.max_depth = max_depth
         self.branch_below = branch_below
@@ -168,18 +215,24 @@ class ExpertDrafter:
         self._requests: dict[str, _Request] = {}
 
     def start(self, request_id: str, prompt_ids: Sequence[int]) -> None:
-        self._requests[request_id] = _Request(list(prompt_ids), self.runtime.new_session())
+        committed = [int(t) for t in prompt_ids]
+        context = ContextIndex(committed) if self.gate is not None else None
+        self._requests[request_id] = _Request(committed, self.runtime.new_session(), context=context)
 
     def commit(self, request_id: str, new_token_ids: Sequence[int]) -> None:
-        self._requests[request_id].committed.extend(int(t) for t in new_token_ids)
+        state = self._requests[request_id]
+        new = [int(t) for t in new_token_ids]
+        state.committed.extend(new)
+        if state.context is not None:
+            state.context.extend(new)
 
     def end(self, request_id: str) -> None:
         state = self._requests.pop(request_id, None)
         if state is not None:
             state.session.free()
 
-    def _catch_up(self, state: _Request, context: list[int]) -> torch.Tensor:
-        """Bring the session to ``context``; return the distribution after its last token [subset + 1]."""
+    def _catch_up(self, state: _Request, context: list[int]) -> Step:
+        """Bring the session to ``context``; return the distribution after its last token."""
         shared = min(common_prefix(state.cached, context), len(context) - 1)  # the last token is always fed
         state.session.rollback(min(shared, state.session.length))
         feed = context[state.session.length :]
@@ -191,7 +244,7 @@ class ExpertDrafter:
             )
             state.session.keep_rows(list(range(tree.num_rows)))
         state.cached = list(context)
-        return logits[0].softmax(-1)
+        return self._step(state, logits[0])
 
     def propose(self, request_id: str, budget: int, assumed: Sequence[int] = ()) -> TokenTree:
         state = self._requests[request_id]
@@ -201,7 +254,6 @@ class ExpertDrafter:
         return confident_tree(
             self._catch_up(state, [*state.committed, *assumed]),
             lambda token: self._advance(state, token),
-            self.subset_ids,
             budget,
             self.max_depth,
             self.branch_below,
@@ -210,9 +262,29 @@ class ExpertDrafter:
             stop_below=self.stop_below,
         )
 
-    def _advance(self, state: _Request, token: int) -> torch.Tensor:
+    def _advance(self, state: _Request, token: int) -> Step:
         tree = compile_tree(token, TokenTree())
         logits = self.runtime.forward(TreeBatch.build([state.session], [tree]))
         state.session.keep_rows([0])
         state.cached.append(token)
-        return logits[0].softmax(-1)
+        return self._step(state, logits[0])
+
+    @torch.no_grad()
+    def _step(self, state: _Request, logits: torch.Tensor) -> Step:
+        """logits [subset + 1 (+ 1 gate logit)] after ``state.cached`` -> the expert's distribution: the
+        model's [subset + 1], mixed with the copy candidate where there is one (an extra output when it
+        is outside the subset)."""
+        if self.gate is None:
+            return Step(logits.softmax(-1), self.subset_ids)
+        probs = logits[:-1].float().softmax(-1)
+        candidate, length = state.context.candidate(state.cached[len(state.committed) :])
+        if length == 0:
+            return Step(probs, self.subset_ids)
+        index = self.output_of.get(candidate, -1)
+        length_t = torch.tensor(length)
+        g = self.gate(logits[-1], gate_features(probs, torch.tensor(index), length_t), length_t)
+        mixed = probs * (1 - g)
+        if index >= 0:
+            mixed[index] += g
+            return Step(mixed, self.subset_ids)
+        return Step(torch.cat([mixed, g.reshape(1)]), _Outputs(self.subset_ids, candidate))

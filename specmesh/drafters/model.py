@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 
 from specmesh.errors import InvalidArgument
-from specmesh.drafters.shape import common_prefix, confident_tree
+from specmesh.drafters.shape import Step, common_prefix, confident_tree
 from specmesh.tree import TokenTree
 
 
@@ -66,9 +66,9 @@ class ModelDrafter:
         keep = min(common_prefix(state.cached, context), len(context) - 1)
         state.cache.crop(keep - len(state.cached))  # a negative count: how many entries to drop
         state.cached = context[:keep]
-        first = self._distribution(state, context[keep:])
+        first = Step(self._distribution(state, context[keep:]), None)
         return confident_tree(
-            first, lambda token: self._distribution(state, [token]), None, budget, self.max_depth,
+            first, lambda token: Step(self._distribution(state, [token]), None), budget, self.max_depth,
             self.branch_below, self.branch_width,
         )
 

@@ -44,20 +44,31 @@ class NgramIndex:
 
         ``skip`` = (document, end) excludes the context's own occurrence (a request looking itself up).
         """
+        found: list[list[int]] = []
+        longest = 0
+        for n, document, end in self._matches(context, skip):
+            if n < longest:
+                break  # only the longest matching suffix speaks
+            longest = n
+            found.append(self.documents[document][end : end + length])
+            if len(found) >= limit:
+                break
+        return found
+
+    def longest_match(self, context: Sequence[int], skip: tuple[int, int] | None = None) -> tuple[int, int] | None:
+        """(n, next token) of the most recent occurrence of the longest suffix of ``context`` seen before
+        (with a token after it); None when not even its last token was."""
+        for n, document, end in self._matches(context, skip):
+            return n, self.documents[document][end]
+        return None
+
+    def _matches(self, context: Sequence[int], skip: tuple[int, int] | None):
+        """(n, document, end) of earlier occurrences of the context's last n tokens that something followed:
+        longest n first, newest first within an n."""
         for n in range(min(self.max_n, len(context)), self.min_n - 1, -1):
-            ends = self._ends[n].get(tuple(context[len(context) - n :]), ())
-            found = []
-            for document, end in reversed(ends):  # newest first: recent text predicts best
-                if (document, end) == skip or document not in self.documents:
-                    continue
-                follow = self.documents[document][end : end + length]
-                if follow:
-                    found.append(follow)
-                    if len(found) >= limit:
-                        break
-            if found:
-                return found
-        return []
+            for document, end in reversed(self._ends[n].get(tuple(context[len(context) - n :]), ())):  # recent text predicts best
+                if (document, end) != skip and end < len(self.documents.get(document, ())):
+                    yield n, document, end
 
     def drop(self, document: int) -> None:
         """Forget a document; its index entries are skipped lazily and purged by ``compact``."""

@@ -9,17 +9,24 @@ depth.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
 from specmesh.tree import ROOT, TokenTree
 
 
+class Step(NamedTuple):
+    """A drafter's next-token distribution and the token each of its outputs names (per step: an expert's
+    copy output names a different token of the context at every step)."""
+
+    probs: torch.Tensor  # [outputs]
+    token_ids: Sequence[int] | None  # output index -> token id (None: indices are token ids)
+
+
 def confident_tree(
-    first: torch.Tensor,  # [outputs]: the drafter's distribution after the committed tokens
-    advance: Callable[[int], torch.Tensor],  # feed a guessed token id, get the next distribution [outputs]
-    token_ids: Sequence[int] | None,  # output index -> token id (None: indices are token ids)
+    first: Step,  # the drafter's distribution after the committed tokens
+    advance: Callable[[int], Step],  # feed a guessed token id, get the next distribution
     budget: int,
     max_depth: int,
     branch_below: float,
@@ -30,10 +37,11 @@ def confident_tree(
     tokens: list[int] = []
     parents: list[int] = []
     confidences: list[float] = []
-    probs, parent, path_confidence = first, ROOT, 1.0
+    step, parent, path_confidence = first, ROOT, 1.0
     for depth in range(1, max_depth + 1):
         if len(tokens) >= budget:
             break
+        probs, token_ids = step
         top = probs.topk(min(branch_width, probs.shape[-1]))
         ranked = [(int(i), float(p)) for p, i in zip(top.values, top.indices)]
         if ranked[0][0] == stop_index:
@@ -58,7 +66,7 @@ def confident_tree(
         parent = guess
         if len(tokens) >= budget or depth == max_depth:
             break  # no further guess will be made: skip the drafter step
-        probs = advance(as_token(best))
+        step = advance(as_token(best))
     return TokenTree(tuple(tokens), tuple(parents), tuple(confidences))
 
 
