@@ -32,6 +32,26 @@ def test_the_candidate_follows_the_newest_occurrence_of_the_longest_suffix():
     assert ContextIndex([1, 2, 3]).candidate() == (-1, 0)
 
 
+def test_a_drafting_step_computes_the_gate_as_training_did():
+    import torch
+
+    from specmesh.drafters.copying import CopyGate, gate_features, position_features
+
+    generator = torch.Generator().manual_seed(0)
+    gate = CopyGate(8)
+    with torch.no_grad():
+        for parameter in gate.parameters():
+            parameter.normal_(generator=generator)
+    scalar = gate.scalar()
+    for candidate_index, length in ((3, 2), (-1, 1), (0, 6), (5, 4)):
+        probs = torch.rand(7, generator=generator).softmax(-1)
+        hidden_logit = torch.randn((), generator=generator)
+        features = gate_features(probs, torch.tensor(candidate_index), torch.tensor(length))
+        assert position_features(probs, candidate_index, length) == pytest.approx(features.tolist(), abs=1e-6)
+        expected = gate(hidden_logit, features, torch.tensor(length)).detach()
+        assert scalar(float(hidden_logit), features.tolist()) == pytest.approx(float(expected), abs=1e-6)
+
+
 @pytest.fixture(scope="module")
 def target():
     return tiny_llama(vocab_size=VOCAB, layers=2, seed=5)

@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from specmesh.drafters.copying import ContextIndex, CopyGate, copy_candidates, copy_guess, gate_features
+from specmesh.drafters.copying import ContextIndex, CopyGate, copy_candidates, copy_guess, gate_features, position_features
 from specmesh.drafters.shape import Step, common_prefix, confident_tree
 from specmesh.errors import InvalidArgument
 from specmesh.models.kv_cache import KVSession
@@ -201,9 +201,9 @@ class ExpertDrafter:
         weight = model.head.weight
         if int8_weights is None:
             int8_weights = drafter_int8(weight.device, weight.dtype)
-        self.gate = model.copy_gate
-        if self.gate is not None:  # the gate's hidden term rides along as one more head row
-            weight = torch.cat([weight, self.gate.hidden.detach().to(weight.dtype)[None]])
+        self.gate = model.copy_gate.scalar() if model.copy_gate is not None else None
+        if model.copy_gate is not None:  # the gate's hidden term rides along as one more head row
+            weight = torch.cat([weight, model.copy_gate.hidden.detach().to(weight.dtype)[None]])
         self.runtime = LlamaRuntime(model.body, head_weight=weight, int8_weights=int8_weights)
         self.subset_ids = model.subset_ids.tolist()
         self.output_of = {token: index for index, token in enumerate(self.subset_ids)}
@@ -269,7 +269,6 @@ class ExpertDrafter:
         state.cached.append(token)
         return self._step(state, logits[0])
 
-    @torch.no_grad()
     def _step(self, state: _Request, logits: torch.Tensor) -> Step:
         """logits [subset + 1 (+ 1 gate logit)] after ``state.cached`` -> the expert's distribution: the
         model's [subset + 1], mixed with the copy candidate where there is one (an extra output when it
@@ -281,10 +280,9 @@ class ExpertDrafter:
         if length == 0:
             return Step(probs, self.subset_ids)
         index = self.output_of.get(candidate, -1)
-        length_t = torch.tensor(length)
-        g = self.gate(logits[-1], gate_features(probs, torch.tensor(index), length_t), length_t)
+        g = self.gate(float(logits[-1]), position_features(probs, index, length))
         mixed = probs * (1 - g)
         if index >= 0:
             mixed[index] += g
             return Step(mixed, self.subset_ids)
-        return Step(torch.cat([mixed, g.reshape(1)]), _Outputs(self.subset_ids, candidate))
+        return Step(torch.cat([mixed, mixed.new_tensor([g])]), _Outputs(self.subset_ids, candidate))
