@@ -116,7 +116,7 @@ def distill(
     model = build_student(assembly.target.model, subset, config.layers)
     result = train_student(model, training, config, position_weights=weights, soft_labels=soft, validation=validation)
 
-    copy_fit = fit_copy_gate(model, validation) if config.copy_gate else {}
+    copy_fit = fit_copy_gate(model, validation) | {"fit_on": "the held-out tenth of the answers"} if config.copy_gate else {}
     spec = ExpertSpec(
         name=out_dir.name,
         domain=domain,
