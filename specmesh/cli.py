@@ -116,8 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--temperature", type=float, default=0.7, help="temperature of the sampled answers (default 0.7)")
     dist.add_argument("--boost-from", action="append", default=[],
                       help="an earlier drafter of the set: positions it gets wrong weigh more (repeatable)")
-    dist.add_argument("--no-copy", action="store_true",
-                      help="no copy gate: the expert never copies from its context (default: it does, gated)")
+    dist.add_argument("--copy", action="store_true",
+                      help="let the expert copy from its context through a learned gate: far better alone, "
+                      "no better beside prompt lookup (default: off)")
     dist.add_argument("--seed", type=int, default=0)
     dist.add_argument("--threads", type=int, default=None)
 
@@ -365,7 +366,7 @@ def _distill(args: argparse.Namespace) -> int:
         if not prompts:
             raise InvalidArgument("synthesize", f"none of the {args.synthesize} requests is a {args.domain} request; draw more")
     config = TrainConfig(layers=args.layers, subset_size=args.subset_size, minutes=args.minutes, seed=args.seed,
-                         learning_rate=args.learning_rate, tokens_per_batch=args.batch_tokens, copy_gate=not args.no_copy)
+                         learning_rate=args.learning_rate, tokens_per_batch=args.batch_tokens, copy_gate=args.copy)
     spec = distill(assembly, args.domain, prompts, Path(args.out), config, boost_from=args.boost_from,
                    max_answer_tokens=args.answer_tokens, sampled_answers=args.sampled_answers,
                    temperature=args.temperature)

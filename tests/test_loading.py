@@ -88,17 +88,19 @@ def test_distill_writes_a_drafter_directory_that_generate_uses(tiny_dir, tmp_pat
     assert "outputs identical" in result.stdout
 
     # Collective boost-tuning: the second expert learns from the first's misses; and from one sampled answer per
-    # training prompt besides the greedy one.
+    # training prompt besides the greedy one. It may copy from its context (a gate refit on the held-out answer).
     boosted = tmp_path / "math-expert"
     result = subprocess.run(
         [sys.executable, "-m", "specmesh", "distill", "--target", str(tiny_dir), "--domain", "math", "--count", "8",
          "--answer-tokens", "8", "--minutes", "0.05", "--subset-size", "64", "--layers", "1", "--out", str(boosted),
-         "--boost-from", str(out), "--sampled-answers", "1", "--temperature", "1.2"],
+         "--boost-from", str(out), "--sampled-answers", "1", "--temperature", "1.2", "--copy"],
         capture_output=True, text=True, timeout=600, env=env,
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    training = json.loads((boosted / "drafter.json").read_text())["training"]
-    assert training["boosted_from"] == ["code-expert"]
+    boosted_spec = json.loads((boosted / "drafter.json").read_text())
+    training = boosted_spec["training"]
+    assert training["boosted_from"] == ["code-expert"] and training["copy_gate"] is True
+    assert boosted_spec["copy"]["fit_on_positions"] > 0 and boosted_spec["copy"]["max_match"] == 4
     assert training["sampled_answers_per_prompt"] == 1 and training["examples"] == 14  # 7 training prompts, twice
     sampled = [json.loads(line) for line in (boosted / "answers-sampled-0.jsonl").read_text().splitlines()]
     every_prompt = {json.loads(line)["prompt"] for line in (boosted / "answers.jsonl").read_text().splitlines()}

@@ -7,8 +7,8 @@ frozen input embeddings. Its loss mixes two views of the target at every answer 
 - soft: cross-entropy against the target's top-k next-token distribution (mass outside the subset
   goes to the fallback class), which carries far more per token than the argmax alone.
 Positions can carry weights: collective boost-tuning up-weights the positions that earlier drafters
-of the set got wrong. Once trained, the student gets a copy gate (``drafters/copying.py``), fit on
-answers it was not trained on.
+of the set got wrong. A student that may copy (``drafters/copying.py``) trains on the mixture, and its
+gate is refit afterwards on answers it was not trained on.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class TrainConfig:
     tokens_per_batch: int = 2048
     max_length: int = 384
     seed: int = 0
-    copy_gate: bool = True  # let the expert copy from its context (a gate fit on the held-out answers)
+    copy_gate: bool = False  # let the expert copy from its context (a gate fit on the held-out answers)
 
 
 @dataclass

@@ -105,6 +105,8 @@ class CopyGate(nn.Module):
 
 
 class ScalarGate:
+    """``CopyGate`` over one position's ``position_features``, in plain floats."""
+
     def __init__(self, feature_weights: list[float], bias: float) -> None:
         self.feature_weights, self.bias = feature_weights, bias
 
