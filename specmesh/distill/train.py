@@ -154,7 +154,7 @@ def _log_probs(model: ExpertModel, ids: torch.Tensor, mask: torch.Tensor, candid
     if model.copy_gate is None:
         return logits.log_softmax(-1)
     probs = logits.softmax(-1)
-    candidate_index = torch.where(candidates >= 0, model.output_of[candidates.clamp_min(0)], torch.full_like(candidates, -1))
+    candidate_index = model.subset_index(candidates)
     g = model.copy_gate(hidden @ model.copy_gate.hidden, gate_features(probs.detach(), candidate_index, lengths), lengths)
     candidate_class = torch.where(candidate_index >= 0, candidate_index, torch.full_like(candidate_index, probs.shape[-1] - 1))
     mixed = (probs * (1 - g).unsqueeze(-1)).scatter_add(-1, candidate_class.unsqueeze(-1), g.unsqueeze(-1))
@@ -274,7 +274,7 @@ def fit_copy_gate(model: ExpertModel, examples: Sequence[Example], steps: int = 
         with torch.no_grad():  # the model is frozen: only the gate learns
             probs, candidate, candidate_index, length, _ = model.copy_features(hidden, example.token_ids, len(example.prompt_ids) - 1)
             label = torch.tensor(example.target_next)  # [n]
-            label_index = model.output_of[label]
+            label_index = model.subset_index(label)
             label_p = torch.where(label_index >= 0, probs.gather(1, label_index.clamp_min(0)[:, None])[:, 0], probs[:, -1])
             rows.append((hidden.float(), gate_features(probs, candidate_index, length), length, (candidate == label).float(), label_p))
     hidden, features, length, copy_right, label_p = (torch.cat(column) for column in zip(*rows))

@@ -65,8 +65,7 @@ def gate_features(probs: torch.Tensor, candidate_index: torch.Tensor, length: to
     subset), length [...] -> features [..., FEATURES] float32."""
     probs = probs.float()
     top_p, top_index = probs.max(-1)
-    candidate_p = torch.where(candidate_index >= 0, probs.gather(-1, candidate_index.clamp_min(0).unsqueeze(-1)).squeeze(-1),
-                              torch.zeros_like(top_p))
+    candidate_p = _candidate_p(probs, candidate_index)
     return torch.cat([
         nn.functional.one_hot(length.clamp(0, MAX_MATCH).long(), MAX_MATCH + 1).float(),
         torch.stack([top_p, probs[..., -1], candidate_p, (top_index == candidate_index).float(), top_p.clamp_min(1e-6).log(),
@@ -115,14 +114,19 @@ class ScalarGate:
         return 1.0 / (1.0 + math.exp(-z)) if z > -60 else 0.0
 
 
+def _candidate_p(probs: torch.Tensor, candidate_index: torch.Tensor) -> torch.Tensor:
+    """probs [..., outputs], candidate_index [...] -> the model's probability of the candidate [...] (0 outside the subset)."""
+    gathered = probs.gather(-1, candidate_index.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(candidate_index >= 0, gathered, torch.zeros_like(gathered))
+
+
 def copy_guess(probs: torch.Tensor, g: torch.Tensor, candidate_index: torch.Tensor, candidate: torch.Tensor,
-               subset_ids: torch.Tensor) -> torch.Tensor:
-    """Top-1 token of the mixture per position: probs [n, subset + 1], g / candidate_index / candidate [n]
-    -> token ids [n] (-1: the fallback won, no guess)."""
+               output_tokens: torch.Tensor) -> torch.Tensor:
+    """Top-1 token of the mixture per position: probs [n, subset + 1], g / candidate_index / candidate [n],
+    output_tokens [subset + 1] (the fallback's is -1) -> token ids [n] (-1: the fallback won, no guess)."""
     probs = probs.float()
-    candidate_p = torch.where(candidate_index >= 0, probs.gather(1, candidate_index.clamp_min(0)[:, None])[:, 0],
-                              torch.zeros_like(g))
+    candidate_p = _candidate_p(probs, candidate_index)
     top_p, top_index = probs.max(-1)
-    model_guess = torch.cat([subset_ids, subset_ids.new_tensor([-1])])[top_index]
+    model_guess = output_tokens[top_index]
     copies = (g > 0) & (g + (1 - g) * candidate_p >= (1 - g) * top_p)
     return torch.where(copies, candidate, model_guess)

@@ -50,6 +50,8 @@ class ExpertModel(nn.Module):
         output_of = torch.full((embedding.shape[0],), -1, dtype=torch.long)
         output_of[subset_ids] = torch.arange(len(subset_ids))
         self.register_buffer("output_of", output_of, persistent=False)  # [vocab]: token id -> subset index, -1 outside
+        output_tokens = torch.cat([subset_ids, subset_ids.new_tensor([-1])])
+        self.register_buffer("output_tokens", output_tokens, persistent=False)  # [subset + 1]: output -> token id, -1 = fallback
         self.head = nn.Linear(config.hidden_size, len(subset_ids) + 1, bias=False)
         self.copy_gate = CopyGate(config.hidden_size) if copy_gate else None
 
@@ -60,24 +62,26 @@ class ExpertModel(nn.Module):
         """[batch, seq] -> the final (normed) hidden states [batch, seq, hidden]."""
         return self.body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
 
+    def subset_index(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Token ids [...] (-1: none) -> their outputs in the subset [...], -1 outside it."""
+        return torch.where(token_ids >= 0, self.output_of[token_ids.clamp_min(0)], torch.full_like(token_ids, -1))
+
     def copy_features(self, hidden: torch.Tensor, tokens: Sequence[int], first: int):
-        """Teacher forcing over ``tokens``' positions first..: hidden [n, hidden] (those positions') ->
+        """Teacher forcing over ``tokens``' answer positions first..len - 2: hidden [n, hidden] there ->
         (probs [n, subset + 1], candidate [n], candidate_index [n], length [n], hidden_logit [n])."""
         probs = self.head(hidden).float().softmax(-1)
         candidates, lengths = copy_candidates(tokens, first)
-        candidate = torch.tensor(candidates[: hidden.shape[0]], dtype=torch.long)
-        length = torch.tensor(lengths[: hidden.shape[0]], dtype=torch.long)
-        candidate_index = torch.where(candidate >= 0, self.output_of[candidate.clamp_min(0)], torch.full_like(candidate, -1))
-        return probs, candidate, candidate_index, length, hidden.float() @ self.copy_gate.hidden.float()
+        candidate = torch.tensor(candidates, dtype=torch.long)
+        length = torch.tensor(lengths, dtype=torch.long)
+        return probs, candidate, self.subset_index(candidate), length, hidden.float() @ self.copy_gate.hidden.float()
 
     def guesses(self, hidden: torch.Tensor, tokens: Sequence[int], first: int) -> torch.Tensor:
         """Top-1 token ids [n] at ``tokens``' positions first.. (hidden [n, hidden] there); -1 = no guess."""
         if self.copy_gate is None:
-            top = self.head(hidden).argmax(-1)
-            return torch.cat([self.subset_ids, self.subset_ids.new_tensor([-1])])[top]
+            return self.output_tokens[self.head(hidden).argmax(-1)]
         probs, candidate, candidate_index, length, hidden_logit = self.copy_features(hidden, tokens, first)
         g = self.copy_gate(hidden_logit, gate_features(probs, candidate_index, length), length)
-        return copy_guess(probs, g, candidate_index, candidate, self.subset_ids)
+        return copy_guess(probs, g, candidate_index, candidate, self.output_tokens)
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """Everything but the frozen embeddings (which are the target's)."""
@@ -206,7 +210,8 @@ class ExpertDrafter:
             weight = torch.cat([weight, model.copy_gate.hidden.detach().to(weight.dtype)[None]])
         self.runtime = LlamaRuntime(model.body, head_weight=weight, int8_weights=int8_weights)
         self.subset_ids = model.subset_ids.tolist()
-        self.output_of = {token: index for index, token in enumerate(self.subset_ids)}
+        # token id -> output, for the copy candidate (a dict: one lookup a drafting step)
+        self.output_of = {token: index for index, token in enumerate(self.subset_ids)} if self.gate is not None else {}
         self.fallback = len(self.subset_ids)
         self.max_depth = max_depth
         self.branch_below = branch_below
