@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 
 from specmesh.distill.data import Example
-from specmesh.drafters.expert import ExpertDrafter, ExpertModel
+from specmesh.drafters.expert import ExpertModel
 
 MAX_K = 8
 
@@ -86,23 +86,6 @@ def expected_tokens_per_step(hits: Sequence[Sequence[bool]], max_k: int = MAX_K)
     if not runs:
         return {str(k): 1.0 for k in range(1, max_k + 1)}
     return {str(k): round(1 + sum(min(r, k) for r in runs) / len(runs), 3) for k in range(1, max_k + 1)}
-
-
-def step_cost_ms(drafter: ExpertDrafter, context: Sequence[int], steps: int = 40) -> float:
-    """Median milliseconds of one drafting step (one token through the drafter, KV cached)."""
-    drafter.start("cost-probe", context)
-    try:
-        state = drafter._requests["cost-probe"]
-        drafter._catch_up(state, state.committed)
-        times = []
-        token = context[-1]
-        for _ in range(steps):
-            started = time.perf_counter()
-            drafter._advance(state, token)
-            times.append(time.perf_counter() - started)
-        return statistics.median(times[5:]) * 1e3
-    finally:
-        drafter.end("cost-probe")
 
 
 def interface_hits(drafter, examples: Sequence[Example]) -> tuple[list[list[bool]], float]:

@@ -14,7 +14,7 @@ from typing import Sequence
 from specmesh.assembly import Assembly, eos_token_ids, load_expert_for
 from specmesh.classify import default_classifier
 from specmesh.distill.data import Example, generate_examples, soft_labels
-from specmesh.distill.evaluate import (agreement_by_category, expected_tokens_per_step, interface_hits, step_cost_ms,
+from specmesh.distill.evaluate import (agreement_by_category, expected_tokens_per_step, interface_hits,
                                       teacher_forced_hits, union_hits)
 from specmesh.distill.synthesis import classified_prompts, synthesize_requests
 from specmesh.distill.train import TrainConfig, build_student, fit_copy_gate, train_student
@@ -144,10 +144,8 @@ def measure_expert(assembly: Assembly, model: ExpertModel, name: str, domain: st
     bench = mtbench_examples(assembly)
     deployed = copy.deepcopy(model).to(drafter_dtype(assembly.runtime.device))
     drafter = ExpertDrafter(deployed, name=name, domain=domain)
-    bench_hits, _ = interface_hits(drafter, bench)
-    context = list(bench[0].prompt_ids)
-    cost_ms = step_cost_ms(drafter, context)
-    target_ms = target_step_ms(assembly, context)
+    bench_hits, cost_ms = interface_hits(drafter, bench)  # cost: median ms per guess, as `specmesh bench` counts it
+    target_ms = target_step_ms(assembly, list(bench[0].prompt_ids))
     return {
         "held_out_agreement": agreement_by_category(held_out, held_out_hits)["all"],
         "mtbench_agreement": agreement_by_category(bench, bench_hits),
