@@ -17,7 +17,7 @@ from specmesh.classify import RequestClassifier
 from specmesh.engine import Request, SpeculativeEngine
 from specmesh.errors import InvalidArgument
 from specmesh.models.runtime import TargetRuntime, make_runtime
-from specmesh.models.loading import LoadedModel, TargetParts, load_hf_model, parts_of, tokenizer_fingerprint
+from specmesh.models.loading import LoadedModel, TargetParts, load_hf_model, parts_of, pick_device, tokenizer_fingerprint
 from specmesh.policy import adaptive_policy, check_speculation
 from specmesh.prompts import encode_chat
 from specmesh.sampling import SamplingParams
@@ -36,11 +36,14 @@ def shipped_experts(target_name: str) -> dict[str, Path]:
     return {d.name: d for d in sorted(folder.iterdir()) if (d / "drafter.json").is_file()}
 
 
-def load_expert_for(directory: str | Path, target: LoadedModel | TargetParts) -> tuple[ExpertModel, ExpertSpec]:
-    """An expert drafter's model, refusing one trained for another tokenizer."""
+def load_expert_for(directory: str | Path, target: LoadedModel | TargetParts,
+                    device: str | None = None) -> tuple[ExpertModel, ExpertSpec]:
+    """An expert drafter's model on ``device`` (default: where the target's embeddings are), refusing one
+    trained for another tokenizer."""
     target = parts_of(target) if isinstance(target, LoadedModel) else target
     embedding = target.input_embeddings()
-    model, spec = load_expert(directory, embedding, dtype=drafter_dtype(embedding.device))
+    device = pick_device(device) if device is not None else embedding.device
+    model, spec = load_expert(directory, embedding, dtype=drafter_dtype(device), device=device)
     if spec.target.get("tokenizer_hash") != tokenizer_fingerprint(target.tokenizer):
         raise InvalidArgument("drafter", f"{directory} was trained for another vocabulary than {target.name!r}'s")
     return model, spec
@@ -98,7 +101,7 @@ def load_drafter(spec: str, target: LoadedModel | TargetParts, device: str | Non
     if directory is None and (Path(spec) / "drafter.json").is_file():
         directory = Path(spec)
     if directory is not None:
-        model, expert = load_expert_for(directory, target)
+        model, expert = load_expert_for(directory, target, device)
         return ExpertDrafter(model, name=expert.name, domain=expert.domain)
     try:
         loaded = load_hf_model(spec, dtype=dtype, device=device)

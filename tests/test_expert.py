@@ -5,12 +5,15 @@ import random
 import pytest
 import torch
 
+from specmesh.assembly import load_expert_for
 from specmesh.distill.data import Example, generate_examples, target_answers, recorded_soft_labels, soft_labels, target_soft_labels
 from specmesh.distill.evaluate import agreement_by_category, expected_tokens_per_step, teacher_forced_hits, union_hits
 from specmesh.distill.train import TrainConfig, build_student, labels_for, train_student
 from specmesh.drafters.expert import ExpertDrafter, ExpertSpec, load_expert, save_expert, subset_for
 from specmesh.engine import Request, SpeculativeEngine
+from specmesh.errors import InvalidArgument
 from specmesh.models.llama import LlamaRuntime
+from specmesh.models.loading import TargetParts
 from specmesh.sampling import SamplingParams
 from specmesh.tree import ROOT
 
@@ -180,6 +183,13 @@ def test_save_load_round_trip_and_losslessness(trained, target, examples, tmp_pa
     assert loaded_spec.domain == "even"
     tokens = torch.tensor([list(examples[0].token_ids)])
     torch.testing.assert_close(loaded(tokens), model(tokens), atol=2e-2, rtol=2e-2)  # fp16 on disk
+
+    # the whole expert goes where it is asked (a GPU node drafts on its GPU), its buffers too
+    elsewhere, _ = load_expert(tmp_path / "tiny", target.model.embed_tokens.weight.detach(), device="meta")
+    assert {t.device.type for t in [*elsewhere.parameters(), *elsewhere.buffers()]} == {"meta"}
+    parts = TargetParts("tiny", None, VOCAB, 64, (), lambda: target.model.embed_tokens.weight.detach())
+    with pytest.raises(InvalidArgument, match="device"):
+        load_expert_for(tmp_path / "tiny", parts, device="gpu-please")
 
     drafter = ExpertDrafter(loaded, name="tiny", branch_below=0.9)
     engine = SpeculativeEngine(LlamaRuntime(target), [drafter], max_tree_nodes=6)

@@ -143,7 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the registry for --announce [SPECMESH_REDIS_URL]")
     parser.add_argument("--threads", type=int, default=int(env_default("threads", "1")), help="torch threads")
     parser.add_argument("--max-sessions", type=int, default=int(env_default("max_sessions", "1024")))
-    parser.add_argument("--device", default=env_default("device"))
+    parser.add_argument("--device", default=env_default("device"),
+                        help="where the drafter runs: cpu, cuda, cuda:N or auto (default: an expert on the CPU, "
+                             "a model on CUDA when present) [SPECMESH_DEVICE]")
     parser.add_argument("--dtype", default=env_default("dtype"))
     parser.add_argument("--log-level", default=env_default("log_level", "INFO"))
     return parser

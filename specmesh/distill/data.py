@@ -98,15 +98,16 @@ def target_answers(
             logits = runtime.forward(TreeBatch.build([sessions[i] for i in active], trees))  # [active, vocab]
             scores = logits.float()  # [active, vocab]
             top = scores.softmax(-1).topk(top_k, dim=-1)
+            top_ids, top_probs = top.indices.cpu(), top.values.cpu()  # [active, k]: one transfer a step
             if temperature > 0:
                 tempered = (scores / temperature).softmax(-1)
                 drawn = torch.multinomial(tempered, 1, generator=generator)[:, 0].tolist()  # [active]
             still = []
             for row, i in enumerate(active):
                 sessions[i].keep_rows([0])
-                token = drawn[row] if temperature > 0 else int(top.indices[row, 0])  # softmax keeps the argmax
+                token = drawn[row] if temperature > 0 else int(top_ids[row, 0])  # softmax keeps the argmax
                 answers[i].append(token)
-                tops[i].append(torch.stack([top.indices[row].float(), top.values[row]]))
+                tops[i].append(torch.stack([top_ids[row].float(), top_probs[row]]))
                 last[i] = token
                 if token not in eos and len(answers[i]) < max_tokens:
                     still.append(i)
@@ -216,7 +217,7 @@ def target_soft_labels(runtime, examples: Sequence[Example], top_k: int = SOFT_L
             session.free()
             release_freed_memory()
         top = logits.softmax(-1).topk(top_k, dim=-1)
-        labels.append(SoftLabels(top.indices, top.values))
+        labels.append(SoftLabels(top.indices.cpu(), top.values.cpu()))
     return labels
 
 

@@ -40,7 +40,8 @@ def teacher_forced_states(model: ExpertModel, examples: Sequence[Example], token
         for row, example in enumerate(group):
             ids[row, : len(example.token_ids)] = torch.tensor(example.token_ids)
             mask[row, : len(example.token_ids)] = 1
-        hidden = model.hidden_states(ids, attention_mask=mask)  # [batch, width, hidden]
+        device = model.head.weight.device
+        hidden = model.hidden_states(ids.to(device), attention_mask=mask.to(device))  # [batch, width, hidden]
         for row, (index, example) in enumerate(zip(order[start:end], group)):
             first, last = len(example.prompt_ids) - 1, len(example.token_ids) - 1
             yield index, hidden[row, first:last]
@@ -54,7 +55,7 @@ def teacher_forced_hits(model: ExpertModel, examples: Sequence[Example], tokens_
     for index, hidden in teacher_forced_states(model, examples, tokens_per_batch):
         example = examples[index]
         guessed = model.guesses(hidden, example.token_ids, len(example.prompt_ids) - 1)  # token ids; -1 = no guess
-        hits[index] = (guessed == torch.tensor(example.target_next)).tolist()
+        hits[index] = (guessed.cpu() == torch.tensor(example.target_next)).tolist()
     return hits
 
 

@@ -53,7 +53,8 @@ class TrainResult:
 
 
 def build_student(target_model: torch.nn.Module, subset_ids: torch.Tensor, layers: int) -> ExpertModel:
-    """A student initialised from the target: its first ``layers`` layers, final norm and head rows."""
+    """A student initialised from the target: its first ``layers`` layers, final norm and head rows; on
+    the target's device (a GPU node trains it there)."""
     if not 1 <= layers <= target_model.config.num_hidden_layers:
         from specmesh.errors import InvalidArgument
 
@@ -67,10 +68,10 @@ def build_student(target_model: torch.nn.Module, subset_ids: torch.Tensor, layer
         for index in range(layers):
             model.body.layers[index].load_state_dict(inner.layers[index].state_dict())
         model.body.norm.load_state_dict(inner.norm.state_dict())
-        head = target_model.lm_head.weight.detach().float()
+        head = target_model.lm_head.weight.detach().float().cpu()  # [vocab, hidden]
         model.head.weight[: len(subset_ids)] = head[subset_ids]
         model.head.weight[len(subset_ids)] = 0.0  # fallback starts neutral
-    return model.float()
+    return model.float().to(target_model.lm_head.weight.device)
 
 
 def labels_for(example: Example, subset_index: dict[int, int], fallback: int) -> list[int]:
@@ -96,8 +97,8 @@ def soft_targets(example: Example, soft: SoftLabels, subset_index: dict[int, int
     return torch.arange(first, first + count), classes, probs
 
 
-def batches(rows: list[tuple], tokens_per_batch: int, generator: torch.Generator):
-    """Length-bucketed batches of about ``tokens_per_batch`` padded tokens, in random order."""
+def batches(rows: list[tuple], tokens_per_batch: int, generator: torch.Generator, device: torch.device):
+    """Length-bucketed batches of about ``tokens_per_batch`` padded tokens, in random order, on ``device``."""
     order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]))
     groups, current = [], []
     for index in order:
@@ -127,8 +128,8 @@ def batches(rows: list[tuple], tokens_per_batch: int, generator: torch.Generator
             candidates[row, : len(candidate)] = torch.tensor(candidate, dtype=torch.long)
             lengths[row, : len(length)] = torch.tensor(length, dtype=torch.long)
             if targets is not None:
-                soft.append((row, *targets))
-        yield ids, labels, weights, mask, soft, (candidates, lengths)
+                soft.append((row, *(t.to(device) for t in targets)))
+        yield *(t.to(device) for t in (ids, labels, weights, mask)), soft, (candidates.to(device), lengths.to(device))
 
 
 def _soft_loss(log_q_all: torch.Tensor, weights: torch.Tensor, soft: list) -> torch.Tensor:
@@ -219,7 +220,7 @@ def train_student(
         check_every_s = max(validate_every_s, (time.perf_counter() - checked_at) / validation_share)
 
     while not done:
-        for ids, labels, weights, mask, soft, copying in batches(rows, config.tokens_per_batch, generator):
+        for ids, labels, weights, mask, soft, copying in batches(rows, config.tokens_per_batch, generator, model.head.weight.device):
             elapsed = time.perf_counter() - started
             if elapsed >= budget:
                 done = True
@@ -273,7 +274,7 @@ def fit_copy_gate(model: ExpertModel, examples: Sequence[Example], steps: int = 
         example = examples[index]
         with torch.no_grad():  # the model is frozen: only the gate learns
             probs, candidate, candidate_index, length, _ = model.copy_features(hidden, example.token_ids, len(example.prompt_ids) - 1)
-            label = torch.tensor(example.target_next)  # [n]
+            label = torch.tensor(example.target_next, device=hidden.device)  # [n]
             label_index = model.subset_index(label)
             label_p = torch.where(label_index >= 0, probs.gather(1, label_index.clamp_min(0)[:, None])[:, 0], probs[:, -1])
             rows.append((hidden.float(), gate_features(probs, candidate_index, length), length, (candidate == label).float(), label_p))

@@ -71,8 +71,8 @@ class ExpertModel(nn.Module):
         (probs [n, subset + 1], candidate [n], candidate_index [n], length [n], hidden_logit [n])."""
         probs = self.head(hidden).float().softmax(-1)
         candidates, lengths = copy_candidates(tokens, first)
-        candidate = torch.tensor(candidates, dtype=torch.long)
-        length = torch.tensor(lengths, dtype=torch.long)
+        candidate = torch.tensor(candidates, dtype=torch.long, device=hidden.device)
+        length = torch.tensor(lengths, dtype=torch.long, device=hidden.device)
         return probs, candidate, self.subset_index(candidate), length, hidden.float() @ self.copy_gate.hidden.float()
 
     def guesses(self, hidden: torch.Tensor, tokens: Sequence[int], first: int) -> torch.Tensor:
@@ -142,13 +142,15 @@ def save_expert(model: ExpertModel, spec: ExpertSpec, directory: Path) -> None:
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to(torch.float16).contiguous() for k, v in model.trainable_state().items()}
-    tensors["subset_ids"] = model.subset_ids.to(torch.int32)
+    tensors = {k: v.detach().to(device="cpu", dtype=torch.float16).contiguous() for k, v in model.trainable_state().items()}
+    tensors["subset_ids"] = model.subset_ids.to(device="cpu", dtype=torch.int32)
     save_file(tensors, str(directory / "weights.safetensors"))
     (directory / "drafter.json").write_text(spec.to_json())
 
 
-def load_expert(directory: str | Path, embedding: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[ExpertModel, ExpertSpec]:
+def load_expert(directory: str | Path, embedding: torch.Tensor, dtype: torch.dtype = torch.float32,
+                device: torch.device | str | None = None) -> tuple[ExpertModel, ExpertSpec]:
+    """The expert in ``directory`` over ``embedding`` (the target's), on ``device`` (default: the embedding's)."""
     from safetensors.torch import load_file
     from transformers import LlamaConfig
 
@@ -162,7 +164,7 @@ def load_expert(directory: str | Path, embedding: torch.Tensor, dtype: torch.dty
     missing = [k for k in missing if not k.startswith("body.embed_tokens")]
     if missing or unexpected:
         raise InvalidArgument("drafter", f"{directory}: weights do not match drafter.json (missing {missing[:3]}, unexpected {unexpected[:3]})")
-    return model.to(dtype).eval(), spec
+    return model.to(device=embedding.device if device is None else device, dtype=dtype).eval(), spec
 
 
 @dataclass
