@@ -28,6 +28,7 @@ def teacher_forced_states(model: ExpertModel, examples: Sequence[Example], token
     answer positions' inputs). Examples of similar length go through together, right-padded (causal
     attention keeps every real position's output what it is alone)."""
     order = sorted(range(len(examples)), key=lambda i: len(examples[i].token_ids))
+    device = model.device
     start = 0
     while start < len(order):
         end = start + 1
@@ -40,7 +41,6 @@ def teacher_forced_states(model: ExpertModel, examples: Sequence[Example], token
         for row, example in enumerate(group):
             ids[row, : len(example.token_ids)] = torch.tensor(example.token_ids)
             mask[row, : len(example.token_ids)] = 1
-        device = model.head.weight.device
         hidden = model.hidden_states(ids.to(device), attention_mask=mask.to(device))  # [batch, width, hidden]
         for row, (index, example) in enumerate(zip(order[start:end], group)):
             first, last = len(example.prompt_ids) - 1, len(example.token_ids) - 1

@@ -219,9 +219,8 @@ def train_student(
         bar.set_description(f"training (held-out best {best_agreement:.3f})")
         check_every_s = max(validate_every_s, (time.perf_counter() - checked_at) / validation_share)
 
-    device = model.head.weight.device
     while not done:
-        for ids, labels, weights, mask, soft, copying in batches(rows, config.tokens_per_batch, generator, device):
+        for ids, labels, weights, mask, soft, copying in batches(rows, config.tokens_per_batch, generator, model.device):
             elapsed = time.perf_counter() - started
             if elapsed >= budget:
                 done = True

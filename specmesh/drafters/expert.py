@@ -58,6 +58,11 @@ class ExpertModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         return self.head(self.hidden_states(input_ids, attention_mask))
 
+    @property
+    def device(self) -> torch.device:
+        """Where the model's weights are: its inputs go there."""
+        return self.head.weight.device
+
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """[batch, seq] -> the final (normed) hidden states [batch, seq, hidden]."""
         return self.body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
