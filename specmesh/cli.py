@@ -104,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "of which those the request classifier puts in --domain are the training prompts")
     dist.add_argument("--out", required=True, help="the drafter directory to write")
     dist.add_argument("--minutes", type=float, default=10.0, help="training time budget (default 10)")
+    dist.add_argument("--steps", type=int, default=0,
+                      help="train exactly this many steps instead of for --minutes: a run that repeats on any machine")
     dist.add_argument("--layers", type=int, default=3)
     dist.add_argument("--learning-rate", type=float, default=2e-3)
     dist.add_argument("--batch-tokens", type=int, default=2048, help="padded tokens per training batch")
@@ -336,6 +338,8 @@ def _distill(args: argparse.Namespace) -> int:
 
     if args.minutes <= 0:
         raise InvalidArgument("minutes", f"must be > 0, got {args.minutes}")
+    if args.steps < 0:
+        raise InvalidArgument("steps", f"must be >= 0 (0: train for --minutes), got {args.steps}")
     if not 1 <= args.layers <= 64:
         raise InvalidArgument("layers", f"must be in 1..64, got {args.layers}")
     if args.subset_size < 16:
@@ -365,7 +369,7 @@ def _distill(args: argparse.Namespace) -> int:
         print(f"{len(prompts)} of {args.synthesize} target-written requests are {args.domain} requests")
         if not prompts:
             raise InvalidArgument("synthesize", f"none of the {args.synthesize} requests is a {args.domain} request; draw more")
-    config = TrainConfig(layers=args.layers, subset_size=args.subset_size, minutes=args.minutes, seed=args.seed,
+    config = TrainConfig(layers=args.layers, subset_size=args.subset_size, minutes=args.minutes, steps=args.steps, seed=args.seed,
                          learning_rate=args.learning_rate, tokens_per_batch=args.batch_tokens, copy_gate=args.copy)
     spec = distill(assembly, args.domain, prompts, Path(args.out), config, boost_from=args.boost_from,
                    max_answer_tokens=args.answer_tokens, sampled_answers=args.sampled_answers,

@@ -49,6 +49,7 @@ def _passthrough() -> dict:
         (["distill", "--domain", "code", "--out", "unused", "--sampled-answers", "-1"], "sampled_answers"),
         (["distill", "--domain", "code", "--out", "unused", "--temperature", "0"], "temperature"),
         (["distill", "--domain", "code", "--out", "unused", "--learning-rate", "2"], "learning_rate"),
+        (["distill", "--domain", "code", "--out", "unused", "--steps", "-3"], "steps"),
         (["distill", "--domain", "code", "--out", "unused", "--synthesize", "-5"], "synthesize"),
         (["distill", "--domain", "code", "--out", "unused", "--synthesize", "50", "--prompts", "p.jsonl"], "synthesize"),
         (["distill", "--domain", "poetry", "--out", "unused", "--synthesize", "50"], "domain"),

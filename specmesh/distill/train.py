@@ -35,6 +35,7 @@ class TrainConfig:
     layers: int = 3
     subset_size: int = 8192
     minutes: float = 10.0
+    steps: int = 0  # above 0: exactly this many steps, whatever the time (a run that repeats on any machine)
     learning_rate: float = 2e-3
     soft_weight: float = 0.5  # share of the soft (distribution) loss; the rest is the hard-label loss
     tokens_per_batch: int = 2048
@@ -172,10 +173,11 @@ def train_student(
     validate_every_s: float = 30.0,
     validation_share: float = 0.1,
 ) -> TrainResult:
-    """Train until the time budget is spent; with ``validation`` examples, keep the weights that had
-    the best held-out agreement, checked at the end and every ``validate_every_s`` seconds or more:
-    so that checking takes at most ``validation_share`` of the time (a check of 300 answers takes as
-    long as ~8 training steps on 2 cores; checked every 30 s, it took 70 % of a run)."""
+    """Train until the time budget is spent (or for ``config.steps`` steps); with ``validation``
+    examples, keep the weights that had the best held-out agreement, checked at the end and every
+    ``validate_every_s`` seconds or more: so that checking takes at most ``validation_share`` of the time
+    (a check of 300 answers takes as long as ~8 training steps on 2 cores; checked every 30 s, it took
+    70 % of a run). A run by steps checks every tenth of its steps instead, so it repeats exactly."""
     from specmesh.distill.evaluate import teacher_forced_hits
     torch.manual_seed(config.seed)
     if config.copy_gate and model.copy_gate is None:
@@ -196,11 +198,12 @@ def train_student(
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=0.0, betas=(0.9, 0.98))
     budget = config.minutes * 60.0
+    check_every_steps = max(1, config.steps // 10)
     started = time.perf_counter()
     steps = seen = 0
     recent: list[tuple[int, int]] = []
     model.train()
-    bar = tqdm(total=int(budget), desc="training", unit="s")
+    bar = tqdm(total=config.steps or int(budget), desc="training", unit="step" if config.steps else "s")
     done = False
     best_agreement, best_state, last_check = -1.0, None, 0.0
 
@@ -222,13 +225,15 @@ def train_student(
     while not done:
         for ids, labels, weights, mask, soft, copying in batches(rows, config.tokens_per_batch, generator, model.device):
             elapsed = time.perf_counter() - started
-            if elapsed >= budget:
+            progress = steps / config.steps if config.steps else elapsed / budget
+            if progress >= 1.0:
                 done = True
                 break
-            if validation and elapsed - last_check >= check_every_s:
+            due = (steps > 0 and steps % check_every_steps == 0) if config.steps else elapsed - last_check >= check_every_s
+            if validation and due:
                 check()
                 last_check = elapsed
-            lr = config.learning_rate * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(elapsed / budget, 1.0))))
+            lr = config.learning_rate * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
             for group in optimizer.param_groups:
                 group["lr"] = lr
             log_q = _log_probs(model, ids, mask, *copying)  # [batch, seq, subset + 1]
@@ -248,7 +253,7 @@ def train_student(
             seen += int(counted.sum())
             accuracy = sum(r for r, _ in recent) / max(sum(c for _, c in recent), 1)
             bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{accuracy:.3f}", epoch=f"{seen / total_tokens:.2f}")
-            bar.n = int(min(time.perf_counter() - started, budget))
+            bar.n = steps if config.steps else int(min(time.perf_counter() - started, budget))
             bar.refresh()
     if validation:
         check()
