@@ -1290,6 +1290,170 @@ def _writing_prompt(rng: random.Random) -> str:
     return text + (rng.choice(_WRITING_EXTRAS) if kind < 0.37 else "")
 
 
+# ---- writing, second stream: craft tasks (characters, openings, settings, headlines, outlines, persuasion, and
+# edits of texts generated here, so an expert learns to carry a text through rather than recall a few) ----
+
+_CHARACTER_ROLES = ("clockmaker", "ferry captain", "street magician", "night-shift baker", "retired opera singer", "beekeeper",
+                    "cartographer", "school caretaker", "circus acrobat", "mountain guide", "pawnshop owner", "marine biologist",
+                    "tram driver", "florist", "translator of old letters", "lighthouse engineer", "violin repairer",
+                    "taxi driver", "village doctor", "puppeteer", "antique dealer", "court stenographer", "storm chaser",
+                    "museum night guard", "chess hustler", "sailmaker", "radio host", "tea merchant", "glassblower")
+_CHARACTER_TRAITS = ("who hums while she works", "who never throws anything away", "who speaks only in questions",
+                     "who is afraid of silence", "who keeps a notebook of strangers' laughs", "who lies about small things",
+                     "who can smell a storm coming", "who collects keys to doors that no longer exist",
+                     "who was once famous and hopes nobody remembers", "who talks to pigeons", "who is always exactly on time",
+                     "who has never left their home town", "who paints their fingernails a different colour each day",
+                     "who secretly writes poetry", "who wears a coat far too big for him", "who laughs at the wrong moments")
+_CHARACTER_AGES = ("young", "elderly", "middle-aged", "teenage", "", "")
+_CHARACTER_FORMS = ("Write a character sketch of {a_who}.", "Describe {a_who}, using vivid, specific details.",
+                    "Bring to life, in one paragraph, {a_who}: appearance, habits and voice.",
+                    "Create a memorable character: {a_who}. Show them through what they do, not only how they look.",
+                    "Write a short portrait of {a_who}, {length}.", "Introduce {a_who} as if in the first chapter of a novel.")
+_STORY_PREMISES = ("a girl discovers that her shadow moves on its own", "a man receives a phone call from himself",
+             "the sea withdraws overnight and does not come back", "a town's clocks all stop at the same minute",
+             "a woman inherits a house she has never heard of", "every mirror in the city goes dark",
+             "a boy finds a map with his own house marked in red", "a scientist wakes up twenty years in the past",
+             "a stranger arrives in a village carrying a locked box", "the last librarian on Earth gets a visitor",
+             "a detective is hired to find a person who does not exist", "it starts snowing in the middle of summer",
+             "an old photograph shows someone who has not been born yet", "a ship appears in the harbour with no crew",
+             "a girl can hear other people's memories", "the power goes out across the whole country for a week")
+_OPENING_FORMS = ("Write the opening paragraph of a story in which {p}.", "Write a gripping first paragraph for a novel where {p}.",
+                  "Begin a {genre} story in which {p}. Write only the first paragraph.",
+                  "Write an opening scene, {length}, for a story where {p}.",
+                  "Hook the reader: write the first lines of a story in which {p}.")
+_SETTINGS = ("a night market in a port city", "a train station at rush hour", "a forest after the first snow",
+             "a fishing harbour at dawn", "a crowded school canteen", "a desert town at noon", "a spice bazaar",
+             "an old cinema on its last night", "a hospital corridor at 3 a.m.", "a rooftop garden in the rain",
+             "a village square on market day", "an airport departure lounge during a delay", "a flower market in spring",
+             "a busy kitchen before dinner service", "a fairground as it closes", "a mountain hut in a storm",
+             "a street food alley in the evening", "a library reading room", "a ferry crossing in rough weather",
+             "a jazz club late at night", "a farmers' market on a hot day", "a harbour fish auction")
+_SETTING_FORMS = ("Write a descriptive paragraph about {s}, using sights, sounds and smells.",
+                  "Describe {s} so the reader feels they are there.", "Paint a picture in words of {s}, {length}.",
+                  "Write a paragraph describing {s}. Focus on sensory details.",
+                  "Describe {s} through the eyes of a child visiting it for the first time.")
+_STORY_STARTS = ("The letter arrived thirty years late.", "Nobody had opened the attic door since the war.",
+                 "The last train left without its driver.", "On the island, everyone knew the rule about the bell.",
+                 "The painting had changed overnight.", "My brother came home with a suitcase that was not his.",
+                 "The fog rolled in, and with it came the music.", "It was the only house on the street with its lights on.",
+                 "The dog would not stop barking at the empty chair.", "She found the diary under a loose floorboard.",
+                 "When the river froze, the strangers came.", "The phone rang in the empty office at midnight.")
+_START_FORMS = ("Write a short story that begins with the sentence: {s}", "Continue this story: {s}",
+                "Use this first line to write a short story, {length}: \"{s}\"",
+                "Write a {genre} story that starts with: \"{s}\"")
+_HEADLINE_TOPICS = ("a breakthrough in battery recycling", "a city that planted a million trees", "a new study on sleep and memory",
+                    "the return of wolves to a national park", "a cheaper way to make clean hydrogen",
+                    "a school that banned phones in class", "a discovery of water ice on the Moon",
+                    "a community-owned wind farm", "a new treatment for peanut allergies", "the rise of four-day work weeks",
+                    "a startup turning food waste into fuel", "a teenager who invented a water filter",
+                    "vertical farms in city centres", "a record year for electric car sales", "coral reefs recovering")
+_HEADLINE_FORMS = ("Suggest {n} catchy headlines for an article about {t}.", "Write a headline and a subheading for a news story about {t}.",
+                   "Give me {n} title ideas for a blog post about {t}. Keep them accurate, not clickbait.",
+                   "Propose {n} headlines for a press release about {t}, each under ten words.",
+                   "Write a catchy but honest headline about {t}, then explain why it works.")
+_COMPARE_PAIRS = (("two budget laptops", "students"), ("two electric cars", "families"), ("two fitness trackers", "runners"),
+                  ("two streaming services", "film lovers"), ("two coffee machines", "home baristas"),
+                  ("two note-taking apps", "busy professionals"), ("two e-readers", "commuters"),
+                  ("two robot vacuums", "pet owners"), ("two gaming consoles", "parents"), ("two cameras", "beginner photographers"),
+                  ("two language-learning apps", "travellers"), ("two city bikes", "commuters"))
+_OUTLINE_FORMS = ("Create an outline for a blog post comparing {x} for {who}, with headings and key points.",
+                  "Outline an article that compares {x}. Include subheadings and what each section should cover.",
+                  "I'm writing a review comparing {x} for {who}. Give me a structure with section titles and bullet points.",
+                  "Plan a five-section blog post about {t}: a title, subheadings and two points under each.",
+                  "Write an outline for a talk about {t}, {length}.")
+_RELATIONS = ("my shy cousin", "my best friend", "my sister", "my retired father", "my flatmate", "my teenage son",
+              "my grandmother", "a colleague who hates change", "my brother, who never exercises", "my friend who is afraid of flying")
+_PERSUADE_ACTIONS = ("join a community choir", "give a short talk at a local event", "come on a hiking trip",
+                     "start learning a language", "volunteer at the animal shelter", "try a cooking class with me",
+                     "sign up for a charity 10k run", "take a weekend trip abroad", "go to their school reunion",
+                     "present their project at a meetup")
+_PERSUADE_FORMS = ("Write a friendly but persuasive email to {r} to convince them to {a}. Answer the objections they are likely to raise.",
+                   "Help me persuade {r} to {a}. Write the message I could send, {length}.",
+                   "Write a short, warm message encouraging {r} to {a}.",
+                   "Write a letter convincing {r} to {a}, with three good reasons.")
+_DOCUMENTS = ("the annual budget proposal", "the customer survey results", "the new onboarding guide", "my draft research paper",
+              "the sales presentation for Monday", "the project plan for the new website", "the monthly marketing report",
+              "the grant application", "the safety training slides", "my first newsletter")
+_ASPECTS = ("the structure", "the figures", "the tone", "the conclusions", "the charts", "the length", "the introduction",
+            "the recommendations", "the spelling and grammar", "how clear the main argument is")
+_FEEDBACK_FORMS = ("Write a short email to my manager asking for feedback on {d}, especially {x} and {y}.",
+                   "Draft a polite email asking a colleague to review {d}. Ask about {x}, {y} and {z}.",
+                   "Write a brief, professional message requesting feedback on {d}, focused on {x}.")
+# Sentences for texts to edit: filled in and then roughened, so no two texts repeat.
+_EDIT_SENTENCES = ("{n} went to the {place} on {day} because {pr} needed some {item}.",
+                   "When {n} arrived at the {place}, the {item} was already gone.",
+                   "{n} and {m} have been friends since they were at school together.",
+                   "The {place} was very busy, so {n} decided to come back on {day}.",
+                   "{N} told {m} that the {item} was too expensive for {pos} budget.",
+                   "It was raining heavily, but {n} still walked to the {place}.",
+                   "{n} received a message from {m} about the meeting on {day}.",
+                   "They have definitely forgotten to bring the {item} to the {place}.",
+                   "Tomorrow {n} is going to ask {m} whether the {place} is open.",
+                   "Their neighbours were surprised to see {n} at the {place} so early.",
+                   "{n} doesn't know where {pos} {item} is, and {pr} thinks it is in the car.",
+                   "Everyone at the {place} was talking about the news from {day}.",
+                   "{n} wasn't sure which {item} to buy, so {pr} asked {m} for advice.",
+                   "If {n} had left earlier, {pr} would have caught the bus to the {place}.")
+_EDIT_NAMES = (("Maria", "she", "her"), ("Tom", "he", "his"), ("Aisha", "she", "her"), ("Jonas", "he", "his"),
+               ("Lucy", "she", "her"), ("Ravi", "he", "his"), ("Elif", "she", "her"), ("Mateo", "he", "his"))
+_EDIT_PLACES = ("market", "library", "post office", "bakery", "station", "museum", "pharmacy", "gym", "bookshop", "bank")
+_EDIT_ITEMS = ("bread", "umbrella", "tickets", "keys", "medicine", "notebook", "cake", "phone charger", "flowers", "map")
+_DAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
+# correct -> wrong: how a hurried writer gets it wrong
+_ROUGHEN = {"went": "goed", "because": "becuase", "was": "were", "have": "has", "received": "recieved",
+            "definitely": "definately", "their": "there", "Their": "There", "doesn't": "dont", "wasn't": "weren't",
+            "is": "are", "decided": "decide", "thinks": "think", "already": "allready", "whether": "wether",
+            "surprised": "suprised", "would": "will", "caught": "catched", "asked": "ask", "friends": "friend",
+            "expensive": "expensiv", "too": "to", "talking": "talk", "early": "earlyer", "which": "witch"}
+_EDIT_FORMS_2 = ("Correct the grammar and spelling in this paragraph:\n\n{t}", "Fix the errors in the following text: {t}",
+                 "Proofread and correct this paragraph, then list the changes you made:\n{t}",
+                 "Please edit this for grammar: \"{t}\"", "Rewrite the following paragraph with correct English: {t}",
+                 "Summarise this paragraph in one sentence: {c}", "Rewrite this paragraph in a more formal style: {c}")
+
+
+def _edit_text(rng: random.Random) -> tuple[str, str]:
+    """A short paragraph of filled-in sentences: (roughened with errors, correct)."""
+    (name, pronoun, possessive), other = rng.sample(_EDIT_NAMES, 2)
+    sentences = [s.format(n=name, N=name, m=other[0], pr=pronoun, pos=possessive, place=rng.choice(_EDIT_PLACES),
+                          item=rng.choice(_EDIT_ITEMS), day=rng.choice(_DAYS))
+                 for s in rng.sample(_EDIT_SENTENCES, rng.randint(3, 5))]
+    correct = " ".join(sentences)
+    words = correct.split(" ")
+    wrong = [i for i, w in enumerate(words) if w in _ROUGHEN]
+    for i in rng.sample(wrong, min(len(wrong), rng.randint(2, 5))):
+        words[i] = _ROUGHEN[words[i]]
+    return " ".join(words), correct
+
+
+def _writing_craft_prompt(rng: random.Random) -> str:
+    length, tone = rng.choice(_LENGTHS), rng.choice(_TONES)
+    genre = rng.choice(_GENRES) or "literary"
+    kind = rng.random()
+    if kind < 0.13:
+        who = " ".join(w for w in (rng.choice(_CHARACTER_AGES), rng.choice(_CHARACTER_ROLES), rng.choice(_CHARACTER_TRAITS)) if w)
+        text = rng.choice(_CHARACTER_FORMS).format(a_who=_a(who), length=length)
+    elif kind < 0.25:
+        text = rng.choice(_OPENING_FORMS).format(p=rng.choice(_STORY_PREMISES), genre=genre, length=length)
+    elif kind < 0.37:
+        text = rng.choice(_SETTING_FORMS).format(s=rng.choice(_SETTINGS), length=length)
+    elif kind < 0.46:
+        text = rng.choice(_START_FORMS).format(s=rng.choice(_STORY_STARTS), genre=genre, length=length)
+    elif kind < 0.56:
+        text = rng.choice(_HEADLINE_FORMS).format(n=rng.choice(("three", "four", "five", "5", "4")), t=rng.choice(_HEADLINE_TOPICS))
+    elif kind < 0.66:
+        x, who = rng.choice(_COMPARE_PAIRS)
+        text = rng.choice(_OUTLINE_FORMS).format(x=x, who=who, t=rng.choice(_HEADLINE_TOPICS), length=length)
+    elif kind < 0.76:
+        text = rng.choice(_PERSUADE_FORMS).format(r=rng.choice(_RELATIONS), a=rng.choice(_PERSUADE_ACTIONS), length=length)
+    elif kind < 0.84:
+        x, y, z = rng.sample(_ASPECTS, 3)
+        text = rng.choice(_FEEDBACK_FORMS).format(d=rng.choice(_DOCUMENTS), x=x, y=y, z=z)
+    else:
+        wrong, correct = _edit_text(rng)
+        text = rng.choice(_EDIT_FORMS_2).format(t=wrong, c=correct)
+    return text + (f" Keep it {tone}." if kind < 0.46 and rng.random() < 0.3 else "")
+
+
 # ---- knowledge: explanations, and extraction over a passage the prompt contains ----
 
 # singular noun phrases across the sciences, technology, society and the arts
@@ -1591,16 +1755,27 @@ def _knowledge_prompt(rng: random.Random) -> str:
 
 
 DOMAINS = {"code": _code_prompt, "math": _math_prompt, "writing": _writing_prompt, "knowledge": _knowledge_prompt}
+# Further prompt streams of a domain, each with its own generator and share of the prompts: a stream added
+# later leaves the first stream's prompts (and the answers cached for them) as they were.
+_MORE_STREAMS = {"writing": ((_writing_craft_prompt, 0.2),)}
 
 
 def domain_prompts(domain: str, count: int, seed: int = 0) -> list[Prompt]:
     """``count`` distinct templated prompts of one domain (fewer if the templates run out)."""
     if domain not in DOMAINS:
         raise InvalidArgument("domain", f"unknown domain {domain!r}; templated domains: {', '.join(DOMAINS)}")
-    rng = random.Random(f"{domain}-{seed}")
+    more = _MORE_STREAMS.get(domain, ())
+    streams = [(DOMAINS[domain], 1.0 - sum(share for _, share in more), random.Random(f"{domain}-{seed}"))]
+    streams += [(make, share, random.Random(f"{domain}-{make.__name__}-{seed}")) for make, share in more]
+    served = [0] * len(streams)
     seen: dict[str, None] = {}
-    for _ in range(count * 20):
-        if len(seen) >= count:
-            break
-        seen.setdefault(DOMAINS[domain](rng), None)
+    draws = count * 20
+    while len(seen) < count and draws > 0:
+        # the stream furthest below its share draws next (a fixed interleaving), until it gives a new prompt
+        index = min(range(len(streams)), key=lambda i: (served[i] + 1) / streams[i][1])
+        make, _, rng = streams[index]
+        text, draws = make(rng), draws - 1
+        if text not in seen:
+            seen[text] = None
+            served[index] += 1
     return [Prompt(text, domain) for text in seen]

@@ -1,0 +1,33 @@
+"""Templated training prompts: reproducible, distinct, and a domain's added stream leaves its first alone."""
+
+import random
+
+from specmesh.distill import prompts
+from specmesh.distill.prompts import domain_prompts
+
+
+def test_prompts_are_distinct_and_the_same_for_the_same_seed():
+    for domain in prompts.DOMAINS:
+        first = [p.text for p in domain_prompts(domain, 300)]
+        assert len(set(first)) == 300
+        assert first == [p.text for p in domain_prompts(domain, 300)]
+        assert first != [p.text for p in domain_prompts(domain, 300, seed=1)]
+
+
+def test_an_added_stream_takes_its_share_and_leaves_the_first_streams_prompts_as_they_were(monkeypatch):
+    mixed = [p.text for p in domain_prompts("writing", 1000)]
+    monkeypatch.setattr(prompts, "_MORE_STREAMS", {})
+    alone = [p.text for p in domain_prompts("writing", 1000)]
+    from_first = [text for text in mixed if text in set(alone)]
+    assert from_first == alone[: len(from_first)]  # the same prompts, in the same order: their answers stay cached
+    assert len(from_first) == 800  # the craft stream's share is 0.2
+
+
+def test_texts_to_edit_differ_from_their_correct_version_only_in_a_few_words():
+    rng = random.Random(7)
+    for _ in range(50):
+        wrong, correct = prompts._edit_text(rng)
+        changed = [(w, c) for w, c in zip(wrong.split(" "), correct.split(" ")) if w != c]
+        assert len(wrong.split(" ")) == len(correct.split(" "))
+        assert 1 <= len(changed) <= 5
+        assert all(prompts._ROUGHEN[c] == w for w, c in changed)
