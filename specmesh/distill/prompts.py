@@ -30,6 +30,8 @@ _WOMEN = ("Anna", "Bella", "Chloe", "Diana", "Elena", "Fatima", "Hana", "Irene",
 _SURNAMES = ("Okafor", "Lindqvist", "Moreau", "Tanaka", "Alvarez", "Kowalski", "Brennan", "Haddad", "Novak", "Castillo",
              "Whitlock", "Sato", "Fischer", "Mensah", "Rossi", "Petrov", "Nakamura", "Duarte", "Abbott", "Iyer")
 
+_WEEKDAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
+
 
 def _person(rng: random.Random) -> str:
     return f"{rng.choice(_FIRST + _MEN + _WOMEN)} {rng.choice(_SURNAMES)}"
@@ -1310,13 +1312,13 @@ _CHARACTER_FORMS = ("Write a character sketch of {a_who}.", "Describe {a_who}, u
                     "Create a memorable character: {a_who}. Show them through what they do, not only how they look.",
                     "Write a short portrait of {a_who}, {length}.", "Introduce {a_who} as if in the first chapter of a novel.")
 _STORY_PREMISES = ("a girl discovers that her shadow moves on its own", "a man receives a phone call from himself",
-             "the sea withdraws overnight and does not come back", "a town's clocks all stop at the same minute",
-             "a woman inherits a house she has never heard of", "every mirror in the city goes dark",
-             "a boy finds a map with his own house marked in red", "a scientist wakes up twenty years in the past",
-             "a stranger arrives in a village carrying a locked box", "the last librarian on Earth gets a visitor",
-             "a detective is hired to find a person who does not exist", "it starts snowing in the middle of summer",
-             "an old photograph shows someone who has not been born yet", "a ship appears in the harbour with no crew",
-             "a girl can hear other people's memories", "the power goes out across the whole country for a week")
+                    "the sea withdraws overnight and does not come back", "a town's clocks all stop at the same minute",
+                    "a woman inherits a house she has never heard of", "every mirror in the city goes dark",
+                    "a boy finds a map with his own house marked in red", "a scientist wakes up twenty years in the past",
+                    "a stranger arrives in a village carrying a locked box", "the last librarian on Earth gets a visitor",
+                    "a detective is hired to find a person who does not exist", "it starts snowing in the middle of summer",
+                    "an old photograph shows someone who has not been born yet", "a ship appears in the harbour with no crew",
+                    "a girl can hear other people's memories", "the power goes out across the whole country for a week")
 _OPENING_FORMS = ("Write the opening paragraph of a story in which {p}.", "Write a gripping first paragraph for a novel where {p}.",
                   "Begin a {genre} story in which {p}. Write only the first paragraph.",
                   "Write an opening scene, {length}, for a story where {p}.",
@@ -1384,7 +1386,7 @@ _EDIT_SENTENCES = ("{n} went to the {place} on {day} because {pr} needed some {i
                    "When {n} arrived at the {place}, the {item} was already gone.",
                    "{n} and {m} have been friends since they were at school together.",
                    "The {place} was very busy, so {n} decided to come back on {day}.",
-                   "{N} told {m} that the {item} was too expensive for {pos} budget.",
+                   "{n} told {m} that the {item} was too expensive for {pos} budget.",
                    "It was raining heavily, but {n} still walked to the {place}.",
                    "{n} received a message from {m} about the meeting on {day}.",
                    "They have definitely forgotten to bring the {item} to the {place}.",
@@ -1398,14 +1400,13 @@ _EDIT_NAMES = (("Maria", "she", "her"), ("Tom", "he", "his"), ("Aisha", "she", "
                ("Lucy", "she", "her"), ("Ravi", "he", "his"), ("Elif", "she", "her"), ("Mateo", "he", "his"))
 _EDIT_PLACES = ("market", "library", "post office", "bakery", "station", "museum", "pharmacy", "gym", "bookshop", "bank")
 _EDIT_ITEMS = ("bread", "umbrella", "tickets", "keys", "medicine", "notebook", "cake", "phone charger", "flowers", "map")
-_DAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
 # correct -> wrong: how a hurried writer gets it wrong
 _ROUGHEN = {"went": "goed", "because": "becuase", "was": "were", "have": "has", "received": "recieved",
             "definitely": "definately", "their": "there", "Their": "There", "doesn't": "dont", "wasn't": "weren't",
             "is": "are", "decided": "decide", "thinks": "think", "already": "allready", "whether": "wether",
             "surprised": "suprised", "would": "will", "caught": "catched", "asked": "ask", "friends": "friend",
             "expensive": "expensiv", "too": "to", "talking": "talk", "early": "earlyer", "which": "witch"}
-_EDIT_FORMS_2 = ("Correct the grammar and spelling in this paragraph:\n\n{t}", "Fix the errors in the following text: {t}",
+_GENERATED_TEXT_FORMS = ("Correct the grammar and spelling in this paragraph:\n\n{t}", "Fix the errors in the following text: {t}",
                  "Proofread and correct this paragraph, then list the changes you made:\n{t}",
                  "Please edit this for grammar: \"{t}\"", "Rewrite the following paragraph with correct English: {t}",
                  "Summarise this paragraph in one sentence: {c}", "Rewrite this paragraph in a more formal style: {c}")
@@ -1414,8 +1415,8 @@ _EDIT_FORMS_2 = ("Correct the grammar and spelling in this paragraph:\n\n{t}", "
 def _edit_text(rng: random.Random) -> tuple[str, str]:
     """A short paragraph of filled-in sentences: (roughened with errors, correct)."""
     (name, pronoun, possessive), other = rng.sample(_EDIT_NAMES, 2)
-    sentences = [s.format(n=name, N=name, m=other[0], pr=pronoun, pos=possessive, place=rng.choice(_EDIT_PLACES),
-                          item=rng.choice(_EDIT_ITEMS), day=rng.choice(_DAYS))
+    sentences = [s.format(n=name, m=other[0], pr=pronoun, pos=possessive, place=rng.choice(_EDIT_PLACES),
+                          item=rng.choice(_EDIT_ITEMS), day=rng.choice(_WEEKDAYS))
                  for s in rng.sample(_EDIT_SENTENCES, rng.randint(3, 5))]
     correct = " ".join(sentences)
     words = correct.split(" ")
@@ -1450,7 +1451,7 @@ def _writing_craft_prompt(rng: random.Random) -> str:
         text = rng.choice(_FEEDBACK_FORMS).format(d=rng.choice(_DOCUMENTS), x=x, y=y, z=z)
     else:
         wrong, correct = _edit_text(rng)
-        text = rng.choice(_EDIT_FORMS_2).format(t=wrong, c=correct)
+        text = rng.choice(_GENERATED_TEXT_FORMS).format(t=wrong, c=correct)
     return text + (f" Keep it {tone}." if kind < 0.46 and rng.random() < 0.3 else "")
 
 
@@ -1622,7 +1623,6 @@ _NOTE_TASKS = ("draft the press release", "book the venue", "update the budget s
 
 _PERIODS = ("the first quarter of", "the second quarter of", "the third quarter of", "the fourth quarter of",
             "the financial year")
-_WEEKDAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
 _REVIEWED = ("headphones", "hotel", "pizza place", "phone case", "yoga studio", "e-reader", "airline", "hiking boots")
 
 
