@@ -16,11 +16,12 @@ def test_prompts_are_distinct_and_the_same_for_the_same_seed():
 
 def test_an_added_stream_takes_its_share_and_leaves_the_first_streams_prompts_as_they_were(monkeypatch):
     mixed = [p.text for p in domain_prompts("writing", 1000)]
+    ((_, share),) = prompts._MORE_STREAMS["writing"]
     monkeypatch.setattr(prompts, "_MORE_STREAMS", {})
     alone = [p.text for p in domain_prompts("writing", 1000)]
     from_first = [text for text in mixed if text in set(alone)]
     assert from_first == alone[: len(from_first)]  # the same prompts, in the same order: their answers stay cached
-    assert len(from_first) == 800  # the craft stream's share is 0.2
+    assert len(from_first) == round(1000 * (1 - share))  # the rest are the craft stream's
 
 
 def test_texts_to_edit_differ_from_their_correct_version_only_in_a_few_words():

@@ -1364,7 +1364,7 @@ _OUTLINE_FORMS = ("Create an outline for a blog post comparing {x} for {who}, wi
                   "Plan a five-section blog post about {t}: a title, subheadings and two points under each.",
                   "Write an outline for a talk about {t}, {length}.")
 _RELATIONS = ("my shy cousin", "my best friend", "my sister", "my retired father", "my flatmate", "my teenage son",
-              "my grandmother", "a colleague who hates change", "my brother, who never exercises", "my friend who is afraid of flying")
+              "my grandmother", "a colleague who hates change", "my brother who never exercises", "my friend who is afraid of flying")
 _PERSUADE_ACTIONS = ("join a community choir", "give a short talk at a local event", "come on a hiking trip",
                      "start learning a language", "volunteer at the animal shelter", "try a cooking class with me",
                      "sign up for a charity 10k run", "take a weekend trip abroad", "go to their school reunion",
@@ -1757,7 +1757,7 @@ def _knowledge_prompt(rng: random.Random) -> str:
 DOMAINS = {"code": _code_prompt, "math": _math_prompt, "writing": _writing_prompt, "knowledge": _knowledge_prompt}
 # Further prompt streams of a domain, each with its own generator and share of the prompts: a stream added
 # later leaves the first stream's prompts (and the answers cached for them) as they were.
-_MORE_STREAMS = {"writing": ((_writing_craft_prompt, 0.2),)}
+_MORE_STREAMS = {"writing": ((_writing_craft_prompt, 0.4),)}
 
 
 def domain_prompts(domain: str, count: int, seed: int = 0) -> list[Prompt]:
