@@ -1,5 +1,6 @@
 """Expert drafters on a tiny target: training, saving, loading, confidence-shaped trees, losslessness."""
 
+import copy
 import random
 
 import pytest
@@ -9,7 +10,7 @@ from specmesh.assembly import load_expert_for
 from specmesh.distill.data import Example, generate_examples, target_answers, recorded_soft_labels, soft_labels, target_soft_labels
 from specmesh.distill.evaluate import agreement_by_category, expected_tokens_per_step, teacher_forced_hits, union_hits
 from specmesh.distill.train import TrainConfig, build_student, labels_for, train_student
-from specmesh.drafters.expert import ExpertDrafter, ExpertSpec, load_expert, save_expert, subset_for
+from specmesh.drafters.expert import ExpertDrafter, ExpertSpec, load_expert, round_to_stored, save_expert, subset_for
 from specmesh.engine import Request, SpeculativeEngine
 from specmesh.errors import InvalidArgument
 from specmesh.models.llama import LlamaRuntime
@@ -208,6 +209,18 @@ def test_save_load_round_trip_and_losslessness(trained, target, examples, tmp_pa
     for example, out in zip(examples[:8], outputs):
         assert tuple(out.token_ids) == example.response_ids
     assert sum(len(o.token_ids) for o in outputs) > sum(o.stats.target_steps for o in outputs)
+
+
+def test_rounded_to_the_stored_precision_an_expert_computes_exactly_what_it_loads_as(trained, target, examples, tmp_path):
+    model = copy.deepcopy(trained[0])
+    round_to_stored(model)
+    spec = ExpertSpec(name="tiny", domain="even", target={"tokenizer_hash": "x", "vocab_size": VOCAB},
+                      architecture=model.config.to_dict())
+    save_expert(model, spec, tmp_path / "tiny")
+    loaded, _ = load_expert(tmp_path / "tiny", target.model.embed_tokens.weight.detach())
+    tokens = torch.tensor([list(e.token_ids) for e in examples[:1]])
+    assert torch.equal(loaded(tokens), model(tokens))  # what distill measures is what ships
+    assert teacher_forced_hits(loaded, examples) == teacher_forced_hits(model, examples)
 
 
 def test_trees_branch_where_the_drafter_is_unsure():

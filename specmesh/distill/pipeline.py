@@ -18,7 +18,8 @@ from specmesh.distill.evaluate import (agreement_by_category, expected_tokens_pe
                                       teacher_forced_hits, union_hits)
 from specmesh.distill.synthesis import classified_prompts, synthesize_requests
 from specmesh.distill.train import TrainConfig, build_student, fit_copy_gate, train_student
-from specmesh.drafters.expert import ExpertDrafter, ExpertModel, ExpertSpec, drafter_dtype, save_expert, subset_for
+from specmesh.drafters.expert import (ExpertDrafter, ExpertModel, ExpertSpec, drafter_dtype, round_to_stored, save_expert,
+                                      subset_for)
 from specmesh.models.llama import TreeBatch
 from specmesh.models.loading import cache_root, tokenizer_fingerprint
 from specmesh.models.runtime import prefilled_session
@@ -117,6 +118,7 @@ def distill(
     result = train_student(model, training, config, position_weights=weights, soft_labels=soft, validation=validation)
 
     copy_fit = fit_copy_gate(model, validation) | {"fit_on": "the held-out tenth of the answers"} if config.copy_gate else {}
+    round_to_stored(model)  # measure the weights as saved
     spec = ExpertSpec(
         name=out_dir.name,
         domain=domain,

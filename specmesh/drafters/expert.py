@@ -143,11 +143,25 @@ def drafter_int8(device: torch.device | str, dtype: torch.dtype) -> bool:
     return dtype == torch.float32 and int8_available(device)
 
 
+STORED_DTYPE = torch.float16  # the precision of an expert's weights in ``weights.safetensors``
+
+
+def round_to_stored(model: ExpertModel) -> ExpertModel:
+    """Round ``model``'s own weights to the precision they are saved in (in place), so that what is
+    measured before saving is what ships: on the writing expert, fp16 rounding alone moved MT-Bench
+    writing agreement by 0.013 (8 of 640 tokens), as much as a retraining step gained."""
+    with torch.no_grad():
+        for tensor in model.trainable_state().values():
+            if tensor.is_floating_point():
+                tensor.copy_(tensor.to(STORED_DTYPE))
+    return model
+
+
 def save_expert(model: ExpertModel, spec: ExpertSpec, directory: Path) -> None:
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to(device="cpu", dtype=torch.float16).contiguous() for k, v in model.trainable_state().items()}
+    tensors = {k: v.detach().to(device="cpu", dtype=STORED_DTYPE).contiguous() for k, v in model.trainable_state().items()}
     tensors["subset_ids"] = model.subset_ids.to(device="cpu", dtype=torch.int32)
     save_file(tensors, str(directory / "weights.safetensors"))
     (directory / "drafter.json").write_text(spec.to_json())
