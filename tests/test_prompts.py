@@ -19,7 +19,8 @@ def test_an_added_stream_takes_its_share_and_leaves_the_first_streams_prompts_as
     ((_, share),) = prompts._MORE_STREAMS["writing"]
     monkeypatch.setattr(prompts, "_MORE_STREAMS", {})
     alone = [p.text for p in domain_prompts("writing", 1000)]
-    from_first = [text for text in mixed if text in set(alone)]
+    alone_set = set(alone)
+    from_first = [text for text in mixed if text in alone_set]
     assert from_first == alone[: len(from_first)]  # the same prompts, in the same order: their answers stay cached
     assert len(from_first) == round(1000 * (1 - share))  # the rest are the craft stream's
 

@@ -1757,7 +1757,7 @@ def _knowledge_prompt(rng: random.Random) -> str:
 DOMAINS = {"code": _code_prompt, "math": _math_prompt, "writing": _writing_prompt, "knowledge": _knowledge_prompt}
 # Further prompt streams of a domain, each with its own generator and share of the prompts: a stream added
 # later leaves the first stream's prompts (and the answers cached for them) as they were.
-_MORE_STREAMS = {"writing": ((_writing_craft_prompt, 0.4),)}
+_MORE_STREAMS = {"writing": ((_writing_craft_prompt, 0.2),)}
 
 
 def domain_prompts(domain: str, count: int, seed: int = 0) -> list[Prompt]:
