@@ -121,6 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--copy", action="store_true",
                       help="let the expert copy from its context through a learned gate: far better alone, "
                       "no better beside prompt lookup (default: off)")
+    dist.add_argument("--copy-gate-only", action="store_true",
+                      help="train the body as without --copy, then fit a copy gate on it (default: off)")
+    dist.add_argument("--copy-min-match", type=int, default=1,
+                      help="with --copy or --copy-gate-only: copy only after a match of at least this many "
+                      "tokens (1 to the longest match looked up, 4; default 1)")
     dist.add_argument("--seed", type=int, default=0)
     dist.add_argument("--threads", type=int, default=None)
 
@@ -333,6 +338,7 @@ def _distill(args: argparse.Namespace) -> int:
     from specmesh.distill.pipeline import distill, synthesized_prompts
     from specmesh.distill.prompts import DOMAINS, domain_prompts
     from specmesh.distill.train import TrainConfig
+    from specmesh.drafters.copying import MAX_MATCH
     from specmesh.prompts import load_prompts
     from specmesh.routing import GENERAL
 
@@ -354,6 +360,12 @@ def _distill(args: argparse.Namespace) -> int:
         raise InvalidArgument("temperature", f"must be in (0, 4], got {args.temperature}")
     if args.synthesize < 0:
         raise InvalidArgument("synthesize", f"must be >= 0, got {args.synthesize}")
+    if args.copy and args.copy_gate_only:
+        raise InvalidArgument("copy_gate_only", "give --copy (the body trains with the gate) or --copy-gate-only, not both")
+    if not 1 <= args.copy_min_match <= MAX_MATCH:
+        raise InvalidArgument("copy_min_match", f"must be in 1..{MAX_MATCH}, got {args.copy_min_match}")
+    if args.copy_min_match != 1 and not (args.copy or args.copy_gate_only):
+        raise InvalidArgument("copy_min_match", "applies to a copy gate: give --copy or --copy-gate-only with it")
     if args.synthesize and args.prompts:
         raise InvalidArgument("synthesize", "give --prompts or --synthesize, not both")
     if args.synthesize and args.domain not in (*DOMAINS, GENERAL):
@@ -370,7 +382,8 @@ def _distill(args: argparse.Namespace) -> int:
         if not prompts:
             raise InvalidArgument("synthesize", f"none of the {args.synthesize} requests is a {args.domain} request; draw more")
     config = TrainConfig(layers=args.layers, subset_size=args.subset_size, minutes=args.minutes, steps=args.steps, seed=args.seed,
-                         learning_rate=args.learning_rate, tokens_per_batch=args.batch_tokens, copy_gate=args.copy)
+                         learning_rate=args.learning_rate, tokens_per_batch=args.batch_tokens, copy_gate=args.copy,
+                         copy_gate_only=args.copy_gate_only, copy_min_match=args.copy_min_match)
     spec = distill(assembly, args.domain, prompts, Path(args.out), config, boost_from=args.boost_from,
                    max_answer_tokens=args.answer_tokens, sampled_answers=args.sampled_answers,
                    temperature=args.temperature)

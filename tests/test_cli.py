@@ -53,6 +53,9 @@ def _passthrough() -> dict:
         (["distill", "--domain", "code", "--out", "unused", "--synthesize", "-5"], "synthesize"),
         (["distill", "--domain", "code", "--out", "unused", "--synthesize", "50", "--prompts", "p.jsonl"], "synthesize"),
         (["distill", "--domain", "poetry", "--out", "unused", "--synthesize", "50"], "domain"),
+        (["distill", "--domain", "code", "--out", "unused", "--copy", "--copy-gate-only"], "copy_gate_only"),
+        (["distill", "--domain", "code", "--out", "unused", "--copy", "--copy-min-match", "5"], "copy_min_match"),
+        (["distill", "--domain", "code", "--out", "unused", "--copy-min-match", "2"], "copy_min_match"),
     ],
 )
 def test_bad_input_is_one_clear_line(args, argument):

@@ -7,7 +7,7 @@ import pytest
 from specmesh.distill.data import Example
 from specmesh.distill.evaluate import agreement_by_category, interface_hits, teacher_forced_hits
 from specmesh.distill.train import build_student, fit_copy_gate
-from specmesh.drafters.copying import ContextIndex, copy_candidates
+from specmesh.drafters.copying import ContextIndex, CopyGate, copy_candidates
 from specmesh.drafters.expert import ExpertDrafter, ExpertSpec, load_expert, save_expert, subset_for
 from specmesh.drafters.ngram import NgramIndex
 from specmesh.engine import Request, SpeculativeEngine
@@ -35,7 +35,7 @@ def test_the_candidate_follows_the_newest_occurrence_of_the_longest_suffix():
 def test_a_drafting_step_computes_the_gate_as_training_did():
     import torch
 
-    from specmesh.drafters.copying import CopyGate, gate_features, position_features
+    from specmesh.drafters.copying import gate_features, position_features
 
     generator = torch.Generator().manual_seed(0)
     gate = CopyGate(8)
@@ -119,6 +119,35 @@ def test_the_gate_is_saved_and_an_expert_without_one_loads_as_before(copying, ta
                 tmp_path / "plain")
     loaded_plain, plain_spec = load_expert(tmp_path / "plain", embedding)
     assert plain_spec.copy == {} and loaded_plain.copy_gate is None
+
+
+def test_a_gate_with_a_minimum_match_copies_only_after_it(target, tmp_path):
+    """In a repeating answer the match grows a token a position (1, 2, 3, 4, 4, ...): a gate that needs 3
+    tokens leaves the first two copyable positions to the model, everywhere it runs."""
+    fit, held_out = repeating(24, seed=1), repeating(12, seed=2)
+    subset = subset_for(list(range(2, VOCAB, 2)), VOCAB, 48)
+    model = build_student(target, subset, layers=1)
+    fit_info = fit_copy_gate(model, fit, min_match=3, steps=300)
+    assert model.copy_gate.min_match == 3 and fit_info["min_match"] == 3
+    assert fit_info["candidate_share"] == pytest.approx(9 / 12, abs=1e-3)  # 9 of 12 positions match 3+ tokens
+
+    hits = teacher_forced_hits(model, held_out)
+    copied = [row[3:] for row in hits]  # positions 3.. have a match of 3 tokens or more
+    assert sum(map(sum, copied)) >= 0.85 * sum(map(len, copied))
+    model_only = build_student(target, subset, layers=1)
+    assert [row[:3] for row in hits] == [row[:3] for row in teacher_forced_hits(model_only, held_out)]
+
+    drafter = ExpertDrafter(model, name="copier", int8_weights=False)
+    through_interface, _ = interface_hits(drafter, held_out)
+    same = sum(a == b for row_a, row_b in zip(through_interface, hits) for a, b in zip(row_a, row_b))
+    assert same >= 0.98 * sum(len(row) for row in hits)
+
+    save_expert(model, ExpertSpec(name="copier", domain="repeat", target={}, architecture=model.config.to_dict(),
+                                  copy=fit_info), tmp_path / "copier")
+    loaded, _ = load_expert(tmp_path / "copier", target.model.embed_tokens.weight.detach())
+    assert loaded.copy_gate.min_match == 3 and teacher_forced_hits(loaded, held_out) == hits
+    with pytest.raises(ValueError, match="min_match"):
+        CopyGate(8, min_match=0)
 
 
 def test_a_copying_expert_is_lossless(copying, target):

@@ -106,3 +106,20 @@ def test_distill_writes_a_drafter_directory_that_generate_uses(tiny_dir, tmp_pat
     every_prompt = {json.loads(line)["prompt"] for line in (boosted / "answers.jsonl").read_text().splitlines()}
     assert len(sampled) == 7 and {row["prompt"] for row in sampled} < every_prompt  # the held-out one is not sampled
     assert all(len(row["greedy_next"]) == len(row["response_ids"]) for row in sampled)
+
+    # A gate fit on the finished body alone, copying only after matches of 3 tokens or more
+    gated = tmp_path / "gated-expert"
+    result = subprocess.run(
+        [sys.executable, "-m", "specmesh", "distill", "--target", str(tiny_dir), "--domain", "code", "--count", "12",
+         "--answer-tokens", "12", "--minutes", "0.05", "--subset-size", "64", "--layers", "1", "--out", str(gated),
+         "--copy-gate-only", "--copy-min-match", "3"],
+        capture_output=True, text=True, timeout=600, env=env,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    gated_spec = json.loads((gated / "drafter.json").read_text())
+    assert gated_spec["training"]["copy_gate"] is False and gated_spec["training"]["copy_gate_only"] is True
+    assert gated_spec["copy"]["min_match"] == 3 and gated_spec["copy"]["fit_on_positions"] > 0
+    from safetensors import safe_open
+
+    with safe_open(str(gated / "weights.safetensors"), "pt") as weights:
+        assert any(name.startswith("copy_gate.") for name in weights.keys())

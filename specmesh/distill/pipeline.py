@@ -117,7 +117,9 @@ def distill(
     model = build_student(assembly.target.model, subset, config.layers)
     result = train_student(model, training, config, position_weights=weights, soft_labels=soft, validation=validation)
 
-    copy_fit = fit_copy_gate(model, validation) | {"fit_on": "the held-out tenth of the answers"} if config.copy_gate else {}
+    copy_fit = {}
+    if config.copy_gate or config.copy_gate_only:
+        copy_fit = fit_copy_gate(model, validation, config.copy_min_match) | {"fit_on": "the held-out tenth of the answers"}
     round_to_stored(model)  # measure the weights as saved
     spec = ExpertSpec(
         name=out_dir.name,

@@ -41,7 +41,9 @@ class TrainConfig:
     tokens_per_batch: int = 2048
     max_length: int = 384
     seed: int = 0
-    copy_gate: bool = False  # let the expert copy from its context (a gate fit on the held-out answers)
+    copy_gate: bool = False  # let the expert copy from its context: the body trains on the mixture with a gate
+    copy_gate_only: bool = False  # a copy gate fit on the finished body alone (the body trains as without one)
+    copy_min_match: int = 1  # the gate copies only after a match of at least this many tokens
 
 
 @dataclass
@@ -181,7 +183,7 @@ def train_student(
     from specmesh.distill.evaluate import teacher_forced_hits
     torch.manual_seed(config.seed)
     if config.copy_gate and model.copy_gate is None:
-        model.copy_gate = CopyGate(model.config.hidden_size)  # trained with the body; refit on held-out answers after
+        model.copy_gate = CopyGate(model.config.hidden_size, config.copy_min_match)  # refit on held-out answers after
     generator = torch.Generator().manual_seed(config.seed)
     subset = model.subset_ids.tolist()
     subset_index = {token: i for i, token in enumerate(subset)}
@@ -265,15 +267,15 @@ def train_student(
                        best_agreement if validation else None)
 
 
-def fit_copy_gate(model: ExpertModel, examples: Sequence[Example], steps: int = 1000, learning_rate: float = 0.01,
-                  hidden_decay: float = 1e-2) -> dict:
+def fit_copy_gate(model: ExpertModel, examples: Sequence[Example], min_match: int = 1, steps: int = 1000,
+                  learning_rate: float = 0.01, hidden_decay: float = 1e-2) -> dict:
     """Give ``model`` a copy gate, fit by the mixture's likelihood of the target's next token at every
     answer position of ``examples``, with the model itself frozen. They must be answers the model was not
     trained on: on those it was, it is right far more often than on new text, and the gate would learn
     to trust copying too little. Returns what the fit saw (for ``drafter.json``)."""
     from specmesh.distill.evaluate import teacher_forced_states
 
-    model.copy_gate = CopyGate(model.config.hidden_size)
+    model.copy_gate = CopyGate(model.config.hidden_size, min_match)
     rows = []
     for index, hidden in teacher_forced_states(model, examples):
         example = examples[index]
@@ -294,7 +296,7 @@ def fit_copy_gate(model: ExpertModel, examples: Sequence[Example], steps: int = 
         loss.backward()
         optimizer.step()
     gate.requires_grad_(False)
-    with_candidate = length > 0
+    with_candidate = length >= min_match
     return {"fit_on_positions": int(length.numel()), "candidate_share": round(float(with_candidate.float().mean()), 4),
             "candidate_right": round(float(copy_right[with_candidate].mean()), 4) if with_candidate.any() else 0.0,
-            "max_match": MAX_MATCH, "steps": steps}
+            "min_match": min_match, "max_match": MAX_MATCH, "steps": steps}

@@ -85,29 +85,36 @@ def position_features(probs: torch.Tensor, candidate_index: int, length: int) ->
 
 
 class CopyGate(nn.Module):
-    """How far to trust the copy candidate: g = sigmoid(w_h . h + w_f . f + b)."""
+    """How far to trust the copy candidate: g = sigmoid(w_h . h + w_f . f + b); 0 for a match shorter than
+    ``min_match`` tokens (short matches are where copying is least often right, and most often what the
+    model guesses anyway)."""
 
-    def __init__(self, hidden_size: int) -> None:
+    def __init__(self, hidden_size: int, min_match: int = 1) -> None:
         super().__init__()
+        if not 1 <= min_match <= MAX_MATCH:
+            raise ValueError(f"min_match must be in 1..{MAX_MATCH}, got {min_match}")
+        self.min_match = min_match
         self.hidden = nn.Parameter(torch.zeros(hidden_size))
         self.features = nn.Parameter(torch.zeros(FEATURES))
         self.bias = nn.Parameter(torch.zeros(()))
 
     def forward(self, hidden_logit: torch.Tensor, features: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
-        """hidden_logit [...] (w_h . h), features [..., FEATURES], length [...] -> g [...]; 0 without a candidate."""
+        """hidden_logit [...] (w_h . h), features [..., FEATURES], length [...] -> g [...]; 0 without a
+        candidate of at least ``min_match`` tokens."""
         g = torch.sigmoid(hidden_logit.float() + features @ self.features.float() + self.bias.float())
-        return torch.where(length > 0, g, torch.zeros_like(g))
+        return torch.where(length >= self.min_match, g, torch.zeros_like(g))
 
     def scalar(self) -> "ScalarGate":
         """The gate as plain floats, for drafting one position at a time."""
-        return ScalarGate(self.features.detach().float().tolist(), float(self.bias.detach()))
+        return ScalarGate(self.features.detach().float().tolist(), float(self.bias.detach()), self.min_match)
 
 
 class ScalarGate:
-    """``CopyGate`` over one position's ``position_features``, in plain floats."""
+    """``CopyGate`` over one position's ``position_features``, in plain floats (the caller skips matches
+    shorter than ``min_match``)."""
 
-    def __init__(self, feature_weights: list[float], bias: float) -> None:
-        self.feature_weights, self.bias = feature_weights, bias
+    def __init__(self, feature_weights: list[float], bias: float, min_match: int = 1) -> None:
+        self.feature_weights, self.bias, self.min_match = feature_weights, bias, min_match
 
     def __call__(self, hidden_logit: float, features: list[float]) -> float:
         z = hidden_logit + self.bias + sum(w * f for w, f in zip(self.feature_weights, features))

@@ -179,6 +179,8 @@ def load_expert(directory: str | Path, embedding: torch.Tensor, dtype: torch.dty
     subset = tensors.pop("subset_ids").to(torch.long)
     copies = any(name.startswith("copy_gate.") for name in tensors)
     model = ExpertModel(LlamaConfig(**spec.architecture), embedding.to(dtype), subset, copy_gate=copies)
+    if copies:
+        model.copy_gate.min_match = int(spec.copy.get("min_match", 1))
     missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=False)
     missing = [k for k in missing if not k.startswith("body.embed_tokens")]
     if missing or unexpected:
@@ -303,7 +305,7 @@ class ExpertDrafter:
             return Step(logits.softmax(-1), self.subset_ids)
         probs = logits[:-1].float().softmax(-1)
         candidate, length = state.context.candidate(state.cached[len(state.committed) :])
-        if length == 0:
+        if length < self.gate.min_match:  # no candidate (length 0), or too short a match to trust
             return Step(probs, self.subset_ids)
         index = self.output_of.get(candidate, -1)
         g = self.gate(float(logits[-1]), position_features(probs, index, length))
