@@ -148,6 +148,15 @@ def test_a_gate_with_a_minimum_match_copies_only_after_it(target, tmp_path):
     assert loaded.copy_gate.min_match == 3 and teacher_forced_hits(loaded, held_out) == hits
     with pytest.raises(ValueError, match="min_match"):
         CopyGate(8, min_match=0)
+    import json
+
+    from specmesh.errors import InvalidArgument
+
+    file = tmp_path / "copier" / "drafter.json"
+    file.write_text(file.read_text().replace('"min_match": 3', '"min_match": 9'))
+    with pytest.raises(InvalidArgument, match="min_match"):
+        load_expert(tmp_path / "copier", target.model.embed_tokens.weight.detach())
+    assert json.loads(file.read_text())["copy"]["min_match"] == 9
 
 
 def test_a_copying_expert_is_lossless(copying, target):

@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from specmesh.drafters.copying import ContextIndex, CopyGate, copy_candidates, copy_guess, gate_features, position_features
+from specmesh.drafters.copying import MAX_MATCH, ContextIndex, CopyGate, copy_candidates, copy_guess, gate_features, position_features
 from specmesh.drafters.shape import Step, common_prefix, confident_tree
 from specmesh.errors import InvalidArgument
 from specmesh.models.kv_cache import KVSession
@@ -180,7 +180,10 @@ def load_expert(directory: str | Path, embedding: torch.Tensor, dtype: torch.dty
     copies = any(name.startswith("copy_gate.") for name in tensors)
     model = ExpertModel(LlamaConfig(**spec.architecture), embedding.to(dtype), subset, copy_gate=copies)
     if copies:
-        model.copy_gate.min_match = int(spec.copy.get("min_match", 1))
+        min_match = spec.copy.get("min_match", 1)
+        if not (isinstance(min_match, int) and 1 <= min_match <= MAX_MATCH):
+            raise InvalidArgument("drafter", f"{directory}: copy.min_match must be in 1..{MAX_MATCH}, got {min_match!r}")
+        model.copy_gate.min_match = min_match
     missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=False)
     missing = [k for k in missing if not k.startswith("body.embed_tokens")]
     if missing or unexpected:
