@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from specmesh.drafters.copying import MAX_MATCH, ContextIndex, CopyGate, copy_candidates, copy_guess, gate_features, position_features
+from specmesh.drafters.copying import ContextIndex, CopyGate, copy_candidates, copy_guess, gate_features, position_features
 from specmesh.drafters.shape import Step, common_prefix, confident_tree
 from specmesh.errors import InvalidArgument
 from specmesh.models.kv_cache import KVSession
@@ -38,7 +38,8 @@ FORMAT = "specmesh-drafter/1"
 class ExpertModel(nn.Module):
     """Token ids [batch, seq] -> logits [batch, seq, subset + 1] (last column = fallback)."""
 
-    def __init__(self, config, embedding: torch.Tensor, subset_ids: torch.Tensor, copy_gate: bool = False) -> None:
+    def __init__(self, config, embedding: torch.Tensor, subset_ids: torch.Tensor, copy_gate: bool = False,
+                 copy_min_match: int = 1) -> None:
         from transformers import LlamaModel
 
         super().__init__()
@@ -53,7 +54,7 @@ class ExpertModel(nn.Module):
         output_tokens = torch.cat([subset_ids, subset_ids.new_tensor([-1])])
         self.register_buffer("output_tokens", output_tokens, persistent=False)  # [subset + 1]: output -> token id, -1 = fallback
         self.head = nn.Linear(config.hidden_size, len(subset_ids) + 1, bias=False)
-        self.copy_gate = CopyGate(config.hidden_size) if copy_gate else None
+        self.copy_gate = CopyGate(config.hidden_size, copy_min_match) if copy_gate else None
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         return self.head(self.hidden_states(input_ids, attention_mask))
@@ -178,12 +179,14 @@ def load_expert(directory: str | Path, embedding: torch.Tensor, dtype: torch.dty
     tensors = load_file(str(directory / "weights.safetensors"))
     subset = tensors.pop("subset_ids").to(torch.long)
     copies = any(name.startswith("copy_gate.") for name in tensors)
-    model = ExpertModel(LlamaConfig(**spec.architecture), embedding.to(dtype), subset, copy_gate=copies)
-    if copies:
-        min_match = spec.copy.get("min_match", 1)
-        if not (isinstance(min_match, int) and 1 <= min_match <= MAX_MATCH):
-            raise InvalidArgument("drafter", f"{directory}: copy.min_match must be in 1..{MAX_MATCH}, got {min_match!r}")
-        model.copy_gate.min_match = min_match
+    min_match = spec.copy.get("min_match", 1)
+    if copies and not isinstance(min_match, int):
+        raise InvalidArgument("drafter", f"{directory}: copy.min_match must be a whole number, got {min_match!r}")
+    config = LlamaConfig(**spec.architecture)
+    try:
+        model = ExpertModel(config, embedding.to(dtype), subset, copy_gate=copies, copy_min_match=min_match)
+    except ValueError as exc:  # e.g. the copy gate's own check of min_match
+        raise InvalidArgument("drafter", f"{directory}: {exc}") from exc
     missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=False)
     missing = [k for k in missing if not k.startswith("body.embed_tokens")]
     if missing or unexpected:
