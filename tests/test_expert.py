@@ -289,6 +289,17 @@ def test_no_drafter_step_is_wasted_after_the_deepest_guess():
     assert len(tree) == 3 and len(calls) == 2
 
 
+def test_experts_on_a_cpu_draft_with_int8_linears_where_fbgemm_runs():
+    from specmesh.drafters.expert import drafter_dtype, drafter_int8
+    from specmesh.models.linear import int8_available
+
+    dtype = drafter_dtype("cpu")
+    if int8_available("cpu"):  # int8 streams half of bf16's bytes a drafted token: fp32 activations, int8 weights
+        assert dtype == torch.float32 and drafter_int8("cpu", dtype)
+    else:
+        assert dtype in (torch.float32, torch.bfloat16) and not drafter_int8("cpu", dtype)
+
+
 def test_int8_drafting_stays_close_to_fp32_and_lossless(trained, target, examples):
     from specmesh.models.linear import Int8Linear, int8_available
 
