@@ -36,6 +36,15 @@ def shipped_experts(target_name: str) -> dict[str, Path]:
     return {d.name: d for d in sorted(folder.iterdir()) if (d / "drafter.json").is_file()}
 
 
+def expert_directory(spec: str | Path, target_name: str) -> Path | None:
+    """The directory of an expert named as a shipped one (``code``) or as a directory made by ``specmesh
+    distill``; None when ``spec`` is neither."""
+    shipped = shipped_experts(target_name).get(str(spec))
+    if shipped is not None:
+        return shipped
+    return Path(spec) if (Path(spec) / "drafter.json").is_file() else None
+
+
 def load_expert_for(directory: str | Path, target: LoadedModel | TargetParts,
                     device: str | None = None) -> tuple[ExpertModel, ExpertSpec]:
     """An expert drafter's model on ``device`` (default: where the target's embeddings are), refusing one
@@ -97,9 +106,7 @@ def load_drafter(spec: str, target: LoadedModel | TargetParts, device: str | Non
     target = parts_of(target) if isinstance(target, LoadedModel) else target
     if spec in MODEL_FREE_DRAFTERS:
         return MODEL_FREE_DRAFTERS[spec]()
-    directory = shipped_experts(target.name).get(spec)
-    if directory is None and (Path(spec) / "drafter.json").is_file():
-        directory = Path(spec)
+    directory = expert_directory(spec, target.name)
     if directory is not None:
         model, expert = load_expert_for(directory, target, device)
         return ExpertDrafter(model, name=expert.name, domain=expert.domain)

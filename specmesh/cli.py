@@ -117,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "greedy next token; default 0)")
     dist.add_argument("--temperature", type=float, default=0.7, help="temperature of the sampled answers (default 0.7)")
     dist.add_argument("--boost-from", action="append", default=[],
-                      help="an earlier drafter of the set: positions it gets wrong weigh more (repeatable)")
+                      help="an earlier drafter of the set, a shipped expert's name or a drafter directory: positions "
+                      "it gets wrong weigh more (repeatable)")
     dist.add_argument("--copy", action="store_true",
                       help="let the expert copy from its context through a learned gate: far better alone, "
                       "no better beside prompt lookup (default: off)")
@@ -331,6 +332,17 @@ def _up(args: argparse.Namespace) -> int:
     return 0
 
 
+def boost_directory(spec: str, target_name: str):
+    """``--boost-from``'s drafter: a shipped expert's name or a drafter directory."""
+    from specmesh.assembly import expert_directory, shipped_experts
+
+    directory = expert_directory(spec, target_name)
+    if directory is None:
+        raise InvalidArgument("boost_from", f"{spec!r} is neither one of {target_name!r}'s shipped experts "
+                              f"({', '.join(shipped_experts(target_name)) or 'none'}) nor a drafter directory")
+    return directory
+
+
 def _distill(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -376,6 +388,7 @@ def _distill(args: argparse.Namespace) -> int:
         prompts = domain_prompts(args.domain, args.count, args.seed)
     configure_threads(args.threads)
     assembly = assemble(args.target, drafters=[], dtype="float32")
+    boost_from = [boost_directory(spec, assembly.target.name) for spec in args.boost_from]  # before any generation
     if prompts is None:
         prompts = synthesized_prompts(assembly, args.domain, args.synthesize, args.seed)
         print(f"{len(prompts)} of {args.synthesize} target-written requests are {args.domain} requests")
@@ -384,7 +397,7 @@ def _distill(args: argparse.Namespace) -> int:
     config = TrainConfig(layers=args.layers, subset_size=args.subset_size, minutes=args.minutes, steps=args.steps, seed=args.seed,
                          learning_rate=args.learning_rate, tokens_per_batch=args.batch_tokens, copy_gate=args.copy,
                          copy_gate_only=args.copy_gate_only, copy_min_match=args.copy_min_match)
-    spec = distill(assembly, args.domain, prompts, Path(args.out), config, boost_from=args.boost_from,
+    spec = distill(assembly, args.domain, prompts, Path(args.out), config, boost_from=boost_from,
                    max_answer_tokens=args.answer_tokens, sampled_answers=args.sampled_answers,
                    temperature=args.temperature)
     measured = spec.measured

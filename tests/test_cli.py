@@ -56,6 +56,7 @@ def _passthrough() -> dict:
         (["distill", "--domain", "code", "--out", "unused", "--copy", "--copy-gate-only"], "copy_gate_only"),
         (["distill", "--domain", "code", "--out", "unused", "--copy", "--copy-min-match", "5"], "copy_min_match"),
         (["distill", "--domain", "code", "--out", "unused", "--copy-min-match", "2"], "copy_min_match"),
+        (["distill", "--domain", "math", "--out", "unused", "--boost-from", "no-such-expert"], "boost_from"),
     ],
 )
 def test_bad_input_is_one_clear_line(args, argument):

@@ -7,7 +7,7 @@ import sys
 import pytest
 from transformers import AutoTokenizer
 
-from specmesh.assembly import assemble
+from specmesh.assembly import assemble, expert_directory, shipped_experts
 from specmesh.errors import InvalidArgument
 from specmesh.models.loading import EMBEDDED_DEFAULT, resolve_model_dir, tokenizer_fingerprint
 
@@ -48,6 +48,17 @@ def test_a_drafter_with_another_vocabulary_is_refused(tiny_dir, tokenizer, tmp_p
     with pytest.raises(InvalidArgument) as err:
         assemble(str(tiny_dir), drafters=[str(other)])
     assert err.value.field == "drafter" and "vocabulary" in str(err.value)
+
+
+def test_an_expert_is_named_by_its_shipped_name_or_by_its_directory(tmp_path):
+    shipped = shipped_experts(EMBEDDED_DEFAULT)
+    assert {"code", "math", "writing"} <= set(shipped)
+    assert expert_directory("code", EMBEDDED_DEFAULT) == shipped["code"]
+    assert expert_directory(str(shipped["math"]), EMBEDDED_DEFAULT) == shipped["math"]
+    assert expert_directory("code", "another-target") is None  # shipped names are per target
+    (tmp_path / "drafter.json").write_text("{}")
+    assert expert_directory(tmp_path, "another-target") == tmp_path
+    assert expert_directory(tmp_path / "missing", EMBEDDED_DEFAULT) is None
 
 
 def test_a_directory_without_config_is_refused(tmp_path):
