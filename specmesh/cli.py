@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Sequence
 
 from specmesh.errors import InvalidArgument, SpecmeshError
@@ -332,7 +333,7 @@ def _up(args: argparse.Namespace) -> int:
     return 0
 
 
-def boost_directory(spec: str, target_name: str):
+def boost_directory(spec: str, target_name: str) -> Path:
     """``--boost-from``'s drafter: a shipped expert's name or a drafter directory."""
     from specmesh.assembly import expert_directory, shipped_experts
 
@@ -344,8 +345,6 @@ def boost_directory(spec: str, target_name: str):
 
 
 def _distill(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from specmesh.assembly import assemble, configure_threads
     from specmesh.distill.pipeline import distill, synthesized_prompts
     from specmesh.distill.prompts import DOMAINS, domain_prompts
