@@ -71,7 +71,7 @@ COPY --from=build /opt/specmesh /opt/specmesh
 COPY deploy/docker/healthcheck.py /usr/local/bin/specmesh-healthcheck
 # SPECMESH_CACHE: the converted embedded model, read-only. Everything a service may write goes to
 # /tmp or ~/.cache (both emptyDir volumes in the Helm chart, whose root filesystem is read-only).
-# GOMP_SPINCOUNT: why 1000000, see OPENMP_SPIN_COUNT in specmesh/launcher.py.
+# GOMP_SPINCOUNT: why 1000000, see OPENMP_SPIN_COUNT in specmesh/cluster/launcher.py.
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \

@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROTO_OUT := specmesh/proto
 
-.PHONY: install model run test test-fast bench proto dashboards clean
+.PHONY: install model run test test-fast bench proto dashboards classifier-data clean
 
 install: $(STAMP) model
 
@@ -45,9 +45,14 @@ proto: $(STAMP)
 		$$(find protos -name '*.proto')
 
 # The Grafana dashboards and Prometheus rules (and the Helm chart's copies of them) are generated
-# from the PromQL in specmesh/metrics.py; the tests fail while the files are out of date.
+# from the PromQL in specmesh/cluster/metrics.py; the tests fail while the files are out of date.
 dashboards: $(STAMP)
 	$(PY) deploy/grafana/generate.py
+
+# The request classifier's shipped examples (specmesh/speculation/request_kinds.jsonl), made from the
+# templated prompts; the tests fail while the file is out of date.
+classifier-data: $(STAMP)
+	$(PY) -c "from specmesh.distill.templates import write_classifier_examples as w; w('specmesh/speculation/request_kinds.jsonl')"
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Sequence
 
 from specmesh.errors import InvalidArgument, SpecmeshError
-from specmesh.models.loading import EMBEDDED_DEFAULT
+from specmesh.runtime.loading import EMBEDDED_DEFAULT
 
 DEMO_PROMPT = "Write a Python function that checks whether a string is a palindrome, and explain it."
 
@@ -146,13 +146,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "up":
             return _up(args)
         if args.command == "bench":
-            from specmesh.bench import run_bench
+            from specmesh.bench.run import run_bench
 
             return run_bench(args)
         if args.command == "distill":
             return _distill(args)
         if args.command == "prepare":
-            from specmesh.models.loading import resolve_model_dir
+            from specmesh.runtime.loading import resolve_model_dir
 
             print(resolve_model_dir(args.model)[0])
             return 0
@@ -176,9 +176,10 @@ def _sampling_params(args: argparse.Namespace):
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from specmesh.assembly import assemble, configure_threads
-    from specmesh.classify import default_classifier
     from specmesh.prompts import Prompt, load_prompts
+    from specmesh.runtime.loading import configure_threads
+    from specmesh.speculation.assembly import assemble
+    from specmesh.speculation.classifier import default_classifier
 
     if (args.prompt is None) == (args.prompts is None):
         raise InvalidArgument("prompt", "give either a PROMPT or --prompts FILE.jsonl")
@@ -286,7 +287,7 @@ def _up(args: argparse.Namespace) -> int:
     import grpc
 
     from specmesh.client import Client
-    from specmesh.launcher import DEFAULT_DRAFTERS, ClusterSpec, LocalCluster
+    from specmesh.cluster.launcher import DEFAULT_DRAFTERS, ClusterSpec, LocalCluster
     from specmesh.sampling import SamplingParams
 
     spec = ClusterSpec(model=args.model, drafters=tuple(args.drafter or DEFAULT_DRAFTERS), verifiers=args.verifiers,
@@ -335,7 +336,7 @@ def _up(args: argparse.Namespace) -> int:
 
 def boost_directory(spec: str, target_name: str) -> Path:
     """``--boost-from``'s drafter: a shipped expert's name or a drafter directory."""
-    from specmesh.assembly import expert_directory, shipped_experts
+    from specmesh.drafters.catalog import expert_directory, shipped_experts
 
     directory = expert_directory(spec, target_name)
     if directory is None:
@@ -345,13 +346,14 @@ def boost_directory(spec: str, target_name: str) -> Path:
 
 
 def _distill(args: argparse.Namespace) -> int:
-    from specmesh.assembly import assemble, configure_threads
     from specmesh.distill.pipeline import distill, synthesized_prompts
-    from specmesh.distill.prompts import DOMAINS, domain_prompts
+    from specmesh.distill.templates import DOMAINS, domain_prompts
     from specmesh.distill.train import TrainConfig
     from specmesh.drafters.copying import MAX_MATCH
     from specmesh.prompts import load_prompts
-    from specmesh.routing import GENERAL
+    from specmesh.runtime.loading import configure_threads
+    from specmesh.speculation.assembly import assemble
+    from specmesh.speculation.expertise import GENERAL
 
     if args.minutes <= 0:
         raise InvalidArgument("minutes", f"must be > 0, got {args.minutes}")

@@ -17,6 +17,8 @@ from typing import Sequence
 import torch
 
 ROOT = -1
+# The most nodes any one tree may have, on the wire and in a verification pass.
+MAX_TREE_NODES = 64
 
 
 @dataclass(frozen=True)

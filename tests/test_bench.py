@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from specmesh.bench import LOAD_POLICIES, adaptive_verdicts, sweep_order, t95
+from specmesh.bench.run import LOAD_POLICIES, adaptive_verdicts, sweep_order, t95
 from specmesh.cli import main
 
 SUMMARY_KEYS = {

@@ -17,14 +17,14 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from specmesh.assembly import eos_token_ids
 from specmesh.client import Client
-from specmesh.engine import Request, SpeculativeEngine
-from specmesh.launcher import ClusterSpec, LocalCluster
-from specmesh.models.llama import LlamaRuntime
-from specmesh.models.loading import EMBEDDED_DEFAULT, load_hf_model
+from specmesh.cluster.launcher import ClusterSpec, LocalCluster
 from specmesh.prompts import encode_chat, mtbench_prompts
+from specmesh.runtime.llama import LlamaRuntime
+from specmesh.runtime.loading import EMBEDDED_DEFAULT, load_hf_model
 from specmesh.sampling import SamplingParams
+from specmesh.speculation.assembly import eos_token_ids
+from specmesh.speculation.engine import Request, SpeculativeEngine
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 64

@@ -3,6 +3,7 @@
 import random
 
 import pytest
+from conftest import tiny_llama
 
 from specmesh.distill.data import Example
 from specmesh.distill.evaluate import agreement_by_category, interface_hits, teacher_forced_hits
@@ -10,11 +11,9 @@ from specmesh.distill.train import build_student, fit_copy_gate
 from specmesh.drafters.copying import ContextIndex, CopyGate, copy_candidates
 from specmesh.drafters.expert import ExpertDrafter, ExpertSpec, load_expert, save_expert, subset_for
 from specmesh.drafters.ngram import NgramIndex
-from specmesh.engine import Request, SpeculativeEngine
-from specmesh.models.llama import LlamaRuntime
+from specmesh.runtime.llama import LlamaRuntime
 from specmesh.sampling import SamplingParams
-
-from conftest import tiny_llama
+from specmesh.speculation.engine import Request, SpeculativeEngine
 
 VOCAB = 96
 

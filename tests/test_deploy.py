@@ -57,7 +57,7 @@ def need(found: bool, what: str) -> None:
 # ---- the tools ----------------------------------------------------------------------------------------
 
 def _cache_root() -> Path:
-    # as specmesh.models.loading.cache_root(), without importing torch
+    # as specmesh.runtime.loading.cache_root(), without importing torch
     return Path(os.environ.get("SPECMESH_CACHE", Path.home() / ".cache" / "specmesh"))
 
 
@@ -356,7 +356,7 @@ def _service_flags() -> dict[str, set[str]]:
     return flags
 
 
-# Read outside the services' flags: the model cache (specmesh.models.loading.cache_root).
+# Read outside the services' flags: the model cache (specmesh.runtime.loading.cache_root).
 OTHER_VARIABLES = {"SPECMESH_CACHE"}
 
 

@@ -13,12 +13,18 @@ import pytest
 import redis.asyncio as aioredis
 from kubernetes import client as k8s
 
-from specmesh.discovery import (DrafterSet, KubernetesWatcher, RedisRegistry, follow_registry, kubernetes_api,
-                                slice_addresses)
+from specmesh.cluster.discovery import (
+    DrafterSet,
+    KubernetesWatcher,
+    RedisRegistry,
+    follow_registry,
+    kubernetes_api,
+    slice_addresses,
+)
+from specmesh.cluster.remote_drafter import RemoteDrafter
+from specmesh.cluster.serving import Service, TorchThread, start_server
 from specmesh.drafters.ngram import NgramDrafter
 from specmesh.errors import InvalidArgument
-from specmesh.remote import RemoteDrafter
-from specmesh.serving import Service, TorchThread, start_server
 from specmesh.services.drafter.server import DrafterServicer, DrafterSessions
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
 

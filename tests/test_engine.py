@@ -4,19 +4,18 @@ import random
 
 import pytest
 import torch
+from conftest import tiny_llama
+from drafting import OracleTreeDrafter
 from scipy.stats import chisquare
 
-from drafting import OracleTreeDrafter
 from specmesh.drafters.model import ModelDrafter
 from specmesh.drafters.ngram import NgramDrafter
-from specmesh.engine import Request, SpeculativeEngine
 from specmesh.errors import InvalidArgument
-from specmesh.models.llama import LlamaRuntime
-from specmesh.policy import adaptive_policy
+from specmesh.runtime.llama import LlamaRuntime
 from specmesh.sampling import SamplingParams
+from specmesh.speculation.engine import Request, SpeculativeEngine
+from specmesh.speculation.policy import adaptive_policy
 from specmesh.tree import TokenTree
-
-from conftest import tiny_llama
 
 MAX_TOKENS = 24
 
@@ -233,7 +232,7 @@ def test_bad_requests_name_the_argument(runtime, prompt, max_tokens, field):
 
 
 def test_long_prompts_prefill_in_chunks(tiny_model, runtime, monkeypatch):
-    import specmesh.models.runtime as runtime_module
+    import specmesh.runtime.target as runtime_module
 
     monkeypatch.setattr(runtime_module, "PREFILL_CHUNK", 4)
     prompts = ragged_prompts(3, 96, seed=9)

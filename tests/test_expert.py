@@ -5,20 +5,26 @@ import random
 
 import pytest
 import torch
+from conftest import tiny_llama
 
-from specmesh.assembly import load_expert_for
-from specmesh.distill.data import Example, generate_examples, target_answers, recorded_soft_labels, soft_labels, target_soft_labels
+from specmesh.distill.data import (
+    Example,
+    generate_examples,
+    recorded_soft_labels,
+    soft_labels,
+    target_answers,
+    target_soft_labels,
+)
 from specmesh.distill.evaluate import agreement_by_category, expected_tokens_per_step, teacher_forced_hits, union_hits
 from specmesh.distill.train import TrainConfig, build_student, labels_for, train_student
+from specmesh.drafters.catalog import load_expert_for
 from specmesh.drafters.expert import ExpertDrafter, ExpertSpec, load_expert, round_to_stored, save_expert, subset_for
-from specmesh.engine import Request, SpeculativeEngine
 from specmesh.errors import InvalidArgument
-from specmesh.models.llama import LlamaRuntime
-from specmesh.models.loading import TargetParts
+from specmesh.runtime.llama import LlamaRuntime
+from specmesh.runtime.loading import TargetParts
 from specmesh.sampling import SamplingParams
+from specmesh.speculation.engine import Request, SpeculativeEngine
 from specmesh.tree import ROOT
-
-from conftest import tiny_llama
 
 VOCAB = 96
 
@@ -291,7 +297,7 @@ def test_no_drafter_step_is_wasted_after_the_deepest_guess():
 
 def test_experts_on_a_cpu_draft_with_int8_linears_where_fbgemm_runs():
     from specmesh.drafters.expert import drafter_dtype, drafter_int8
-    from specmesh.models.linear import int8_available
+    from specmesh.runtime.linear import int8_available
 
     dtype = drafter_dtype("cpu")
     if int8_available("cpu"):  # int8 streams half of bf16's bytes a drafted token: fp32 activations, int8 weights
@@ -301,7 +307,7 @@ def test_experts_on_a_cpu_draft_with_int8_linears_where_fbgemm_runs():
 
 
 def test_int8_drafting_stays_close_to_fp32_and_lossless(trained, target, examples):
-    from specmesh.models.linear import Int8Linear, int8_available
+    from specmesh.runtime.linear import Int8Linear, int8_available
 
     if not int8_available("cpu"):
         pytest.skip("no FBGEMM on this CPU")

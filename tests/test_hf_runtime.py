@@ -4,16 +4,15 @@ import random
 
 import pytest
 import torch
-
-from drafting import OracleTreeDrafter
-from specmesh.engine import Request, SpeculativeEngine
-from specmesh.models.hf_runtime import HFRuntime
-from specmesh.models.llama import LlamaRuntime, TreeBatch
-from specmesh.models.runtime import make_runtime
-from specmesh.sampling import SamplingParams
-from specmesh.tree import TokenTree, compile_tree
-
 from conftest import tiny_llama
+from drafting import OracleTreeDrafter
+
+from specmesh.runtime.hf import HFRuntime
+from specmesh.runtime.llama import LlamaRuntime, TreeBatch
+from specmesh.runtime.target import make_runtime
+from specmesh.sampling import SamplingParams
+from specmesh.speculation.engine import Request, SpeculativeEngine
+from specmesh.tree import TokenTree, compile_tree
 
 VOCAB, MAX_TOKENS = 80, 20
 

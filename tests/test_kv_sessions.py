@@ -2,13 +2,12 @@
 
 import pytest
 import torch
+from conftest import tiny_llama
 
 from specmesh.errors import InvalidArgument
-from specmesh.models.hf_runtime import HFRuntime
-from specmesh.models.llama import LlamaRuntime, TreeBatch
+from specmesh.runtime.hf import HFRuntime
+from specmesh.runtime.llama import LlamaRuntime, TreeBatch
 from specmesh.tree import TokenTree, compile_tree
-
-from conftest import tiny_llama
 
 
 @pytest.fixture(scope="module", params=["lean", "hf"])

@@ -5,13 +5,13 @@ import subprocess
 import sys
 
 import pytest
+from conftest import tiny_llama
 from transformers import AutoTokenizer
 
-from specmesh.assembly import assemble, expert_directory, shipped_experts
+from specmesh.drafters.catalog import expert_directory, shipped_experts
 from specmesh.errors import InvalidArgument
-from specmesh.models.loading import EMBEDDED_DEFAULT, resolve_model_dir, tokenizer_fingerprint
-
-from conftest import tiny_llama
+from specmesh.runtime.loading import EMBEDDED_DEFAULT, resolve_model_dir, tokenizer_fingerprint
+from specmesh.speculation.assembly import assemble
 
 
 @pytest.fixture(scope="module")

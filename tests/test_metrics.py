@@ -19,20 +19,19 @@ from pathlib import Path
 
 import grpc
 import pytest
+from cluster_parts import ServiceStack
+from conftest import tiny_llama
 from transformers import AutoTokenizer
 
 from specmesh.client import AsyncClient
+from specmesh.cluster.gateway import RouterLimits
+from specmesh.cluster.metrics import ALERTS, DERIVED, RouterMetrics, serve_metrics
+from specmesh.cluster.redis_server import free_port
 from specmesh.drafters.ngram import HistoryDrafter
 from specmesh.errors import InvalidArgument
-from specmesh.metrics import ALERTS, DERIVED, RouterMetrics, serve_metrics
-from specmesh.models.loading import EMBEDDED_DEFAULT, resolve_model_dir
-from specmesh.policy import StepOutcome, StepPlan
-from specmesh.redis_server import free_port
-from specmesh.router import RouterLimits
+from specmesh.runtime.loading import EMBEDDED_DEFAULT, resolve_model_dir
+from specmesh.speculation.policy import StepOutcome, StepPlan
 from specmesh.tree import TokenTree
-
-from cluster_parts import ServiceStack
-from conftest import tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 GRAFANA = ROOT / "deploy" / "grafana"

@@ -3,9 +3,9 @@
 import random
 
 from specmesh.drafters.ngram import HistoryDrafter, NgramDrafter, NgramIndex, tree_by_agreement
-from specmesh.engine import Request, SpeculativeEngine
-from specmesh.models.llama import LlamaRuntime
+from specmesh.runtime.llama import LlamaRuntime
 from specmesh.sampling import SamplingParams
+from specmesh.speculation.engine import Request, SpeculativeEngine
 from specmesh.tree import ROOT
 
 

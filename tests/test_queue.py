@@ -7,20 +7,19 @@ import time
 from contextlib import aclosing
 
 import pytest
-
-from specmesh.drafters.ngram import HistoryDrafter, NgramDrafter
-from specmesh.engine import Request, SpeculativeEngine
-from specmesh.errors import Unavailable
-from specmesh.loop import LocalDrafter, SpeculationStats, speculate
-from specmesh.models.llama import LlamaRuntime
-from specmesh.queue import VerifierQueue, encode_job
-from specmesh.redis_server import RedisServer
-from specmesh.sampling import SamplingParams
-from specmesh.scheduling import PassRhythm, plan_batch
-from specmesh.tree import TokenTree
-from specmesh.verifier import VerifyJob
-
 from cluster_parts import InProcessPool
+
+from specmesh.cluster.queue import VerifierQueue, encode_job
+from specmesh.cluster.redis_server import RedisServer
+from specmesh.cluster.scheduling import PassRhythm, plan_batch
+from specmesh.drafters.ngram import HistoryDrafter, NgramDrafter
+from specmesh.errors import Unavailable
+from specmesh.runtime.llama import LlamaRuntime
+from specmesh.runtime.tree_verifier import VerifyJob
+from specmesh.sampling import SamplingParams
+from specmesh.speculation.engine import Request, SpeculativeEngine
+from specmesh.speculation.loop import LocalDrafter, SpeculationStats, speculate
+from specmesh.tree import TokenTree
 
 MAX_TOKENS = 24
 PROMPTS = [(5, 6, 7, 5, 6), (9, 10, 11, 12), (3, 4, 3, 4, 3, 4, 3), (20, 21), (7,), (30, 31, 32, 33, 30, 31)]
@@ -124,7 +123,7 @@ def test_a_read_whose_stream_is_adopted_away_returns_empty_instead_of_crashing(r
     serving, it re-registers and reads on."""
     import redis.asyncio as aioredis
 
-    from specmesh.queue import QueueKeys
+    from specmesh.cluster.queue import QueueKeys
 
     async def main():
         redis = aioredis.Redis.from_url(redis_server.url)

@@ -6,14 +6,13 @@ from dataclasses import replace
 
 import pytest
 
-from specmesh.classify import RequestClassifier, default_classifier
-from specmesh.control import CostModel, DraftCost, GoodputController, Load, expected_tokens
-from specmesh.distill.prompts import domain_prompts
+from specmesh.distill.templates import domain_prompts
 from specmesh.fusion import fuse_trees
-from specmesh.policy import SPECULATION_MARGIN, AdaptivePolicy, StepOutcome, StepPlan
-from specmesh.routing import GENERAL, ExpertRouter, LevelRecord, RoutingConfig, level_hits
+from specmesh.speculation.classifier import RequestClassifier, default_classifier
+from specmesh.speculation.expertise import GENERAL, ExpertRouter, LevelRecord, RoutingConfig, level_hits
+from specmesh.speculation.goodput import CostModel, DraftCost, GoodputController, Load, expected_tokens
+from specmesh.speculation.policy import SPECULATION_MARGIN, AdaptivePolicy, StepOutcome, StepPlan
 from specmesh.tree import TokenTree
-
 
 # ---- per-level hits ----
 

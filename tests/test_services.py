@@ -9,24 +9,23 @@ import sys
 
 import grpc
 import pytest
+from cluster_parts import ServiceStack
+from conftest import tiny_llama
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from transformers import AutoTokenizer
 
 from specmesh.client import AsyncClient, generate_request
+from specmesh.cluster.gateway import RouterLimits
+from specmesh.cluster.remote_drafter import RemoteDrafter
+from specmesh.cluster.serving import Service, TorchThread, start_server
 from specmesh.drafters.ngram import HistoryDrafter, NgramDrafter
-from specmesh.engine import Request, SpeculativeEngine
-from specmesh.models.llama import LlamaRuntime
-from specmesh.models.loading import EMBEDDED_DEFAULT, resolve_model_dir
-from specmesh.remote import RemoteDrafter
-from specmesh.router import RouterLimits
+from specmesh.runtime.llama import LlamaRuntime
+from specmesh.runtime.loading import EMBEDDED_DEFAULT, resolve_model_dir
 from specmesh.sampling import SamplingParams
-from specmesh.serving import Service, TorchThread, start_server
 from specmesh.services.drafter.server import DrafterServicer, DrafterSessions
+from specmesh.speculation.engine import Request, SpeculativeEngine
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc, router_pb2, router_pb2_grpc
-
-from cluster_parts import ServiceStack
-from conftest import tiny_llama
 
 MAX_TOKENS = 20
 CHAT = [("user", "Repeat after me: one two three one two three one two three")]
@@ -307,7 +306,7 @@ def test_a_clients_request_id_is_echoed_and_may_repeat(redis_server, model, toke
 
 def test_the_client_retries_unavailable_until_the_router_is_up(redis_server, model, tokenizer):
     """A call made while the router is still starting succeeds once it is up (the channel's retry policy)."""
-    from specmesh.redis_server import free_port
+    from specmesh.cluster.redis_server import free_port
 
     port = free_port()
 

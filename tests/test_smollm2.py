@@ -11,14 +11,14 @@ import copy
 import pytest
 import torch
 
-from specmesh.assembly import eos_token_ids
 from specmesh.drafters.model import ModelDrafter
 from specmesh.drafters.ngram import NgramDrafter
-from specmesh.engine import Request, SpeculativeEngine
-from specmesh.models.llama import LlamaRuntime
-from specmesh.models.loading import EMBEDDED_DEFAULT, load_hf_model
 from specmesh.prompts import encode_chat, mtbench_prompts
+from specmesh.runtime.llama import LlamaRuntime
+from specmesh.runtime.loading import EMBEDDED_DEFAULT, load_hf_model
 from specmesh.sampling import SamplingParams
+from specmesh.speculation.assembly import eos_token_ids
+from specmesh.speculation.engine import Request, SpeculativeEngine
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 64
@@ -98,7 +98,7 @@ def test_speculative_decoding_equals_plain_greedy(target, prompts, hf_outputs):
 
 def test_shipped_experts_are_lossless(target, prompts, hf_outputs):
     """Every shipped expert, alone and fused with prompt lookup, keeps the greedy output exactly."""
-    from specmesh.assembly import load_drafter, shipped_experts
+    from specmesh.drafters.catalog import load_drafter, shipped_experts
 
     experts = shipped_experts(EMBEDDED_DEFAULT)
     assert set(experts) >= {"code", "math", "writing", "knowledge", "chat"}, f"shipped experts: {sorted(experts)}"
@@ -120,9 +120,9 @@ def test_the_full_router_is_lossless_and_routes_by_kind(target, questions, promp
     """Prompt lookup and every shipped expert behind the router's policy (classifier, routing, trust-
     weighted fusion; the budget by goodput or fixed), batched: the greedy output exactly; with the whole
     budget every step, coding questions are drafted by the code expert."""
-    from specmesh.assembly import load_drafter, shipped_experts
-    from specmesh.classify import default_classifier
-    from specmesh.policy import adaptive_policy
+    from specmesh.drafters.catalog import load_drafter, shipped_experts
+    from specmesh.speculation.classifier import default_classifier
+    from specmesh.speculation.policy import adaptive_policy
 
     experts = [load_drafter(name, target, device=None, dtype=None) for name in shipped_experts(EMBEDDED_DEFAULT)]
     drafters = [NgramDrafter(), *experts]

@@ -4,12 +4,12 @@ import json
 
 import pytest
 
-from specmesh.assembly import eos_token_ids
 from specmesh.distill.synthesis import acceptable, classified_prompts, synthesize_requests, user_turn_prefix
 from specmesh.errors import InvalidArgument
-from specmesh.models.llama import LlamaRuntime
-from specmesh.models.loading import EMBEDDED_DEFAULT, load_hf_model
 from specmesh.prompts import encode_chat
+from specmesh.runtime.llama import LlamaRuntime
+from specmesh.runtime.loading import EMBEDDED_DEFAULT, load_hf_model
+from specmesh.speculation.assembly import eos_token_ids
 
 pytestmark = pytest.mark.slow
 

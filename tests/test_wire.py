@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from specmesh.cluster.wire import sampling_from_pb, sampling_to_pb, tree_from_pb, tree_to_pb
 from specmesh.errors import InvalidArgument
 from specmesh.sampling import SamplingParams
 from specmesh.tree import ROOT, TokenTree
 from specmesh.v1 import common_pb2
-from specmesh.wire import sampling_from_pb, sampling_to_pb, tree_from_pb, tree_to_pb
 
 ROOT_DIR = Path(__file__).resolve().parents[1]
 

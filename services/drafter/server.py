@@ -13,16 +13,16 @@ from typing import Sequence
 
 import redis.asyncio as aioredis
 
-from specmesh.assembly import configure_threads, load_drafter
-from specmesh.discovery import RedisRegistry
+from specmesh.cluster.discovery import RedisRegistry
+from specmesh.cluster.metrics import DrafterMetrics, serve_metrics
+from specmesh.cluster.serving import Service, TorchThread, env_default, run_service, start_server
+from specmesh.cluster.wire import tree_to_pb
 from specmesh.drafters.base import Drafter
-from specmesh.engine import MAX_TREE_NODES
-from specmesh.metrics import DrafterMetrics, serve_metrics
+from specmesh.drafters.catalog import load_drafter
 from specmesh.errors import InvalidArgument, NotFound
-from specmesh.models.loading import EMBEDDED_DEFAULT, load_target_parts, tokenizer_fingerprint
-from specmesh.serving import Service, TorchThread, env_default, run_service, start_server
+from specmesh.runtime.loading import EMBEDDED_DEFAULT, configure_threads, load_target_parts, tokenizer_fingerprint
+from specmesh.tree import MAX_TREE_NODES
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
-from specmesh.wire import tree_to_pb
 
 log = logging.getLogger("specmesh.drafter")
 MAX_PROMPT_TOKENS = 1 << 20

@@ -1,5 +1,5 @@
 """The router service: the client API over the speculation loop, with remote drafters and the
-Redis-backed verifier pool. The servicer only converts messages; ``specmesh.router`` does the work."""
+Redis-backed verifier pool. The servicer only converts messages; ``specmesh.cluster.gateway`` does the work."""
 
 from __future__ import annotations
 
@@ -13,22 +13,31 @@ from typing import Sequence
 import redis.asyncio as aioredis
 
 from specmesh import __version__
-from specmesh.assembly import MODEL_FREE_DRAFTERS, configure_threads
+from specmesh.cluster.discovery import (
+    DEFAULT_SELECTOR,
+    DISCOVERY_MODES,
+    DrafterSet,
+    KubernetesWatcher,
+    RedisRegistry,
+    follow_kubernetes,
+    follow_registry,
+    kubernetes_api,
+    pod_namespace,
+)
+from specmesh.cluster.gateway import Generation, ModelCard, Router, RouterLimits, TextStream
+from specmesh.cluster.metrics import RouterMetrics, serve_metrics
+from specmesh.cluster.queue import QueueKeys, QueueVerifierClient
+from specmesh.cluster.remote_drafter import RemoteDrafter
+from specmesh.cluster.serving import Service, env_default, run_service, start_server
+from specmesh.cluster.wire import sampling_from_pb
+from specmesh.drafters.catalog import MODEL_FREE_DRAFTERS
 from specmesh.errors import InvalidArgument, Unavailable
-from specmesh.metrics import RouterMetrics, serve_metrics
-from specmesh.models.loading import EMBEDDED_DEFAULT, load_target_parts, tokenizer_fingerprint
-from specmesh.queue import QueueKeys, QueueVerifierClient
-from specmesh.remote import RemoteDrafter
-from specmesh.discovery import (DEFAULT_SELECTOR, DISCOVERY_MODES, DrafterSet, KubernetesWatcher, RedisRegistry,
-                                follow_kubernetes, follow_registry, kubernetes_api, pod_namespace)
-from specmesh.classify import default_classifier
-from specmesh.policy import SPECULATION_MODES, adaptive_policy
-from specmesh.router import Generation, ModelCard, Router, RouterLimits, TextStream
-from specmesh.loop import LocalDrafter
-from specmesh.routing import GENERAL, RoutingConfig
-from specmesh.serving import Service, env_default, run_service, start_server
+from specmesh.runtime.loading import EMBEDDED_DEFAULT, configure_threads, load_target_parts, tokenizer_fingerprint
+from specmesh.speculation.classifier import default_classifier
+from specmesh.speculation.expertise import GENERAL, RoutingConfig
+from specmesh.speculation.loop import LocalDrafter
+from specmesh.speculation.policy import SPECULATION_MODES, adaptive_policy
 from specmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
-from specmesh.wire import sampling_from_pb
 
 log = logging.getLogger("specmesh.router")
 

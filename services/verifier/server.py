@@ -19,17 +19,16 @@ from typing import Sequence
 
 import redis.asyncio as aioredis
 
-from specmesh.assembly import configure_threads
-from specmesh.engine import MAX_TREE_NODES
-from specmesh.metrics import VerifierMetrics, serve_metrics
+from specmesh.cluster.metrics import VerifierMetrics, serve_metrics
+from specmesh.cluster.queue import REDIS_DOWN, Entry, QueueKeys, VerifierQueue, encode_error, encode_result
+from specmesh.cluster.scheduling import PassRhythm, plan_batch
+from specmesh.cluster.serving import Service, TorchThread, env_default, run_service, start_server
 from specmesh.errors import InvalidArgument
-from specmesh.models.loading import EMBEDDED_DEFAULT, load_hf_model, tokenizer_fingerprint
-from specmesh.models.runtime import make_runtime
-from specmesh.queue import REDIS_DOWN, Entry, QueueKeys, VerifierQueue, encode_error, encode_result
-from specmesh.scheduling import PassRhythm, plan_batch
-from specmesh.serving import Service, TorchThread, env_default, run_service, start_server
+from specmesh.runtime.loading import EMBEDDED_DEFAULT, configure_threads, load_hf_model, tokenizer_fingerprint
+from specmesh.runtime.target import make_runtime
+from specmesh.runtime.tree_verifier import TreeVerifier
+from specmesh.tree import MAX_TREE_NODES
 from specmesh.v1 import verifier_pb2, verifier_pb2_grpc
-from specmesh.verifier import TreeVerifier
 
 log = logging.getLogger("specmesh.verifier")
 RECENT_RESULTS = 4096  # per-request last results kept to answer re-sent jobs without a second pass

@@ -23,9 +23,9 @@ from typing import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from specmesh.models.llama import TreeBatch
-from specmesh.models.runtime import prefill_sessions
 from specmesh.prompts import Prompt, encode_chat
+from specmesh.runtime.llama import TreeBatch
+from specmesh.runtime.target import prefill_sessions
 from specmesh.tree import TokenTree, compile_tree
 
 SOFT_LABEL_TOP_K = 16

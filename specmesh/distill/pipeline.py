@@ -10,20 +10,32 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Sequence
 
-
-from specmesh.assembly import Assembly, eos_token_ids, load_expert_for
-from specmesh.classify import default_classifier
 from specmesh.distill.data import Example, generate_examples, soft_labels
-from specmesh.distill.evaluate import (agreement_by_category, expected_tokens_per_step, interface_hits,
-                                      teacher_forced_hits, union_hits)
+from specmesh.distill.evaluate import (
+    agreement_by_category,
+    expected_tokens_per_step,
+    interface_hits,
+    teacher_forced_hits,
+    union_hits,
+)
 from specmesh.distill.synthesis import classified_prompts, synthesize_requests
 from specmesh.distill.train import TrainConfig, build_student, fit_copy_gate, train_student
-from specmesh.drafters.expert import (ExpertDrafter, ExpertModel, ExpertSpec, drafter_dtype, round_to_stored, save_expert,
-                                      subset_for)
-from specmesh.models.llama import TreeBatch
-from specmesh.models.loading import cache_root, tokenizer_fingerprint
-from specmesh.models.runtime import prefilled_session
+from specmesh.drafters.catalog import load_expert_for
+from specmesh.drafters.expert import (
+    ExpertDrafter,
+    ExpertModel,
+    ExpertSpec,
+    drafter_dtype,
+    round_to_stored,
+    save_expert,
+    subset_for,
+)
 from specmesh.prompts import Prompt, mtbench_prompts
+from specmesh.runtime.llama import TreeBatch
+from specmesh.runtime.loading import cache_root, tokenizer_fingerprint
+from specmesh.runtime.target import prefilled_session
+from specmesh.speculation.assembly import Assembly, eos_token_ids
+from specmesh.speculation.classifier import default_classifier
 from specmesh.tree import TokenTree, compile_tree
 
 BOOST = 2.0  # extra weight of a position every earlier drafter of the set got wrong

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from specmesh.distill.data import target_answers
 from specmesh.errors import InvalidArgument
 from specmesh.prompts import Prompt
-from specmesh.routing import GENERAL
+from specmesh.speculation.expertise import GENERAL
 
 _MARK = "\x00REQUEST\x00"
 SYNTHESIS_TEMPERATURE = 1.0  # the target's own spread of requests, untempered

@@ -23,14 +23,21 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from specmesh.drafters.copying import ContextIndex, CopyGate, copy_candidates, copy_guess, gate_features, position_features
+from specmesh.drafters.copying import (
+    ContextIndex,
+    CopyGate,
+    copy_candidates,
+    copy_guess,
+    gate_features,
+    position_features,
+)
 from specmesh.drafters.shape import Step, common_prefix, confident_tree
 from specmesh.errors import InvalidArgument
-from specmesh.models.kv_cache import KVSession
-from specmesh.models.linear import int8_available
-from specmesh.models.llama import LlamaRuntime, TreeBatch
+from specmesh.runtime.kv_cache import KVSession
+from specmesh.runtime.linear import int8_available
+from specmesh.runtime.llama import LlamaRuntime, TreeBatch
+from specmesh.runtime.target import PREFILL_CHUNK
 from specmesh.tree import TokenTree, compile_tree
-from specmesh.models.runtime import PREFILL_CHUNK
 
 FORMAT = "specmesh-drafter/1"
 

@@ -13,8 +13,8 @@ from typing import Sequence
 
 import torch
 
-from specmesh.errors import InvalidArgument
 from specmesh.drafters.shape import Step, common_prefix, confident_tree
+from specmesh.errors import InvalidArgument
 from specmesh.tree import TokenTree
 
 

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 from specmesh.errors import InvalidArgument
 from specmesh.kernels.tree_attention_reference import masked_attention, tree_attention_mask
-from specmesh.models.kv_cache import KVSession, new_session
-from specmesh.models.linear import Int8Linear, PackedLinear, linear_for
+from specmesh.runtime.kv_cache import KVSession, new_session
+from specmesh.runtime.linear import Int8Linear, PackedLinear, linear_for
 from specmesh.tree import CompiledTree
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")

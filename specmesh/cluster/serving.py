@@ -17,10 +17,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from specmesh.cluster.metrics import ServiceMetrics
 from specmesh.errors import InvalidArgument, NotFound, ResourceExhausted, SpecmeshError, Unavailable
-from specmesh.metrics import ServiceMetrics
 
-log = logging.getLogger("specmesh.serving")
+log = logging.getLogger("specmesh.cluster.serving")
 
 STATUS_OF = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,

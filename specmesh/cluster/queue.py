@@ -30,12 +30,12 @@ from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from specmesh.acceptance import Verdict
+from specmesh.cluster.wire import sampling_from_pb, sampling_to_pb, tree_from_pb, tree_to_pb
 from specmesh.errors import Unavailable
+from specmesh.runtime.tree_verifier import VerifyJob, VerifyResult
 from specmesh.v1 import common_pb2, verifier_pb2
-from specmesh.verifier import VerifyJob, VerifyResult
-from specmesh.wire import sampling_from_pb, sampling_to_pb, tree_from_pb, tree_to_pb
 
-log = logging.getLogger("specmesh.queue")
+log = logging.getLogger("specmesh.cluster.queue")
 
 GROUP = "verifiers"
 RESULTS_MAXLEN = 10_000  # a results stream nobody reads stops growing here

@@ -15,9 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
-from specmesh.control import CostModel, DraftCost, GoodputController, Load
 from specmesh.errors import InvalidArgument
-from specmesh.routing import GENERAL, ExpertRouter, Route, RoutingConfig, level_hits
+from specmesh.speculation.expertise import GENERAL, ExpertRouter, Route, RoutingConfig, level_hits
+from specmesh.speculation.goodput import CostModel, DraftCost, GoodputController, Load
 from specmesh.tree import TokenTree
 
 RECHECK_EVERY = 4  # steps between weighings of a request at budget 0 in a busy batch

@@ -30,13 +30,21 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from prometheus_client import (CollectorRegistry, Counter, Gauge, GCCollector, Histogram, PlatformCollector, ProcessCollector,
-                               start_http_server)
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    start_http_server,
+)
 
 from specmesh import __version__
 from specmesh.errors import InvalidArgument
-from specmesh.policy import RequestPolicy, StepOutcome, StepPlan
-from specmesh.routing import level_hits
+from specmesh.speculation.expertise import level_hits
+from specmesh.speculation.policy import RequestPolicy, StepOutcome, StepPlan
 
 MAX_POSITION_LABEL = 16  # deeper tree levels share the last label: bounded label sets
 # seconds: from a fraction of a millisecond (a model-free draft) to a minute (a long request)

@@ -12,14 +12,20 @@ from typing import Sequence
 
 from specmesh.drafters.base import Drafter
 from specmesh.errors import InvalidArgument
-from specmesh.loop import BatchingVerifier, LocalDrafter, Request, SpeculationStats, speculate
-from specmesh.models.runtime import TargetRuntime
-from specmesh.policy import FixedPolicy, SpeculationPolicy
-from specmesh.verifier import TreeVerifier
+from specmesh.runtime.target import TargetRuntime
+from specmesh.runtime.tree_verifier import TreeVerifier
+from specmesh.speculation.loop import (
+    BatchingVerifier,
+    LocalDrafter,
+    Request,
+    SpeculationStats,
+    speculate,
+    validate_request,
+)
+from specmesh.speculation.policy import FixedPolicy, SpeculationPolicy
+from specmesh.tree import MAX_TREE_NODES
 
-MAX_TREE_NODES = 64
-
-__all__ = ["MAX_TREE_NODES", "Completion", "Request", "SpeculationStats", "SpeculativeEngine", "validate_request"]
+__all__ = ["Completion", "Request", "SpeculationStats", "SpeculativeEngine"]
 
 
 @dataclass
@@ -28,22 +34,6 @@ class Completion:
     token_ids: list[int]
     finish_reason: str  # "stop" (an end-of-sequence token) or "length" (max_tokens reached)
     stats: SpeculationStats
-
-
-def validate_request(request: Request, vocab_size: int, max_length: int, max_tree_nodes: int) -> None:
-    """Refuse what no step could serve: an empty prompt, unknown tokens, no room for the answer."""
-    if not request.prompt_ids:
-        raise InvalidArgument("prompt", "is empty; give at least one token")
-    bad = [t for t in request.prompt_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise InvalidArgument("prompt", f"token ids {bad[:5]} are outside the vocabulary (0..{vocab_size - 1})")
-    needed = len(request.prompt_ids) + request.params.max_tokens + max_tree_nodes
-    if needed > max_length:
-        raise InvalidArgument(
-            "max_tokens" if len(request.prompt_ids) < max_length else "prompt",
-            f"prompt ({len(request.prompt_ids)} tokens) + max_tokens ({request.params.max_tokens}) + tree "
-            f"({max_tree_nodes}) exceed the model's context of {max_length} tokens",
-        )
 
 
 class SpeculativeEngine:

@@ -12,14 +12,22 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
 
-from specmesh.engine import MAX_TREE_NODES, validate_request
+from specmesh.cluster.metrics import MeteredRequest, RequestClock, RouterMetrics
 from specmesh.errors import InvalidArgument, ResourceExhausted
-from specmesh.classify import RequestClassifier
-from specmesh.metrics import MeteredRequest, RequestClock, RouterMetrics
-from specmesh.loop import AsyncDrafter, Request, SpeculationStats, StepOutput, VerifierClient, speculate
-from specmesh.policy import AdaptivePolicy, check_speculation, FixedPolicy, adaptive_policy
-from specmesh.routing import GENERAL
 from specmesh.sampling import SamplingParams
+from specmesh.speculation.classifier import RequestClassifier
+from specmesh.speculation.expertise import GENERAL
+from specmesh.speculation.loop import (
+    AsyncDrafter,
+    Request,
+    SpeculationStats,
+    StepOutput,
+    VerifierClient,
+    speculate,
+    validate_request,
+)
+from specmesh.speculation.policy import AdaptivePolicy, FixedPolicy, adaptive_policy, check_speculation
+from specmesh.tree import MAX_TREE_NODES
 
 MAX_REQUEST_ID = 128
 ROLES = ("system", "user", "assistant")

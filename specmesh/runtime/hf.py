@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from specmesh.errors import InvalidArgument
-from specmesh.models.llama import TreeBatch
+from specmesh.runtime.llama import TreeBatch
 
 
 @dataclass

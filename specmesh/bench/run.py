@@ -24,25 +24,19 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from specmesh.assembly import (
-    MODEL_FREE_DRAFTERS,
-    Assembly,
-    assemble,
-    configure_threads,
-    eos_token_ids,
-    load_drafter,
-    shipped_experts,
-)
-from specmesh.classify import default_classifier
 from specmesh.client import Client
-from specmesh.engine import MAX_TREE_NODES, SpeculativeEngine
+from specmesh.cluster.launcher import DEFAULT_DRAFTERS, ClusterSpec, LocalCluster
+from specmesh.drafters.catalog import MODEL_FREE_DRAFTERS, load_drafter, shipped_experts
 from specmesh.errors import InvalidArgument
-from specmesh.launcher import DEFAULT_DRAFTERS, ClusterSpec, LocalCluster
-from specmesh.models.llama import TreeBatch
-from specmesh.models.runtime import TargetRuntime, prefilled_session
 from specmesh.prompts import Prompt, load_prompts, mtbench_prompts
+from specmesh.runtime.llama import TreeBatch
+from specmesh.runtime.loading import configure_threads
+from specmesh.runtime.target import TargetRuntime, prefilled_session
 from specmesh.sampling import SamplingParams
-from specmesh.tree import TokenTree, compile_tree
+from specmesh.speculation.assembly import Assembly, assemble, eos_token_ids
+from specmesh.speculation.classifier import default_classifier
+from specmesh.speculation.engine import SpeculativeEngine
+from specmesh.tree import MAX_TREE_NODES, TokenTree, compile_tree
 
 COST_CURVE_MAX_K = 16
 
@@ -272,7 +266,7 @@ def run_bench(args: argparse.Namespace) -> int:
         out.write_text(json.dumps(report, indent=2) + "\n")
         print(f"summary written to {out}")
     if args.plots:
-        from specmesh.bench_plots import write_plots
+        from specmesh.bench.plots import write_plots
 
         for path in write_plots(report, Path(args.plots)):
             print(f"plot written to {path}")

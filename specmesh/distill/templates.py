@@ -9,7 +9,9 @@ requests, and a few dozen templates made them overfit.
 from __future__ import annotations
 
 import itertools
+import json
 import random
+from pathlib import Path
 
 from specmesh.errors import InvalidArgument
 from specmesh.prompts import Prompt
@@ -1779,3 +1781,14 @@ def domain_prompts(domain: str, count: int, seed: int = 0) -> list[Prompt]:
             seen[text] = None
             served[index] += 1
     return [Prompt(text, domain) for text in seen]
+
+
+def classifier_examples(per_domain: int = 400, seed: int = 1) -> list[dict[str, str]]:
+    """The request classifier's labelled examples: ``per_domain`` templated prompts of every domain
+    (another seed than the experts' training prompts)."""
+    return [{"text": p.text, "kind": d} for d in DOMAINS for p in domain_prompts(d, per_domain, seed=seed)]
+
+
+def write_classifier_examples(path: str | Path) -> None:
+    lines = (json.dumps(e, ensure_ascii=False) for e in classifier_examples())
+    Path(path).write_text("".join(line + "\n" for line in lines), encoding="utf-8")

@@ -24,8 +24,8 @@ import torch
 
 from specmesh.acceptance import Verdict, verify_greedy, verify_mss
 from specmesh.errors import InvalidArgument
-from specmesh.models.llama import TreeBatch
-from specmesh.models.runtime import TargetRuntime, prefill_sessions
+from specmesh.runtime.llama import TreeBatch
+from specmesh.runtime.target import TargetRuntime, prefill_sessions
 from specmesh.sampling import SamplingParams, target_probabilities
 from specmesh.tree import CompiledTree, TokenTree, compile_tree
 

@@ -14,12 +14,12 @@ from typing import Sequence
 
 import grpc
 
+from specmesh.cluster.wire import tree_from_pb
 from specmesh.errors import InvalidArgument
 from specmesh.tree import TokenTree
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
-from specmesh.wire import tree_from_pb
 
-log = logging.getLogger("specmesh.remote")
+log = logging.getLogger("specmesh.cluster.remote_drafter")
 
 # drafter kinds that learn from every delivered answer (a suffix index over the deployment's responses):
 # they see each request from its start, drafted for or not

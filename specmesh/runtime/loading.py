@@ -227,3 +227,12 @@ def load_target_parts(model: str) -> TargetParts:
         model, tokenizer, config.vocab_size, int(getattr(config, "max_position_embeddings", 2048)),
         _eos_ids(generation_config, tokenizer), embeddings,
     )
+
+
+def configure_threads(threads: int | None) -> int:
+    """Use ``threads`` intra-op threads (default: every core); returns the number set."""
+    count = threads or os.cpu_count() or 1
+    if count < 1:
+        raise InvalidArgument("threads", f"must be >= 1, got {threads}")
+    torch.set_num_threads(count)
+    return count

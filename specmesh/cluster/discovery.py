@@ -24,11 +24,11 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
+from specmesh.cluster.queue import REDIS_DOWN
+from specmesh.cluster.remote_drafter import RemoteDrafter
 from specmesh.errors import InvalidArgument
-from specmesh.queue import REDIS_DOWN
-from specmesh.remote import RemoteDrafter
 
-log = logging.getLogger("specmesh.discovery")
+log = logging.getLogger("specmesh.cluster.discovery")
 
 DISCOVERY_MODES = ("static", "redis", "kubernetes")
 DEFAULT_SELECTOR = "specmesh.io/role=drafter"

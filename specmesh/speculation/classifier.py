@@ -1,20 +1,22 @@
 """The request kind: a cheap classifier of the prompt's text, the router's first guess at which
-experts fit a request (what they then get accepted refines it, see ``routing.py``).
+experts fit a request (what they then get accepted refines it, see ``expertise.py``).
 
 A multinomial naive Bayes over lower-cased words and word pairs, trained in well under a second on
 labelled example prompts — by default the templated training prompts of the expert domains
-(``specmesh.distill.prompts``; never the benchmark's questions). A prompt whose best kind is not
+(``specmesh.distill.templates``; never the benchmark's questions). A prompt whose best kind is not
 clearly ahead is ``general``.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections import Counter, defaultdict
+from pathlib import Path
 from typing import Iterable, Sequence
 
-from specmesh.routing import GENERAL
+from specmesh.speculation.expertise import GENERAL
 
 _WORD = re.compile(r"[a-z]+|[0-9]+|[^\sa-z0-9]")
 
@@ -62,9 +64,12 @@ class RequestClassifier:
         return best if top - second >= self.min_margin else GENERAL
 
 
-def default_classifier(domains: Sequence[str] | None = None, per_domain: int = 400) -> RequestClassifier:
-    """Trained on the templated prompts of the expert domains (all of them, or ``domains``)."""
-    from specmesh.distill.prompts import DOMAINS, domain_prompts
+EXAMPLES = Path(__file__).with_name("request_kinds.jsonl")
 
-    chosen = [d for d in (domains or DOMAINS) if d in DOMAINS] or list(DOMAINS)
-    return RequestClassifier((p.text, d) for d in chosen for p in domain_prompts(d, per_domain, seed=1))
+
+def default_classifier(domains: Sequence[str] | None = None) -> RequestClassifier:
+    """Trained on the shipped example requests of the expert domains (all of them, or ``domains``)."""
+    examples = [json.loads(line) for line in EXAMPLES.read_text(encoding="utf-8").splitlines()]
+    kinds = {e["kind"] for e in examples}
+    chosen = {d for d in (domains or ()) if d in kinds} or kinds
+    return RequestClassifier((e["text"], e["kind"]) for e in examples if e["kind"] in chosen)

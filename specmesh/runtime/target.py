@@ -6,8 +6,8 @@ from typing import Protocol, Sequence
 
 import torch
 
-from specmesh.models.hf_runtime import HFRuntime
-from specmesh.models.llama import LlamaRuntime, TreeBatch, lean_unsupported
+from specmesh.runtime.hf import HFRuntime
+from specmesh.runtime.llama import LlamaRuntime, TreeBatch, lean_unsupported
 from specmesh.tree import TokenTree, compile_tree
 
 

@@ -21,10 +21,10 @@ from typing import Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specmesh.cluster.redis_server import RedisServer, free_port
 from specmesh.errors import Unavailable
-from specmesh.models.loading import EMBEDDED_DEFAULT
-from specmesh.redis_server import RedisServer, free_port
-from specmesh.routing import MODEL_FREE_KINDS
+from specmesh.runtime.loading import EMBEDDED_DEFAULT
+from specmesh.speculation.expertise import MODEL_FREE_KINDS
 
 DEFAULT_DRAFTERS = ("ngram", "code", "math", "writing", "knowledge", "chat")
 

@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol, Sequence
 
 from specmesh.drafters.base import Drafter
-from specmesh.errors import Unavailable
+from specmesh.errors import InvalidArgument, Unavailable
 from specmesh.fusion import fuse_trees
-from specmesh.policy import FixedPolicy, RequestPolicy, StepOutcome, StepPlan
-from specmesh.routing import GENERAL
+from specmesh.runtime.tree_verifier import TreeVerifier, VerifyJob, VerifyResult
 from specmesh.sampling import SamplingParams
+from specmesh.speculation.expertise import GENERAL
+from specmesh.speculation.policy import FixedPolicy, RequestPolicy, StepOutcome, StepPlan
 from specmesh.tree import TokenTree
-from specmesh.verifier import TreeVerifier, VerifyJob, VerifyResult
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,23 @@ class Request:
     params: SamplingParams = SamplingParams()
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     kind: str = ""  # what the request is about, for routing to expert drafters ("" = not known)
+
+
+def validate_request(request: Request, vocab_size: int, max_length: int, max_tree_nodes: int) -> None:
+    """Refuse what no step could serve: an empty prompt, unknown tokens, no room for the answer."""
+    if not request.prompt_ids:
+        raise InvalidArgument("prompt", "is empty; give at least one token")
+    bad = [t for t in request.prompt_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidArgument("prompt", f"token ids {bad[:5]} are outside the vocabulary (0..{vocab_size - 1})")
+    needed = len(request.prompt_ids) + request.params.max_tokens + max_tree_nodes
+    if needed > max_length:
+        raise InvalidArgument(
+            "max_tokens" if len(request.prompt_ids) < max_length else "prompt",
+            f"prompt ({len(request.prompt_ids)} tokens) + max_tokens ({request.params.max_tokens}) + tree "
+            f"({max_tree_nodes}) exceed the model's context of {max_length} tokens",
+        )
+
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""``specmesh bench``: speed as ratios against baselines measured in the same run."""

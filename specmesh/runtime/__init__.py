@@ -1,0 +1,1 @@
+"""The target model at run time: loading, runtimes, KV sessions, and the tree verifier."""

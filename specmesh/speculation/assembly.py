@@ -1,0 +1,57 @@
+"""Putting an engine together from model references: the target runtime plus the named drafters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from specmesh.drafters.base import Drafter
+from specmesh.drafters.catalog import load_drafter
+from specmesh.prompts import encode_chat
+from specmesh.runtime.loading import LoadedModel, load_hf_model, parts_of
+from specmesh.runtime.target import TargetRuntime, make_runtime
+from specmesh.sampling import SamplingParams
+from specmesh.speculation.classifier import RequestClassifier
+from specmesh.speculation.engine import Request, SpeculativeEngine
+from specmesh.speculation.policy import adaptive_policy, check_speculation
+
+
+@dataclass
+class Assembly:
+    target: LoadedModel
+    runtime: TargetRuntime
+    drafters: list[Drafter]
+
+    def engine(self, max_tree_nodes: int, speculation: str = "adaptive") -> SpeculativeEngine:
+        """An engine over the target and the drafters. ``speculation``, as the router's: ``adaptive``
+        (drafters routed by request kind, trust-weighted fusion, budget by goodput), ``fixed`` (routed,
+        the whole budget every step) or ``off``."""
+        if check_speculation(speculation) == "off":
+            max_tree_nodes = 0
+        policy = adaptive_policy({}, adapt_budget=speculation == "adaptive")
+        for drafter in self.drafters:
+            policy.router.register(drafter)
+        return SpeculativeEngine(
+            self.runtime,
+            drafters=self.drafters if max_tree_nodes > 0 else [],
+            max_tree_nodes=max_tree_nodes,
+            eos_token_ids=eos_token_ids(self.target),
+            policy=policy,
+        )
+
+    def request(self, prompt: str, params: SamplingParams, classifier: RequestClassifier | None = None) -> Request:
+        """A single-turn chat request, its kind classified from the prompt's text when a classifier is given."""
+        ids = tuple(encode_chat(self.target.tokenizer, prompt))
+        return Request(ids, params, kind=classifier.classify(prompt) if classifier is not None else "")
+
+
+def eos_token_ids(model: LoadedModel) -> list[int]:
+    return list(parts_of(model).eos_token_ids)
+
+
+def assemble(
+    model: str, drafters: Sequence[str] = ("ngram",), device: str | None = None, dtype: str | None = None
+) -> Assembly:
+    target = load_hf_model(model, dtype=dtype, device=device)
+    runtime = make_runtime(target.model)
+    return Assembly(target, runtime, [load_drafter(d, target, device, dtype) for d in drafters])
