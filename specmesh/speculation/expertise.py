@@ -1,27 +1,12 @@
 """Expertise routing: which drafters draft for a request, and how much the fusion trusts each.
 
 The router learns, per (request kind, drafter), how often the drafter's guesses are the target's
-tokens, and routes each request to the few drafters it expects to be right most often. A drafter's
-record is its acceptance at each tree level: walking down its own tree along the tokens the target
-committed, each level where it offered a guess is an attempt, each level where one of its guesses was
-the committed token is a hit (``LevelRecord`` keeps each level's rate given the levels above). This is measured on the drafter's own tree, not on the fused one, so a
-drafter is credited for what it would have had accepted even when fusion left some of its nodes out;
-levels past the committed tokens are unobserved, not failures.
-
-Two estimates are kept, both as decayed counts so that old evidence fades and a drafter that changed
-is found again:
-
-- per (kind, drafter) across requests (slow decay) — the prior of a new request of that kind, itself
-  starting from the drafter's advertised domains (an expert is trusted more on its own domain);
-- per (request, drafter) (fast decay) — what the drafters actually get accepted on this request, so a
-  misclassified request, or one that changes subject, switches experts mid-way.
-
-Selection is greedy on the request's estimate with exploration (a bandit): the best few model
-drafters, every model-free one (prompt lookup, history: they cost next to nothing) that is expected to
-be right at all, and now and then one drafter outside the chosen ones, so that a drafter that got
-better, or a new node, is noticed.
-The request's estimates are also the fusion's trust weights (Minions' weighted majority: the weight
-of a drafter that was wrong shrinks).
+tokens, level by level along its own tree (``LevelRecord``: each level's rate given the levels above;
+measured on the drafter's own tree, not the fused one). Two decayed estimates are kept: per (kind,
+drafter) across requests, starting from the drafter's advertised domains, and per (request, drafter),
+so a misclassified request switches experts mid-way. Selection is greedy with exploration (a bandit):
+the best few model drafters, every useful model-free one, and now and then one more. The request's
+estimates are also the fusion's trust weights. See docs/design.md.
 """
 
 from __future__ import annotations
@@ -194,9 +179,7 @@ class ExpertRouter:
         """Expected acceptance of the fused tree of ``names`` at levels ``0 .. count-1``, each given the
         levels above. Before evidence, a level is right when any member is (independence); then the
         team's own record of fused trees takes over, per kind and per request like a drafter's: drafters
-        are right on the same easy tokens and wrong on the same hard ones, so independence flatters a
-        team (measured through the cluster: 0.9 expected at the first level of ngram + math on math,
-        where the fused trees' acceptance said 3.5 tokens a step, not the 6 that 0.9 a level would)."""
+        are right and wrong on the same tokens, so independence flatters a team (docs/design.md)."""
         if len(names) == 1:
             return self.levels(route, names[0], count)
         missed = [1.0] * count

@@ -1,27 +1,16 @@
 """Goodput-adaptive speculation (after SmartSpec): how many tree nodes a request's next step drafts.
 
-Goodput is committed tokens per second. A step of one request with a tree of ``n`` nodes commits, in
-expectation, ``1 + a1 + a1 a2 + ... + a1 ... an`` tokens when tree level ``i`` is accepted with
-probability ``ai`` once the levels above it were (the request's measured conditional acceptance of its
-fused trees, level by level; a budget of ``n`` nodes is counted as ``n`` levels). It costs the verification pass —
-whose time depends on *every* row in the batch, the other requests' included — plus the time the
-request waits for its drafters. The controller picks the ``n`` (0 = no speculation) that maximises
+Goodput is committed tokens per second of the whole batch. The controller picks the budget ``n``
+(0 = no speculation: exactly plain batched decoding) that maximises
 
     goodput(n) = (E[tokens | n] + E[tokens of the others]) / (pass_ms(requests, others' rows + 1 + n) + draft_ms(n) + overhead_ms(n))
 
-``draft_ms`` is the asked drafters' (``DraftCost`` each: a round trip plus a cost per node, learned
-from what each took), added up: on one machine drafters share the cores with the verifier.
-
-so under load, when rows are no longer nearly free, it speculates less; with acceptance too low to pay
-for drafting it chooses 0, which is exactly plain (batched) decoding. A request at 0 probes a small
-tree now and then, so that it notices when speculation starts to pay again.
-
-``pass_ms`` is a ``CostModel`` learned online from the verifier's own reports (requests and rows in a
-pass, and the pass's time); it starts from a nearly flat prior in rows, which is what the lean runtime
-measures for small trees.
-The step's other overhead (queue, transport, the tree's encoding and acceptance) is learned from what
-lone requests wait for, apart for steps with a tree and without: through the cluster on 2 cores a
-step with 2-3 nodes waited ~3 ms more for its verification than a plain one, most of it outside the pass.
+``E[tokens | n] = 1 + a1 + a1 a2 + ... + a1 ... an``, ``ai`` the request's conditional acceptance of
+tree level ``i`` (a budget of ``n`` nodes counts as ``n`` levels); ``pass_ms`` a ``CostModel`` learned
+from the verifier's reports of its passes; ``draft_ms`` the asked drafters' ``DraftCost`` added up (on
+one machine they share the cores with the verifier); ``overhead_ms`` (queue, transport) learned from
+lone requests' steps, apart for steps with a tree and without. Under load it speculates less; a
+request at 0 probes a small tree now and then. See docs/design.md.
 """
 
 from __future__ import annotations
@@ -100,11 +89,9 @@ class CostModel:
 
     Each further request costs what the runtime spends per request (on a CPU attention runs request by
     request); a request with a tree costs its tree mask; rows (roots and tree nodes) cost little each
-    while the matrix products stay flat, and more past that. Measured on 2 CPU cores (SmolLM2-135M),
-    one request with 1..9 rows: 19.5..24 ms; 16 requests with 1, 2, 3 rows each: 48, 71, 95 ms; on a
-    slower day, a pass of 1 / 4 / 16 one-row requests 49 / 52 / 131 ms, and one of them with a tree of
-    2 nodes +8 / +8 / +10 ms: the first rows of a tree cost ~0.2 of a one-request pass, so the prior
-    says so (learning a tree's cost takes passes with trees, which a loaded batch rarely has)."""
+    while the matrix products stay flat, and more past that. The prior charges a tree's first rows about
+    0.2 of a one-request pass, as measured on 2 CPU cores: a loaded batch rarely has the trees to learn
+    it from (docs/design.md)."""
 
     def __init__(self, base_ms: float = 25.0, per_request_ms: float = 2.0, per_tree_ms: float = 4.0,
                  per_row_ms: float = 0.25, per_row_past_flat_ms: float = 0.5) -> None:
@@ -139,10 +126,8 @@ class DraftCost:
     the request (a model drafter feeds them through its model: the whole prompt at its first proposal,
     a long stretch when it comes back after other drafters served the request); 0 when not asked.
 
-    The round trip is held to its prior too, if more loosely than the rest: left free, a drafter's first
-    proposal (session opened, whole prompt taken in) went into the round trip whole — 73 ms measured
-    through the cluster — so that it looked too dear to ask again and never got to show otherwise. Held,
-    most of that time goes where the inputs were large (the catch-up), and an expert is asked again."""
+    The round trip is held (loosely) to its prior, so that a first proposal's cost goes to the catch-up
+    rather than making the drafter look too dear to ask again (docs/design.md)."""
 
     def __init__(self, fixed_ms: float = 1.0, per_node_ms: float = 0.5, per_token_ms: float = 0.05) -> None:
         self.fit = OnlineLinear([fixed_ms, per_node_ms, per_token_ms], prior_weight=(0.5, 4.0, 4.0), decay=0.97)
@@ -207,7 +192,6 @@ class GoodputController:
 
     def should_probe(self, steps_without: int, load: Load = Load()) -> bool:
         """After ``probe_every`` steps in a row without speculation, a small tree, to see if it pays again.
-        In a busy batch each request probes proportionally less often: a probe's tree makes the whole
-        pass slower (the first tree of a request costs more than its rows), while what it teaches is
-        shared by every request of its kind, so the batch as a whole keeps probing at the same rate."""
+        In a busy batch each request probes proportionally less often (a probe slows the whole pass, and
+        what it teaches is shared by its kind), so the batch as a whole probes at the same rate."""
         return bool(self.probe_every) and steps_without >= self.probe_every * (1.0 + load.other_requests)

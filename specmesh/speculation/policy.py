@@ -1,13 +1,11 @@
 """Speculation policies: what each step of a request drafts — which drafters, how much the fusion
 trusts each, how many tree nodes — and what the policy learns from the step's outcome.
 
-``FixedPolicy`` asks every drafter with equal trust for the same budget every step (0 = plain
-decoding). ``AdaptivePolicy`` is the router's intelligence: expertise routing and trust
-(``routing.ExpertRouter``) and a goodput-chosen budget (``control.GoodputController``), learning
-from every step: each asked drafter's own tree against the committed tokens and its drafting time,
-and the verifier's report of its pass (requests, rows, time). Each step it weighs the routed set —
-the best expert and the model-free drafters — against the model-free drafters alone and against no
-speculation, by the goodput each would give.
+``FixedPolicy``: every drafter, equal trust, the same budget every step (0 = plain decoding).
+``AdaptivePolicy``: expertise routing and trust (``expertise.ExpertRouter``) and a goodput-chosen
+budget (``goodput.GoodputController``). Each step it weighs the routed set, the model-free drafters
+alone and no speculation by the goodput each would give, and learns from the outcome (each drafter's
+tree against the committed tokens, its drafting time, the verifier's pass). See docs/design.md.
 """
 
 from __future__ import annotations
@@ -22,11 +20,8 @@ from specmesh.tree import TokenTree
 
 RECHECK_EVERY = 4  # steps between weighings of a request at budget 0 in a busy batch
 CATCH_UP_SPREAD = 8  # at most this many steps share the cost of a drafter's catch-up
-# In a shared pass, the least predicted goodput gain over plain decoding that a tree must promise. With
-# 4 requests a pass the model's predictions for a tree and for none were within 0-3 % of each other on
-# most steps, inside its error, and acting on them lost: in process adaptive 49.9 tok/s vs off 60.2,
-# with a 10 % margin 60.4 (5 %: 54.8 vs 57.6); through the cluster -4.7 +- 2.5 tok/s vs off, then +1.3.
-# Alone, where the predictions hold, a margin only cost: the cluster's accepted length 1.81 -> 1.54.
+# In a shared pass, the least predicted goodput gain over plain decoding that a tree must promise:
+# smaller gains are inside the cost model's error. A lone request needs none (docs/design.md).
 SPECULATION_MARGIN = 0.10
 
 SPECULATION_MODES = ("adaptive", "fixed", "off")  # budget by goodput; the whole budget; plain decoding
@@ -188,11 +183,10 @@ class _AdaptiveRequest:
         return self.position - self.drafted_at.get(name, 0)
 
     def charged_catch_up(self, name: str, room: int) -> float:
-        """The part of ``name``'s catch-up one step is charged: taking the context in is paid once and
-        serves every later step it drafts, so it is spread over the steps the answer has left (at most
-        ``CATCH_UP_SPREAD``). Charged whole to one step, an expert not asked from the start only ever
-        looked dearer as the context grew (0.35 ms a token on one core: 35 ms at 100 tokens) and was
-        never asked again, however well it drafts."""
+        """The part of ``name``'s catch-up one step is charged: taking the context in serves every later
+        step it drafts, so it is spread over the steps the answer has left (at most ``CATCH_UP_SPREAD``);
+        charged whole, an expert not asked from the start would look dearer as the context grew and never
+        be asked again (docs/design.md)."""
         steps_left = room / max(self.policy.state.tokens_per_request_step, 1.0)
         return self.catch_up(name) / min(max(steps_left, 1.0), CATCH_UP_SPREAD)
 
@@ -203,9 +197,8 @@ class _AdaptiveRequest:
             return StepPlan()
         load = policy.load()
         if self.adapt_budget and self.steps_without % RECHECK_EVERY and load.other_requests >= 1:
-            # in a busy batch a request without speculation weighs it again only every few steps: what
-            # the weighing reads (load, costs, the kind's acceptance) moves slowly, and its time (0.17 ms
-            # a step) is spent on the cores the verifier's passes need
+            # in a busy batch a request without speculation weighs it again only every few steps: what the
+            # weighing reads moves slowly, and its time is spent on the cores the verifier's passes need
             return StepPlan()
         names = router.select(self.route, available, at_least_one=True)
         if not self.adapt_budget:
