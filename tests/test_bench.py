@@ -1,19 +1,36 @@
 """`specmesh bench` end to end on the embedded model, scaled down: every mode runs (the baselines, each
 drafter alone, the router in process and through a local cluster, the load sweep), the summary has
-the keys shared/BENCH.md promises, every greedy output is identical, and the plots are PNG files."""
+the keys shared/BENCH.md promises, every greedy output is identical, and the plots are PNG files.
+The fast tests check the bench's own logic with small pure functions: the rotated order of the modes,
+the choice of Hugging Face's best assisted setting, and the non-inferiority verdict of the load sweep."""
 
 import json
 
 import pytest
+from conftest import tiny_llama
 
-from specmesh.bench.run import LOAD_POLICIES, adaptive_verdicts, sweep_order, t95
+from specmesh.bench.run import (
+    HF_PROMPT_LOOKUP_TOKENS,
+    LOAD_POLICIES,
+    NON_INFERIORITY_MARGIN,
+    adaptive_verdicts,
+    best_setting,
+    headline_lines,
+    hf_modes,
+    mode_order,
+    non_inferiority,
+    sweep_order,
+)
 from specmesh.cli import main
+from specmesh.drafters.model import ModelDrafter
+from specmesh.drafters.ngram import NgramDrafter
 
 SUMMARY_KEYS = {
-    "greedy_identical_fraction", "plain_tokens_per_s", "hf_assisted_tokens_per_s", "own_plain_tokens_per_s",
-    "engine_tokens_per_s", "cluster_tokens_per_s", "speedup_vs_plain", "speedup_vs_hf_assisted",
-    "speedup_vs_own_plain", "mean_accepted_length", "best_single_drafter_mean_accepted_length",
-    "cluster_overhead_fraction", "verifier_idle_fraction",
+    "greedy_identical_fraction", "greedy_reference", "plain_tokens_per_s", "hf_assisted_tokens_per_s",
+    "hf_assisted_setting", "own_plain_tokens_per_s", "engine_tokens_per_s", "cluster_tokens_per_s",
+    "speedup_vs_plain", "speedup_vs_hf_assisted", "speedup_vs_own_plain", "mean_accepted_length",
+    "best_single_drafter_mean_accepted_length", "cluster_mean_accepted_length", "cluster_overhead_fraction",
+    "cluster_added_ms_per_step", "verifier_idle_fraction",
 }
 
 
@@ -24,10 +41,15 @@ def test_bench_writes_the_summary_and_plots(tmp_path):
                  "--drafter", "ngram", "--drafter", "code", "--json", str(out), "--plots", str(tmp_path / "plots")])
     assert code == 0
     report = json.loads(out.read_text())
-    assert SUMMARY_KEYS <= set(report["summary"])
-    assert report["summary"]["greedy_identical_fraction"] == 1.0
-    assert report["summary"]["best_single_drafter"] in ("ngram", "code")
-    assert {"single:ngram", "single:code", "router_fixed", "engine", "cluster"} <= set(report["modes"])
+    summary = report["summary"]
+    assert SUMMARY_KEYS <= set(summary)
+    assert next(iter(summary)) == "speedup_vs_own_plain"  # the headline leads
+    assert summary["greedy_identical_fraction"] == 1.0 and summary["greedy_reference"].startswith("hf_plain")
+    assert summary["best_single_drafter"] in ("ngram", "code")
+    settings = {f"hf_assisted:prompt_lookup_num_tokens={n}" for n in HF_PROMPT_LOOKUP_TOKENS}
+    assert settings | {"hf_plain", "single:ngram", "single:code", "router_fixed", "engine", "cluster"} <= set(report["modes"])
+    assert f"hf_assisted:{summary['hf_assisted_setting']}" in settings
+    assert summary["hf_assisted_tokens_per_s"] == max(report["modes"][m]["tokens_per_s"] for m in settings)
     assert report["modes"]["engine"]["per_token_p99_ms"] >= report["modes"]["engine"]["per_token_p50_ms"] > 0
     assert set(report["verify_cost_curve"]) == {str(k) for k in range(17)}
     assert {(r["concurrency"], r["policy"]) for r in report["load_sweep"]} == {
@@ -36,8 +58,20 @@ def test_bench_writes_the_summary_and_plots(tmp_path):
     assert all(r["rounds"] == 2 and len(r["tokens_per_s_runs"]) == 2 and r["tokens_per_s_spread"] >= 0
                for r in report["load_sweep"])
     assert [v["concurrency"] for v in report["load_sweep_verdicts"]] == [1, 2]
+    assert all(len(v["vs_none_ci95"]) == 2 for v in report["load_sweep_verdicts"])
     for name in ("speedup_per_category.png", "latency_vs_load.png"):
         assert (tmp_path / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_modes_rotate_prompt_by_prompt():
+    modes = ["hf_plain", "own_plain", "engine", "cluster"]
+    orders = [mode_order(modes, index) for index in range(len(modes))]
+    assert all(sorted(order) == sorted(modes) for order in orders)  # every mode once a prompt
+    for slot in range(len(modes)):  # every mode in every slot, once, over len(modes) prompts
+        assert {order[slot] for order in orders} == set(modes)
+    assert orders[1] == ["own_plain", "engine", "cluster", "hf_plain"]
+    assert mode_order(modes, len(modes) + 1) == orders[1]  # the cycle repeats
+    assert mode_order(modes, 0) == modes and modes == ["hf_plain", "own_plain", "engine", "cluster"]  # not mutated
 
 
 def test_sweep_orders_put_every_policy_in_every_slot():
@@ -51,28 +85,76 @@ def test_sweep_orders_put_every_policy_in_every_slot():
     assert all(follows.count((a, b)) == 2 for a in LOAD_POLICIES for b in LOAD_POLICIES if a != b)
 
 
+def test_hugging_face_assisted_settings_and_the_best_one():
+    lookups = {f"hf_assisted:prompt_lookup_num_tokens={n}": {"prompt_lookup_num_tokens": n} for n in (2, 3, 5, 10)}
+    assert hf_modes([NgramDrafter()]) == {"hf_plain": {}} | lookups  # no model among the drafters: no assistant
+    small = tiny_llama()
+    with_model = hf_modes([NgramDrafter(), ModelDrafter(small, vocab_size=96, name="tiny")])
+    assert with_model["hf_assisted:assistant_model=tiny"] == {"assistant_model": small}
+    speeds = {"hf_plain": 30.0, "own_plain": 50.0, "hf_assisted:prompt_lookup_num_tokens=2": 24.0,
+              "hf_assisted:prompt_lookup_num_tokens=3": 27.5, "hf_assisted:prompt_lookup_num_tokens=10": 22.0}
+    # the fastest assisted setting, even where plain decoding (not a setting of assisted decoding) is faster
+    assert best_setting(speeds) == ("prompt_lookup_num_tokens=3", 27.5)
+    assert best_setting(speeds | {"hf_assisted:assistant_model=tiny": 28.0}) == ("assistant_model=tiny", 28.0)
+    assert best_setting({"hf_plain": 30.0, "engine": 40.0}) is None
+
+
+def test_non_inferiority_passes_within_the_margin_and_pairs_rounds():
+    # the machine drifts from 100 to 60 tok/s across rounds; adaptive is 1 % slower in each: pairing by
+    # round cancels the drift, the interval is tight, and -1 % is inside the -5 % margin
+    test = non_inferiority([99.0, 79.2, 59.4], [100.0, 80.0, 60.0])
+    assert test.mean == pytest.approx(-0.01) and test.low == pytest.approx(-0.01) and test.high == pytest.approx(-0.01)
+    assert test.not_worse
+    # differences -1 %, +1 %, 0: standard error 0.01 / sqrt(3), t(0.975, 2 df) = 4.3027
+    test = non_inferiority([99.0, 101.0, 100.0], [100.0, 100.0, 100.0])
+    assert test.mean == pytest.approx(0.0, abs=1e-12)
+    assert test.low == pytest.approx(-4.302653 * 0.01 / 3 ** 0.5, rel=1e-5) and test.high == pytest.approx(-test.low)
+    assert test.margin == NON_INFERIORITY_MARGIN == -0.05 and test.not_worse
+
+
+def test_non_inferiority_fails_when_the_interval_reaches_past_the_margin():
+    # 2 % slower on average, but the rounds disagree (-6 %, +2 %, -2 %): the lower bound is -11.9 %
+    noisy = non_inferiority([94.0, 102.0, 98.0], [100.0, 100.0, 100.0])
+    assert noisy.mean == pytest.approx(-0.02)
+    assert noisy.low == pytest.approx(-0.02 - 4.302653 * 0.04 / 3 ** 0.5, rel=1e-5) and not noisy.not_worse
+    # steadily 10 % slower: a tight interval, wholly past the margin
+    slower = non_inferiority([90.0, 72.0, 54.0], [100.0, 80.0, 60.0])
+    assert slower.high == pytest.approx(-0.10) and not slower.not_worse
+    # one round: its noise is unknown, so even a gain shows nothing
+    single = non_inferiority([120.0], [100.0])
+    assert single.mean == pytest.approx(0.2) and single.low is None and not single.not_worse
+
+
 def _row(level, policy, runs):
     return {"concurrency": level, "policy": policy, "tokens_per_s": sum(runs) / len(runs), "tokens_per_s_runs": runs}
 
 
-def test_adaptive_verdict_compares_round_by_round_within_students_t():
-    # at 4: the machine drifts 20 tok/s between rounds, which pairing cancels; adaptive's differences to
-    # none (+1, -6, -1) average -2, inside 4.303 (t, 2 degrees of freedom) * their standard error 2.08
+def test_adaptive_verdicts_store_each_interval():
     rows = [_row(4, "none", [80.0, 100.0, 60.0]), _row(4, "fixed", [60.0, 75.0, 45.0]),
-            _row(4, "adaptive", [81.0, 94.0, 59.0]),
-            # at 16: a loss of ~20 in every round is real however much the rounds differ (noise 4.303 * 0.58)
-            _row(16, "none", [160.0, 120.0, 140.0]), _row(16, "fixed", [80.0, 70.0, 75.0]),
-            _row(16, "adaptive", [139.0, 101.0, 120.0])]
+            _row(4, "adaptive", [79.2, 99.0, 59.4]),  # -1 % against none every round; +32 % against fixed
+            _row(16, "none", [160.0, 120.0, 140.0]), _row(16, "fixed", [100.0, 130.0, 90.0]),
+            _row(16, "adaptive", [144.0, 108.0, 126.0])]  # -10 % against none every round
     at4, at16 = adaptive_verdicts(rows)
-    assert at4["vs_none_tokens_per_s"] == -2.0 and at4["vs_none_noise"] == 8.96
-    assert at4["not_worse_than_none"] and at4["not_worse_than_fixed"]
-    assert at16["vs_none_tokens_per_s"] == -20.0 and at16["vs_none_noise"] == 2.48
-    assert not at16["not_worse_than_none"] and at16["not_worse_than_fixed"]
+    assert at4["margin"] == -0.05 and at4["rounds"] == 3
+    assert at4["vs_none_relative"] == -0.01 and at4["vs_none_ci95"] == [-0.01, -0.01] and at4["not_worse_than_none"]
+    assert at4["vs_none_tokens_per_s"] == pytest.approx(-0.8) and at4["not_worse_than_fixed"]
+    assert at16["vs_none_ci95"] == [-0.1, -0.1] and not at16["not_worse_than_none"]
+    low, high = at16["vs_fixed_ci95"]
+    assert low < at16["vs_fixed_relative"] < high and at16["not_worse_than_fixed"] == (low > -0.05)
     single = adaptive_verdicts([_row(1, "none", [20.0]), _row(1, "fixed", [25.0]), _row(1, "adaptive", [24.0])])[0]
-    assert single["vs_fixed_noise"] == 0.0 and not single["not_worse_than_fixed"] and single["not_worse_than_none"]
+    assert single["vs_none_ci95"] is None and not single["not_worse_than_none"]
 
 
-def test_students_t_quantiles():
-    assert t95(1) == 12.706 and t95(2) == 4.303 and t95(11) == t95(10) and t95(1000) == 1.96
-    with pytest.raises(ValueError):
-        t95(0)
+def test_the_headline_is_speculations_own_gain_and_hugging_face_ratios_are_labelled():
+    summary = {"speedup_vs_own_plain": 1.4, "headline_mode": "cluster", "own_plain_tokens_per_s": 30.0,
+               "plain_tokens_per_s": 12.0, "speedup_vs_plain": 3.5, "speedup_vs_hf_assisted": 3.2,
+               "hf_assisted_setting": "prompt_lookup_num_tokens=3", "hf_assisted_tokens_per_s": 13.1,
+               "own_plain_speedup_vs_plain": 2.5, "greedy_identical_fraction": 1.0, "greedy_reference": "hf_plain: ..."}
+    first, versus_hf, runtime, identical = headline_lines(summary)
+    assert "HEADLINE speedup_vs_own_plain 1.400x" in first and "through the cluster" in first
+    assert versus_hf.startswith("  runtime + speculation: 3.500x") and "3.200x" in versus_hf
+    assert "prompt_lookup_num_tokens=3" in versus_hf and "2.500x" in runtime and "hf_plain" in identical
+    skipped = headline_lines({k: summary[k] for k in ("speedup_vs_own_plain", "own_plain_tokens_per_s",
+                                                      "greedy_identical_fraction", "greedy_reference")}
+                             | {"headline_mode": "engine"})
+    assert len(skipped) == 2 and "in process" in skipped[0]
