@@ -123,6 +123,38 @@ def _tree_attention_kernel(
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=query_ok[:, None])
 
 
+def _check_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tree_mask: torch.Tensor) -> None:
+    """Raise ValueError naming what is wrong, before anything is launched (checks survive ``python -O``)."""
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        if tensor.dim() != 3:
+            raise ValueError(f"tree_attention_triton: {name} must be 3-D [heads, tokens, head_dim], "
+                             f"got shape {tuple(tensor.shape)}")
+    num_heads, num_queries, head_dim = query.shape
+    num_kv_heads, num_keys, _ = key.shape
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"tree_attention_triton: head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+    if key.shape != value.shape or key.shape[2] != head_dim:
+        raise ValueError(f"tree_attention_triton: key {tuple(key.shape)} and value {tuple(value.shape)} must both be "
+                         f"[num_kv_heads, num_keys, {head_dim}]")
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(f"tree_attention_triton: num_heads {num_heads} is not a multiple of "
+                         f"num_kv_heads {num_kv_heads}")
+    if num_keys < num_queries:
+        raise ValueError(f"tree_attention_triton: num_keys {num_keys} < num_queries {num_queries}: "
+                         "the tree's own keys must follow the prefix's")
+    if tuple(tree_mask.shape) != (num_queries, num_queries):
+        raise ValueError(f"tree_attention_triton: tree_mask must be [{num_queries}, {num_queries}], "
+                         f"got {tuple(tree_mask.shape)}")
+    if query.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"tree_attention_triton: dtype must be one of {SUPPORTED_DTYPES}, got {query.dtype}")
+    if not key.dtype == value.dtype == query.dtype:
+        raise ValueError(f"tree_attention_triton: query, key and value must share one dtype, "
+                         f"got {query.dtype}, {key.dtype}, {value.dtype}")
+    if not key.device == value.device == query.device:
+        raise ValueError(f"tree_attention_triton: query, key and value must be on one device, "
+                         f"got {query.device}, {key.device}, {value.device}")
+
+
 def tree_attention_triton(
     query: torch.Tensor,  # [num_heads, num_queries, head_dim]
     key: torch.Tensor,  # [num_kv_heads, num_keys, head_dim], num_keys = prefix_len + num_queries
@@ -137,21 +169,9 @@ def tree_attention_triton(
     A query whose mask row allows no key (possible only with an empty prefix and a row of False,
     never for a valid tree) gets zeros.
     """
+    _check_inputs(query, key, value, tree_mask)
     num_heads, num_queries, head_dim = query.shape
     num_kv_heads, num_keys, _ = key.shape
-    assert head_dim in SUPPORTED_HEAD_DIMS, (
-        f"tree_attention_triton needs head_dim to be a power of two in [16, 128], got {head_dim}"
-    )
-    assert key.shape == value.shape == (num_kv_heads, num_keys, head_dim), (
-        f"key {tuple(key.shape)} and value {tuple(value.shape)} must both be [num_kv_heads, num_keys, {head_dim}]"
-    )
-    assert num_heads % num_kv_heads == 0, f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
-    assert num_keys >= num_queries, f"num_keys {num_keys} < num_queries {num_queries}: the tree must be in the keys"
-    assert tree_mask.shape == (num_queries, num_queries), (
-        f"tree_mask must be [{num_queries}, {num_queries}], got {tuple(tree_mask.shape)}"
-    )
-    assert query.dtype in SUPPORTED_DTYPES, f"unsupported dtype {query.dtype}"
-    assert key.dtype == value.dtype == query.dtype, "query, key and value must share one dtype"
 
     # Strided views are fine (a KV session hands over a slice of its buffer); only the head dimension
     # must be dense, so a copy is made only where it is not.

@@ -102,9 +102,53 @@ def test_non_contiguous_inputs():
     torch.testing.assert_close(out, tree_attention_reference(query, key, value, tree_mask, 0.25), atol=1e-4, rtol=1e-4)
 
 
-def test_rejects_unsupported_head_dim():
-    query, key, value, tree_mask = random_inputs(2, 2, 3, 2, 24)
-    with pytest.raises(AssertionError, match="power of two"):
+def _bad_inputs(case: str):
+    query, key, value, tree_mask = random_inputs(4, 2, 3, 2, 16)
+    if case == "head_dim":
+        query, key, value, tree_mask = random_inputs(2, 2, 3, 2, 24)
+    elif case == "rank":
+        query = query[0]
+    elif case == "key_value_shapes":
+        value = value[:, :-1]
+    elif case == "heads":
+        query, key, value, tree_mask = random_inputs(3, 2, 3, 2, 16)
+    elif case == "num_keys":
+        key, value = key[:, :2], value[:, :2]
+    elif case == "tree_mask":
+        tree_mask = tree_mask[:2]
+    elif case == "dtype":
+        query, key, value = query.double(), key.double(), value.double()
+    elif case == "mixed_dtypes":
+        key = key.half()
+    elif case == "devices":
+        key = key.to("meta")
+    return query, key, value, tree_mask
+
+
+@pytest.mark.parametrize(
+    "case,message",
+    [
+        ("head_dim", "head_dim must be one of"),
+        ("rank", "query must be 3-D"),
+        ("key_value_shapes", "key .* and value .* must both be"),
+        ("heads", "num_heads 3 is not a multiple of num_kv_heads 2"),
+        ("num_keys", "num_keys 2 < num_queries 3"),
+        ("tree_mask", r"tree_mask must be \[3, 3\]"),
+        ("dtype", "dtype must be one of"),
+        ("mixed_dtypes", "must share one dtype"),
+        ("devices", "must be on one device"),
+    ],
+)
+def test_bad_inputs_raise_value_error_naming_the_problem_before_any_launch(monkeypatch, case, message):
+    import specmesh.kernels.tree_attention_triton as kernel_module
+
+    class NoLaunch:
+        def __getitem__(self, grid):
+            raise AssertionError("the kernel was launched with bad inputs")
+
+    monkeypatch.setattr(kernel_module, "_tree_attention_kernel", NoLaunch())
+    query, key, value, tree_mask = _bad_inputs(case)
+    with pytest.raises(ValueError, match=message):
         tree_attention_triton(query, key, value, tree_mask, 0.2)
 
 
