@@ -7,6 +7,11 @@ requests run this loop concurrently; the verifier side groups their jobs into ba
 
 The loop holds the request's whole token history, so a verifier that lost the request's KV cache
 (evicted, restarted, replaced) only costs a resync: the job is sent again with its history.
+
+A drafter's failure costs speculation, never the request, wherever the drafter runs: a remote drafter
+(``cluster/remote_drafter.py``) that is down or late proposes nothing; any drafter whose ``start``,
+``propose`` or ``commit`` raises is logged with the exception, counted (``drafter_failures``), and
+drafts nothing that step. The target verifies every token, so what drafters say never changes the output.
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ class SpeculationStats:
     accepted_tokens: int = 0  # drafted tokens the target kept
     committed_tokens: int = 0  # accepted + recovered/bonus tokens
     resyncs: int = 0  # steps sent again with the history (a verifier lost or changed)
+    drafter_failures: int = 0  # drafter calls that raised (each cost that step's proposal, not the request)
     first_token_s: float = 0.0  # time to the first committed token (includes the prefill)
     total_s: float = 0.0
     draft_s: float = 0.0  # time spent waiting for drafters
@@ -104,24 +110,47 @@ class VerifierClient(Protocol):
 
 
 class LocalDrafter:
-    """An in-process drafter behind the asynchronous interface (runs inline: deterministic, no threads)."""
+    """An in-process drafter behind the asynchronous interface (runs inline: deterministic, no threads).
+
+    It keeps each request's committed tokens, so after one of its drafter's calls raised (and left the
+    drafter's session in an unknown state) the next proposal re-opens the session with the whole context,
+    as a remote drafter's session is re-opened after a restart. Exceptions still reach the loop, which
+    logs and counts them and drafts without this drafter for that step.
+    """
 
     def __init__(self, drafter: Drafter) -> None:
         self.drafter = drafter
         self.name = drafter.name
         self.kind = getattr(drafter, "kind", "model")
+        self._context: dict[str, list[int]] = {}  # request -> every committed token
+        self._stale: set[str] = set()  # requests whose session a failed call may have left inconsistent
 
     async def start(self, request_id: str, prompt_ids: Sequence[int]) -> None:
-        self.drafter.start(request_id, prompt_ids)
+        self._context[request_id] = list(prompt_ids)
+        self._call(request_id, self.drafter.start, request_id, prompt_ids)
 
     async def propose(self, request_id: str, budget: int, assumed: Sequence[int] = ()) -> TokenTree:
-        return self.drafter.propose(request_id, budget, assumed)
+        if request_id in self._stale:
+            self._call(request_id, self.drafter.end, request_id)
+            self._call(request_id, self.drafter.start, request_id, self._context[request_id])
+            self._stale.discard(request_id)
+        return self._call(request_id, self.drafter.propose, request_id, budget, assumed)
 
     async def commit(self, request_id: str, new_token_ids: Sequence[int]) -> None:
-        self.drafter.commit(request_id, new_token_ids)
+        self._context[request_id].extend(new_token_ids)
+        self._call(request_id, self.drafter.commit, request_id, new_token_ids)
 
     async def end(self, request_id: str) -> None:
+        self._context.pop(request_id, None)
+        self._stale.discard(request_id)
         self.drafter.end(request_id)
+
+    def _call(self, request_id: str, method, *args):
+        try:
+            return method(*args)
+        except Exception:
+            self._stale.add(request_id)
+            raise
 
 
 class BatchingVerifier:
@@ -213,7 +242,7 @@ async def speculate(
     rid = request.request_id
     pending: list[asyncio.Future] = []  # verification and draft-ahead in flight, cancelled on exit
     try:
-        await asyncio.gather(*(d.start(rid, request.prompt_ids) for d in drafters))
+        await asyncio.gather(*(_guarded(d, "start", rid, stats, d.start(rid, request.prompt_ids)) for d in drafters))
         step = 0
         send_history = True  # the first job always prefills
         ahead: Draft | None = None  # a draft made during the last verification and confirmed by its verdict
@@ -227,7 +256,7 @@ async def speculate(
                 stats.drafted_ahead += 1
             else:
                 drafted_at = time.perf_counter()
-                draft = await _draft(by_name, plan, rid, max_depth=room - 1)
+                draft = await _draft(by_name, plan, rid, stats, max_depth=room - 1)
                 draft_ms = (time.perf_counter() - drafted_at) * 1e3
                 stats.draft_s += draft_ms / 1e3
             for name in draft.plan.drafters:
@@ -239,7 +268,7 @@ async def speculate(
             assumed = tree.likeliest_path() if draft_ahead and len(tree) else []
             if assumed:
                 pending.append(asyncio.ensure_future(
-                    _draft(by_name, plan, rid, max_depth=room - len(assumed) - 2, assumed=assumed)))
+                    _draft(by_name, plan, rid, stats, max_depth=room - len(assumed) - 2, assumed=assumed)))
             result = await verifying
             stats.verify_s += time.perf_counter() - verified_at
             stats.verifier_s += result.verify_ms / 1e3
@@ -277,7 +306,8 @@ async def speculate(
                           ",".join(draft.plan.drafters) or "-", draft.plan.budget, len(tree), len(new), draft_ms,
                           " ".join(f"{ms:.1f}" for ms in draft.drafter_ms), result.pass_ms, step_ms, result.batch_size)
             for drafter in drafters:  # also the last: history drafters keep answers
-                await drafter.commit(rid, new)  # bookkeeping, sent with the next proposal: one at a time costs no gather
+                # bookkeeping, sent with the next proposal: one at a time costs no gather
+                await _guarded(drafter, "commit", rid, stats, drafter.commit(rid, new))
             yield StepOutput(new, finish_reason)
             if finish_reason is not None:
                 return
@@ -290,8 +320,20 @@ async def speculate(
         await asyncio.shield(_release(drafters, verifier, rid))
 
 
+async def _guarded(drafter: AsyncDrafter, call: str, request_id: str, stats: SpeculationStats, coro):
+    """Await a drafter's call; if it raises, log it with its traceback, count it, and return None."""
+    try:
+        return await coro
+    except Exception:
+        stats.drafter_failures += 1
+        log.warning("drafter %s failed in %s for request %s; the request goes on without its draft",
+                    drafter.name, call, request_id, exc_info=True)
+        return None
+
+
 async def _draft(
-    drafters: dict[str, AsyncDrafter], plan: StepPlan, request_id: str, max_depth: int, assumed: Sequence[int] = (),
+    drafters: dict[str, AsyncDrafter], plan: StepPlan, request_id: str, stats: SpeculationStats, max_depth: int,
+    assumed: Sequence[int] = (),
 ) -> Draft:
     # a step commits at most depth + 1 tokens: deeper guesses than the answer has room for are waste
     if plan.budget <= 0 or max_depth <= 0 or not plan.drafters:
@@ -299,8 +341,9 @@ async def _draft(
 
     async def timed(name: str) -> tuple[TokenTree, float]:
         started = time.perf_counter()
-        tree = await drafters[name].propose(request_id, plan.budget, assumed)
-        return tree, (time.perf_counter() - started) * 1e3
+        drafter = drafters[name]
+        tree = await _guarded(drafter, "propose", request_id, stats, drafter.propose(request_id, plan.budget, assumed))
+        return tree if tree is not None else TokenTree(), (time.perf_counter() - started) * 1e3
 
     answers = await asyncio.gather(*(timed(n) for n in plan.drafters))
     trees = [tree for tree, _ in answers]
@@ -329,4 +372,8 @@ async def _verify(
 
 
 async def _release(drafters: Sequence[AsyncDrafter], verifier: VerifierClient, request_id: str) -> None:
-    await asyncio.gather(*(d.end(request_id) for d in drafters), verifier.close(request_id), return_exceptions=True)
+    parts = [*(d.end(request_id) for d in drafters), verifier.close(request_id)]
+    ends = await asyncio.gather(*parts, return_exceptions=True)
+    for part, outcome in zip([d.name for d in drafters] + ["the verifier"], ends):
+        if isinstance(outcome, Exception):
+            log.warning("%s failed to free request %s", part, request_id, exc_info=outcome)
