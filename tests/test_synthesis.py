@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from specmesh.distill.overlap import Benchmark
 from specmesh.distill.synthesis import acceptable, classified_prompts, synthesize_requests, user_turn_prefix
 from specmesh.errors import InvalidArgument
 from specmesh.prompts import encode_chat
@@ -45,14 +46,30 @@ def test_requests_are_whole_new_and_never_a_benchmark_question(target, tmp_path)
 
 
 def test_acceptable_requests():
-    banned = {tuple("explain the difference between weather and climate to a child".split()[:8])}
-    assert acceptable("Can you help me plan a week of vegetarian dinners?", set(), banned)
-    assert not acceptable("Hi there", set(), banned)  # too short to be a request
-    assert not acceptable("x" * 801, set(), banned)
-    assert not acceptable("Please plan a week of meals\x07 for me, thanks", set(), banned)  # control characters
+    avoid = Benchmark.of([(0, "explain the difference between weather and climate to a child")])
+    assert acceptable("Can you help me plan a week of vegetarian dinners?", set(), avoid)
+    assert not acceptable("Hi there", set(), avoid)  # too short to be a request
+    assert not acceptable("x" * 801, set(), avoid)
+    assert not acceptable("Please plan a week of meals\x07 for me, thanks", set(), avoid)  # control characters
     assert not acceptable("Can you help me plan a week of vegetarian dinners?",
-                          {"can you help me plan a week of vegetarian dinners"}, banned)  # seen, up to case and punctuation
-    assert not acceptable("Briefly, explain the difference between weather and climate to a child.", set(), banned)
+                          {"can you help me plan a week of vegetarian dinners"}, avoid)  # seen, up to case and punctuation
+    assert not acceptable("Briefly, explain the difference between weather and climate to a child.", set(), avoid)
+
+
+def test_a_request_overlapping_mtbench_is_never_acceptable():
+    assert acceptable("Write a travel blog post about my weekend in Kyoto.", set())
+    assert not acceptable("Write a travel blog post about a recent trip to Kyoto, please.", set())  # question 81
+    # question 122's follow-up turn
+    assert not acceptable("Now we define a sequence of numbers in which each number is the sum of the two before.", set())
+
+
+def test_a_cached_pool_is_filtered_again(target, tmp_path):
+    cache = tmp_path / "requests.jsonl"
+    pool = ["How do I repot a cactus without getting hurt?", "Compose an engaging travel blog post about a recent trip "
+            "to Hawaii.", "What should I pack for a week of hiking in Wales?"]
+    cache.write_text("".join(json.dumps(text) + "\n" for text in pool))
+    kept = synthesize_requests(LlamaRuntime(target.model), target.tokenizer, 2, cache, eos_token_ids(target))
+    assert kept == [pool[0], pool[2]]  # enough clean ones cached: nothing drawn, the MT-Bench one left out
 
 
 def test_requests_are_kept_by_their_classified_kind():

@@ -6,14 +6,13 @@ temperature these are far more varied and realistic than templates, and they are
 expects, so a drafter distilled on the target's answers to them sees the contexts real chat traffic gives.
 
 Kept: requests that ended on their own (the model closed the turn), of a sensible length, not seen
-before, and sharing no long word run with a benchmark question (the benchmark is never trained on).
+before, and overlapping no MT-Bench question (``specmesh.distill.overlap``: the benchmark is never trained on).
 The pool is cached and grows to the size asked for, so a run can be resumed or extended.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -21,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from specmesh.distill.data import target_answers
+from specmesh.distill.overlap import Benchmark, key, overlaps
 from specmesh.errors import InvalidArgument
 from specmesh.prompts import Prompt
 from specmesh.speculation.expertise import GENERAL
@@ -28,7 +28,6 @@ from specmesh.speculation.expertise import GENERAL
 _MARK = "\x00REQUEST\x00"
 SYNTHESIS_TEMPERATURE = 1.0  # the target's own spread of requests, untempered
 MIN_CHARS, MAX_CHARS = 16, 800
-BENCHMARK_SHINGLE = 8  # words: a request sharing this long a run with a benchmark question is dropped
 
 
 def user_turn_prefix(tokenizer) -> list[int]:
@@ -39,28 +38,15 @@ def user_turn_prefix(tokenizer) -> list[int]:
     return [int(t) for t in tokenizer(text[: text.index(_MARK)], add_special_tokens=False)["input_ids"]]
 
 
-def _words(text: str) -> list[str]:
-    return re.findall(r"[a-z0-9]+", text.lower())
-
-
-def _key(text: str) -> str:
-    """A request's identity up to case, punctuation and spacing."""
-    return " ".join(_words(text))
-
-
-def _shingles(text: str, n: int = BENCHMARK_SHINGLE) -> set[tuple[str, ...]]:
-    words = _words(text)
-    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
-
-
-def acceptable(text: str, seen: set[str], banned_shingles: set[tuple[str, ...]]) -> bool:
-    """A request worth training on: sensible length, printable, new, and not a benchmark question."""
+def acceptable(text: str, seen: set[str], avoid: Benchmark | None = None) -> bool:
+    """A request worth training on: sensible length, printable, new (``seen``: the keys of those kept), and
+    overlapping no MT-Bench question, nor any text of ``avoid``."""
     if not MIN_CHARS <= len(text) <= MAX_CHARS or not text.replace("\n", " ").isprintable():
         return False
-    key = _key(text)
-    if not key or key in seen:
+    identity = key(text)
+    if not identity or identity in seen:
         return False
-    return not (_shingles(text) & banned_shingles)
+    return not overlaps(text) and not (avoid is not None and avoid.overlaps(text))
 
 
 def synthesize_requests(
@@ -77,16 +63,17 @@ def synthesize_requests(
     max_batches: int | None = None,
 ) -> list[str]:
     """``count`` requests the target writes for itself (fewer only if ``max_batches`` runs out), cached in
-    ``cache_file`` (one JSON string a line) and grown from it. ``avoid``: texts (the benchmark's questions)
-    that no request may share a ``BENCHMARK_SHINGLE``-word run with."""
+    ``cache_file`` (one JSON string a line) and grown from it. None overlaps MT-Bench, and no new one
+    overlaps (in the same sense) a text of ``avoid``."""
     if count < 1:
         raise InvalidArgument("synthesize", f"must be >= 1, got {count}")
     cache_file.parent.mkdir(parents=True, exist_ok=True)
-    requests = [json.loads(line) for line in cache_file.read_text(encoding="utf-8").splitlines() if line.strip()] \
+    cached = [json.loads(line) for line in cache_file.read_text(encoding="utf-8").splitlines() if line.strip()] \
         if cache_file.exists() else []
     avoid = list(avoid)
-    seen = {_key(r) for r in [*requests, *avoid]}  # a short benchmark question has no 8-word run
-    banned = set().union(*(_shingles(t) for t in avoid)) if avoid else set()
+    avoided = Benchmark.of(enumerate(avoid)) if avoid else None
+    seen = {key(r) for r in cached}
+    requests = [r for r in cached if not overlaps(r)]  # a pool cached under a narrower filter is filtered again
     prefix = user_turn_prefix(tokenizer)
     eos = frozenset(eos_token_ids)
     # Each batch's draws are seeded by the seed and the batch's index; a resumed pool starts from the index its
@@ -106,9 +93,9 @@ def synthesize_requests(
                 if not ids or ids[-1] not in eos:
                     continue  # cut off at max_tokens: not a whole request
                 text = tokenizer.decode(ids[:-1], skip_special_tokens=True).strip()
-                if len(requests) >= count or not acceptable(text, seen, banned):
+                if len(requests) >= count or not acceptable(text, seen, avoided):
                     continue
-                seen.add(_key(text))
+                seen.add(key(text))
                 requests.append(text)
                 out.write(json.dumps(text) + "\n")
                 bar.update(1)
