@@ -19,6 +19,7 @@ from typing import Sequence
 
 import redis.asyncio as aioredis
 
+from specmesh.cluster.backoff import redis_reconnect
 from specmesh.cluster.metrics import VerifierMetrics, serve_metrics
 from specmesh.cluster.queue import REDIS_DOWN, Entry, QueueKeys, VerifierQueue, encode_error, encode_result
 from specmesh.cluster.scheduling import PassRhythm, plan_batch
@@ -70,7 +71,7 @@ class VerifierWorker:
         backlog: list[Entry] = []
         next_beat = next_reclaim = 0.0
         registered = False
-        delay = 0.05
+        backoff = redis_reconnect()
         while not self.stopped.is_set():
             try:
                 if not registered:
@@ -91,14 +92,13 @@ class VerifierWorker:
                 backlog += await self.queue.read(self.max_jobs_per_read, 1 if backlog else 100, not self.draining)
                 backlog = await self._serve(await self._gather(backlog))
                 self.metrics.pending.set(len(backlog))
-                delay = 0.05
+                backoff.reset()
             except REDIS_DOWN as exc:  # keep the KV sessions; routers re-send what was lost
                 if registered:
                     log.warning("Redis unreachable (%s); retrying", exc)
                 registered = False
                 backlog = []
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
+                await asyncio.sleep(backoff.next())
 
     async def _gather(self, backlog: list[Entry]) -> list[Entry]:
         """With jobs waiting, wait a moment for those of the last pass's requests that are on their way

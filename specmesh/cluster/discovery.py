@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
+from specmesh.cluster.backoff import unreachable_node
 from specmesh.cluster.queue import REDIS_DOWN
 from specmesh.cluster.remote_drafter import RemoteDrafter
 from specmesh.errors import InvalidArgument
@@ -191,7 +192,7 @@ class KubernetesWatcher:
         from kubernetes import watch
         from kubernetes.client.exceptions import ApiException
 
-        delay = 0.5
+        backoff = unreachable_node()
         version = None
         while not self.stopping.is_set():
             try:
@@ -217,19 +218,19 @@ class KubernetesWatcher:
                         self._slices[item.metadata.name] = slice_addresses(item, self.port_name)
                     if self.addresses != before:
                         on_change(self.addresses)
-                delay = 0.5
+                backoff.reset()
             except ApiException as exc:
                 if exc.status == 410:
                     version = None
                     continue
+                delay = backoff.next()
                 log.warning("Kubernetes API: %s %s; retrying in %.1f s", exc.status, exc.reason, delay)
                 self.stopping.wait(delay)
-                delay = min(delay * 2, 10.0)
             except Exception as exc:  # the API server restarting, the network: keep the last set, retry
+                delay = backoff.next()
                 log.warning("watching drafters failed (%s); retrying in %.1f s", exc, delay)
                 version = None
                 self.stopping.wait(delay)
-                delay = min(delay * 2, 10.0)
 
     def stop(self) -> None:
         self.stopping.set()

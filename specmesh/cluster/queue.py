@@ -30,6 +30,7 @@ from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from specmesh.acceptance import Verdict
+from specmesh.cluster.backoff import redis_reconnect
 from specmesh.cluster.wire import sampling_from_pb, sampling_to_pb, tree_from_pb, tree_to_pb
 from specmesh.errors import Unavailable
 from specmesh.runtime.tree_verifier import VerifyJob, VerifyResult
@@ -220,30 +221,28 @@ class QueueVerifierClient:
             pass  # the verifier evicts it when idle
 
     async def _post(self, stream: str, payload: bytes, deadline: float) -> None:
-        delay = 0.05
+        backoff = redis_reconnect()
         while True:
             try:
                 await self.redis.xadd(stream, {"job": payload})
                 return
             except REDIS_DOWN as exc:
                 self.redis_ok = False
-                if time.monotonic() + delay >= deadline:
+                if time.monotonic() + backoff.delay_s >= deadline:
                     raise Unavailable(f"the pipeline queue (Redis) is unreachable: {exc}") from None
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
+                await asyncio.sleep(backoff.next())
 
     async def _listen(self) -> None:
         last_id = "0-0"
-        delay = 0.05
+        backoff = redis_reconnect()
         while not self._stopping.is_set():
             try:
                 answer = await self.redis.xread({self.reply_to: last_id}, count=256, block=LISTEN_BLOCK_MS)
                 self.redis_ok = True
-                delay = 0.05
+                backoff.reset()
             except REDIS_DOWN:
                 self.redis_ok = False
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
+                await asyncio.sleep(backoff.next())
                 continue
             for _, entries in answer or ():
                 for entry_id, fields in entries:

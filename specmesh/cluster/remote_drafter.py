@@ -14,6 +14,7 @@ from typing import Sequence
 
 import grpc
 
+from specmesh.cluster.backoff import unreachable_node
 from specmesh.cluster.wire import tree_from_pb
 from specmesh.errors import InvalidArgument
 from specmesh.tree import TokenTree
@@ -41,7 +42,7 @@ class RemoteDrafter:
         self._unsent: dict[str, list[int]] = {}  # request -> committed since the drafter last heard
         self._open: set[str] = set()  # sessions the drafter holds, as far as we know
         self._down_until = 0.0
-        self._backoff_s = 0.5
+        self._backoff = unreachable_node(max_backoff_s)
         self._expected_hash: str | None = None
         self.failures = 0
 
@@ -146,11 +147,11 @@ class RemoteDrafter:
             log.warning("drafter %s refused a call: %s", self.name, exc.details())
             return
         self.failures += 1
+        delay = self._backoff.next()
         if self.healthy:
-            log.warning("drafter %s unavailable (%s); retrying in %.1f s", self.name, exc.code().name, self._backoff_s)
-        self._down_until = time.monotonic() + self._backoff_s
-        self._backoff_s = min(self._backoff_s * 2, self.max_backoff_s)
+            log.warning("drafter %s unavailable (%s); retrying in %.1f s", self.name, exc.code().name, delay)
+        self._down_until = time.monotonic() + delay
         self._open.clear()  # a drafter that comes back has forgotten its sessions
 
     def _up(self) -> None:
-        self._backoff_s = 0.5
+        self._backoff.reset()
