@@ -1,9 +1,9 @@
-"""Templated training prompts: reproducible, distinct, and a domain's added stream leaves its first alone."""
+"""Templated training prompts: reproducible, distinct, and never overlapping MT-Bench."""
 
 import json
-import random
 
 from specmesh.distill import templates
+from specmesh.distill.overlap import mtbench_turns, overlaps
 from specmesh.distill.templates import domain_prompts
 from specmesh.speculation.classifier import EXAMPLES
 
@@ -16,25 +16,19 @@ def test_prompts_are_distinct_and_the_same_for_the_same_seed():
         assert first != [p.text for p in domain_prompts(domain, 300, seed=1)]
 
 
-def test_an_added_stream_takes_its_share_and_leaves_the_first_streams_prompts_as_they_were(monkeypatch):
-    mixed = [p.text for p in domain_prompts("writing", 1000)]
-    ((_, share),) = templates._MORE_STREAMS["writing"]
-    monkeypatch.setattr(templates, "_MORE_STREAMS", {})
-    alone = [p.text for p in domain_prompts("writing", 1000)]
-    alone_set = set(alone)
-    from_first = [text for text in mixed if text in alone_set]
-    assert from_first == alone[: len(from_first)]  # the same prompts, in the same order: their answers stay cached
-    assert len(from_first) == round(1000 * (1 - share))  # the rest are the craft stream's
+def test_no_domains_prompts_overlap_mtbench():
+    for domain in templates.DOMAINS:
+        prompts = [p.text for p in domain_prompts(domain, 2000)]
+        assert len(prompts) == 2000
+        assert not [text for text in prompts if overlaps(text)]
 
 
-def test_texts_to_edit_differ_from_their_correct_version_only_in_a_few_words():
-    rng = random.Random(7)
-    for _ in range(50):
-        wrong, correct = templates._edit_text(rng)
-        changed = [(w, c) for w, c in zip(wrong.split(" "), correct.split(" ")) if w != c]
-        assert len(wrong.split(" ")) == len(correct.split(" "))
-        assert 1 <= len(changed) <= 5
-        assert all(templates._ROUGHEN[c] == w for w, c in changed)
+def test_a_drawn_prompt_that_overlaps_mtbench_is_replaced_by_another(monkeypatch):
+    turns = [text for _, text in mtbench_turns() if len(text.split()) >= 12]
+    made = iter(f"{turns[i // 2]} (variant {i})" if i % 2 else f"A clean prompt, number {i}." for i in range(1000))
+    monkeypatch.setitem(templates.DOMAINS, "code", lambda rng: next(made))
+    prompts = [p.text for p in domain_prompts("code", 50)]
+    assert prompts == [f"A clean prompt, number {i}." for i in range(0, 100, 2)]  # 50 still, every other draw dropped
 
 
 def test_the_classifiers_shipped_examples_are_the_templates_output():

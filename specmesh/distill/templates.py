@@ -1,5 +1,10 @@
 """Templated training prompts per domain. Never MT-Bench's questions: those are the benchmark.
 
+No prompt shares an 8-word run with an MT-Bench question (``domain_prompts`` draws again when one does), and
+no form paraphrases a particular MT-Bench question (its task with other fillers: a travel blog post about a
+trip, a persuasive email to a friend, the area of a triangle from its vertices, ...); those were removed
+(docs/experiments/2026-11-25-training-overlap.md). Generic tasks of the benchmark's categories stay.
+
 Each domain combines many task forms with fillers (subjects, snippets, passages, numbers) drawn by a
 seeded generator, so thousands of distinct prompts can be made reproducibly. Breadth of wording, topic,
 length and task type is the point: the drafters trained on the answers must generalise to real chat
@@ -13,6 +18,7 @@ import json
 import random
 from pathlib import Path
 
+from specmesh.distill.overlap import overlaps
 from specmesh.errors import InvalidArgument
 from specmesh.prompts import Prompt
 
@@ -50,7 +56,7 @@ _FUNCTION_TASKS = ("reverses a singly linked list", "checks whether a number is 
                    "computes n factorial", "finds the longest common prefix of a list of strings",
                    "removes duplicates from a list while keeping the original order", "converts a Roman numeral to an integer",
                    "converts an integer to a Roman numeral", "checks whether an email address looks valid",
-                   "returns the nth Fibonacci number", "flattens an arbitrarily nested list",
+                   "flattens an arbitrarily nested list",
                    "finds the contiguous subarray with the largest sum", "performs binary search on a sorted array",
                    "splits a CSV line into fields, respecting quoted commas", "transposes a matrix",
                    "checks whether the brackets in a string are balanced", "computes the greatest common divisor of two integers",
@@ -60,9 +66,9 @@ _FUNCTION_TASKS = ("reverses a singly linked list", "checks whether a number is 
                    "computes the Levenshtein distance between two strings", "generates all permutations of a string",
                    "generates all subsets of a set", "returns all primes below n using a sieve",
                    "converts a decimal number to binary", "parses a date such as 2024-03-15 and returns the weekday",
-                   "keeps a running average of a stream of numbers", "finds the intersection of two arrays",
+                   "keeps a running average of a stream of numbers",
                    "merges overlapping intervals", "checks whether a binary tree is a valid binary search tree",
-                   "computes the height of a binary tree", "finds the lowest common ancestor of two nodes in a binary tree",
+                   "computes the height of a binary tree",
                    "finds the shortest path in an unweighted graph", "detects a cycle in a directed graph",
                    "orders tasks so that every task comes after its dependencies", "counts the islands in a grid of 0s and 1s",
                    "finds the longest increasing subsequence", "solves the 0/1 knapsack problem",
@@ -85,7 +91,7 @@ _FUNCTION_TASKS = ("reverses a singly linked list", "checks whether a number is 
                    "finds the missing number in an array of 1 to n",
                    "computes the Hamming distance between two equal-length strings",
                    "evaluates an expression in reverse Polish notation", "generates a random password of a given length",
-                   "checks whether one string is a rotation of another", "finds the majority element of an array",
+                   "checks whether one string is a rotation of another",
                    "splits a restaurant bill, including tip, between n people", "returns the day of the year for a given date",
                    "rounds a price to the nearest 0.05", "parses a URL query string into a dictionary",
                    "finds all files with a given extension in a directory tree",
@@ -110,7 +116,7 @@ _PROGRAM_TASKS = ("a command-line to-do list that saves tasks to a JSON file", "
                   "a program that prints the ten most common IP addresses in a log file",
                   "a two-player tic-tac-toe game in the terminal", "a calculator that evaluates expressions typed by the user",
                   "a program that reads a CSV of sales and prints the total per month",
-                  "a word-frequency counter for all text files in a folder", "a unit converter for lengths and weights",
+                  "a unit converter for lengths and weights",
                   "a program that checks which websites in a list are reachable",
                   "a script that backs up a folder into a timestamped zip archive",
                   "a tiny HTTP server that returns the current time as JSON",
@@ -120,8 +126,7 @@ _PROGRAM_TASKS = ("a command-line to-do list that saves tasks to a JSON file", "
                   "a quiz that asks five questions and keeps score", "a program that prints a multiplication table up to 12 x 12",
                   "a script that merges several CSV files with the same columns",
                   "a password strength checker that gives feedback",
-                  "an ATM simulation with deposits, withdrawals and a PIN check",
-                  "a program that reads all the text files under a folder and reports their sizes")
+                  "an ATM simulation with deposits, withdrawals and a PIN check")
 _CODE_CONSTRAINTS = (
     "", "", "", "", " without using any built-in sorting functions", " in O(n) time", " using recursion", " without recursion",
     " with comments explaining each step", ", handling empty input and other edge cases", " using only the standard library",
@@ -359,7 +364,7 @@ _REGEX_FORMS = ("Write a regular expression that {r}.", "Give me a regex that {r
 _SHELL_TASKS = ("count the lines in all .py files under the current directory", "find the ten largest files in a directory tree",
                 "replace 'foo' with 'bar' in every .txt file", "list the processes using the most memory",
                 "print the lines that are in a.txt but not in b.txt", "rename every .jpeg file to .jpg",
-                "print the five most common words in a file", "delete files older than 30 days in a cache folder",
+                "delete files older than 30 days in a cache folder",
                 "print the unique values of the second column of a CSV file",
                 "follow a log file and show only lines containing ERROR",
                 "archive a project folder as tar.gz without node_modules",
@@ -609,7 +614,6 @@ def _m_algebra(rng: random.Random) -> str:
         f"Solve {2 * lo + b} < {_lin(2, b)} <= {2 * (lo + n) + b}.",
         f"Expand and simplify ({_lin(p, t)})({_lin(1, -q)}).",
         f"Simplify {a}({_lin(1, p)}) - {c + 1}({_lin(1, -q)}).",
-        f"If f(x) = {_poly([p, -q, t])}, find f({x}) and f({-y}).",
         f"Find the inverse of the function f(x) = ({_lin(a, b)})/{c + 1}.",
         f"Solve for x: 2^(x + {c}) = {2 ** (n + c)}.",
         f"Three times a number, increased by {abs(b) + 1}, equals {3 * x + abs(b) + 1}. What is the number?",
@@ -631,7 +635,6 @@ def _m_geometry(rng: random.Random) -> str:
     sides = rng.randint(5, 12)
     shape = rng.choice(("cylinder", "cone"))
     return rng.choice((
-        f"The vertices of a triangle are ({x1}, {y1}), ({x2}, {y2}) and ({x3}, {y3}). What is its area?",
         f"A triangle has vertices at A({x1}, {y1}), B({x2}, {y2}) and C({x3}, {y3}). Find its perimeter, to two decimal places.",
         f"Find the distance and the midpoint between the points ({x1}, {y1}) and ({x3 if x3 != x1 else x1 + 3}, {y3}).",
         f"Find the equation of the line through ({x1}, {y1}) and ({x1 + k}, {y2}).",
@@ -666,8 +669,6 @@ def _m_numbers(rng: random.Random) -> str:
     lo = rng.randint(1, 150)
     return rng.choice((
         f"What is the remainder when {base}^{exp} is divided by {mod}?", f"What is the last digit of {base}^{exp}?",
-        f"When a number is divided by {d}, the remainder is {rng.randint(1, d - 1)}. What is the remainder when "
-        f"{rng.randint(2, 9)} times the number is divided by {d}?",
         f"Is {n} divisible by 3, 4, 9 or 11? Use the divisibility rules.", f"Is {n} a prime number? Explain how you checked.",
         f"Find the prime factorisation of {a * b}.",
         f"Find the greatest common divisor and the least common multiple of {a} and {b}.",
@@ -695,7 +696,6 @@ def _m_chance(rng: random.Random) -> str:
     card = rng.choice(("a heart", "a king", "a face card", "a red card", "an ace or a spade", "a number card from 2 to 10"))
     spam, catch, wrong = rng.randint(5, 40), rng.randint(80, 99), rng.randint(1, 8)
     return rng.choice((
-        f"Two fair dice are rolled. What is the probability that the sum is {rng.randint(2, 12)}?",
         f"A fair die is rolled {n} times. What is the probability of getting at least one six?",
         "Two fair dice are rolled. What is the probability that the product of the numbers is even?",
         f"A fair coin is flipped {n} times. What is the probability of exactly {rng.randint(0, n)} heads?",
@@ -910,9 +910,7 @@ def _m_knights(rng: random.Random) -> str:
     return f"{intro} {' '.join(lines)} {ask}"
 
 
-_FAMILY = ("{f1} is {m1}'s mother, and {m1} is {f2}'s father. How is {f1} related to {f2}?",
-           "{m1} is the brother of {f1}, and {f1} is the mother of {m2}. What is {m1} to {m2}?",
-           "{f1} is the daughter of {m1}, and {m2} is {m1}'s father. How is {m2} related to {f1}?",
+_FAMILY = ("{m1} is the brother of {f1}, and {f1} is the mother of {m2}. What is {m1} to {m2}?",
            "{m1} and {f1} are siblings. {f2} is {f1}'s daughter. How is {f2} related to {m1}?",
            "{f1}'s mother is the sister of {m1}'s father. How are {f1} and {m1} related?",
            "Pointing at a photo of a woman, {m1} says: \"Her mother is my father's only daughter.\" How is the woman related to "
@@ -1004,15 +1002,10 @@ _GENRES = ("", "", "science-fiction", "mystery", "fairy-tale", "ghost", "comic",
            "romantic", "noir")
 _STORY_TWISTS = ("", "", "", ", with a twist ending", ", told in the first person", ", told entirely in dialogue",
                  " that ends with a question", " in which the main character never speaks", ", set in the year 2150",
-                 ", told from the point of view of an object", " that begins with the line \"{line}\"",
-                 ", with a moral at the end")
-_OPENING_LINES = ("The kettle had been whistling for three days.", "Nobody in Harrow Lane owned a clock.",
-                  "I found the key in a loaf of bread.", "It was the last bus of the night, and it was going the wrong way.",
-                  "The map was wrong, and that was the good news.", "My grandmother kept a cloud in a jar.",
-                  "On the morning of the flood, the ducks left first.")
+                 ", told from the point of view of an object", ", with a moral at the end")
 _STORY_FORMS = ("Write {a_genre}story about {topic}{twist}.", "Tell me {a_genre}story about {topic}{twist}.",
                 "Write a short story about {topic}, {length}.", "Write a piece of flash fiction about {topic}{twist}.",
-                "Write the opening scene of a novel about {topic}.", "Write {a_tone} story for {audience} about {topic}.",
+                "Write {a_tone} story for {audience} about {topic}.",
                 "Can you write a short story about {topic}? Make it {tone}.",
                 "Write a diary entry by a character in a story about {topic}.")
 _POEM_TYPES = ("haiku", "limerick", "sonnet", "free-verse poem", "rhyming poem", "ballad", "short poem in rhyming couplets",
@@ -1036,14 +1029,6 @@ _DESTINATIONS = ("Kyoto", "the Scottish Highlands", "Lisbon", "Patagonia", "Marr
                  "Oaxaca", "Bruges", "Sri Lanka", "Yellowstone", "Crete", "Montreal", "the Dolomites", "Luang Prabang",
                  "Valparaíso", "Tbilisi", "Seville", "New Zealand's South Island", "Edinburgh", "the Atacama Desert", "Istanbul",
                  "a small Greek island", "Vancouver Island")
-_TRAVEL_FOCUS = ("its street food", "local festivals", "hidden spots away from the crowds", "travelling on a tight budget",
-                 "a three-day itinerary", "travelling with young children", "the best hiking trails", "its architecture",
-                 "its markets", "getting around by train", "the people I met", "what I wish I had known before going")
-_TRAVEL_FORMS = ("Write a travel blog post about a recent trip to {d}, focusing on {f}.",
-                 "Compose a lively travel blog post about {f} in {d}.",
-                 "Draft a travel blog entry describing a week in {d}. Highlight {f}.",
-                 "Write an Instagram-style travel diary from {d}, {length}.",
-                 "Write a travel article for {audience} about {d}, covering {f}.")
 _ISSUES = ("schools should start later in the morning", "cities should ban cars from their centres",
            "every student should learn to cook", "public transport should be free", "primary schools should drop homework",
            "museums should be free to enter", "companies should offer a four-day work week",
@@ -1074,8 +1059,7 @@ _PRODUCT_FORMS = ("Write a product description for {p}.",
                   "Write a crowdfunding campaign pitch for {p}.")
 _EMAILS = {"my manager": ("ask for a day off next Friday", "ask for a raise after two years in the role",
                           "explain why a project will be a week late", "propose working from home two days a week",
-                          "turn down an extra project because of my workload", "resign with four weeks' notice",
-                          "ask for feedback on my recent presentation"),
+                          "turn down an extra project because of my workload", "resign with four weeks' notice"),
            "a client": ("apologise for a delayed delivery", "follow up on an unpaid invoice", "propose a new pricing plan",
                         "confirm the details of next week's meeting", "thank them for their business this year",
                         "explain a change in the project scope"),
@@ -1160,24 +1144,9 @@ _STYLES = ("a formal business tone", "a friendly, casual tone", "the style of a 
 _REWRITE_FORMS = ("Rewrite the following paragraph in {style}:\n\n\"{p}\"", "Rewrite this in {style}: {p}",
                   "Here is a paragraph:\n\n{p}\n\nRewrite it in {style}, keeping the meaning.",
                   "Turn this text into {style}:\n{p}")
-_TYPOS = ("Their going to the park tomorow, but they forgot there umbrella's at home.",
-          "Me and him has been working here since three years.",
-          "The report which was wrote by the team were send to the manager yesterday, he didnt reply yet.",
-          "Its a beautiful day, lets go to the beach and enjoy the sun, the sand, and the waves!!!",
-          "I recieved you're email and I will definately get back to you untill friday.",
-          "Everyone have their own opinion, but I think that the new rules is unfair for the students who lives far.",
-          "Between you and I, the restaurant was more better last year, the portions was bigger.",
-          "Thank you for you help with the move, we could'nt of done it without you.",
-          "Despite of the rain we goes hiking, and it were the best day of the holiday.",
-          "The company have announced that they will hiring 200 new staffs in the next year.")
-_EDIT_FORMS = ("Edit this text for grammar and spelling: \"{t}\"",
-               "Correct the mistakes in the following sentence and list what you changed:\n{t}", "Proofread this: {t}",
-               "Improve the grammar and flow of this text without changing its meaning:\n\n{t}",
-               "My English teacher marked this sentence as wrong. Can you fix it and explain why? \"{t}\"")
 _PERSONAS = ("a pirate captain", "a hard-boiled 1940s detective", "a medieval knight", "an eccentric Victorian inventor",
              "a scientist who gets very excited about experiments", "a sleepy dragon", "a grumpy old lighthouse keeper",
-             "a cheerful robot butler", "a wise tree that has lived for a thousand years",
-             "an alien visiting Earth for the first time", "a 1920s jazz singer", "a celebrity chef with very strong opinions",
+             "a cheerful robot butler", "an alien visiting Earth for the first time", "a 1920s jazz singer", "a celebrity chef with very strong opinions",
              "a time traveller from the year 3000", "a cowboy on a cattle drive", "an overly dramatic theatre critic",
              "a cat who can talk", "a Roman senator", "a calm yoga teacher", "a superhero on a day off",
              "a ship's captain in a storm")
@@ -1247,214 +1216,46 @@ _ACT_FORMS = ("Act as {r}. Please {q}.", "I want you to act as {r}. Your first t
 def _writing_prompt(rng: random.Random) -> str:
     tone, length, audience = rng.choice(_TONES), rng.choice(_LENGTHS), rng.choice(_AUDIENCES)
     kind = rng.random()
-    if kind < 0.16:
+    if kind < 0.17:
         genre = rng.choice(_GENRES)
-        twist = rng.choice(_STORY_TWISTS).format(line=rng.choice(_OPENING_LINES))
         text = rng.choice(_STORY_FORMS).format(a_genre=_a(genre + " ") if genre else "a ", topic=rng.choice(_STORY_TOPICS),
-                                               twist=twist, tone=tone, a_tone=_a(tone), length=length, audience=audience)
-    elif kind < 0.30:
+                                               twist=rng.choice(_STORY_TWISTS), tone=tone, a_tone=_a(tone), length=length,
+                                               audience=audience)
+    elif kind < 0.32:
         text = rng.choice(_POEM_FORMS).format(a_type=_a(rng.choice(_POEM_TYPES)), subject=rng.choice(_POEM_SUBJECTS),
                                               a_tone=_a(tone), word=rng.choice(_ACROSTICS))
-    elif kind < 0.37:
-        text = rng.choice(_TRAVEL_FORMS).format(d=rng.choice(_DESTINATIONS), f=rng.choice(_TRAVEL_FOCUS), length=length,
-                                                audience=audience)
-    elif kind < 0.43:
+    elif kind < 0.39:
         text = rng.choice(_ESSAY_FORMS).format(i=rng.choice(_ISSUES), length=length)
-    elif kind < 0.50:
+    elif kind < 0.47:
         text = rng.choice(_PRODUCT_FORMS).format(p=rng.choice(_PRODUCTS), audience=audience, length=length)
-    elif kind < 0.59:
+    elif kind < 0.57:
         recipient = rng.choice(list(_EMAILS))
         text = rng.choice(_EMAIL_FORMS).format(r=recipient, p=rng.choice(_EMAILS[recipient]), tone=tone, length=length)
-    elif kind < 0.62:
+    elif kind < 0.61:
         job = rng.choice(_JOBS)
         text = rng.choice(_COVER_FORMS).format(job=job, a_job=_a(job), bg=rng.choice(_BACKGROUNDS))
     elif kind < 0.66:
         text = rng.choice(_SPEECH_FORMS).format(o=rng.choice(_OCCASIONS), length=length, tone=tone)
-    elif kind < 0.70:
+    elif kind < 0.71:
         text = rng.choice(_SOCIAL_FORMS).format(pl=rng.choice(_PLATFORMS), a=rng.choice(_ANNOUNCEMENTS))
-    elif kind < 0.76:
+    elif kind < 0.78:
         (title, genre, premise), stance, (food, service) = rng.choice(_FILMS), rng.choice(_STANCES), rng.choice(_FOOD_SERVICE)
         text = rng.choice(_REVIEW_FORMS).format(a_stance=_a(stance), stance=stance, title=title, a_genre=_a(genre),
                                                 premise=premise, place=rng.choice(_PLACES), gadget=rng.choice(_GADGETS),
                                                 stars=rng.randint(1, 5), length=length, food=food, service=service)
-    elif kind < 0.81:
-        text = rng.choice(_REWRITE_FORMS).format(style=rng.choice(_STYLES), p=rng.choice(_PARAGRAPHS))
     elif kind < 0.85:
-        text = rng.choice(_EDIT_FORMS).format(t=rng.choice(_TYPOS))
-    elif kind < 0.91:
+        text = rng.choice(_REWRITE_FORMS).format(style=rng.choice(_STYLES), p=rng.choice(_PARAGRAPHS))
+    elif kind < 0.92:
         question = rng.choice(_QUESTIONS)
         text = rng.choice(_ROLEPLAY_FORMS).format(p=rng.choice(_PERSONAS), q=question, Q=question[0].upper() + question[1:])
-    elif kind < 0.96:
+    elif kind < 0.97:
         role = rng.choice(list(_ACTS))
         request = rng.choice(_ACTS[role]).format(d=rng.choice(_DESTINATIONS), job=rng.choice(_JOBS), i=rng.choice(_ISSUES))
         text = rng.choice(_ACT_FORMS).format(r=_a(role), role=role, q=request)
     else:
         text = rng.choice(_MISC_WRITING)
-    # the extras suit stories, poems and travel pieces only
-    return text + (rng.choice(_WRITING_EXTRAS) if kind < 0.37 else "")
-
-
-# ---- writing, second stream: craft tasks (characters, openings, settings, headlines, outlines, persuasion, and
-# edits of texts generated here, so an expert learns to carry a text through rather than recall a few) ----
-
-_CHARACTER_ROLES = ("clockmaker", "ferry captain", "street magician", "night-shift baker", "retired opera singer", "beekeeper",
-                    "cartographer", "school caretaker", "circus acrobat", "mountain guide", "pawnshop owner", "marine biologist",
-                    "tram driver", "florist", "translator of old letters", "lighthouse engineer", "violin repairer",
-                    "taxi driver", "village doctor", "puppeteer", "antique dealer", "court stenographer", "storm chaser",
-                    "museum night guard", "chess hustler", "sailmaker", "radio host", "tea merchant", "glassblower")
-_CHARACTER_TRAITS = ("who hums while she works", "who never throws anything away", "who speaks only in questions",
-                     "who is afraid of silence", "who keeps a notebook of strangers' laughs", "who lies about small things",
-                     "who can smell a storm coming", "who collects keys to doors that no longer exist",
-                     "who was once famous and hopes nobody remembers", "who talks to pigeons", "who is always exactly on time",
-                     "who has never left their home town", "who paints their fingernails a different colour each day",
-                     "who secretly writes poetry", "who wears a coat far too big for him", "who laughs at the wrong moments")
-_CHARACTER_AGES = ("young", "elderly", "middle-aged", "teenage", "", "")
-_CHARACTER_FORMS = ("Write a character sketch of {a_who}.", "Describe {a_who}, using vivid, specific details.",
-                    "Bring to life, in one paragraph, {a_who}: appearance, habits and voice.",
-                    "Create a memorable character: {a_who}. Show them through what they do, not only how they look.",
-                    "Write a short portrait of {a_who}, {length}.", "Introduce {a_who} as if in the first chapter of a novel.")
-_STORY_PREMISES = ("a girl discovers that her shadow moves on its own", "a man receives a phone call from himself",
-                    "the sea withdraws overnight and does not come back", "a town's clocks all stop at the same minute",
-                    "a woman inherits a house she has never heard of", "every mirror in the city goes dark",
-                    "a boy finds a map with his own house marked in red", "a scientist wakes up twenty years in the past",
-                    "a stranger arrives in a village carrying a locked box", "the last librarian on Earth gets a visitor",
-                    "a detective is hired to find a person who does not exist", "it starts snowing in the middle of summer",
-                    "an old photograph shows someone who has not been born yet", "a ship appears in the harbour with no crew",
-                    "a girl can hear other people's memories", "the power goes out across the whole country for a week")
-_OPENING_FORMS = ("Write the opening paragraph of a story in which {p}.", "Write a gripping first paragraph for a novel where {p}.",
-                  "Begin a {genre} story in which {p}. Write only the first paragraph.",
-                  "Write an opening scene, {length}, for a story where {p}.",
-                  "Hook the reader: write the first lines of a story in which {p}.")
-_SETTINGS = ("a night market in a port city", "a train station at rush hour", "a forest after the first snow",
-             "a fishing harbour at dawn", "a crowded school canteen", "a desert town at noon", "a spice bazaar",
-             "an old cinema on its last night", "a hospital corridor at 3 a.m.", "a rooftop garden in the rain",
-             "a village square on market day", "an airport departure lounge during a delay", "a flower market in spring",
-             "a busy kitchen before dinner service", "a fairground as it closes", "a mountain hut in a storm",
-             "a street food alley in the evening", "a library reading room", "a ferry crossing in rough weather",
-             "a jazz club late at night", "a farmers' market on a hot day", "a harbour fish auction")
-_SETTING_FORMS = ("Write a descriptive paragraph about {s}, using sights, sounds and smells.",
-                  "Describe {s} so the reader feels they are there.", "Paint a picture in words of {s}, {length}.",
-                  "Write a paragraph describing {s}. Focus on sensory details.",
-                  "Describe {s} through the eyes of a child visiting it for the first time.")
-_STORY_STARTS = ("The letter arrived thirty years late.", "Nobody had opened the attic door since the war.",
-                 "The last train left without its driver.", "On the island, everyone knew the rule about the bell.",
-                 "The painting had changed overnight.", "My brother came home with a suitcase that was not his.",
-                 "The fog rolled in, and with it came the music.", "It was the only house on the street with its lights on.",
-                 "The dog would not stop barking at the empty chair.", "She found the diary under a loose floorboard.",
-                 "When the river froze, the strangers came.", "The phone rang in the empty office at midnight.")
-_START_FORMS = ("Write a short story that begins with the sentence: {s}", "Continue this story: {s}",
-                "Use this first line to write a short story, {length}: \"{s}\"",
-                "Write a {genre} story that starts with: \"{s}\"")
-_HEADLINE_TOPICS = ("a breakthrough in battery recycling", "a city that planted a million trees", "a new study on sleep and memory",
-                    "the return of wolves to a national park", "a cheaper way to make clean hydrogen",
-                    "a school that banned phones in class", "a discovery of water ice on the Moon",
-                    "a community-owned wind farm", "a new treatment for peanut allergies", "the rise of four-day work weeks",
-                    "a startup turning food waste into fuel", "a teenager who invented a water filter",
-                    "vertical farms in city centres", "a record year for electric car sales", "coral reefs recovering")
-_HEADLINE_FORMS = ("Suggest {n} catchy headlines for an article about {t}.", "Write a headline and a subheading for a news story about {t}.",
-                   "Give me {n} title ideas for a blog post about {t}. Keep them accurate, not clickbait.",
-                   "Propose {n} headlines for a press release about {t}, each under ten words.",
-                   "Write a catchy but honest headline about {t}, then explain why it works.")
-_COMPARE_PAIRS = (("two budget laptops", "students"), ("two electric cars", "families"), ("two fitness trackers", "runners"),
-                  ("two streaming services", "film lovers"), ("two coffee machines", "home baristas"),
-                  ("two note-taking apps", "busy professionals"), ("two e-readers", "commuters"),
-                  ("two robot vacuums", "pet owners"), ("two gaming consoles", "parents"), ("two cameras", "beginner photographers"),
-                  ("two language-learning apps", "travellers"), ("two city bikes", "commuters"))
-_OUTLINE_FORMS = ("Create an outline for a blog post comparing {x} for {who}, with headings and key points.",
-                  "Outline an article that compares {x}. Include subheadings and what each section should cover.",
-                  "I'm writing a review comparing {x} for {who}. Give me a structure with section titles and bullet points.",
-                  "Plan a five-section blog post about {t}: a title, subheadings and two points under each.",
-                  "Write an outline for a talk about {t}, {length}.")
-_RELATIONS = ("my shy cousin", "my best friend", "my sister", "my retired father", "my flatmate", "my teenage son",
-              "my grandmother", "a colleague who hates change", "my brother who never exercises", "my friend who is afraid of flying")
-_PERSUADE_ACTIONS = ("join a community choir", "give a short talk at a local event", "come on a hiking trip",
-                     "start learning a language", "volunteer at the animal shelter", "try a cooking class with me",
-                     "sign up for a charity 10k run", "take a weekend trip abroad", "go to their school reunion",
-                     "present their project at a meetup")
-_PERSUADE_FORMS = ("Write a friendly but persuasive email to {r} to convince them to {a}. Answer the objections they are likely to raise.",
-                   "Help me persuade {r} to {a}. Write the message I could send, {length}.",
-                   "Write a short, warm message encouraging {r} to {a}.",
-                   "Write a letter convincing {r} to {a}, with three good reasons.")
-_DOCUMENTS = ("the annual budget proposal", "the customer survey results", "the new onboarding guide", "my draft research paper",
-              "the sales presentation for Monday", "the project plan for the new website", "the monthly marketing report",
-              "the grant application", "the safety training slides", "my first newsletter")
-_ASPECTS = ("the structure", "the figures", "the tone", "the conclusions", "the charts", "the length", "the introduction",
-            "the recommendations", "the spelling and grammar", "how clear the main argument is")
-_FEEDBACK_FORMS = ("Write a short email to my manager asking for feedback on {d}, especially {x} and {y}.",
-                   "Draft a polite email asking a colleague to review {d}. Ask about {x}, {y} and {z}.",
-                   "Write a brief, professional message requesting feedback on {d}, focused on {x}.")
-# Sentences for texts to edit: filled in and then roughened, so no two texts repeat.
-_EDIT_SENTENCES = ("{n} went to the {place} on {day} because {pr} needed some {item}.",
-                   "When {n} arrived at the {place}, the {item} was already gone.",
-                   "{n} and {m} have been friends since they were at school together.",
-                   "The {place} was very busy, so {n} decided to come back on {day}.",
-                   "{n} told {m} that the {item} was too expensive for {pos} budget.",
-                   "It was raining heavily, but {n} still walked to the {place}.",
-                   "{n} received a message from {m} about the meeting on {day}.",
-                   "They have definitely forgotten to bring the {item} to the {place}.",
-                   "Tomorrow {n} is going to ask {m} whether the {place} is open.",
-                   "Their neighbours were surprised to see {n} at the {place} so early.",
-                   "{n} doesn't know where {pos} {item} is, and {pr} thinks it is in the car.",
-                   "Everyone at the {place} was talking about the news from {day}.",
-                   "{n} wasn't sure which {item} to buy, so {pr} asked {m} for advice.",
-                   "If {n} had left earlier, {pr} would have caught the bus to the {place}.")
-_EDIT_NAMES = (("Maria", "she", "her"), ("Tom", "he", "his"), ("Aisha", "she", "her"), ("Jonas", "he", "his"),
-               ("Lucy", "she", "her"), ("Ravi", "he", "his"), ("Elif", "she", "her"), ("Mateo", "he", "his"))
-_EDIT_PLACES = ("market", "library", "post office", "bakery", "station", "museum", "pharmacy", "gym", "bookshop", "bank")
-_EDIT_ITEMS = ("bread", "umbrella", "tickets", "keys", "medicine", "notebook", "cake", "phone charger", "flowers", "map")
-# correct -> wrong: how a hurried writer gets it wrong
-_ROUGHEN = {"went": "goed", "because": "becuase", "was": "were", "have": "has", "received": "recieved",
-            "definitely": "definately", "their": "there", "Their": "There", "doesn't": "dont", "wasn't": "weren't",
-            "is": "are", "decided": "decide", "thinks": "think", "already": "allready", "whether": "wether",
-            "surprised": "suprised", "would": "will", "caught": "catched", "asked": "ask", "friends": "friend",
-            "expensive": "expensiv", "too": "to", "talking": "talk", "early": "earlyer", "which": "witch"}
-_GENERATED_TEXT_FORMS = ("Correct the grammar and spelling in this paragraph:\n\n{t}", "Fix the errors in the following text: {t}",
-                 "Proofread and correct this paragraph, then list the changes you made:\n{t}",
-                 "Please edit this for grammar: \"{t}\"", "Rewrite the following paragraph with correct English: {t}",
-                 "Summarise this paragraph in one sentence: {c}", "Rewrite this paragraph in a more formal style: {c}")
-
-
-def _edit_text(rng: random.Random) -> tuple[str, str]:
-    """A short paragraph of filled-in sentences: (roughened with errors, correct)."""
-    (name, pronoun, possessive), other = rng.sample(_EDIT_NAMES, 2)
-    sentences = [s.format(n=name, m=other[0], pr=pronoun, pos=possessive, place=rng.choice(_EDIT_PLACES),
-                          item=rng.choice(_EDIT_ITEMS), day=rng.choice(_WEEKDAYS))
-                 for s in rng.sample(_EDIT_SENTENCES, rng.randint(3, 5))]
-    correct = " ".join(sentences)
-    words = correct.split(" ")
-    wrong = [i for i, w in enumerate(words) if w in _ROUGHEN]
-    for i in rng.sample(wrong, min(len(wrong), rng.randint(2, 5))):
-        words[i] = _ROUGHEN[words[i]]
-    return " ".join(words), correct
-
-
-def _writing_craft_prompt(rng: random.Random) -> str:
-    length, tone = rng.choice(_LENGTHS), rng.choice(_TONES)
-    genre = rng.choice(_GENRES) or "literary"
-    kind = rng.random()
-    if kind < 0.13:
-        who = " ".join(w for w in (rng.choice(_CHARACTER_AGES), rng.choice(_CHARACTER_ROLES), rng.choice(_CHARACTER_TRAITS)) if w)
-        text = rng.choice(_CHARACTER_FORMS).format(a_who=_a(who), length=length)
-    elif kind < 0.25:
-        text = rng.choice(_OPENING_FORMS).format(p=rng.choice(_STORY_PREMISES), genre=genre, length=length)
-    elif kind < 0.37:
-        text = rng.choice(_SETTING_FORMS).format(s=rng.choice(_SETTINGS), length=length)
-    elif kind < 0.46:
-        text = rng.choice(_START_FORMS).format(s=rng.choice(_STORY_STARTS), genre=genre, length=length)
-    elif kind < 0.56:
-        text = rng.choice(_HEADLINE_FORMS).format(n=rng.choice(("three", "four", "five", "5", "4")), t=rng.choice(_HEADLINE_TOPICS))
-    elif kind < 0.66:
-        x, who = rng.choice(_COMPARE_PAIRS)
-        text = rng.choice(_OUTLINE_FORMS).format(x=x, who=who, t=rng.choice(_HEADLINE_TOPICS), length=length)
-    elif kind < 0.76:
-        text = rng.choice(_PERSUADE_FORMS).format(r=rng.choice(_RELATIONS), a=rng.choice(_PERSUADE_ACTIONS), length=length)
-    elif kind < 0.84:
-        x, y, z = rng.sample(_ASPECTS, 3)
-        text = rng.choice(_FEEDBACK_FORMS).format(d=rng.choice(_DOCUMENTS), x=x, y=y, z=z)
-    else:
-        wrong, correct = _edit_text(rng)
-        text = rng.choice(_GENERATED_TEXT_FORMS).format(t=wrong, c=correct)
-    return text + (f" Keep it {tone}." if kind < 0.46 and rng.random() < 0.3 else "")
+    # the extras suit stories and poems only
+    return text + (rng.choice(_WRITING_EXTRAS) if kind < 0.32 else "")
 
 
 # ---- knowledge: explanations, and extraction over a passage the prompt contains ----
@@ -1463,17 +1264,17 @@ def _writing_craft_prompt(rng: random.Random) -> str:
 _TOPICS = ("Newton's third law", "the Doppler effect", "entropy", "the photoelectric effect", "special relativity",
            "electromagnetic induction", "buoyancy", "quantum tunnelling", "the conservation of energy", "static electricity",
            "oxidation and reduction", "the pH scale", "catalysis", "covalent bonding", "the layout of the periodic table",
-           "radioactive decay", "fermentation", "natural selection", "photosynthesis", "the immune system", "DNA replication",
+           "radioactive decay", "fermentation", "natural selection", "the immune system", "DNA replication",
            "the role of mitochondria", "a food web", "symbiosis", "epigenetics", "the nervous system", "cell division",
            "a black hole", "the life cycle of a star", "dark matter", "the Big Bang theory", "an exoplanet", "a solar eclipse",
            "the lunar cycle", "the placebo effect", "herd immunity", "blood pressure", "type 2 diabetes", "an allergic reaction",
            "the circadian rhythm", "antibiotic resistance", "the gut microbiome", "plate tectonics", "the water cycle",
-           "the greenhouse effect", "the rock cycle", "El Niño", "the ozone layer", "soil erosion", "machine learning",
-           "public-key encryption", "a blockchain", "cloud computing", "a large language model", "two-factor authentication",
+           "the greenhouse effect", "the rock cycle", "El Niño", "the ozone layer", "soil erosion",
+           "public-key encryption", "a blockchain", "cloud computing", "two-factor authentication",
            "a semiconductor", "inflation", "supply and demand", "opportunity cost", "comparative advantage", "compound interest",
            "a recession", "central-bank interest-rate policy", "the tragedy of the commons", "game theory",
            "a stock market index", "utilitarianism", "stoicism", "the trolley problem", "existentialism",
-           "Plato's allegory of the cave", "the social contract", "the ship of Theseus", "Occam's razor", "the Socratic method",
+           "Plato's allegory of the cave", "the social contract", "the ship of Theseus", "Occam's razor",
            "cognitive dissonance", "confirmation bias", "the Dunning-Kruger effect", "classical conditioning",
            "Maslow's hierarchy of needs", "a growth mindset", "working memory", "the bystander effect", "Impressionism",
            "perspective in Renaissance painting", "the sonata form", "Art Deco architecture", "the hero's journey", "Cubism",
@@ -1676,8 +1477,7 @@ def _p_books(rng: random.Random) -> tuple[str, str, tuple[str, ...]]:
     books = [(t, _person(rng), rng.randint(1950, 2024), rng.choice(_BOOK_GENRES), rng.choice(_PREMISES))
              for t in rng.sample(_TITLES, rng.randint(2, 4))]
     text = " ".join(f"{t} by {a} ({y}) is {_a(g)} about {p}." for t, a, y, g, p in books)
-    return "set of book descriptions", text, ("Return a JSON list of the books with title, author, year and genre.",
-                                              "Sort the books by publication year.",
+    return "set of book descriptions", text, ("Sort the books by publication year.",
                                               "Which book would you recommend to someone who likes true stories, and why?")
 
 
@@ -1704,7 +1504,7 @@ def _p_reviews(rng: random.Random) -> tuple[str, str, tuple[str, ...]]:
     text = "\n".join(f"Review {i + 1}: {line}" for i, line in enumerate(rng.sample(_REVIEW_SNIPPETS, rng.randint(3, 5))))
     return f"set of customer reviews of {_a(rng.choice(_REVIEWED))}", text, (
         "Classify each review as positive, negative or mixed, and return the result as JSON.",
-        "Rate each review from 1 (very negative) to 5 (very positive).", "What are the main complaints, if any?")
+        "What are the main complaints, if any?")
 
 
 def _p_notes(rng: random.Random) -> tuple[str, str, tuple[str, ...]]:
@@ -1720,7 +1520,6 @@ def _p_notes(rng: random.Random) -> tuple[str, str, tuple[str, ...]]:
 _PASSAGES = (_p_company, _p_news, _p_products, _p_books, _p_table, _p_reviews, _p_notes)
 _PROSE = ("company report", "news item", "set of book descriptions", "set of meeting notes")
 _EXTRACT_TASKS = ("Summarise the passage in one sentence.",
-                  "Extract all named entities (people, organisations, places) and return them as JSON.",
                   "List every number in the passage and what it refers to.", "Extract all dates and times mentioned.",
                   "Write three questions that can be answered from the passage, with their answers.",
                   "Identify the main point of the passage in ten words or fewer.")
@@ -1757,29 +1556,26 @@ def _knowledge_prompt(rng: random.Random) -> str:
 
 
 DOMAINS = {"code": _code_prompt, "math": _math_prompt, "writing": _writing_prompt, "knowledge": _knowledge_prompt}
-# Further prompt streams of a domain, each with its own generator and share of the prompts: a stream added
-# later leaves the first stream's prompts (and the answers cached for them) as they were.
-_MORE_STREAMS = {"writing": ((_writing_craft_prompt, 0.2),)}
 
 
 def domain_prompts(domain: str, count: int, seed: int = 0) -> list[Prompt]:
-    """``count`` distinct templated prompts of one domain (fewer if the templates run out)."""
+    """``count`` distinct templated prompts of one domain (fewer if the templates run out). A prompt that
+    overlaps MT-Bench (``specmesh.distill.overlap``) is dropped and another drawn in its place."""
     if domain not in DOMAINS:
         raise InvalidArgument("domain", f"unknown domain {domain!r}; templated domains: {', '.join(DOMAINS)}")
-    more = _MORE_STREAMS.get(domain, ())
-    streams = [(DOMAINS[domain], 1.0 - sum(share for _, share in more), random.Random(f"{domain}-{seed}"))]
-    streams += [(make, share, random.Random(f"{domain}-{make.__name__}-{seed}")) for make, share in more]
-    served = [0] * len(streams)
+    make, rng = DOMAINS[domain], random.Random(f"{domain}-{seed}")
     seen: dict[str, None] = {}
-    draws = count * 20
-    while len(seen) < count and draws > 0:
-        # the stream furthest below its share draws next (a fixed interleaving), until it gives a new prompt
-        index = min(range(len(streams)), key=lambda i: (served[i] + 1) / streams[i][1])
-        make, _, rng = streams[index]
-        text, draws = make(rng), draws - 1
-        if text not in seen:
+    dropped: set[str] = set()
+    for _ in range(count * 20):
+        if len(seen) >= count:
+            break
+        text = make(rng)
+        if text in seen or text in dropped:
+            continue
+        if overlaps(text):
+            dropped.add(text)
+        else:
             seen[text] = None
-            served[index] += 1
     return [Prompt(text, domain) for text in seen]
 
 
