@@ -1,6 +1,10 @@
-"""Shared fixtures: tiny randomly initialised Llama models built in memory (seconds, no files)."""
+"""Shared fixtures: tiny randomly initialised Llama models built in memory (seconds, no files); and
+``wait_until``, for tests that wait for something to happen (poll the condition, never sleep a guess)."""
 
+import asyncio
+import inspect
 import os
+import time
 
 # Triton chooses its interpreter when first imported: set it before any test module imports triton.
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -10,6 +14,35 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+HANG_S = 60.0  # how long a condition may take before the test fails: bounds a hang, never a speed
+
+
+def wait_until(predicate, timeout_s: float = HANG_S, every_s: float = 0.02, what: str = ""):
+    """Poll ``predicate()`` until it is truthy and return its value; fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"not true after {timeout_s:.0f} s: {what or predicate}")
+        time.sleep(every_s)
+
+
+async def wait_until_async(predicate, timeout_s: float = HANG_S, every_s: float = 0.02, what: str = ""):
+    """``wait_until`` on the event loop; ``predicate`` may be a coroutine function."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"not true after {timeout_s:.0f} s: {what or predicate}")
+        await asyncio.sleep(every_s)
 
 
 def tiny_llama(vocab_size: int = 96, layers: int = 2, seed: int = 0, hidden: int = 64, **overrides):
