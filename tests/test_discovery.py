@@ -11,6 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import redis.asyncio as aioredis
+from conftest import wait_until_async
 from kubernetes import client as k8s
 
 from specmesh.cluster.discovery import (
@@ -37,31 +38,57 @@ TOKENIZER_HASH = "test-vocabulary"
 def test_the_registry_lists_live_drafters_and_forgets_silent_ones(redis_server):
     async def main():
         redis = aioredis.Redis.from_url(redis_server.url)
-        registry = RedisRegistry(redis, prefix="t-registry", ttl_s=0.4)
+        # one prefix, two times to live: long where the test reads what is there, short where it waits
+        # for a silent drafter to expire
+        registry = RedisRegistry(redis, prefix="t-registry", ttl_s=60.0)
+        short = RedisRegistry(redis, prefix="t-registry", ttl_s=0.3)
+        beats = RedisRegistry(redis, prefix="t-registry", ttl_s=1.0)
         try:
             await registry.announce("10.0.0.1:50061", "code", ["code"])
             await registry.announce("10.0.0.2:50061", "math", ["math"])
             both = await registry.addresses()
             await registry.withdraw("10.0.0.1:50061")
             one = await registry.addresses()
-            await asyncio.sleep(0.6)  # nobody renewed 10.0.0.2: it expires by itself
-            none = await registry.addresses()
-            beating = asyncio.create_task(registry.heartbeat("10.0.0.3:50061", "writing"))
-            await asyncio.sleep(1.0)  # longer than the time to live: renewed in time
+            await short.announce("10.0.0.2:50061", "math", ["math"])  # its last beat: nobody renews it
+            await wait_until_async(lambda: none_left(registry), what="the silent drafter expired by itself")
+            beating = asyncio.create_task(beats.heartbeat("10.0.0.3:50061", "writing"))
+            renewals = await count_renewals(redis, beats.key("10.0.0.3:50061"), until=2)
             alive = await registry.addresses()
             beating.cancel()
             await asyncio.gather(beating, return_exceptions=True)
             after = await registry.addresses()  # a clean exit withdraws at once
-            return both, one, none, alive, after
+            return both, one, renewals, alive, after
         finally:
             await redis.aclose()
 
-    both, one, none, alive, after = asyncio.run(main())
+    both, one, renewals, alive, after = asyncio.run(main())
     assert both == {"10.0.0.1:50061", "10.0.0.2:50061"}
-    assert one == {"10.0.0.2:50061"} and none == set()
-    assert alive == {"10.0.0.3:50061"} and after == set()
+    assert one == {"10.0.0.2:50061"}
+    assert renewals >= 2 and alive == {"10.0.0.3:50061"} and after == set()
     with pytest.raises(InvalidArgument, match="ttl"):
         RedisRegistry(None, ttl_s=0)
+
+
+async def none_left(registry: RedisRegistry) -> bool:
+    return await registry.addresses() == set()
+
+
+async def count_renewals(redis, key: str, until: int) -> int:
+    """Watch a key's time to live until it was reset ``until`` times; fail if the key ever expires."""
+    renewals, last = 0, None
+
+    async def renewed() -> bool:
+        nonlocal renewals, last
+        left = await redis.pttl(key)
+        if last is not None and left == -2:
+            raise AssertionError(f"{key} expired: the heartbeat did not renew it")
+        if left > 0:
+            renewals += last is not None and left > last
+            last = left
+        return renewals >= until
+
+    await wait_until_async(renewed, every_s=0.01, what=f"{key} renewed {until} times")
+    return renewals
 
 
 async def _drafter_server(name: str):
@@ -86,7 +113,7 @@ def test_a_drafter_that_announces_itself_joins_the_router_and_leaves_when_it_sto
         following = asyncio.create_task(follow_registry(registry, remote, every_s=0.1))
         try:
             beating = asyncio.create_task(registry.heartbeat(address, "lookup"))
-            await _until(lambda: drafters)
+            await wait_until_async(lambda: drafters, what="the drafter joined")
             joined = [(d.name, d.address, d.kind) for d in drafters]
             # it drafts for a request like any static drafter
             drafter = drafters[0]
@@ -95,7 +122,7 @@ def test_a_drafter_that_announces_itself_joins_the_router_and_leaves_when_it_sto
             await drafter.end("r1")
             beating.cancel()  # the drafter shuts down: withdrawn from the registry
             await asyncio.gather(beating, return_exceptions=True)
-            await _until(lambda: not drafters)
+            await wait_until_async(lambda: not drafters, what="the drafter left")
             return joined, list(tree.tokens)
         finally:
             following.cancel()
@@ -122,14 +149,6 @@ def test_a_drafter_with_another_vocabulary_is_never_used():
 
     added, drafters = asyncio.run(main())
     assert added and drafters == []
-
-
-async def _until(condition, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached")
-        await asyncio.sleep(0.05)
 
 
 # ---- Kubernetes, against a fake API server ----
