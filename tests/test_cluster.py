@@ -4,8 +4,8 @@ process started by its command line, as `specmesh up` does.
 - greedy outputs identical to plain greedy decoding on 20 MT-Bench prompts, at concurrency 1 and 8;
 - kill -9 of a verifier (of two) and of a drafter during 8 concurrent streams: every request completes
   with the undisturbed output;
-- Redis stopped and restarted mid-run: each request completes (identically) or fails UNAVAILABLE
-  within its deadline, none hangs, and the cluster serves again once Redis is back.
+- Redis stopped and restarted mid-run: each request completes (identically) or fails UNAVAILABLE,
+  none hangs, and the cluster serves again once Redis is back.
 """
 
 import signal
@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from conftest import wait_until
 
 from specmesh.client import Client
 from specmesh.cluster.launcher import ClusterSpec, LocalCluster
@@ -143,31 +144,31 @@ def test_killing_a_verifier_and_a_drafter_loses_no_request(cluster, questions, p
 
 def test_redis_restart_fails_fast_or_completes_and_then_serves_again(cluster, questions, plain_outputs):
     chosen = list(range(10, 16))
-    deadline_s = 3 * JOB_TIMEOUT_S + 30  # generous for 64 tokens; the point is that none hangs
+    started = threading.Barrier(len(chosen) + 1)
 
     def run(i):
-        started = time.monotonic()
         try:
-            tokens = stream_collect(client, questions[i], None)
-            return "ok", tokens, time.monotonic() - started
+            return "ok", stream_collect(client, questions[i], started)
         except grpc.RpcError as exc:
-            return exc.code(), exc.details(), time.monotonic() - started
+            return exc.code(), exc.details()
 
     with Client(cluster.router_address, retries=0) as client, ThreadPoolExecutor(len(chosen)) as pool:
         futures = [pool.submit(run, i) for i in chosen]
-        time.sleep(1.0)
+        started.wait(timeout=120)  # every stream is under way
         cluster.redis.stop()
-        time.sleep(3.0)
+        time.sleep(3.0)  # Redis stays away for a while (several verification steps)
         cluster.redis.start()
-        results = [f.result(timeout=deadline_s + 30) for f in futures]
-    for i, (status, payload, elapsed) in zip(chosen, results):
-        assert elapsed < deadline_s
+        results = [f.result(timeout=300) for f in futures]  # bounds a hang: a request waits JOB_TIMEOUT_S at most
+    for i, (status, payload) in zip(chosen, results):
         if status == "ok":
             assert payload == plain_outputs[i]
         else:
             assert status == grpc.StatusCode.UNAVAILABLE, payload
-    time.sleep(2.0)  # verifiers re-register, the router sees them alive again
     with Client(cluster.router_address) as client:
+        # verifiers re-register in the emptied Redis; the router sees them alive again
+        running = sum(v.alive() for v in cluster.verifiers)  # (one was killed by an earlier test)
+        wait_until(lambda: client.info().verifiers == running, timeout_s=120,
+                   what="the router sees every verifier alive again")
         again = client.generate(chat=[("user", questions[3])], max_tokens=MAX_TOKENS)
     assert again.token_ids == plain_outputs[3]
 
