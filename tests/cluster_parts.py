@@ -63,10 +63,9 @@ class ServiceStack:
     """A router and one drafter as real gRPC servers on loopback, over an in-process verifier pool."""
 
     def __init__(self, url: str, model, tokenizer, drafter: Drafter, limits: RouterLimits | None = None,
-                 listen: str = "127.0.0.1:0", metrics: bool = False) -> None:
+                 metrics: bool = False) -> None:
         """``metrics``: each service counts into its own registry, served over HTTP on a free port
         (``metrics_urls``), as the real services do."""
-        self.listen = listen
         self.with_metrics = metrics
         self.endpoints: dict[str, MetricsEndpoint] = {}
         self.pool = InProcessPool(url, model, workers=1)
@@ -96,10 +95,10 @@ class ServiceStack:
         self.router = Router(self.tokenizer, card, [self.remote], self.pool.client, self.limits,
                              classifier=default_classifier(), metrics=router_metrics)
         router_servicer = RouterServicer(self.router, self.pool.client)
-        self.router_server = await start_server(
-            [Service("specmesh.v1.Router", lambda s: router_pb2_grpc.add_RouterServicer_to_server(router_servicer, s))],
-            self.listen, metrics=router_metrics,
-        )
+        # (a test may serve it once more, on an address of its own)
+        self.router_service = Service("specmesh.v1.Router",
+                                      lambda s: router_pb2_grpc.add_RouterServicer_to_server(router_servicer, s))
+        self.router_server = await start_server([self.router_service], "127.0.0.1:0", metrics=router_metrics)
         self.address = f"127.0.0.1:{self.router_server.port}"
         self.watcher = None
         if self.with_metrics:

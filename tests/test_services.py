@@ -10,7 +10,7 @@ import sys
 import grpc
 import pytest
 from cluster_parts import ServiceStack
-from conftest import tiny_llama
+from conftest import tiny_llama, wait_until_async
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from transformers import AutoTokenizer
@@ -242,18 +242,20 @@ def test_overload_is_resource_exhausted_and_cancel_frees_everything(redis_server
                 await first.__anext__()  # under way, holding the only slot
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await client.generate(chat=CHAT, max_tokens=5)
-                await first.aclose()  # the client walks away mid-stream
-                for _ in range(50):
-                    await asyncio.sleep(0.1)
-                    if not (stack.router.active or len(stack.sessions) or stack.pool.workers[0].verifier.num_sessions):
-                        break
-                freed = (stack.router.active, len(stack.sessions), stack.pool.workers[0].verifier.num_sessions)
-                again = await client.generate(chat=CHAT, max_tokens=5)
-            return err.value.code(), err.value.details(), freed, again
 
-    code, details, freed, again = run(main())
+                def held():
+                    return stack.router.active, len(stack.sessions), stack.pool.workers[0].verifier.num_sessions
+
+                held_at_cancel = held()
+                await first.aclose()  # the client walks away mid-stream
+                await wait_until_async(lambda: held() == (0, 0, 0), what="the cancelled request freed everything")
+                again = await client.generate(chat=CHAT, max_tokens=5)
+            return err.value.code(), err.value.details(), held_at_cancel, again
+
+    code, details, held_at_cancel, again = run(main())
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "limit" in details
-    assert freed == (0, 0, 0)
+    # the stream held the router's only slot and a KV cache on the verifier until the client walked away
+    assert held_at_cancel[0] == 1 and held_at_cancel[2] == 1, held_at_cancel
     assert len(again.token_ids) == 5
 
 
@@ -311,12 +313,21 @@ def test_the_client_retries_unavailable_until_the_router_is_up(redis_server, mod
     port = free_port()
 
     async def main():
-        async with AsyncClient(f"127.0.0.1:{port}", retries=6) as client:
-            call = asyncio.ensure_future(client.generate(prompt_ids=[5, 6, 7], max_tokens=4))
-            await asyncio.sleep(0.5)  # the first attempts find nothing listening
-            assert not call.done()
-            async with ServiceStack(redis_server.url, model, tokenizer, NgramDrafter(), listen=f"127.0.0.1:{port}"):
-                return await asyncio.wait_for(call, 60)
+        # everything behind the router is up first: the retries (at most 5 attempts, ~1.5 s) need only
+        # outlast the opening of the router's port, not a cluster's start-up on a busy machine
+        async with ServiceStack(redis_server.url, model, tokenizer, NgramDrafter()) as stack:
+            async with AsyncClient(f"127.0.0.1:{port}", retries=6) as client:
+                call = asyncio.ensure_future(client.generate(prompt_ids=[5, 6, 7], max_tokens=4))
+                # the first attempt finds nothing listening: the call waits and retries instead of failing
+                await wait_until_async(
+                    lambda: client._channel.get_state() == grpc.ChannelConnectivity.TRANSIENT_FAILURE,
+                    what="a connection attempt failed")
+                assert not call.done()
+                late = await start_server([stack.router_service], f"127.0.0.1:{port}")
+                try:
+                    return await asyncio.wait_for(call, 60)
+                finally:
+                    await late.server.stop(0)
 
     result = run(main())
     assert result.token_ids == plain(model, [5, 6, 7], max_tokens=4)
