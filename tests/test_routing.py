@@ -85,7 +85,7 @@ def test_an_always_wrong_drafter_loses_its_traffic_and_regains_it_when_it_improv
     route = router.open("code")
     assert router.select(route, list(drafters))[0] == "expert"
     first = run_steps(router, route, drafters, 5, rng)
-    assert first["expert"] <= 5
+    assert first["lookup"] >= 3, first  # a couple of misses of the favoured one move the traffic over
     later = run_steps(router, route, drafters, 100, rng)
     assert later["lookup"] == 100 and later["expert"] <= 20, later  # the wrong one only when explored
     # the expert improves (a retrained node): exploration finds it, and it wins the traffic back
