@@ -3,7 +3,6 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-PROTO_OUT := specmesh/proto
 
 .PHONY: install model run test test-fast bench proto dashboards classifier-data clean
 
