@@ -1,4 +1,4 @@
-"""The ``specmesh`` command line: generate, bench, prepare."""
+"""The ``specmesh`` command line: generate, up, bench, distill, prepare."""
 
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=EMBEDDED_DEFAULT,
                         help=f"target: hub id, model directory, .gguf file, or {EMBEDDED_DEFAULT!r} (default)")
     parser.add_argument("--drafter", action="append", default=None,
-                        help="drafter: 'ngram' (prompt lookup) or a small model sharing the target's tokenizer; "
-                        "repeat for several (default: ngram)")
+                        help="drafter: ngram (prompt lookup), history, a shipped expert (code, math, writing, knowledge, "
+                        "chat), a drafter directory, or a small model sharing the target's tokenizer; repeatable "
+                        "(default: ngram)")
     parser.add_argument("--tree-nodes", type=int, default=16,
                         help="the most tree nodes a step (adaptive picks fewer where they do not pay); 0 = no speculation "
                         "(default 16)")
@@ -82,8 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "(default 1,4,16)")
     bench.add_argument("--fixed-tree-nodes", type=int, default=8,
                        help="the budget of fixed-k speculation (router_fixed and the load sweep's fixed policy), "
-                       "every step; the adaptive modes and each single drafter get --tree-nodes (default 8: on 2 CPU cores "
-                       "fixed 8 ran 1.19x own plain, fixed 16 1.04x)")
+                       "every step; the adaptive modes and each single drafter get --tree-nodes (default 8: faster "
+                       "than 16 on 2 CPU cores)")
     bench.add_argument("--sweep-rounds", type=int, default=3,
                        help="runs of each policy at each concurrency in the load sweep, in rotated orders (default 3)")
     bench.add_argument("--plots", metavar="DIR", help="also write PNG plots here (speedup per category; latency vs load)")
@@ -96,13 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     dist = commands.add_parser("distill", help="train an expert drafter for a target on one domain")
     dist.add_argument("--target", default=EMBEDDED_DEFAULT, help="the target model (default: the embedded one)")
-    dist.add_argument("--domain", required=True, help="the expert's domain: code, math, writing, knowledge (templated prompts, or with --synthesize; "
-                      "general: with --synthesize, every request not code or math), or any name with --prompts")
+    dist.add_argument("--domain", required=True,
+                      help="code, math, writing, knowledge; general (every request not code or math: with --synthesize); "
+                      "any name with --prompts")
     dist.add_argument("--prompts", help="JSONL training prompts (default: specmesh's templated prompts for --domain)")
     dist.add_argument("--count", type=int, default=1200, help="templated prompts to make when --prompts is absent")
     dist.add_argument("--synthesize", type=int, default=0, metavar="N",
-                      help="instead of templates: N requests the target writes itself (cached, shared by its experts), "
-                      "of which those the request classifier puts in --domain are the training prompts")
+                      help="train on those of N requests the target writes itself (cached per target) that the "
+                      "request classifier puts in --domain, instead of templated prompts")
     dist.add_argument("--out", required=True, help="the drafter directory to write")
     dist.add_argument("--minutes", type=float, default=10.0, help="training time budget (default 10)")
     dist.add_argument("--steps", type=int, default=0,
@@ -113,21 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--subset-size", type=int, default=8192, help="output head vocabulary subset (default 8192)")
     dist.add_argument("--answer-tokens", type=int, default=128,
                       help="max tokens of each target answer (default 128: many short answers teach more than few long ones)")
-    dist.add_argument("--sampled-answers", type=int, default=0,
-                      help="sampled answers per training prompt, besides the greedy one (labels stay the target's "
-                      "greedy next token; default 0)")
-    dist.add_argument("--temperature", type=float, default=0.7, help="temperature of the sampled answers (default 0.7)")
     dist.add_argument("--boost-from", action="append", default=[],
                       help="an earlier drafter of the set, a shipped expert's name or a drafter directory: positions "
                       "it gets wrong weigh more (repeatable)")
-    dist.add_argument("--copy", action="store_true",
-                      help="let the expert copy from its context through a learned gate: far better alone, "
-                      "no better beside prompt lookup (default: off)")
-    dist.add_argument("--copy-gate-only", action="store_true",
-                      help="train the body as without --copy, then fit a copy gate on it (default: off)")
-    dist.add_argument("--copy-min-match", type=int, default=1,
-                      help="with --copy or --copy-gate-only: copy only after a match of at least this many "
-                      "tokens (1 to the longest match looked up, 4; default 1)")
     dist.add_argument("--seed", type=int, default=0)
     dist.add_argument("--threads", type=int, default=None)
 
@@ -349,7 +339,6 @@ def _distill(args: argparse.Namespace) -> int:
     from specmesh.distill.pipeline import distill, synthesized_prompts
     from specmesh.distill.templates import DOMAINS, domain_prompts
     from specmesh.distill.train import TrainConfig
-    from specmesh.drafters.copying import MAX_MATCH
     from specmesh.prompts import load_prompts
     from specmesh.runtime.loading import configure_threads
     from specmesh.speculation.assembly import assemble
@@ -367,18 +356,8 @@ def _distill(args: argparse.Namespace) -> int:
         raise InvalidArgument("learning_rate", f"must be in (0, 1), got {args.learning_rate}")
     if args.batch_tokens < 64:
         raise InvalidArgument("batch_tokens", f"must be >= 64, got {args.batch_tokens}")
-    if not 0 <= args.sampled_answers <= 16:
-        raise InvalidArgument("sampled_answers", f"must be in 0..16, got {args.sampled_answers}")
-    if not 0 < args.temperature <= 4:
-        raise InvalidArgument("temperature", f"must be in (0, 4], got {args.temperature}")
     if args.synthesize < 0:
         raise InvalidArgument("synthesize", f"must be >= 0, got {args.synthesize}")
-    if args.copy and args.copy_gate_only:
-        raise InvalidArgument("copy_gate_only", "give --copy (the body trains with the gate) or --copy-gate-only, not both")
-    if not 1 <= args.copy_min_match <= MAX_MATCH:
-        raise InvalidArgument("copy_min_match", f"must be in 1..{MAX_MATCH}, got {args.copy_min_match}")
-    if args.copy_min_match != 1 and not (args.copy or args.copy_gate_only):
-        raise InvalidArgument("copy_min_match", "applies to a copy gate: give --copy or --copy-gate-only with it")
     if args.synthesize and args.prompts:
         raise InvalidArgument("synthesize", "give --prompts or --synthesize, not both")
     if args.synthesize and args.domain not in (*DOMAINS, GENERAL):
@@ -396,11 +375,9 @@ def _distill(args: argparse.Namespace) -> int:
         if not prompts:
             raise InvalidArgument("synthesize", f"none of the {args.synthesize} requests is a {args.domain} request; draw more")
     config = TrainConfig(layers=args.layers, subset_size=args.subset_size, minutes=args.minutes, steps=args.steps, seed=args.seed,
-                         learning_rate=args.learning_rate, tokens_per_batch=args.batch_tokens, copy_gate=args.copy,
-                         copy_gate_only=args.copy_gate_only, copy_min_match=args.copy_min_match)
+                         learning_rate=args.learning_rate, tokens_per_batch=args.batch_tokens)
     spec = distill(assembly, args.domain, prompts, Path(args.out), config, boost_from=boost_from,
-                   max_answer_tokens=args.answer_tokens, sampled_answers=args.sampled_answers,
-                   temperature=args.temperature)
+                   max_answer_tokens=args.answer_tokens)
     measured = spec.measured
     print(f"drafter {spec.name} ({spec.domain}) written to {args.out}")
     print(f"  MT-Bench agreement: {measured['mtbench_agreement']}")

@@ -1,20 +1,14 @@
 """Expert drafters on a tiny target: training, saving, loading, confidence-shaped trees, losslessness."""
 
 import copy
+import json
 import random
 
 import pytest
 import torch
 from conftest import tiny_llama
 
-from specmesh.distill.data import (
-    Example,
-    generate_examples,
-    recorded_soft_labels,
-    soft_labels,
-    target_answers,
-    target_soft_labels,
-)
+from specmesh.distill.data import Example, SoftLabels, generate_examples, recorded_soft_labels, target_answers
 from specmesh.distill.evaluate import agreement_by_category, expected_tokens_per_step, teacher_forced_hits, union_hits
 from specmesh.distill.train import TrainConfig, build_student, labels_for, train_student
 from specmesh.drafters.catalog import load_expert_for
@@ -45,12 +39,23 @@ def examples(target):
             for i, (p, o) in enumerate(zip(prompts, outputs))]
 
 
+@torch.no_grad()
+def teacher_forced_labels(target, examples, top_k):
+    """The reference: the plain Hugging Face model's top-k distribution after each answer position's input."""
+    labels = []
+    for example in examples:
+        logits = target(torch.tensor([example.token_ids[:-1]])).logits[0, len(example.prompt_ids) - 1 :]  # [answer_len, vocab]
+        top = logits.softmax(-1).topk(top_k, dim=-1)
+        labels.append(SoftLabels(top.indices, top.values))
+    return labels
+
+
 @pytest.fixture(scope="module")
 def trained(target, examples):
     subset = subset_for([t for e in examples for t in e.response_ids], VOCAB, 48)
     model = build_student(target, subset, layers=1)
     before = agreement_by_category(examples, teacher_forced_hits(model, examples))["all"]
-    soft = target_soft_labels(LlamaRuntime(target), examples, top_k=8)
+    soft = teacher_forced_labels(target, examples, top_k=8)
     result = train_student(model, examples, TrainConfig(layers=1, steps=150, learning_rate=3e-3, tokens_per_batch=512),
                            soft_labels=soft, validation=examples[:6])
     return model, before, result
@@ -60,7 +65,7 @@ def test_greedy_answers_record_the_teacher_forced_distribution(target, examples)
     runtime = LlamaRuntime(target)
     chosen = examples[:6]
     results = target_answers(runtime, [e.prompt_ids for e in chosen], max_tokens=16, top_k=8)
-    forced = target_soft_labels(runtime, chosen, top_k=8)
+    forced = teacher_forced_labels(target, chosen, top_k=8)
     for example, (answer, labels), reference in zip(chosen, results, forced):
         assert tuple(answer) == example.response_ids  # plain greedy decoding, as the engine does it
         assert labels.token_ids.shape == (len(answer), 8)
@@ -94,46 +99,27 @@ def test_generated_examples_are_cached_with_their_soft_labels(target, tmp_path):
     assert again[:3] == first and len(again) == 5
     assert len(cache.read_text().splitlines()) == 5  # only the two new prompts were generated
     labels = recorded_soft_labels(cache, again)
-    assert labels is not None and [l.token_ids[:, 0].tolist() for l in labels] == [list(e.response_ids) for e in again]
-    assert soft_labels(runtime, again, cache) is not None
+    assert [l.token_ids[:, 0].tolist() for l in labels] == [list(e.response_ids) for e in again]
 
 
-def test_sampled_answers_are_labelled_with_the_target_greedy_next_token(target, examples, tmp_path):
+def test_answers_cached_without_their_soft_labels_are_refused(target, tmp_path):
     from specmesh.prompts import Prompt
 
     runtime = LlamaRuntime(target)
-    prompts = [Prompt(f"prompt number {i}", "c") for i in range(6)]
-    cache = tmp_path / "sampled.jsonl"
-    sampled = generate_examples(runtime, CharTokenizer(), prompts, cache, max_tokens=12, batch_size=3, temperature=1.5, seed=4)
-    greedy = generate_examples(runtime, CharTokenizer(), prompts, tmp_path / "greedy.jsonl", max_tokens=12, batch_size=3)
-    assert any(s.response_ids != g.response_ids for s, g in zip(sampled, greedy))  # other contexts than greedy's
-    recorded = recorded_soft_labels(cache, sampled)
-    forced = target_soft_labels(runtime, sampled, top_k=16)  # a teacher-forced pass over the sampled answers
-    for example, labels, reference in zip(sampled, recorded, forced):
-        assert example.greedy_next == tuple(reference.token_ids[:, 0].tolist())  # the argmax after each sampled input
-        assert labels.token_ids[:, 0].tolist() == list(example.target_next)
-        assert torch.allclose(labels.probs, reference.probs, atol=2e-3)  # untempered, stored in fp16
-    subset = {token: token for token in range(VOCAB)}
-    example = sampled[0]
-    hard = labels_for(example, subset, fallback=VOCAB)
-    assert hard[len(example.prompt_ids) - 1:][: len(example.target_next)] == list(example.target_next)
-    # Seeded per batch: the same draws again, and a resumed cache reads back what was drawn.
-    again = generate_examples(runtime, CharTokenizer(), prompts, tmp_path / "again.jsonl", max_tokens=12, batch_size=3,
-                              temperature=1.5, seed=4)
-    assert again == sampled
-    assert generate_examples(runtime, CharTokenizer(), prompts, cache, max_tokens=12, temperature=1.5, seed=4) == sampled
-
-
-def test_answers_cached_without_labels_get_a_teacher_forced_pass_once(target, examples, tmp_path, monkeypatch):
-    import specmesh.distill.data as data
-
-    runtime = LlamaRuntime(target)
-    chosen = examples[:3]  # built without recorded labels, as in a cache written before they were recorded
-    assert recorded_soft_labels(tmp_path / "answers.jsonl", chosen) is None
-    first = soft_labels(runtime, chosen, tmp_path / "answers.jsonl")
-    monkeypatch.setattr(data, "target_soft_labels", lambda *args: pytest.fail("the teacher-forced pass ran twice"))
-    second = soft_labels(runtime, chosen, tmp_path / "answers.jsonl")
-    assert all(torch.allclose(a.probs, b.probs, atol=1e-3) for a, b in zip(first, second))
+    cache = tmp_path / "answers.jsonl"
+    generate_examples(runtime, CharTokenizer(), [Prompt("a prompt", "c")], cache, max_tokens=6)
+    row = json.loads(cache.read_text())
+    del row["labels"]  # as an older specmesh cached answers
+    older = tmp_path / "older.jsonl"
+    older.write_text(json.dumps(row) + "\n")
+    examples = generate_examples(runtime, CharTokenizer(), [Prompt("a prompt", "c")], older, max_tokens=6)
+    assert examples[0].labels is None and len(older.read_text().splitlines()) == 1  # read back, not answered again
+    with pytest.raises(InvalidArgument, match="delete it"):
+        recorded_soft_labels(older, examples)
+    for shard in (tmp_path / "answers.jsonl.labels").iterdir():
+        shard.unlink()
+    with pytest.raises(InvalidArgument, match="delete it"):
+        recorded_soft_labels(cache, generate_examples(runtime, CharTokenizer(), [Prompt("a prompt", "c")], cache, max_tokens=6))
 
 
 def test_batched_teacher_forcing_equals_one_example_at_a_time(trained, examples):
@@ -149,7 +135,7 @@ def test_subset_is_frequency_ranked():
 def test_soft_targets_send_mass_outside_the_subset_to_the_fallback(target, examples):
     from specmesh.distill.train import soft_targets
 
-    soft = target_soft_labels(LlamaRuntime(target), examples[:1], top_k=4)[0]
+    soft = teacher_forced_labels(target, examples[:1], top_k=4)[0]
     example = examples[0]
     assert soft.token_ids.shape == (len(example.response_ids), 4)
     assert soft.token_ids[:, 0].tolist() == list(example.response_ids)  # greedy answer = top-1 under teacher forcing
@@ -217,6 +203,25 @@ def test_save_load_round_trip_and_losslessness(trained, target, examples, tmp_pa
     assert sum(len(o.token_ids) for o in outputs) > sum(o.stats.target_steps for o in outputs)
 
 
+def test_a_drafter_directory_with_a_copy_gate_is_refused(trained, target, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model, _, _ = trained
+    spec = ExpertSpec(name="tiny", domain="even", target={"tokenizer_hash": "x", "vocab_size": VOCAB},
+                      architecture=model.config.to_dict())
+    save_expert(model, spec, tmp_path / "tiny")
+    embedding = target.model.embed_tokens.weight.detach()
+    drafter_json = tmp_path / "tiny" / "drafter.json"
+    drafter_json.write_text(json.dumps(json.loads(drafter_json.read_text()) | {"copy": {}}))  # as the shipped writing expert's
+    load_expert(tmp_path / "tiny", embedding)
+    weights = tmp_path / "tiny" / "weights.safetensors"
+    save_file(load_file(str(weights)) | {"copy_gate.hidden": torch.zeros(model.config.hidden_size, dtype=torch.float16)},
+              str(weights))
+    with pytest.raises(InvalidArgument, match="copy gate") as err:
+        load_expert(tmp_path / "tiny", embedding)
+    assert err.value.field == "drafter"
+
+
 def test_rounded_to_the_stored_precision_an_expert_computes_exactly_what_it_loads_as(trained, target, examples, tmp_path):
     model = copy.deepcopy(trained[0])
     round_to_stored(model)
@@ -280,7 +285,7 @@ def test_soft_targets_of_a_prompt_longer_than_the_training_window(target, exampl
     from specmesh.distill.train import soft_targets
 
     example = examples[0]
-    soft = target_soft_labels(LlamaRuntime(target), [example], top_k=4)[0]
+    soft = teacher_forced_labels(target, [example], top_k=4)[0]
     positions, classes, probs = soft_targets(example, soft, {}, fallback=0, length=len(example.prompt_ids) - 1)
     assert positions.numel() == 0 and classes.shape == (0, 5) and probs.shape == (0, 5)
 

@@ -61,6 +61,27 @@ def test_an_expert_is_named_by_its_shipped_name_or_by_its_directory(tmp_path):
     assert expert_directory(tmp_path / "missing", EMBEDDED_DEFAULT) is None
 
 
+def test_every_shipped_expert_loads_for_its_target():
+    from specmesh.drafters.catalog import load_drafter
+    from specmesh.drafters.expert import ExpertDrafter
+    from specmesh.prompts import encode_chat
+    from specmesh.runtime.loading import load_target_parts
+
+    target = load_target_parts(EMBEDDED_DEFAULT)
+    prompt = encode_chat(target.tokenizer, "Name three primary colors.")
+    answer = target.tokenizer("The three primary colors are red, blue and yellow.")["input_ids"]
+    for name in shipped_experts(EMBEDDED_DEFAULT):
+        drafter = load_drafter(name, target, device=None, dtype=None)
+        assert isinstance(drafter, ExpertDrafter) and drafter.name == name
+        drafter.start("r", prompt)
+        sizes = []
+        for token in answer:
+            sizes.append(len(drafter.propose("r", 4)))
+            drafter.commit("r", [token])
+        drafter.end("r")
+        assert max(sizes) <= 4 and sum(sizes) > 0, (name, sizes)
+
+
 def test_a_directory_without_config_is_refused(tmp_path):
     with pytest.raises(InvalidArgument, match="no config.json"):
         resolve_model_dir(str(tmp_path))
@@ -98,39 +119,14 @@ def test_distill_writes_a_drafter_directory_that_generate_uses(tiny_dir, tmp_pat
     assert result.returncode == 0, result.stderr[-2000:]
     assert "outputs identical" in result.stdout
 
-    # Collective boost-tuning: the second expert learns from the first's misses; and from one sampled answer per
-    # training prompt besides the greedy one. It may copy from its context (a gate refit on the held-out answer).
+    # Collective boost-tuning: the second expert learns from the first's misses.
     boosted = tmp_path / "math-expert"
     result = subprocess.run(
         [sys.executable, "-m", "specmesh", "distill", "--target", str(tiny_dir), "--domain", "math", "--count", "8",
          "--answer-tokens", "8", "--minutes", "0.05", "--subset-size", "64", "--layers", "1", "--out", str(boosted),
-         "--boost-from", str(out), "--sampled-answers", "1", "--temperature", "1.2", "--copy"],
+         "--boost-from", str(out)],
         capture_output=True, text=True, timeout=600, env=env,
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    boosted_spec = json.loads((boosted / "drafter.json").read_text())
-    training = boosted_spec["training"]
-    assert training["boosted_from"] == ["code-expert"] and training["copy_gate"] is True
-    assert boosted_spec["copy"]["fit_on_positions"] > 0 and boosted_spec["copy"]["max_match"] == 4
-    assert training["sampled_answers_per_prompt"] == 1 and training["examples"] == 14  # 7 training prompts, twice
-    sampled = [json.loads(line) for line in (boosted / "answers-sampled-0.jsonl").read_text().splitlines()]
-    every_prompt = {json.loads(line)["prompt"] for line in (boosted / "answers.jsonl").read_text().splitlines()}
-    assert len(sampled) == 7 and {row["prompt"] for row in sampled} < every_prompt  # the held-out one is not sampled
-    assert all(len(row["greedy_next"]) == len(row["response_ids"]) for row in sampled)
-
-    # A gate fit on the finished body alone, copying only after matches of 3 tokens or more
-    gated = tmp_path / "gated-expert"
-    result = subprocess.run(
-        [sys.executable, "-m", "specmesh", "distill", "--target", str(tiny_dir), "--domain", "code", "--count", "12",
-         "--answer-tokens", "12", "--minutes", "0.05", "--subset-size", "64", "--layers", "1", "--out", str(gated),
-         "--copy-gate-only", "--copy-min-match", "3"],
-        capture_output=True, text=True, timeout=600, env=env,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    gated_spec = json.loads((gated / "drafter.json").read_text())
-    assert gated_spec["training"]["copy_gate"] is False and gated_spec["training"]["copy_gate_only"] is True
-    assert gated_spec["copy"]["min_match"] == 3 and gated_spec["copy"]["fit_on_positions"] > 0
-    from safetensors import safe_open
-
-    with safe_open(str(gated / "weights.safetensors"), "pt") as weights:
-        assert any(name.startswith("copy_gate.") for name in weights.keys())
+    training = json.loads((boosted / "drafter.json").read_text())["training"]
+    assert training["boosted_from"] == ["code-expert"] and training["examples"] == 7  # the held-out eighth not trained on

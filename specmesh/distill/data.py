@@ -4,9 +4,7 @@ answer position, cached (JSONL + safetensors shards) and resumable.
 Under teacher forcing on its own greedy output, the target's argmax at every position is the next
 token of the answer, so these answers are exactly the labels that top-1 agreement is measured by; and
 the distribution greedy decoding computes at each step is exactly the teacher-forced one, so the soft
-labels come free with the answers. Sampled answers (temperature > 0) give other contexts from the same
-prompts, as the target's sampled requests see them; their labels are still the target's greedy next
-token at every position (the top-1 of the recorded distribution), not the token that was sampled.
+labels come free with the answers.
 """
 
 from __future__ import annotations
@@ -23,6 +21,7 @@ from typing import Sequence
 import torch
 from tqdm.auto import tqdm
 
+from specmesh.errors import InvalidArgument
 from specmesh.prompts import Prompt, encode_chat
 from specmesh.runtime.llama import TreeBatch
 from specmesh.runtime.target import prefill_sessions
@@ -38,19 +37,10 @@ class Example:
     prompt_ids: tuple[int, ...]
     response_ids: tuple[int, ...]
     labels: tuple[str, int] | None = None  # (shard file, index in it) of the soft labels recorded with the answer
-    # The target's greedy next token after each answer position's input, where the answer was sampled;
-    # None for a greedy answer, whose own tokens are those.
-    greedy_next: tuple[int, ...] | None = None
 
     @property
     def token_ids(self) -> list[int]:
         return [*self.prompt_ids, *self.response_ids]
-
-    @property
-    def target_next(self) -> tuple[int, ...]:
-        """What the target's greedy decoding would emit after each answer position's input: the labels of
-        top-1 agreement (aligned with ``response_ids``)."""
-        return self.response_ids if self.greedy_next is None else self.greedy_next
 
 
 @dataclass(frozen=True)
@@ -69,9 +59,8 @@ def load_examples(path: Path) -> list[Example]:
         if line.strip():
             row = json.loads(line)
             labels = tuple(row["labels"]) if "labels" in row else None
-            greedy_next = tuple(row["greedy_next"]) if "greedy_next" in row else None
             examples.append(Example(row["prompt"], row["category"], tuple(row["prompt_ids"]), tuple(row["response_ids"]),
-                                    labels, greedy_next))
+                                    labels))
     return examples
 
 
@@ -146,12 +135,9 @@ def generate_examples(
     max_tokens: int = 128,
     eos_token_ids: Sequence[int] = (),
     batch_size: int = 64,  # the lean runtime decodes ~2.5x more tokens/s at 64 requests a pass than at 16
-    temperature: float = 0.0,
-    seed: int = 0,
 ) -> list[Example]:
-    """Answers for every prompt, reusing those already in ``cache_file`` and appending the new ones; each
-    batch's soft labels go to a safetensors shard beside it (``<cache>.labels/``). At a temperature
-    above 0 the answers are sampled (seeded per batch, so a resumed run draws what a whole one would)."""
+    """The target's greedy answers to every prompt, reusing those already in ``cache_file`` and appending
+    the new ones; each batch's soft labels go to a safetensors shard beside it (``<cache>.labels/``)."""
     cache_file.parent.mkdir(parents=True, exist_ok=True)
     shards = _shard_dir(cache_file)
     shards.mkdir(exist_ok=True)
@@ -162,78 +148,34 @@ def generate_examples(
         for start in range(0, len(todo), batch_size):
             batch = todo[start : start + batch_size]
             encoded = [tuple(encode_chat(tokenizer, p.text)) for p in batch]
-            batch_key = repr((encoded, temperature, seed)) if temperature > 0 else repr(encoded)
-            digest = hashlib.sha256(batch_key.encode()).hexdigest()[:16]
-            generator = torch.Generator().manual_seed(int(digest, 16) % 2**63) if temperature > 0 else None
-            results = target_answers(runtime, encoded, max_tokens, eos_token_ids, temperature=temperature, generator=generator)
-            shard = digest + ".safetensors"
+            shard = hashlib.sha256(repr(encoded).encode()).hexdigest()[:16] + ".safetensors"
+            results = target_answers(runtime, encoded, max_tokens, eos_token_ids)
             _save_shard(shards / shard, [labels for _, labels in results])
             for index, (prompt, ids, (answer, labels)) in enumerate(zip(batch, encoded, results)):
                 row = {"prompt": prompt.text, "category": prompt.category, "prompt_ids": list(ids), "response_ids": answer,
                        "labels": [shard, index]}
-                greedy_next = None
-                if temperature > 0:
-                    greedy_next = tuple(labels.token_ids[:, 0].tolist())
-                    row["greedy_next"] = list(greedy_next)
-                done[prompt.text] = Example(prompt.text, prompt.category, ids, tuple(answer), (shard, index), greedy_next)
+                done[prompt.text] = Example(prompt.text, prompt.category, ids, tuple(answer), (shard, index))
                 out.write(json.dumps(row) + "\n")
             out.flush()
             bar.update(len(batch))
     return [done[p.text] for p in prompts if p.text in done]
 
 
-def recorded_soft_labels(cache_file: Path, examples: Sequence[Example]) -> list[SoftLabels] | None:
-    """The soft labels recorded with ``examples``' answers, or None where any is missing (an older cache)."""
-    if any(e.labels is None for e in examples):
-        return None
+def recorded_soft_labels(cache_file: Path, examples: Sequence[Example]) -> list[SoftLabels]:
+    """The soft labels that ``generate_examples`` recorded with ``examples``' answers in ``cache_file``."""
     shards: dict[str, list[SoftLabels]] = {}
     labels = []
     for example in examples:
+        if example.labels is None or not (_shard_dir(cache_file) / example.labels[0]).is_file():
+            raise InvalidArgument("out", f"{cache_file} holds answers without their soft labels (cached by an older "
+                                  "specmesh, or a shard deleted): delete it to answer again")
         name, index = example.labels
         if name not in shards:
-            path = _shard_dir(cache_file) / name
-            if not path.exists():
-                return None
-            shards[name] = _load_shard(path)
+            shards[name] = _load_shard(_shard_dir(cache_file) / name)
         label = shards[name][index]
         if label.token_ids.shape[0] != len(example.response_ids):
-            return None
+            raise InvalidArgument("out", f"{cache_file}'s soft labels do not match its answers: delete it to answer again")
         labels.append(label)
-    return labels
-
-
-def target_soft_labels(runtime, examples: Sequence[Example], top_k: int = SOFT_LABEL_TOP_K) -> list[SoftLabels]:
-    """One teacher-forced target pass per example: its distribution after every answer position's input."""
-    labels = []
-    for example in tqdm(examples, desc="target distributions", unit="answer"):
-        tokens = example.token_ids[:-1]
-        first = len(example.prompt_ids) - 1  # input position whose output is the first answer token
-        session = runtime.new_session()
-        try:
-            tree = compile_tree(tokens[0], TokenTree.chain(tokens[1:]))
-            rows = torch.arange(first, len(tokens))
-            logits = runtime.forward(TreeBatch.build([session], [tree]), logits_rows=rows)  # [answer_len, vocab]
-        finally:
-            session.free()
-            release_freed_memory()
-        top = logits.softmax(-1).topk(top_k, dim=-1)
-        labels.append(SoftLabels(top.indices.cpu(), top.values.cpu()))
-    return labels
-
-
-def soft_labels(runtime, examples: Sequence[Example], answers_file: Path) -> list[SoftLabels]:
-    """The soft labels recorded with the answers; for answers cached without them (older caches), one
-    teacher-forced pass, kept in a shard keyed by the examples so that it is paid once."""
-    recorded = recorded_soft_labels(answers_file, examples)
-    if recorded is not None:
-        return recorded
-    digest = hashlib.sha256(repr([(e.prompt_ids, e.response_ids) for e in examples]).encode()).hexdigest()[:16]
-    shard = _shard_dir(answers_file) / f"teacher-forced-{digest}.safetensors"
-    if shard.exists():
-        return _load_shard(shard)
-    labels = target_soft_labels(runtime, examples)
-    shard.parent.mkdir(parents=True, exist_ok=True)
-    _save_shard(shard, labels)
     return labels
 
 

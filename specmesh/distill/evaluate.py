@@ -54,8 +54,8 @@ def teacher_forced_hits(model: ExpertModel, examples: Sequence[Example], tokens_
     hits: list[list[bool]] = [[] for _ in examples]
     for index, hidden in teacher_forced_states(model, examples, tokens_per_batch):
         example = examples[index]
-        guessed = model.guesses(hidden, example.token_ids, len(example.prompt_ids) - 1)  # token ids; -1 = no guess
-        hits[index] = (guessed.cpu() == torch.tensor(example.target_next)).tolist()
+        guessed = model.guesses(hidden)  # token ids; -1 = no guess
+        hits[index] = (guessed.cpu() == torch.tensor(example.response_ids)).tolist()
     return hits
 
 
@@ -98,11 +98,11 @@ def interface_hits(drafter, examples: Sequence[Example]) -> tuple[list[list[bool
         drafter.start(request, example.prompt_ids)
         row = []
         try:
-            for token, label in zip(example.response_ids, example.target_next):
+            for token in example.response_ids:
                 started = time.perf_counter()
                 tree = drafter.propose(request, 1)
                 times.append(time.perf_counter() - started)
-                row.append(len(tree) > 0 and tree.tokens[0] == label)
+                row.append(len(tree) > 0 and tree.tokens[0] == token)
                 drafter.commit(request, [token])
         finally:
             drafter.end(request)

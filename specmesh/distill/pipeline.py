@@ -10,7 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Sequence
 
-from specmesh.distill.data import Example, generate_examples, soft_labels
+from specmesh.distill.data import Example, generate_examples, recorded_soft_labels
 from specmesh.distill.evaluate import (
     agreement_by_category,
     expected_tokens_per_step,
@@ -19,7 +19,7 @@ from specmesh.distill.evaluate import (
     union_hits,
 )
 from specmesh.distill.synthesis import classified_prompts, synthesize_requests
-from specmesh.distill.train import TrainConfig, build_student, fit_copy_gate, train_student
+from specmesh.distill.train import TrainConfig, build_student, train_student
 from specmesh.drafters.catalog import load_expert_for
 from specmesh.drafters.expert import (
     ExpertDrafter,
@@ -40,7 +40,6 @@ from specmesh.tree import TokenTree, compile_tree
 
 BOOST = 2.0  # extra weight of a position every earlier drafter of the set got wrong
 MTBENCH_ANSWER_TOKENS = 64
-SAMPLING_TEMPERATURE = 0.7  # sampled training answers: varied, yet mostly what the target would say
 
 
 def target_step_ms(assembly: Assembly, context: Sequence[int], steps: int = 30) -> float:
@@ -96,13 +95,11 @@ def distill(
     config: TrainConfig,
     boost_from: Sequence[str | Path] = (),
     max_answer_tokens: int = 128,
-    sampled_answers: int = 0,
-    temperature: float = SAMPLING_TEMPERATURE,
 ) -> ExpertSpec:
     out_dir.mkdir(parents=True, exist_ok=True)
     answers_file = out_dir / "answers.jsonl"
-    eos = eos_token_ids(assembly.target)
-    examples = generate_examples(assembly.runtime, assembly.target.tokenizer, prompts, answers_file, max_answer_tokens, eos)
+    examples = generate_examples(assembly.runtime, assembly.target.tokenizer, prompts, answers_file, max_answer_tokens,
+                                 eos_token_ids(assembly.target))
     rng = random.Random(config.seed)
     shuffled = examples[:]
     rng.shuffle(shuffled)
@@ -110,28 +107,12 @@ def distill(
     validation, training = shuffled[:held_out], shuffled[held_out:]
     soft = None
     if config.soft_weight > 0:
-        labels = soft_labels(assembly.runtime, examples, answers_file)
-        by_prompt = dict(zip((e.prompt for e in examples), labels))
-        soft = [by_prompt[e.prompt] for e in training]
-    # More contexts from the training prompts only (the held-out prompts stay unseen): sampled answers,
-    # labelled with the target's greedy next token at every position.
-    training_prompts = [Prompt(e.prompt, e.category) for e in training]
-    for round_ in range(sampled_answers):
-        sampled_file = out_dir / f"answers-sampled-{round_}.jsonl"
-        sampled = generate_examples(assembly.runtime, assembly.target.tokenizer, training_prompts, sampled_file,
-                                    max_answer_tokens, eos, temperature=temperature, seed=config.seed + round_)
-        training = training + sampled
-        if soft is not None:
-            soft = soft + soft_labels(assembly.runtime, sampled, sampled_file)  # recorded as they were sampled
+        soft = recorded_soft_labels(answers_file, training)
     vocab = assembly.target.model.config.vocab_size
-    subset = subset_for([t for e in training for t in e.target_next], vocab, config.subset_size)
+    subset = subset_for([t for e in training for t in e.response_ids], vocab, config.subset_size)
     weights = boost_weights(assembly, training, boost_from) if boost_from else None
     model = build_student(assembly.target.model, subset, config.layers)
     result = train_student(model, training, config, position_weights=weights, soft_labels=soft, validation=validation)
-
-    copy_fit = {}
-    if config.copy_gate or config.copy_gate_only:
-        copy_fit = fit_copy_gate(model, validation, config.copy_min_match) | {"fit_on": "the held-out tenth of the answers"}
     round_to_stored(model)  # measure the weights as saved
     spec = ExpertSpec(
         name=out_dir.name,
@@ -140,10 +121,7 @@ def distill(
                 "vocab_size": vocab},
         architecture=model.config.to_dict() | {"vocab_size": vocab},
         measured=measure_expert(assembly, model, out_dir.name, domain, validation),
-        copy=copy_fit,
         training=asdict(config) | {"examples": len(training), "answer_tokens": sum(len(e.response_ids) for e in training),
-                                   "sampled_answers_per_prompt": sampled_answers,
-                                   "sampling_temperature": temperature if sampled_answers else None,
                                    "steps": result.steps, "epochs": round(result.epochs, 2),
                                    "seconds": round(result.seconds, 1), "train_accuracy": round(result.final_accuracy, 4),
                                    "best_held_out_agreement": result.best_held_out,

@@ -7,8 +7,7 @@ frozen input embeddings. Its loss mixes two views of the target at every answer 
 - soft: cross-entropy against the target's top-k next-token distribution (mass outside the subset
   goes to the fallback class), which carries far more per token than the argmax alone.
 Positions can carry weights: collective boost-tuning up-weights the positions that earlier drafters
-of the set got wrong. A student that may copy (``drafters/copying.py``) trains on the mixture, and its
-gate is refit afterwards on answers it was not trained on.
+of the set got wrong.
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from specmesh.distill.data import Example, SoftLabels
-from specmesh.drafters.copying import MAX_MATCH, CopyGate, copy_candidates, gate_features
 from specmesh.drafters.expert import ExpertModel
 
 IGNORE = -100
@@ -41,9 +39,6 @@ class TrainConfig:
     tokens_per_batch: int = 2048
     max_length: int = 384
     seed: int = 0
-    copy_gate: bool = False  # let the expert copy from its context: the body trains on the mixture with a gate
-    copy_gate_only: bool = False  # a copy gate fit on the finished body alone (the body trains as without one)
-    copy_min_match: int = 1  # the gate copies only after a match of at least this many tokens
 
 
 @dataclass
@@ -81,7 +76,7 @@ def labels_for(example: Example, subset_index: dict[int, int], fallback: int) ->
     """Per input position: the subset index of the target's greedy next token on answer positions, else IGNORE."""
     labels = [IGNORE] * len(example.token_ids)
     first = len(example.prompt_ids) - 1
-    for offset, token in enumerate(example.target_next):
+    for offset, token in enumerate(example.response_ids):
         labels[first + offset] = subset_index.get(token, fallback)
     return labels
 
@@ -119,20 +114,16 @@ def batches(rows: list[tuple], tokens_per_batch: int, generator: torch.Generator
         labels = torch.full((len(group), width), IGNORE, dtype=torch.long)
         weights = torch.zeros(len(group), width)
         mask = torch.zeros(len(group), width, dtype=torch.long)
-        candidates = torch.full((len(group), width), -1, dtype=torch.long)  # copy candidate token ids, -1: none
-        lengths = torch.zeros(len(group), width, dtype=torch.long)
         soft = []  # (batch row, positions, classes, probs)
         for row, index in enumerate(group):
-            tokens, label, weight, targets, (candidate, length) = rows[index]
+            tokens, label, weight, targets = rows[index]
             ids[row, : len(tokens)] = torch.tensor(tokens)
             labels[row, : len(tokens)] = torch.tensor(label)
             weights[row, : len(tokens)] = torch.tensor(weight)
             mask[row, : len(tokens)] = 1
-            candidates[row, : len(candidate)] = torch.tensor(candidate, dtype=torch.long)
-            lengths[row, : len(length)] = torch.tensor(length, dtype=torch.long)
             if targets is not None:
                 soft.append((row, *(t.to(device) for t in targets)))
-        yield *(t.to(device) for t in (ids, labels, weights, mask)), soft, (candidates.to(device), lengths.to(device))
+        yield *(t.to(device) for t in (ids, labels, weights, mask)), soft
 
 
 def _soft_loss(log_q_all: torch.Tensor, weights: torch.Tensor, soft: list) -> torch.Tensor:
@@ -148,23 +139,6 @@ def _soft_loss(log_q_all: torch.Tensor, weights: torch.Tensor, soft: list) -> to
     return total / mass.clamp_min(1e-6)
 
 
-def _log_probs(model: ExpertModel, ids: torch.Tensor, mask: torch.Tensor, candidates: torch.Tensor,
-               lengths: torch.Tensor) -> torch.Tensor:
-    """The student's log-probabilities over its classes [batch, seq, subset + 1]: with a copy gate, of the
-    mixture, the candidate's share going to its class (the fallback's for a token outside the subset),
-    so that the body learns what copying leaves to it."""
-    hidden = model.hidden_states(ids, attention_mask=mask)  # [batch, seq, hidden]
-    logits = model.head(hidden)
-    if model.copy_gate is None:
-        return logits.log_softmax(-1)
-    probs = logits.softmax(-1)
-    candidate_index = model.subset_index(candidates)
-    g = model.copy_gate(hidden @ model.copy_gate.hidden, gate_features(probs.detach(), candidate_index, lengths), lengths)
-    candidate_class = torch.where(candidate_index >= 0, candidate_index, torch.full_like(candidate_index, probs.shape[-1] - 1))
-    mixed = (probs * (1 - g).unsqueeze(-1)).scatter_add(-1, candidate_class.unsqueeze(-1), g.unsqueeze(-1))
-    return mixed.clamp_min(1e-9).log()
-
-
 def train_student(
     model: ExpertModel,
     examples: Sequence[Example],
@@ -178,12 +152,10 @@ def train_student(
     """Train until the time budget is spent (or for ``config.steps`` steps); with ``validation``
     examples, keep the weights that had the best held-out agreement, checked at the end and every
     ``validate_every_s`` seconds or more: so that checking takes at most ``validation_share`` of the time
-    (a check of 300 answers takes as long as ~8 training steps on 2 cores; checked every 30 s, it took
-    70 % of a run). A run by steps checks every tenth of its steps instead, so it repeats exactly."""
+    (checked every 30 s regardless, it took most of a run). A run by steps checks every tenth of its
+    steps instead, so it repeats exactly."""
     from specmesh.distill.evaluate import teacher_forced_hits
     torch.manual_seed(config.seed)
-    if config.copy_gate and model.copy_gate is None:
-        model.copy_gate = CopyGate(model.config.hidden_size, config.copy_min_match)  # refit on held-out answers after
     generator = torch.Generator().manual_seed(config.seed)
     subset = model.subset_ids.tolist()
     subset_index = {token: i for i, token in enumerate(subset)}
@@ -194,8 +166,7 @@ def train_student(
         labels = labels_for(example, subset_index, fallback)[: config.max_length]
         weights = list(position_weights[n][: config.max_length]) if position_weights else [1.0] * len(tokens)
         targets = soft_targets(example, soft_labels[n], subset_index, fallback, len(tokens)) if soft_labels else None
-        copying = copy_candidates(tokens, 0) if model.copy_gate is not None else ([], [])  # per input position
-        rows.append((tokens, labels, weights, targets, copying))
+        rows.append((tokens, labels, weights, targets))
     total_tokens = sum(sum(1 for l in r[1] if l != IGNORE) for r in rows)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=0.0, betas=(0.9, 0.98))
@@ -225,7 +196,7 @@ def train_student(
         check_every_s = max(validate_every_s, (time.perf_counter() - checked_at) / validation_share)
 
     while not done:
-        for ids, labels, weights, mask, soft, copying in batches(rows, config.tokens_per_batch, generator, model.device):
+        for ids, labels, weights, mask, soft in batches(rows, config.tokens_per_batch, generator, model.device):
             elapsed = time.perf_counter() - started
             progress = steps / config.steps if config.steps else elapsed / budget
             if progress >= 1.0:
@@ -238,7 +209,7 @@ def train_student(
             lr = config.learning_rate * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            log_q = _log_probs(model, ids, mask, *copying)  # [batch, seq, subset + 1]
+            log_q = model(ids, attention_mask=mask).log_softmax(-1)  # [batch, seq, subset + 1]
             per_token = F.nll_loss(log_q.transpose(1, 2), labels, ignore_index=IGNORE, reduction="none")
             counted = labels != IGNORE
             loss = (per_token * weights * counted).sum() / (weights * counted).sum().clamp_min(1e-6)
@@ -266,37 +237,3 @@ def train_student(
     return TrainResult(steps, seen / max(total_tokens, 1), time.perf_counter() - started, accuracy,
                        best_agreement if validation else None)
 
-
-def fit_copy_gate(model: ExpertModel, examples: Sequence[Example], min_match: int = 1, steps: int = 1000,
-                  learning_rate: float = 0.01, hidden_decay: float = 1e-2) -> dict:
-    """Give ``model`` a copy gate, fit by the mixture's likelihood of the target's next token at every
-    answer position of ``examples``, with the model itself frozen. They must be answers the model was not
-    trained on: on those it was, it is right far more often than on new text, and the gate would learn
-    to trust copying too little. Returns what the fit saw (for ``drafter.json``)."""
-    from specmesh.distill.evaluate import teacher_forced_states
-
-    model.copy_gate = CopyGate(model.config.hidden_size, min_match)
-    rows = []
-    for index, hidden in teacher_forced_states(model, examples):
-        example = examples[index]
-        with torch.no_grad():  # the model is frozen: only the gate learns
-            probs, candidate, candidate_index, length, _ = model.copy_features(hidden, example.token_ids, len(example.prompt_ids) - 1)
-            label = torch.tensor(example.target_next, device=hidden.device)  # [n]
-            label_index = model.subset_index(label)
-            label_p = torch.where(label_index >= 0, probs.gather(1, label_index.clamp_min(0)[:, None])[:, 0], probs[:, -1])
-            rows.append((hidden.float(), gate_features(probs, candidate_index, length), length, (candidate == label).float(), label_p))
-    hidden, features, length, copy_right, label_p = (torch.cat(column) for column in zip(*rows))
-    gate = model.copy_gate
-    optimizer = torch.optim.Adam(gate.parameters(), lr=learning_rate)
-    for _ in range(steps):
-        g = gate(hidden @ gate.hidden, features, length)  # [positions]
-        likelihood = g * copy_right + (1 - g) * label_p
-        loss = -likelihood.clamp_min(1e-6).log().mean() + hidden_decay * gate.hidden.square().sum()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-    gate.requires_grad_(False)
-    with_candidate = length >= min_match
-    return {"fit_on_positions": int(length.numel()), "candidate_share": round(float(with_candidate.float().mean()), 4),
-            "candidate_right": round(float(copy_right[with_candidate].mean()), 4) if with_candidate.any() else 0.0,
-            "min_match": min_match, "max_match": MAX_MATCH, "steps": steps}

@@ -4,13 +4,11 @@ What makes them cheap: a few layers at the target's width, the target's own (fro
 and an output head over a frequency-ranked subset of the vocabulary (the domain's common tokens) plus
 one *fallback* class meaning "the next token is not in my subset" — when it wins, the drafter stops
 guessing instead of proposing a token it cannot know. At run time the model runs on the lean runtime
-(pre-packed linears, KV sessions), like the target. An expert may also copy from its context, through
-a learned gate (``copying.py``): its distribution then has one more output, the copy candidate.
+(pre-packed linears, KV sessions), like the target.
 
 A drafter directory holds ``drafter.json`` (architecture, domain, target tokenizer hash, the measured
-agreement and cost) and ``weights.safetensors`` (fp16: the layers, the final norm, the head rows, the
-copy gate if any, and the subset's token ids). The input embeddings are read from the target model's
-safetensors at load.
+agreement and cost) and ``weights.safetensors`` (fp16: the layers, the final norm, the head rows and the
+subset's token ids). The input embeddings are read from the target model's safetensors at load.
 """
 
 from __future__ import annotations
@@ -23,14 +21,6 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from specmesh.drafters.copying import (
-    ContextIndex,
-    CopyGate,
-    copy_candidates,
-    copy_guess,
-    gate_features,
-    position_features,
-)
 from specmesh.drafters.shape import Step, common_prefix, confident_tree
 from specmesh.errors import InvalidArgument
 from specmesh.runtime.kv_cache import KVSession
@@ -45,8 +35,7 @@ FORMAT = "specmesh-drafter/1"
 class ExpertModel(nn.Module):
     """Token ids [batch, seq] -> logits [batch, seq, subset + 1] (last column = fallback)."""
 
-    def __init__(self, config, embedding: torch.Tensor, subset_ids: torch.Tensor, copy_gate: bool = False,
-                 copy_min_match: int = 1) -> None:
+    def __init__(self, config, embedding: torch.Tensor, subset_ids: torch.Tensor) -> None:
         from transformers import LlamaModel
 
         super().__init__()
@@ -55,13 +44,9 @@ class ExpertModel(nn.Module):
         self.body.embed_tokens.weight = nn.Parameter(embedding.clone(), requires_grad=False)
         subset_ids = subset_ids.to(torch.long)
         self.register_buffer("subset_ids", subset_ids, persistent=False)  # [subset]
-        output_of = torch.full((embedding.shape[0],), -1, dtype=torch.long)
-        output_of[subset_ids] = torch.arange(len(subset_ids))
-        self.register_buffer("output_of", output_of, persistent=False)  # [vocab]: token id -> subset index, -1 outside
         output_tokens = torch.cat([subset_ids, subset_ids.new_tensor([-1])])
         self.register_buffer("output_tokens", output_tokens, persistent=False)  # [subset + 1]: output -> token id, -1 = fallback
         self.head = nn.Linear(config.hidden_size, len(subset_ids) + 1, bias=False)
-        self.copy_gate = CopyGate(config.hidden_size, copy_min_match) if copy_gate else None
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         return self.head(self.hidden_states(input_ids, attention_mask))
@@ -75,26 +60,9 @@ class ExpertModel(nn.Module):
         """[batch, seq] -> the final (normed) hidden states [batch, seq, hidden]."""
         return self.body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
 
-    def subset_index(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """Token ids [...] (-1: none) -> their outputs in the subset [...], -1 outside it."""
-        return torch.where(token_ids >= 0, self.output_of[token_ids.clamp_min(0)], torch.full_like(token_ids, -1))
-
-    def copy_features(self, hidden: torch.Tensor, tokens: Sequence[int], first: int):
-        """Teacher forcing over ``tokens``' answer positions first..len - 2: hidden [n, hidden] there ->
-        (probs [n, subset + 1], candidate [n], candidate_index [n], length [n], hidden_logit [n])."""
-        probs = self.head(hidden).float().softmax(-1)
-        candidates, lengths = copy_candidates(tokens, first)
-        candidate = torch.tensor(candidates, dtype=torch.long, device=hidden.device)
-        length = torch.tensor(lengths, dtype=torch.long, device=hidden.device)
-        return probs, candidate, self.subset_index(candidate), length, hidden.float() @ self.copy_gate.hidden.float()
-
-    def guesses(self, hidden: torch.Tensor, tokens: Sequence[int], first: int) -> torch.Tensor:
-        """Top-1 token ids [n] at ``tokens``' positions first.. (hidden [n, hidden] there); -1 = no guess."""
-        if self.copy_gate is None:
-            return self.output_tokens[self.head(hidden).argmax(-1)]
-        probs, candidate, candidate_index, length, hidden_logit = self.copy_features(hidden, tokens, first)
-        g = self.copy_gate(hidden_logit, gate_features(probs, candidate_index, length), length)
-        return copy_guess(probs, g, candidate_index, candidate, self.output_tokens)
+    def guesses(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states [n, hidden] -> top-1 token ids [n]; -1 = no guess (the fallback)."""
+        return self.output_tokens[self.head(hidden).argmax(-1)]
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """Everything but the frozen embeddings (which are the target's)."""
@@ -118,7 +86,6 @@ class ExpertSpec:
     architecture: dict  # LlamaConfig fields
     measured: dict = field(default_factory=dict)
     training: dict = field(default_factory=dict)
-    copy: dict = field(default_factory=dict)  # how its copy gate was fit (the weights say whether it has one)
 
     def to_json(self) -> str:
         return json.dumps({"format": FORMAT, **self.__dict__}, indent=2) + "\n"
@@ -131,18 +98,16 @@ class ExpertSpec:
         data = json.loads(file.read_text())
         if data.pop("format", None) != FORMAT:
             raise InvalidArgument("drafter", f"{file} is not in format {FORMAT}")
+        data.pop("copy", None)  # a retired copy gate's fit, {} where there is none (the weights say: ``load_expert``)
         return cls(**data)
 
 
 def drafter_dtype(device: torch.device | str) -> torch.dtype:
     """Drafters may run in lower precision than the target (their numbers never reach the output):
     bf16 on CUDA; on a CPU fp32 with int8 linears where FBGEMM runs (``drafter_int8``), else bf16
-    where the CPU multiplies bf16 fast, else fp32.
-
-    Int8 before bf16 on a CPU: a drafting step streams every weight once for one row, and int8 streams
-    half of bf16's bytes; and PyTorch's CPU attention is slow in bf16. Measured on 2 cores with
-    AVX512-BF16 (a 3-layer expert of the embedded default, one drafted token, 300 / 800 tokens of
-    context): bf16 2.41 / 3.50 ms, int8 1.40 / 1.61 ms; on one thread 3.70 / 5.75 against 1.66 / 2.46."""
+    where the CPU multiplies bf16 fast, else fp32. Int8 before bf16 on a CPU: a drafting step streams
+    every weight once, int8 half of bf16's bytes, and PyTorch's CPU attention is slow in bf16 (measured:
+    README's ``distill`` paragraph)."""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.bfloat16
@@ -164,8 +129,7 @@ STORED_DTYPE = torch.float16  # the precision of an expert's weights in ``weight
 
 def round_to_stored(model: ExpertModel) -> ExpertModel:
     """Round ``model``'s own weights to the precision they are saved in (in place), so that what is
-    measured before saving is what ships: on writing experts, fp16 rounding alone moved MT-Bench
-    writing agreement by up to 0.013 (8 of 640 tokens), as much as a retraining step gained."""
+    measured before saving is what ships (the rounding alone moved MT-Bench writing agreement by 0.013)."""
     with torch.no_grad():
         for tensor in model.trainable_state().values():
             if tensor.is_floating_point():
@@ -193,15 +157,10 @@ def load_expert(directory: str | Path, embedding: torch.Tensor, dtype: torch.dty
     spec = ExpertSpec.read(directory)
     tensors = load_file(str(directory / "weights.safetensors"))
     subset = tensors.pop("subset_ids").to(torch.long)
-    copies = any(name.startswith("copy_gate.") for name in tensors)
-    min_match = spec.copy.get("min_match", 1)
-    if copies and not isinstance(min_match, int):
-        raise InvalidArgument("drafter", f"{directory}: copy.min_match must be a whole number, got {min_match!r}")
-    config = LlamaConfig(**spec.architecture)
-    try:
-        model = ExpertModel(config, embedding.to(dtype), subset, copy_gate=copies, copy_min_match=min_match)
-    except ValueError as exc:  # e.g. the copy gate's own check of min_match
-        raise InvalidArgument("drafter", f"{directory}: {exc}") from exc
+    if any(name.startswith("copy_gate.") for name in tensors):
+        raise InvalidArgument("drafter", f"{directory} has a copy gate, which specmesh no longer runs "
+                              "(see docs/experiments/2026-11-copy-gate.md): distill it again without one")
+    model = ExpertModel(LlamaConfig(**spec.architecture), embedding.to(dtype), subset)
     missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=False)
     missing = [k for k in missing if not k.startswith("body.embed_tokens")]
     if missing or unexpected:
@@ -214,17 +173,6 @@ class _Request:
     committed: list[int]
     session: KVSession
     cached: list[int] = field(default_factory=list)  # tokens whose K/V the session holds
-    context: ContextIndex | None = None  # the committed tokens, for copy candidates
-
-
-class _Outputs:
-    """Output index -> token id for a step whose last output is a copy candidate outside the subset."""
-
-    def __init__(self, subset_ids: list[int], candidate: int) -> None:
-        self.subset_ids, self.candidate = subset_ids, candidate
-
-    def __getitem__(self, index: int) -> int:
-        return self.candidate if index == len(self.subset_ids) + 1 else self.subset_ids[index]
 
 
 class ExpertDrafter:
@@ -249,13 +197,8 @@ class ExpertDrafter:
         weight = model.head.weight
         if int8_weights is None:
             int8_weights = drafter_int8(weight.device, weight.dtype)
-        self.gate = model.copy_gate.scalar() if model.copy_gate is not None else None
-        if model.copy_gate is not None:  # the gate's hidden term rides along as one more head row
-            weight = torch.cat([weight, model.copy_gate.hidden.detach().to(weight.dtype)[None]])
         self.runtime = LlamaRuntime(model.body, head_weight=weight, int8_weights=int8_weights)
         self.subset_ids = model.subset_ids.tolist()
-        # token id -> output, for the copy candidate (a dict: one lookup a drafting step)
-        self.output_of = {token: index for index, token in enumerate(self.subset_ids)} if self.gate is not None else {}
         self.fallback = len(self.subset_ids)
         self.max_depth = max_depth
         self.branch_below = branch_below
@@ -264,16 +207,10 @@ class ExpertDrafter:
         self._requests: dict[str, _Request] = {}
 
     def start(self, request_id: str, prompt_ids: Sequence[int]) -> None:
-        committed = [int(t) for t in prompt_ids]
-        context = ContextIndex(committed) if self.gate is not None else None
-        self._requests[request_id] = _Request(committed, self.runtime.new_session(), context=context)
+        self._requests[request_id] = _Request([int(t) for t in prompt_ids], self.runtime.new_session())
 
     def commit(self, request_id: str, new_token_ids: Sequence[int]) -> None:
-        state = self._requests[request_id]
-        new = [int(t) for t in new_token_ids]
-        state.committed.extend(new)
-        if state.context is not None:
-            state.context.extend(new)
+        self._requests[request_id].committed.extend(int(t) for t in new_token_ids)
 
     def end(self, request_id: str) -> None:
         state = self._requests.pop(request_id, None)
@@ -293,7 +230,7 @@ class ExpertDrafter:
             )
             state.session.keep_rows(list(range(tree.num_rows)))
         state.cached = list(context)
-        return self._step(state, logits[0])
+        return Step(logits[0].softmax(-1), self.subset_ids)
 
     def propose(self, request_id: str, budget: int, assumed: Sequence[int] = ()) -> TokenTree:
         state = self._requests[request_id]
@@ -316,22 +253,4 @@ class ExpertDrafter:
         logits = self.runtime.forward(TreeBatch.build([state.session], [tree]))
         state.session.keep_rows([0])
         state.cached.append(token)
-        return self._step(state, logits[0])
-
-    def _step(self, state: _Request, logits: torch.Tensor) -> Step:
-        """logits [subset + 1 (+ 1 gate logit)] after ``state.cached`` -> the expert's distribution: the
-        model's [subset + 1], mixed with the copy candidate where there is one (an extra output when it
-        is outside the subset)."""
-        if self.gate is None:
-            return Step(logits.softmax(-1), self.subset_ids)
-        probs = logits[:-1].float().softmax(-1)
-        candidate, length = state.context.candidate(state.cached[len(state.committed) :])
-        if length < self.gate.min_match:  # no candidate (length 0), or too short a match to trust
-            return Step(probs, self.subset_ids)
-        index = self.output_of.get(candidate, -1)
-        g = self.gate(float(logits[-1]), position_features(probs, index, length))
-        mixed = probs * (1 - g)
-        if index >= 0:
-            mixed[index] += g
-            return Step(mixed, self.subset_ids)
-        return Step(torch.cat([mixed, mixed.new_tensor([g])]), _Outputs(self.subset_ids, candidate))
+        return Step(logits[0].softmax(-1), self.subset_ids)  # [subset + 1]
