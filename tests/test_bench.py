@@ -13,6 +13,8 @@ from specmesh.bench.run import (
     HF_PROMPT_LOOKUP_TOKENS,
     LOAD_POLICIES,
     NON_INFERIORITY_MARGIN,
+    ModeRecord,
+    _summary,
     adaptive_verdicts,
     best_setting,
     headline_lines,
@@ -158,3 +160,27 @@ def test_the_headline_is_speculations_own_gain_and_hugging_face_ratios_are_label
                                                       "greedy_identical_fraction", "greedy_reference")}
                              | {"headline_mode": "engine"})
     assert len(skipped) == 2 and "in process" in skipped[0]
+
+
+def _record(tokens, seconds, steps, draft_s=0.0, transport_s=0.0, identical=2):
+    record = ModeRecord(draft_s=draft_s, transport_s=transport_s, identical=identical)
+    record.add("writing", list(range(tokens)), seconds, steps, None)
+    return record
+
+
+def test_the_cluster_overhead_counts_the_drafter_hops_and_the_queue():
+    # 100 steps each; per step the cluster waits 3 ms more for its drafters than in process (gRPC) and
+    # 2 ms for the queue; its wall clock is 10 ms a step slower (the hops, the client's call, the router)
+    records = {"hf_plain": _record(200, 10.0, 200), "hf_assisted:prompt_lookup_num_tokens=3": _record(200, 8.0, None),
+               "hf_assisted:prompt_lookup_num_tokens=10": _record(200, 9.0, None, identical=1),
+               "own_plain": _record(200, 5.0, 200), "single:ngram": _record(200, 4.0, 100),
+               "router_fixed": _record(200, 4.5, 100), "engine": _record(200, 4.0, 100, draft_s=0.5),
+               "cluster": _record(200, 5.0, 100, draft_s=0.8, transport_s=0.2)}
+    summary = _summary(records, count=2, identical=2, reference="hf_plain", one_step_ms=25.0, busy_s=4.0, union={})
+    assert summary["cluster_drafter_hops_ms_per_step"] == 3.0 and summary["cluster_queue_ms_per_step"] == 2.0
+    assert summary["cluster_overhead_fraction"] == 0.2 and summary["cluster_queue_overhead_fraction"] == 0.08
+    assert summary["cluster_added_ms_per_step"] == 10.0 and summary["cluster_added_fraction"] == 0.4
+    assert summary["speedup_vs_own_plain"] == 1.0 and summary["speedup_vs_plain"] == 2.0  # 40 / 40, 40 / 20 tok/s
+    assert summary["hf_assisted_setting"] == "prompt_lookup_num_tokens=3" and summary["hf_assisted_tokens_per_s"] == 25.0
+    assert summary["speedup_vs_hf_assisted"] == 1.6 and summary["hf_assisted_greedy_identical_fraction"] == 1.0
+    assert summary["greedy_reference"].startswith("hf_plain") and summary["verifier_idle_fraction"] == 0.2

@@ -276,10 +276,9 @@ def run_bench(args: argparse.Namespace) -> int:
             records[mode].transport_s += max(stats_.verify_s - stats_.verifier_s, 0.0)
             return result.token_ids, seconds, stats_.target_steps, stats_.first_token_s
 
-        print("warm-up: one untimed prompt through every mode ...", flush=True)
         warmup = Prompt(WARMUP_PROMPT, "warm-up")
         warmup_request = assembly.request(warmup.text, params, classifier)
-        for mode in modes:
+        for mode in tqdm(modes, desc="warm-up (untimed)", unit="mode"):
             run_mode(mode, warmup, warmup_request)
         for mode in modes:  # what the warm-up left in the records is not measured
             records[mode] = ModeRecord()
