@@ -336,6 +336,7 @@ def boost_directory(spec: str, target_name: str) -> Path:
 
 
 def _distill(args: argparse.Namespace) -> int:
+    from specmesh.distill.overlap import overlaps
     from specmesh.distill.pipeline import distill, synthesized_prompts
     from specmesh.distill.templates import DOMAINS, domain_prompts
     from specmesh.distill.train import TrainConfig
@@ -363,7 +364,14 @@ def _distill(args: argparse.Namespace) -> int:
     if args.synthesize and args.domain not in (*DOMAINS, GENERAL):
         raise InvalidArgument("domain", f"--synthesize keeps the requests classified as one of {sorted(DOMAINS)} "
                               f"or {GENERAL!r} (all but code and math), not {args.domain!r}")
-    prompts = load_prompts(args.prompts) if args.prompts else None
+    prompts = None
+    if args.prompts:
+        given = load_prompts(args.prompts)
+        prompts = [p for p in given if not overlaps(p.text)]
+        if not prompts:
+            raise InvalidArgument("prompts", f"every prompt of {args.prompts} overlaps an MT-Bench question, the benchmark")
+        if len(prompts) < len(given):
+            print(f"{len(given) - len(prompts)} of {len(given)} prompts overlap an MT-Bench question and are left out")
     if prompts is None and not args.synthesize:
         prompts = domain_prompts(args.domain, args.count, args.seed)
     configure_threads(args.threads)

@@ -84,3 +84,14 @@ def test_malformed_prompt_file(tmp_path):
     prompts.write_text('{"text": "no prompt field"}\n')
     result = specmesh("generate", "--prompts", str(prompts))
     assert result.returncode == 2 and "prompts" in result.stderr and "'prompt'" in result.stderr
+
+
+def test_distill_refuses_a_prompt_file_that_is_all_benchmark(tmp_path):
+    from specmesh.prompts import mtbench_prompts
+
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text("".join(json.dumps({"prompt": p.text}) + "\n" for p in mtbench_prompts()[:3]))
+    result = specmesh("distill", "--domain", "code", "--out", str(tmp_path / "unused"), "--prompts", str(questions))
+    assert result.returncode == 2, result.stderr
+    assert "specmesh: error: prompts:" in result.stderr and "MT-Bench" in result.stderr
+    assert not (tmp_path / "unused").exists()  # refused before any model loads
