@@ -17,8 +17,8 @@ from specmesh.tree import ROOT, TokenTree
 
 
 class Step(NamedTuple):
-    """A drafter's next-token distribution and the token each of its outputs names (per step: an expert's
-    copy output names a different token of the context at every step)."""
+    """A drafter's next-token distribution and the token each of its outputs names (an expert's head
+    covers a subset of the vocabulary)."""
 
     probs: torch.Tensor  # [outputs]
     token_ids: Sequence[int] | None  # output index -> token id (None: indices are token ids)

@@ -42,10 +42,6 @@ class VerifyJob:
     params: SamplingParams
     history: tuple[int, ...] | None = None  # the ``position`` committed tokens, when a resync may be needed
 
-    @property
-    def job_id(self) -> str:
-        return f"{self.request_id}:{self.step}"
-
 
 @dataclass(frozen=True)
 class VerifyResult:
@@ -69,7 +65,6 @@ class VerifierStats:
     batches: int = 0
     jobs: int = 0
     tree_nodes: int = 0
-    prefill_tokens: int = 0
     resyncs: int = 0
     busy_s: float = 0.0  # time spent in the target's forward passes and acceptance
     started: float = field(default_factory=time.monotonic)
@@ -195,7 +190,6 @@ class TreeVerifier:
 
     def _prefill(self, jobs: Sequence[VerifyJob]) -> None:
         """Cache each job's history, in chunks so attention memory stays bounded."""
-        self.stats.prefill_tokens += sum(j.position for j in jobs)
         prefill_sessions(self.runtime, [self._sessions[j.request_id] for j in jobs], [j.history[: j.position] for j in jobs])
 
     def _verify_trees(self, jobs: Sequence[VerifyJob]) -> list[Verdict]:
