@@ -159,7 +159,7 @@ def load_expert(directory: str | Path, embedding: torch.Tensor, dtype: torch.dty
     subset = tensors.pop("subset_ids").to(torch.long)
     if any(name.startswith("copy_gate.") for name in tensors):
         raise InvalidArgument("drafter", f"{directory} has a copy gate, which specmesh no longer runs "
-                              "(see docs/experiments/2026-11-copy-gate.md): distill it again without one")
+                              "(see docs/experiments/2026-11-24-copy-gate.md): distill it again without one")
     model = ExpertModel(LlamaConfig(**spec.architecture), embedding.to(dtype), subset)
     missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=False)
     missing = [k for k in missing if not k.startswith("body.embed_tokens")]
