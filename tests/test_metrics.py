@@ -232,6 +232,7 @@ def _every_query_has_data(prometheus: Prometheus) -> None:
     assert _finite(prometheus.query("max(specmesh_verifiers_alive)"))[0] == 1
 
 
+@pytest.mark.slow  # a real Prometheus over a service stack, 8 s of traffic; the fast set keeps the rest of this file
 def test_prometheus_scrapes_the_services_and_every_panel_and_rule_returns_data(redis_server, tokenizer, tmp_path):
     binary = _tool("prometheus")
     model = tiny_llama(vocab_size=len(tokenizer), layers=1, seed=5)
