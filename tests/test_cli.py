@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from specmesh.cli import main
+
 
 def specmesh(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(
@@ -20,48 +22,73 @@ def _passthrough() -> dict:
     return {k: v for k, v in os.environ.items() if k in ("HOME", "SPECMESH_CACHE", "TMPDIR")}
 
 
-@pytest.mark.parametrize(
-    "args,argument",
-    [
-        (["generate", ""], "prompt"),
-        (["generate", "   "], "prompt"),
-        (["generate", "hi", "--max-tokens", "-3"], "max_tokens"),
-        (["generate", "hi", "--max-tokens", "0"], "max_tokens"),
-        (["generate", "hi", "--max-tokens", "1000000000"], "max_tokens"),
-        (["generate", "hi", "--temperature", "-1"], "temperature"),
-        (["generate", "hi", "--top-p", "0"], "top_p"),
-        (["generate", "hi", "--top-p", "1.5"], "top_p"),
-        (["generate", "hi", "--top-k", "-2"], "top_k"),
-        (["generate", "hi", "--tree-nodes", "-1"], "tree_nodes"),
-        (["generate", "hi", "--tree-nodes", "1000"], "max_tree_nodes"),
-        (["generate", "hi", "--model", "/no/such/model"], "model"),
-        (["generate", "hi", "--model", "missing.gguf"], "model"),
-        (["generate", "hi", "--drafter", "/no/such/drafter"], "drafter"),
-        (["generate", "--prompts", "/no/such/file.jsonl"], "prompts"),
-        (["generate", "hi", "--greedy", "--temperature", "0.5"], "temperature"),
-        (["generate", "word " * 9000], "prompt"),
-        (["bench", "--concurrency", "1,x"], "concurrency"),
-        (["bench", "--concurrency", "0"], "concurrency"),
-        (["bench", "--tree-nodes", "0"], "tree_nodes"),
-        (["bench", "--fixed-tree-nodes", "0"], "fixed_tree_nodes"),
-        (["bench", "--fixed-tree-nodes", "65"], "fixed_tree_nodes"),
-        (["bench", "--limit", "0"], "limit"),
-        (["distill", "--domain", "code", "--out", "unused", "--learning-rate", "2"], "learning_rate"),
-        (["distill", "--domain", "code", "--out", "unused", "--steps", "-3"], "steps"),
-        (["distill", "--domain", "code", "--out", "unused", "--synthesize", "-5"], "synthesize"),
-        (["distill", "--domain", "code", "--out", "unused", "--synthesize", "50", "--prompts", "p.jsonl"], "synthesize"),
-        (["distill", "--domain", "poetry", "--out", "unused", "--synthesize", "50"], "domain"),
-        (["distill", "--domain", "math", "--out", "unused", "--boost-from", "no-such-expert"], "boost_from"),
-    ],
-)
-def test_bad_input_is_one_clear_line(args, argument):
-    result = specmesh(*args)
-    assert result.returncode == 2, result.stderr
-    assert "Traceback" not in result.stderr
-    error = [line for line in result.stderr.splitlines() if line.startswith("specmesh: error:")]
-    assert error and argument in error[0], result.stderr
+# Refused before any model loads.
+BAD_INPUT = [
+    (["generate", "hi", "--max-tokens", "-3"], "max_tokens"),
+    (["generate", "hi", "--max-tokens", "0"], "max_tokens"),
+    (["generate", "hi", "--temperature", "-1"], "temperature"),
+    (["generate", "hi", "--top-p", "0"], "top_p"),
+    (["generate", "hi", "--top-p", "1.5"], "top_p"),
+    (["generate", "hi", "--top-k", "-2"], "top_k"),
+    (["generate", "hi", "--tree-nodes", "-1"], "tree_nodes"),
+    (["generate", "hi", "--model", "/no/such/model"], "model"),
+    (["generate", "hi", "--model", "missing.gguf"], "model"),
+    (["generate", "--prompts", "/no/such/file.jsonl"], "prompts"),
+    (["generate", "hi", "--greedy", "--temperature", "0.5"], "temperature"),
+    (["bench", "--concurrency", "1,x"], "concurrency"),
+    (["bench", "--concurrency", "0"], "concurrency"),
+    (["bench", "--tree-nodes", "0"], "tree_nodes"),
+    (["bench", "--fixed-tree-nodes", "0"], "fixed_tree_nodes"),
+    (["bench", "--fixed-tree-nodes", "65"], "fixed_tree_nodes"),
+    (["bench", "--limit", "0"], "limit"),
+    (["distill", "--domain", "code", "--out", "unused", "--learning-rate", "2"], "learning_rate"),
+    (["distill", "--domain", "code", "--out", "unused", "--steps", "-3"], "steps"),
+    (["distill", "--domain", "code", "--out", "unused", "--synthesize", "-5"], "synthesize"),
+    (["distill", "--domain", "code", "--out", "unused", "--synthesize", "50", "--prompts", "p.jsonl"], "synthesize"),
+    (["distill", "--domain", "poetry", "--out", "unused", "--synthesize", "50"], "domain"),
+]
+# Refused once the embedded model's tokenizer or context is known.
+BAD_INPUT_FOR_THE_MODEL = [
+    (["generate", ""], "prompt"),
+    (["generate", "   "], "prompt"),
+    (["generate", "hi", "--max-tokens", "1000000000"], "max_tokens"),
+    (["generate", "hi", "--tree-nodes", "1000"], "max_tree_nodes"),
+    (["generate", "hi", "--drafter", "/no/such/drafter"], "drafter"),
+    (["generate", "word " * 9000], "prompt"),
+    (["distill", "--domain", "math", "--out", "unused", "--boost-from", "no-such-expert"], "boost_from"),
+]
 
 
+def one_error_line(args: list[str], capsys) -> str:
+    """Runs the command line in this process; returns its one ``specmesh: error:`` line."""
+    with pytest.raises(SystemExit) as exited:
+        main(args)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    errors = [line for line in err.splitlines() if line.startswith("specmesh: error:")]
+    assert len(errors) == 1, err
+    return errors[0]
+
+
+@pytest.mark.parametrize("args,argument", BAD_INPUT)
+def test_bad_input_is_one_clear_line(args, argument, capsys):
+    assert f"error: {argument}:" in one_error_line(args, capsys)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args,argument", BAD_INPUT_FOR_THE_MODEL)
+def test_bad_input_found_with_the_model_is_one_clear_line(args, argument, capsys):
+    assert f"error: {argument}:" in one_error_line(args, capsys)
+
+
+def test_the_process_exits_2_with_the_error_on_stderr():
+    result = specmesh("bench", "--limit", "0")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == "specmesh: error: limit: must be >= 1, got 0"
+
+
+@pytest.mark.slow
 def test_generate_with_compare_plain_reports_identical_output():
     result = specmesh("generate", "Name three primary colors.", "--max-tokens", "16", "--compare-plain")
     assert result.returncode == 0, result.stderr
@@ -70,6 +97,7 @@ def test_generate_with_compare_plain_reports_identical_output():
     assert "routed as" in result.stdout
 
 
+@pytest.mark.slow
 def test_generate_from_a_prompt_file(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps(r) for r in [
@@ -79,19 +107,19 @@ def test_generate_from_a_prompt_file(tmp_path):
     assert "[1/2] chat" in result.stdout and "[2/2] math" in result.stdout and "=== 2 prompts" in result.stdout
 
 
-def test_malformed_prompt_file(tmp_path):
+def test_malformed_prompt_file(tmp_path, capsys):
     prompts = tmp_path / "bad.jsonl"
     prompts.write_text('{"text": "no prompt field"}\n')
-    result = specmesh("generate", "--prompts", str(prompts))
-    assert result.returncode == 2 and "prompts" in result.stderr and "'prompt'" in result.stderr
+    error = one_error_line(["generate", "--prompts", str(prompts)], capsys)
+    assert "error: prompts:" in error and "'prompt'" in error
 
 
-def test_distill_refuses_a_prompt_file_that_is_all_benchmark(tmp_path):
+def test_distill_refuses_a_prompt_file_that_is_all_benchmark(tmp_path, capsys):
     from specmesh.prompts import mtbench_prompts
 
     questions = tmp_path / "questions.jsonl"
     questions.write_text("".join(json.dumps({"prompt": p.text}) + "\n" for p in mtbench_prompts()[:3]))
-    result = specmesh("distill", "--domain", "code", "--out", str(tmp_path / "unused"), "--prompts", str(questions))
-    assert result.returncode == 2, result.stderr
-    assert "specmesh: error: prompts:" in result.stderr and "MT-Bench" in result.stderr
+    error = one_error_line(["distill", "--domain", "code", "--out", str(tmp_path / "unused"), "--prompts", str(questions)],
+                           capsys)
+    assert "error: prompts:" in error and "MT-Bench" in error
     assert not (tmp_path / "unused").exists()  # refused before any model loads

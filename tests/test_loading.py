@@ -61,6 +61,7 @@ def test_an_expert_is_named_by_its_shipped_name_or_by_its_directory(tmp_path):
     assert expert_directory(tmp_path / "missing", EMBEDDED_DEFAULT) is None
 
 
+@pytest.mark.slow  # the embedded target
 def test_every_shipped_expert_loads_for_its_target():
     from specmesh.drafters.catalog import load_drafter
     from specmesh.drafters.expert import ExpertDrafter
@@ -96,6 +97,7 @@ def test_cli_generates_with_a_directory_model(tiny_dir):
     assert "outputs identical" in result.stdout
 
 
+@pytest.mark.slow  # four command-line runs: distill, generate, distill boosted, generate (~1 min)
 def test_distill_writes_a_drafter_directory_that_generate_uses(tiny_dir, tmp_path):
     import os
 
