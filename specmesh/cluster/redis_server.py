@@ -34,7 +34,7 @@ def free_port() -> int:
 
 
 class RedisServer:
-    """``start()`` / ``stop()`` / ``restart()`` (same port, empty: nothing is saved)."""
+    """``start()`` / ``stop()``; started again it keeps its port, empty (nothing is saved)."""
 
     def __init__(self, port: int | None = None, log_path: Path | None = None) -> None:
         self.port = port or free_port()
@@ -77,7 +77,3 @@ class RedisServer:
                 self.process.kill()
                 self.process.wait()
         self.process = None
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()

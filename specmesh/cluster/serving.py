@@ -111,11 +111,6 @@ async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception)
     await context.abort(code, message)
 
 
-def call_options(timeout_s: float) -> dict:
-    """Keyword arguments of every internal call: a deadline, always."""
-    return {"timeout": timeout_s}
-
-
 @dataclass
 class Service:
     """A gRPC service to host: its full name, how to add it, and what to do on shutdown."""
