@@ -28,12 +28,9 @@ from specmesh.speculation.expertise import MODEL_FREE_KINDS
 
 DEFAULT_DRAFTERS = ("ngram", "code", "math", "writing", "knowledge", "chat")
 
-# How long an idle OpenMP thread spins before it sleeps (only the verifiers run more than one thread).
-# About 35 ms on 2 cores: long enough to stay awake through a step's drafting at concurrency 1, so the
-# next pass starts with a warm team. Measured through the cluster, 8 MT-Bench prompts, speculation off,
-# pass time against the same pass in process (80 ms): 88 ms at 100000 (~8 ms of spinning), 82 at
-# 300000 (libgomp's default), 79 at 1000000, 78 at 3000000; drafting was not slower for it.
-# OMP_WAIT_POLICY=PASSIVE (no spinning) made a verification step 50 % slower.
+# How long an idle OpenMP thread spins before it sleeps (only the verifiers run more than one thread):
+# long enough (~35 ms on 2 cores) to stay awake through a step's drafting, so the next pass starts with a
+# warm team. Measurements: docs/experiments/2026-11-23-openmp-spin.md.
 OPENMP_SPIN_COUNT = "1000000"
 
 
@@ -43,8 +40,8 @@ class ClusterSpec:
     drafters: Sequence[str] = DEFAULT_DRAFTERS
     verifiers: int = 1
     max_tree_nodes: int = 16
-    # Drafting ahead overlaps drafting with verification; on one machine the two share the cores, and
-    # measured on 2 cores it cost more than it saved (24.7 vs 30.7 tok/s, ngram + code, 8 MT-Bench prompts)
+    # Drafting ahead overlaps drafting with verification; off because on one machine the two share the
+    # cores, where it cost more than it saved (docs/experiments/2026-11-22-draft-ahead-on-one-machine.md)
     draft_ahead: bool = False
     speculation: str = "adaptive"  # the router's default for requests: adaptive, fixed or off
     router_port: int = 0  # 0: a free port
