@@ -23,9 +23,9 @@ $(STAMP): pyproject.toml
 model: $(STAMP)
 	$(PY) -m specmesh prepare
 
-# The whole cluster on this machine (Redis, a verifier, drafter services for prompt lookup and the
-# code, math and writing experts, the router), a demo request with its speed and routing, then serving
-# on 127.0.0.1:50051 until Ctrl-C. The router sends each request to the drafters that fit it.
+# The whole cluster on this machine (Redis, a verifier, drafter services for the shipped experts, the
+# router with prompt lookup inside it), a demo request with its speed and routing, then serving on
+# 127.0.0.1:50051 until Ctrl-C. The router sends each request to the drafters that fit it.
 run: install
 	$(PY) -m specmesh up
 
