@@ -83,8 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "(default 1,4,16)")
     bench.add_argument("--fixed-tree-nodes", type=int, default=8,
                        help="the budget of fixed-k speculation (router_fixed and the load sweep's fixed policy), "
-                       "every step; the adaptive modes and each single drafter get --tree-nodes (default 8: faster "
-                       "than 16 on 2 CPU cores)")
+                       "every step; the adaptive modes and each single drafter get --tree-nodes (default 8: chosen on "
+                       "MT-Bench, the prompts the default bench judges on; see docs/bench.md)")
     bench.add_argument("--sweep-rounds", type=int, default=3,
                        help="runs of each policy at each concurrency in the load sweep, in rotated orders (default 3)")
     bench.add_argument("--plots", metavar="DIR", help="also write PNG plots here (speedup per category; latency vs load)")
