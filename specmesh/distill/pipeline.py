@@ -69,7 +69,7 @@ def synthesized_prompts(assembly: Assembly, domain: str, count: int, seed: int =
     name = assembly.target.name.replace("/", "_")
     pool = cache_root() / "synthesized" / f"requests-{name}-seed{seed}.jsonl"
     requests = synthesize_requests(assembly.runtime, assembly.target.tokenizer, count, pool, eos_token_ids(assembly.target),
-                                   avoid=[p.text for p in mtbench_prompts()], seed=seed)
+                                   seed=seed)
     return classified_prompts(requests, domain, default_classifier().classify)
 
 

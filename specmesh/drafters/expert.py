@@ -107,7 +107,7 @@ def drafter_dtype(device: torch.device | str) -> torch.dtype:
     bf16 on CUDA; on a CPU fp32 with int8 linears where FBGEMM runs (``drafter_int8``), else bf16
     where the CPU multiplies bf16 fast, else fp32. Int8 before bf16 on a CPU: a drafting step streams
     every weight once, int8 half of bf16's bytes, and PyTorch's CPU attention is slow in bf16 (measured:
-    README's ``distill`` paragraph)."""
+    docs/experiments/2026-11-25-int8-drafting.md)."""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.bfloat16
