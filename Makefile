@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install model run test test-fast bench proto dashboards classifier-data clean
+.PHONY: install model run test test-fast bench tune proto dashboards classifier-data tuning-prompts clean
 
 install: $(STAMP) model
 
@@ -39,6 +39,10 @@ bench: install
 	mkdir -p out
 	$(PY) -m specmesh bench --per-category 2 --json out/bench.json --plots out/plots
 
+tune: install
+	mkdir -p out
+	$(PY) -m specmesh tune --cluster --json out/tune.json
+
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. \
 		$$(find protos -name '*.proto')
@@ -52,6 +56,10 @@ dashboards: $(STAMP)
 # templated prompts; the tests fail while the file is out of date.
 classifier-data: $(STAMP)
 	$(PY) -c "from specmesh.distill.templates import write_classifier_examples as w; w('specmesh/speculation/request_kinds.jsonl')"
+
+# Held-out prompts the speculation constants are tuned on (`make tune`); the bench judges on MT-Bench
+tuning-prompts: $(STAMP)
+	$(PY) -c "from specmesh.distill.templates import write_tuning_prompts as w; w('specmesh/bench/tuning_prompts.jsonl')"
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

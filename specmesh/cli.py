@@ -11,6 +11,7 @@ from typing import Sequence
 
 from specmesh.errors import InvalidArgument, SpecmeshError
 from specmesh.runtime.loading import EMBEDDED_DEFAULT
+from specmesh.speculation.policy import DEFAULT_FIXED_TREE_NODES, DEFAULT_TREE_NODES
 
 DEMO_PROMPT = "Write a Python function that checks whether a string is a palindrome, and explain it."
 
@@ -22,9 +23,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="drafter: ngram (prompt lookup), history, a shipped expert (code, math, writing, knowledge, "
                         "chat), a drafter directory, or a small model sharing the target's tokenizer; repeatable "
                         "(default: ngram)")
-    parser.add_argument("--tree-nodes", type=int, default=16,
+    parser.add_argument("--tree-nodes", type=int, default=DEFAULT_TREE_NODES,
                         help="the most tree nodes a step (adaptive picks fewer where they do not pay); 0 = no speculation "
-                        "(default 16)")
+                        f"(default {DEFAULT_TREE_NODES})")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: CUDA when present)")
     parser.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: fp32 on CPU, bf16 on CUDA)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
@@ -59,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "repeatable (default: ngram and every shipped expert)")
     up.add_argument("--verifiers", type=int, default=1, help="verifier processes (default 1)")
     up.add_argument("--port", type=int, default=50051, help="the router's port (default 50051; 0 = any free)")
-    up.add_argument("--tree-nodes", type=int, default=16, help="the most tree nodes a step (default 16)")
+    up.add_argument("--tree-nodes", type=int, default=DEFAULT_TREE_NODES,
+                    help=f"the most tree nodes a step (default {DEFAULT_TREE_NODES})")
     up.add_argument("--speculation", choices=("adaptive", "fixed", "off"), default="adaptive",
                     help="the router's default for requests (default adaptive)")
     up.add_argument("--draft-ahead", action="store_true",
@@ -81,10 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--concurrency", default="1,4,16",
                        help="the load sweep's concurrency levels through the cluster, comma-separated; '' skips it "
                        "(default 1,4,16)")
-    bench.add_argument("--fixed-tree-nodes", type=int, default=8,
+    bench.add_argument("--fixed-tree-nodes", type=int, default=DEFAULT_FIXED_TREE_NODES,
                        help="the budget of fixed-k speculation (router_fixed and the load sweep's fixed policy), "
-                       "every step; the adaptive modes and each single drafter get --tree-nodes (default 8: chosen on "
-                       "MT-Bench, the prompts the default bench judges on; see docs/bench.md)")
+                       "every step; the adaptive modes and each single drafter get --tree-nodes (default "
+                       f"{DEFAULT_FIXED_TREE_NODES}, from `specmesh tune`)")
     bench.add_argument("--sweep-rounds", type=int, default=3,
                        help="runs of each policy at each concurrency in the load sweep, in rotated orders (default 3)")
     bench.add_argument("--plots", metavar="DIR", help="also write PNG plots here (speedup per category; latency vs load)")
@@ -94,6 +96,20 @@ def build_parser() -> argparse.ArgumentParser:
                        help="drafters to measure by teacher forcing (default: the model-free ones and every "
                        "expert shipped for the target); repeatable")
     _add_model_args(bench)
+
+    tune = commands.add_parser("tune", help="measure the speculation constants on held-out prompts (not MT-Bench)")
+    tune.add_argument("--prompts", help="JSONL prompts sharing no word 8-gram with MT-Bench (default: the shipped "
+                      "held-out set, specmesh/bench/tuning_prompts.jsonl)")
+    tune.add_argument("--max-tokens", type=int, default=64)
+    tune.add_argument("--tree-nodes-candidates", default="8,16,24,32", help="adaptive budget caps to compare")
+    tune.add_argument("--fixed-tree-nodes-candidates", default="4,8,16", help="fixed k to compare")
+    tune.add_argument("--margins", default="0,0.05,0.1,0.2", help="SPECULATION_MARGIN values to compare")
+    tune.add_argument("--batch", type=int, default=4, help="requests a pass in the margin sweep (default 4)")
+    tune.add_argument("--cluster", action="store_true",
+                      help="also compare drafting ahead and the verifiers' OpenMP spin count, through local clusters")
+    tune.add_argument("--cluster-rounds", type=int, default=2, help="passes over the cluster settings (default 2)")
+    tune.add_argument("--json", dest="json_out", help="write what was measured here")
+    _add_model_args(tune)
 
     dist = commands.add_parser("distill", help="train an expert drafter for a target on one domain")
     dist.add_argument("--target", default=EMBEDDED_DEFAULT, help="the target model (default: the embedded one)")
@@ -139,6 +155,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from specmesh.bench.run import run_bench
 
             return run_bench(args)
+        if args.command == "tune":
+            from specmesh.bench.tune import run_tune
+
+            return run_tune(args)
         if args.command == "distill":
             return _distill(args)
         if args.command == "prepare":

@@ -184,3 +184,23 @@ def test_the_cluster_overhead_counts_the_drafter_hops_and_the_queue():
     assert summary["hf_assisted_setting"] == "prompt_lookup_num_tokens=3" and summary["hf_assisted_tokens_per_s"] == 25.0
     assert summary["speedup_vs_hf_assisted"] == 1.6 and summary["hf_assisted_greedy_identical_fraction"] == 1.0
     assert summary["greedy_reference"].startswith("hf_plain") and summary["verifier_idle_fraction"] == 0.2
+
+
+@pytest.mark.slow
+def test_tune_measures_every_candidate_on_held_out_prompts_losslessly(tmp_path):
+    # scaled down: one held-out prompt, a few tokens, two candidates of each constant, no cluster
+    from specmesh.bench.tune import TUNING_PROMPTS
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(TUNING_PROMPTS.read_text(encoding="utf-8").splitlines()[0] + "\n")
+    out = tmp_path / "tune.json"
+    assert main(["tune", "--prompts", str(prompts), "--max-tokens", "6", "--tree-nodes-candidates", "4,8",
+                 "--fixed-tree-nodes-candidates", "2,4", "--margins", "0,0.2", "--batch", "2", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    sweep = report["budget_sweep"]
+    assert list(sweep) == ["plain", "adaptive:4", "adaptive:8", "fixed:2", "fixed:4"]
+    assert all(row["identical_to_plain"] == "1/1" and row["tokens_per_s"] > 0 for row in sweep.values())
+    assert sweep["plain"]["vs_plain"] == 1.0 and sweep["fixed:4"]["mean_accepted_length"] >= 1.0
+    assert list(report["margin_sweep"]["rows"]) == ["plain", "margin:0", "margin:0.2"]
+    assert report["best"]["tree_nodes"] in (4, 8) and report["best"]["fixed_tree_nodes"] in (2, 4)
+    assert report["best"]["margin"] in (0.0, 0.2) and "cluster_sweep" not in report

@@ -41,6 +41,12 @@ BAD_INPUT = [
     (["bench", "--fixed-tree-nodes", "0"], "fixed_tree_nodes"),
     (["bench", "--fixed-tree-nodes", "65"], "fixed_tree_nodes"),
     (["bench", "--limit", "0"], "limit"),
+    (["tune", "--tree-nodes-candidates", "8,0"], "tree_nodes"),
+    (["tune", "--fixed-tree-nodes-candidates", "4,x"], "fixed_tree_nodes"),
+    (["tune", "--margins", "-0.1"], "margins"),
+    (["tune", "--batch", "1"], "batch"),
+    (["tune", "--cluster-rounds", "0"], "cluster_rounds"),
+    (["tune", "--prompts", "/no/such/file.jsonl"], "prompts"),
     (["distill", "--domain", "code", "--out", "unused", "--learning-rate", "2"], "learning_rate"),
     (["distill", "--domain", "code", "--out", "unused", "--steps", "-3"], "steps"),
     (["distill", "--domain", "code", "--out", "unused", "--synthesize", "-5"], "synthesize"),
@@ -123,3 +129,13 @@ def test_distill_refuses_a_prompt_file_that_is_all_benchmark(tmp_path, capsys):
                            capsys)
     assert "error: prompts:" in error and "MT-Bench" in error
     assert not (tmp_path / "unused").exists()  # refused before any model loads
+
+
+def test_tune_refuses_prompts_the_bench_judges_on(tmp_path, capsys):
+    from specmesh.prompts import mtbench_prompts
+
+    prompts = tmp_path / "prompts.jsonl"
+    lines = [{"prompt": "Write a limerick about a mountain summit."}, {"prompt": mtbench_prompts()[5].text}]
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    error = one_error_line(["tune", "--prompts", str(prompts)], capsys)
+    assert "error: prompts: 1 of them (lines [2])" in error and "MT-Bench" in error

@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 
 from specmesh.distill.templates import domain_prompts
+from specmesh.errors import InvalidArgument
 from specmesh.fusion import fuse_trees
 from specmesh.speculation.classifier import RequestClassifier, default_classifier
 from specmesh.speculation.expertise import GENERAL, ExpertRouter, LevelRecord, RoutingConfig, level_hits
@@ -342,6 +343,15 @@ def test_in_a_shared_pass_a_predicted_gain_within_the_margin_is_not_worth_a_tree
         controller.gain = gain
         assert request.plan(room=100, available=["ngram"], position=100).budget == budget, gain
     assert len(others) == 3
+    # `specmesh tune` compares margins: with none, any predicted gain is worth a tree
+    policy.margin = 0.0
+    controller.gain = 1.0 + SPECULATION_MARGIN / 2
+    assert request.plan(room=100, available=["ngram"], position=100).budget == 4
+
+
+def test_a_negative_margin_is_refused():
+    with pytest.raises(InvalidArgument, match="margin"):
+        AdaptivePolicy(ExpertRouter({"ngram": ["general"]}), GoodputController(CostModel()), margin=-0.1)
 
 
 def test_an_expert_joining_late_pays_its_catch_up_over_the_steps_it_will_draft():
@@ -358,7 +368,7 @@ def test_an_expert_joining_late_pays_its_catch_up_over_the_steps_it_will_draft()
 
 def test_in_a_busy_batch_a_request_without_speculation_weighs_it_again_every_few_steps():
     policy = AdaptivePolicy(ExpertRouter({"ngram": ["general"]}, RoutingConfig(explore=0.0), free=["ngram"]),
-                            GoodputController(CostModel(), probe_every=0))
+                            GoodputController(CostModel(), probe_every=0), margin=0.0)  # the margin: its own test
     others = [policy.begin("general", 4) for _ in range(7)]  # in flight beside it: a busy batch
     request = policy.begin("general", 4)
     policy.draft_cost("ngram").fit.observe([1.0, 4.0, 0.0], 400.0)  # drafting looks hopeless

@@ -36,7 +36,7 @@ from specmesh.runtime.loading import EMBEDDED_DEFAULT, configure_threads, load_t
 from specmesh.speculation.classifier import default_classifier
 from specmesh.speculation.expertise import GENERAL, RoutingConfig
 from specmesh.speculation.loop import LocalDrafter
-from specmesh.speculation.policy import SPECULATION_MODES, adaptive_policy
+from specmesh.speculation.policy import DEFAULT_TREE_NODES, SPECULATION_MODES, adaptive_policy
 from specmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 log = logging.getLogger("specmesh.router")
@@ -186,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="serve Prometheus metrics at http://ADDRESS/metrics ('' = off) [SPECMESH_METRICS_ADDRESS]")
     parser.add_argument("--max-concurrent", type=int, default=int(env_default("max_concurrent", "64")))
     parser.add_argument("--max-queue-backlog", type=int, default=int(env_default("max_queue_backlog", "256")))
-    parser.add_argument("--max-tree-nodes", type=int, default=int(env_default("max_tree_nodes", "16")))
+    parser.add_argument("--max-tree-nodes", type=int, default=int(env_default("max_tree_nodes", str(DEFAULT_TREE_NODES))))
     parser.add_argument("--default-max-tokens", type=int, default=int(env_default("default_max_tokens", "256")))
     parser.add_argument("--draft-ahead", choices=("on", "off"), default=env_default("draft_ahead", "on"),
                         help="draft the next tree while the current one is verified (default on)")

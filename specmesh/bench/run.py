@@ -42,6 +42,7 @@ from specmesh.sampling import SamplingParams
 from specmesh.speculation.assembly import Assembly, assemble, eos_token_ids
 from specmesh.speculation.classifier import default_classifier
 from specmesh.speculation.engine import SpeculativeEngine
+from specmesh.speculation.policy import SPECULATION_MARGIN
 from specmesh.tree import MAX_TREE_NODES, TokenTree, compile_tree
 
 COST_CURVE_MAX_K = 16
@@ -311,7 +312,8 @@ def run_bench(args: argparse.Namespace) -> int:
                   | (r.latency() if r.first_token_ms else {}) for m, r in records.items()},
         "mode_order": "rotated prompt by prompt after an untimed warm-up prompt through every mode",
         "figure_labels": FIGURE_LABELS,
-        "tuned_on_mt_bench": [] if args.prompts else TUNED_ON_MT_BENCH,
+        "speculation_margin": SPECULATION_MARGIN,
+        "defaults_tuned_on": DEFAULTS_TUNED_ON,
         "verify_cost_curve": curve,
         "drafters": drafter_rows,
         "drafter_union_agreement": union,
@@ -357,18 +359,9 @@ FIGURE_LABELS = {
     "engine_speedup_vs_hf_assisted": "runtime + speculation: in process / Hugging Face assisted at its best setting",
 }
 
-# Defaults chosen from runs on MT-Bench, the prompts the default bench judges on (docs/bench.md): a bench
-# on MT-Bench flatters them; retune them on a disjoint prompt set before trusting a comparison they sway
-TUNED_ON_MT_BENCH = [
-    {"name": "--fixed-tree-nodes", "value": 8, "from": "make bench: fixed 8 ran 1.19x own plain, fixed 16 1.04x (94f5c75)"},
-    {"name": "--tree-nodes", "value": 16, "from": "8 MT-Bench prompts through the cluster, c=1: 18.94 tok/s vs 18.25 at 8 (94f5c75)"},
-    {"name": "SPECULATION_MARGIN", "value": 0.10,
-     "from": "8 MT-Bench prompts, 4 requests a pass: 60.4 tok/s vs off 60.2 (5 %: 54.8 vs 57.6) (2cf4e35, e3f1258)"},
-    {"name": "OPENMP_SPIN_COUNT", "value": 1000000, "from": "8 MT-Bench prompts through the cluster, speculation off"},
-    {"name": "draft_ahead", "value": False, "from": "8 MT-Bench prompts: 24.7 vs 30.7 tok/s on 2 cores"},
-    {"name": "shipped writing expert", "value": "c40534b's",
-     "from": "chosen over the 8,000-prompt expert by make bench runs (58014ae)"},
-]
+# --tree-nodes, --fixed-tree-nodes and the policy's margin are chosen on held-out prompts, never on the
+# prompts a bench judges (docs/bench.md)
+DEFAULTS_TUNED_ON = "specmesh tune on specmesh/bench/tuning_prompts.jsonl: held out of MT-Bench and of training"
 
 
 def _summary(records: dict[str, ModeRecord], count: int, identical: int, reference: str, one_step_ms: float,

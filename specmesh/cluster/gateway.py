@@ -26,7 +26,13 @@ from specmesh.speculation.loop import (
     speculate,
     validate_request,
 )
-from specmesh.speculation.policy import AdaptivePolicy, FixedPolicy, adaptive_policy, check_speculation
+from specmesh.speculation.policy import (
+    DEFAULT_TREE_NODES,
+    AdaptivePolicy,
+    FixedPolicy,
+    adaptive_policy,
+    check_speculation,
+)
 from specmesh.tree import MAX_TREE_NODES
 
 MAX_REQUEST_ID = 128
@@ -47,9 +53,7 @@ class RouterLimits:
     max_concurrent_requests: int = 64
     max_queue_backlog: int = 256  # pool jobs no verifier has taken yet: beyond this, new requests wait elsewhere
     default_max_tokens: int = 256
-    # A cap: the adaptive policy picks smaller trees (or none) where a bigger one does not pay. At c=1 on 2
-    # cores, 16 vs 8: in process 1.28x vs 1.17x own plain; through the cluster +3.8 % once, equal once
-    max_tree_nodes: int = 16
+    max_tree_nodes: int = DEFAULT_TREE_NODES  # a cap: adaptive picks smaller trees (or none) where they pay more
     draft_ahead: bool = True  # draft the next tree while the current one is verified
     speculation: str = "adaptive"  # for requests that do not say: adaptive, fixed (the whole budget) or off
 

@@ -25,6 +25,7 @@ from specmesh.cluster.redis_server import RedisServer, free_port
 from specmesh.errors import Unavailable
 from specmesh.runtime.loading import EMBEDDED_DEFAULT
 from specmesh.speculation.expertise import MODEL_FREE_KINDS
+from specmesh.speculation.policy import DEFAULT_TREE_NODES
 
 DEFAULT_DRAFTERS = ("ngram", "code", "math", "writing", "knowledge", "chat")
 
@@ -39,7 +40,7 @@ class ClusterSpec:
     model: str = EMBEDDED_DEFAULT
     drafters: Sequence[str] = DEFAULT_DRAFTERS
     verifiers: int = 1
-    max_tree_nodes: int = 16
+    max_tree_nodes: int = DEFAULT_TREE_NODES
     # Drafting ahead overlaps drafting with verification; off because on one machine the two share the
     # cores, where it cost more than it saved (docs/experiments/2026-11-22-draft-ahead-on-one-machine.md)
     draft_ahead: bool = False

@@ -1555,10 +1555,14 @@ def _knowledge_prompt(rng: random.Random) -> str:
     return text + rng.choice(_KNOWLEDGE_EXTRAS)
 
 
+# Three disjoint prompt sets: the experts train on one, the classifier fits another, the constants are tuned on the third
+TRAINING_SEED, CLASSIFIER_SEED, TUNING_SEED = 0, 1, 2
+HELD_OUT_FROM = 8000  # training prompts per domain held out of the tuning set: more than any expert used
+
 DOMAINS = {"code": _code_prompt, "math": _math_prompt, "writing": _writing_prompt, "knowledge": _knowledge_prompt}
 
 
-def domain_prompts(domain: str, count: int, seed: int = 0) -> list[Prompt]:
+def domain_prompts(domain: str, count: int, seed: int = TRAINING_SEED) -> list[Prompt]:
     """``count`` distinct templated prompts of one domain (fewer if the templates run out). A prompt that
     overlaps MT-Bench (``specmesh.distill.overlap``) is dropped and another drawn in its place."""
     if domain not in DOMAINS:
@@ -1579,10 +1583,30 @@ def domain_prompts(domain: str, count: int, seed: int = 0) -> list[Prompt]:
     return [Prompt(text, domain) for text in seen]
 
 
-def classifier_examples(per_domain: int = 400, seed: int = 1) -> list[dict[str, str]]:
+def classifier_examples(per_domain: int = 400, seed: int = CLASSIFIER_SEED) -> list[dict[str, str]]:
     """The request classifier's labelled examples: ``per_domain`` templated prompts of every domain
     (another seed than the experts' training prompts)."""
     return [{"text": p.text, "kind": d} for d in DOMAINS for p in domain_prompts(d, per_domain, seed=seed)]
+
+
+def tuning_prompts(per_domain: int = 4, seed: int = TUNING_SEED) -> list[Prompt]:
+    """Prompts to tune the speculation constants on, ``per_domain`` of every domain: another seed than the
+    experts' training prompts and the classifier's examples, and none of either's texts (the bench judges
+    on MT-Bench; these never overlap it either)."""
+    seen = {p.text for d in DOMAINS for p in domain_prompts(d, HELD_OUT_FROM, seed=TRAINING_SEED)}
+    seen |= {e["text"] for e in classifier_examples()}
+    chosen = []
+    for domain in DOMAINS:
+        drawn = 2 * per_domain  # a longer draw of the same seed starts with the shorter one
+        while len(fresh := [p for p in domain_prompts(domain, drawn, seed=seed) if p.text not in seen]) < per_domain:
+            drawn *= 2
+        chosen.extend(fresh[:per_domain])
+    return chosen
+
+
+def write_tuning_prompts(path: str | Path) -> None:
+    lines = (json.dumps({"prompt": p.text, "category": p.category}, ensure_ascii=False) for p in tuning_prompts())
+    Path(path).write_text("".join(line + "\n" for line in lines), encoding="utf-8")
 
 
 def write_classifier_examples(path: str | Path) -> None:

@@ -13,7 +13,7 @@ from specmesh.runtime.target import TargetRuntime, make_runtime
 from specmesh.sampling import SamplingParams
 from specmesh.speculation.classifier import RequestClassifier
 from specmesh.speculation.engine import Request, SpeculativeEngine
-from specmesh.speculation.policy import adaptive_policy, check_speculation
+from specmesh.speculation.policy import SPECULATION_MARGIN, adaptive_policy, check_speculation
 
 
 @dataclass
@@ -22,13 +22,14 @@ class Assembly:
     runtime: TargetRuntime
     drafters: list[Drafter]
 
-    def engine(self, max_tree_nodes: int, speculation: str = "adaptive") -> SpeculativeEngine:
+    def engine(self, max_tree_nodes: int, speculation: str = "adaptive",
+               margin: float = SPECULATION_MARGIN) -> SpeculativeEngine:
         """An engine over the target and the drafters. ``speculation``, as the router's: ``adaptive``
         (drafters routed by request kind, trust-weighted fusion, budget by goodput), ``fixed`` (routed,
         the whole budget every step) or ``off``."""
         if check_speculation(speculation) == "off":
             max_tree_nodes = 0
-        policy = adaptive_policy({}, adapt_budget=speculation == "adaptive")
+        policy = adaptive_policy({}, adapt_budget=speculation == "adaptive", margin=margin)
         for drafter in self.drafters:
             policy.router.register(drafter)
         return SpeculativeEngine(

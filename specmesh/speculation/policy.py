@@ -20,9 +20,14 @@ from specmesh.tree import TokenTree
 
 RECHECK_EVERY = 4  # steps between weighings of a request at budget 0 in a busy batch
 CATCH_UP_SPREAD = 8  # at most this many steps share the cost of a drafter's catch-up
-# In a shared pass, the least predicted goodput gain over plain decoding that a tree must promise:
-# smaller gains are inside the cost model's error. A lone request needs none (docs/design.md).
-SPECULATION_MARGIN = 0.10
+# In a shared pass, the least predicted goodput gain over plain decoding that a tree must promise: there
+# the cost model is optimistic (on held-out prompts every smaller margin lost to plain decoding). A lone
+# request needs none (docs/design.md).
+SPECULATION_MARGIN = 0.6
+# Tree nodes a step: adaptive's cap (it drafts fewer where they do not pay), and the whole budget of fixed k
+# (the load sweep's baseline). These three are chosen by `specmesh tune` on held-out prompts (docs/bench.md).
+DEFAULT_TREE_NODES = 16
+DEFAULT_FIXED_TREE_NODES = 4
 
 SPECULATION_MODES = ("adaptive", "fixed", "off")  # budget by goodput; the whole budget; plain decoding
 
@@ -116,12 +121,15 @@ class AdaptivePolicy:
     """Expertise routing, trust-weighted fusion and goodput-adaptive budgets (see the module doc)."""
 
     def __init__(self, router: ExpertRouter, controller: GoodputController, adapt_budget: bool = True,
-                 average: float = 0.9) -> None:
+                 average: float = 0.9, margin: float = SPECULATION_MARGIN) -> None:
         """``adapt_budget`` False keeps routing and trust but always drafts the whole budget
-        (the "fixed k" baseline of the benchmark's load sweep)."""
+        (the "fixed k" baseline of the benchmark's load sweep); ``margin``: see SPECULATION_MARGIN."""
+        if margin < 0:
+            raise InvalidArgument("margin", f"must be >= 0, got {margin}")
         self.router = router
         self.controller = controller
         self.adapt_budget = adapt_budget
+        self.margin = margin
         self.average = average  # weight of the past in the moving averages
         self.state = PolicyState()
 
@@ -217,7 +225,7 @@ class _AdaptiveRequest:
                                                   lambda nodes: sum(c.ms(nodes, t) for c, t in costs), load)
             if n > 0 and goodput > best_goodput:
                 best_goodput, budget, chosen = goodput, n, option
-        if budget and load.other_requests >= 0.5 and best_goodput < plain_goodput * (1 + SPECULATION_MARGIN):
+        if budget and load.other_requests >= 0.5 and best_goodput < plain_goodput * (1 + policy.margin):
             budget = 0  # a gain within the model's error: plain decoding (or a probe, below)
         if budget == 0:
             if not policy.controller.should_probe(self.steps_without, load):
@@ -251,7 +259,9 @@ class _AdaptiveRequest:
 
 
 def adaptive_policy(domains: dict[str, Sequence[str]], adapt_budget: bool = True, seed: int | None = None,
-                    routing: RoutingConfig | None = None, free: Sequence[str] = ()) -> AdaptivePolicy:
+                    routing: RoutingConfig | None = None, free: Sequence[str] = (),
+                    margin: float = SPECULATION_MARGIN) -> AdaptivePolicy:
     """The router's policy over drafters named in ``domains`` (name -> advertised domains), of which
     ``free`` are model-free."""
-    return AdaptivePolicy(ExpertRouter(domains, routing, seed=seed, free=free), GoodputController(CostModel()), adapt_budget)
+    return AdaptivePolicy(ExpertRouter(domains, routing, seed=seed, free=free), GoodputController(CostModel()),
+                          adapt_budget, margin=margin)
