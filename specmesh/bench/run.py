@@ -323,16 +323,20 @@ def run_bench(args: argparse.Namespace) -> int:
     }
     _print_report(report)
     if args.json_out:
-        out = Path(args.json_out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"summary written to {out}")
+        print(f"summary written to {write_json(report, args.json_out)}")
     if args.plots:
         from specmesh.bench.plots import write_plots
 
         for path in write_plots(report, Path(args.plots)):
             print(f"plot written to {path}")
     return 0
+
+
+def write_json(report: dict, path: str | Path) -> Path:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    return out
 
 
 def _concurrency_levels(text: str) -> list[int]:

@@ -19,16 +19,14 @@ It prints and writes what it measured and changes nothing: the defaults are set 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.resources import files
-from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from specmesh.bench.run import WARMUP_PROMPT, ModeRecord, mode_order, non_inferiority
+from specmesh.bench.run import WARMUP_PROMPT, ModeRecord, mode_order, non_inferiority, write_json
 from specmesh.client import Client
 from specmesh.cluster.launcher import DEFAULT_DRAFTERS, OPENMP_SPIN_COUNT, ClusterSpec, LocalCluster
 from specmesh.distill.overlap import overlapped_questions
@@ -224,7 +222,7 @@ def run_tune(args: argparse.Namespace) -> int:
     warmup_request = assembly.request(warmup.text, params, classifier)
 
     report: dict = {"target": args.model, "drafter_set": list(drafters), "max_tokens": args.max_tokens,
-                    "prompts": {"source": str(args.prompts or "specmesh/bench/tuning_prompts.jsonl"),
+                    "prompts": {"source": str(args.prompts or TUNING_PROMPTS),
                                 "count": len(prompts)}}
     sweep = engine_sweep(assembly, prompts, requests, (warmup, warmup_request), caps, fixed)
     report["budget_sweep"] = sweep
@@ -242,10 +240,7 @@ def run_tune(args: argparse.Namespace) -> int:
                          "draft_ahead": ClusterSpec.draft_ahead, "openmp_spin_count": int(OPENMP_SPIN_COUNT)}
     _print(report)
     if args.json_out:
-        out = Path(args.json_out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"written to {out}")
+        print(f"written to {write_json(report, args.json_out)}")
     return 0
 
 
