@@ -41,7 +41,7 @@ bench: install
 
 tune: install
 	mkdir -p out
-	$(PY) -m specmesh tune --cluster --json out/tune.json
+	$(PY) -m specmesh tune --sweeps budget,margin,cluster,load --json out/tune.json
 
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. \

@@ -11,7 +11,7 @@ from typing import Sequence
 
 from specmesh.errors import InvalidArgument, SpecmeshError
 from specmesh.runtime.loading import EMBEDDED_DEFAULT
-from specmesh.speculation.policy import DEFAULT_FIXED_TREE_NODES, DEFAULT_TREE_NODES
+from specmesh.speculation.policy import DEFAULT_FIXED_TREE_NODES, DEFAULT_TREE_NODES, SPECULATION_MARGIN
 
 DEMO_PROMPT = "Write a Python function that checks whether a string is a palindrome, and explain it."
 
@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"the most tree nodes a step (default {DEFAULT_TREE_NODES})")
     up.add_argument("--speculation", choices=("adaptive", "fixed", "off"), default="adaptive",
                     help="the router's default for requests (default adaptive)")
+    up.add_argument("--speculation-margin", type=float, default=SPECULATION_MARGIN,
+                    help="adaptive: the least predicted goodput gain over plain decoding a tree must promise in a "
+                    f"shared pass (default {SPECULATION_MARGIN})")
     up.add_argument("--draft-ahead", action="store_true",
                     help="draft the next tree while one verifies (pays when drafters have cores of their own)")
     up.add_argument("--demo-prompt", default=DEMO_PROMPT)
@@ -103,11 +106,15 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--max-tokens", type=int, default=64)
     tune.add_argument("--tree-nodes-candidates", default="8,16,24,32", help="adaptive budget caps to compare")
     tune.add_argument("--fixed-tree-nodes-candidates", default="4,8,16", help="fixed k to compare")
-    tune.add_argument("--margins", default="0,0.05,0.1,0.2", help="SPECULATION_MARGIN values to compare")
+    tune.add_argument("--sweeps", default="budget,margin",
+                      help="which to run, comma-separated: budget (caps and fixed k), margin (in process), cluster "
+                      "(draft-ahead, OpenMP spin), load (the margin under concurrent load; one cluster per margin) "
+                      "(default budget,margin: the in-process ones)")
+    tune.add_argument("--margins", default="0.1,0.3,0.6,1", help="SPECULATION_MARGIN values to compare")
     tune.add_argument("--batch", type=int, default=4, help="requests a pass in the margin sweep (default 4)")
-    tune.add_argument("--cluster", action="store_true",
-                      help="also compare drafting ahead and the verifiers' OpenMP spin count, through local clusters")
     tune.add_argument("--cluster-rounds", type=int, default=2, help="passes over the cluster settings (default 2)")
+    tune.add_argument("--load-concurrency", default="4,16", help="concurrent requests of the load sweep (default 4,16)")
+    tune.add_argument("--load-rounds", type=int, default=3, help="paired rounds at each concurrency (default 3)")
     tune.add_argument("--json", dest="json_out", help="write what was measured here")
     _add_model_args(tune)
 
@@ -302,7 +309,7 @@ def _up(args: argparse.Namespace) -> int:
 
     spec = ClusterSpec(model=args.model, drafters=tuple(args.drafter or DEFAULT_DRAFTERS), verifiers=args.verifiers,
                        max_tree_nodes=args.tree_nodes, draft_ahead=args.draft_ahead, router_port=args.port,
-                       log_dir=args.log_dir, speculation=args.speculation)
+                       log_dir=args.log_dir, speculation=args.speculation, speculation_margin=args.speculation_margin)
     cluster = LocalCluster(spec)
     print(f"starting Redis, {spec.verifiers} verifier(s), drafters {', '.join(spec.drafters)} (model-free ones "
           "inside the router) and the router "

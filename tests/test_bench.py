@@ -204,3 +204,33 @@ def test_tune_measures_every_candidate_on_held_out_prompts_losslessly(tmp_path):
     assert list(report["margin_sweep"]["rows"]) == ["plain", "margin:0", "margin:0.2"]
     assert report["best"]["tree_nodes"] in (4, 8) and report["best"]["fixed_tree_nodes"] in (2, 4)
     assert report["best"]["margin"] in (0.0, 0.2) and "cluster_sweep" not in report
+    assert report["sweeps"] == ["budget", "margin"] and "load_margin_sweep" not in report
+
+
+@pytest.mark.slow
+def test_tune_weighs_each_margin_under_load_in_a_cluster_of_its_own(tmp_path):
+    # scaled down: prompt lookup only (no drafter services), 2 concurrent requests, 1 round per margin
+    from specmesh.bench.tune import TUNING_PROMPTS
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(TUNING_PROMPTS.read_text(encoding="utf-8").splitlines(keepends=True)[:2]))
+    out = tmp_path / "tune.json"
+    assert main(["tune", "--prompts", str(prompts), "--max-tokens", "6", "--sweeps", "load", "--drafter", "ngram",
+                 "--margins", "0,1.5", "--load-concurrency", "2", "--load-rounds", "1", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["sweeps"] == ["load"] and "budget_sweep" not in report and "margin_sweep" not in report
+    rows = report["load_margin_sweep"]["rows"]
+    assert list(rows) == ["margin:0", "margin:1.5"]
+    for row in rows.values():
+        level = row["concurrency:2"]
+        assert level["tokens_per_s"] > 0 and level["plain_tokens_per_s"] > 0
+        assert level["paired_vs_plain_ci95"] is None  # one round: no interval
+    assert report["best"]["margin_at_concurrency_2"] in (0.0, 1.5)
+
+
+def test_round_robin_mixes_the_categories_in_file_order():
+    from specmesh.bench.tune import round_robin
+    from specmesh.prompts import Prompt
+
+    prompts = [Prompt(f"{c}{i}", c) for c in "abc" for i in range(3 if c == "a" else 1)]  # a0 a1 a2 b0 c0
+    assert [p.text for p in round_robin(prompts)] == ["a0", "b0", "c0", "a1", "a2"]

@@ -36,7 +36,7 @@ from specmesh.runtime.loading import EMBEDDED_DEFAULT, configure_threads, load_t
 from specmesh.speculation.classifier import default_classifier
 from specmesh.speculation.expertise import GENERAL, RoutingConfig
 from specmesh.speculation.loop import LocalDrafter
-from specmesh.speculation.policy import DEFAULT_TREE_NODES, SPECULATION_MODES, adaptive_policy
+from specmesh.speculation.policy import DEFAULT_TREE_NODES, SPECULATION_MARGIN, SPECULATION_MODES, adaptive_policy
 from specmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 log = logging.getLogger("specmesh.router")
@@ -193,6 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--speculation", choices=SPECULATION_MODES, default=env_default("speculation", "adaptive"),
                         help="for requests that do not choose: adaptive (routed drafters, budget by goodput), fixed "
                              "(routed drafters, the whole budget) or off [SPECMESH_SPECULATION]")
+    parser.add_argument("--speculation-margin", type=float,
+                        default=float(env_default("speculation_margin", str(SPECULATION_MARGIN))),
+                        help="adaptive: in a shared pass, the least predicted goodput gain over plain decoding a "
+                             f"tree must promise (default {SPECULATION_MARGIN}) [SPECMESH_SPECULATION_MARGIN]")
     parser.add_argument("--max-drafters", type=int, default=int(env_default("max_drafters", "1")),
                         help="model drafters asked per step, the best for the request, besides the model-free ones "
                              "(default 1) [SPECMESH_MAX_DRAFTERS]")
@@ -226,6 +230,8 @@ async def watch_cluster(router: Router, verifier: QueueVerifierClient, metrics: 
 
 async def serve(args: argparse.Namespace) -> None:
     configure_threads(1)
+    policy = adaptive_policy({}, routing=RoutingConfig(max_drafters=args.max_drafters, explore=args.explore),
+                             margin=args.speculation_margin)  # first: a bad flag fails before anything starts
     target = load_target_parts(args.model)
     card = ModelCard(
         target.name, target.vocab_size, target.max_length, tokenizer_fingerprint(target.tokenizer),
@@ -247,7 +253,6 @@ async def serve(args: argparse.Namespace) -> None:
         discovery = asyncio.create_task(follow_kubernetes(watcher, remote))
     limits = RouterLimits(args.max_concurrent, args.max_queue_backlog, args.default_max_tokens, args.max_tree_nodes,
                           draft_ahead=args.draft_ahead == "on", speculation=args.speculation)
-    policy = adaptive_policy({}, routing=RoutingConfig(max_drafters=args.max_drafters, explore=args.explore))
     metrics = RouterMetrics()
     endpoint = serve_metrics(metrics, args.metrics_address)
     router = Router(target.tokenizer, card, drafters, verifier, limits, policy, default_classifier(), metrics)

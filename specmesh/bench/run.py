@@ -217,7 +217,7 @@ def run_bench(args: argparse.Namespace) -> int:
         raise InvalidArgument("tree_nodes", f"the benchmark compares speculation: must be >= 1, got {args.tree_nodes}")
     if not 1 <= args.fixed_tree_nodes <= MAX_TREE_NODES:
         raise InvalidArgument("fixed_tree_nodes", f"must be in 1..{MAX_TREE_NODES}, got {args.fixed_tree_nodes}")
-    concurrency = _concurrency_levels(args.concurrency)
+    concurrency = int_list("concurrency", args.concurrency, 1, MAX_CONCURRENCY) if args.concurrency else []
     configure_threads(args.threads)
     machine = _machine()
     prompts: list[Prompt] = load_prompts(args.prompts) if args.prompts else mtbench_prompts()
@@ -294,9 +294,9 @@ def run_bench(args: argparse.Namespace) -> int:
                 records[mode].identical += outputs[mode] == outputs[reference]
             all_identical += all(outputs[m] == outputs[reference] for m in modes if not m.startswith("hf_assisted:"))
         busy_s = _verifier_busy_s(cluster) - busy_before if cluster else 0.0
-        load_sweep = (_load_sweep(cluster, prompts, args.max_tokens, concurrency, args.fixed_tree_nodes, args.tree_nodes,
-                                  args.sweep_rounds)
-                      if cluster and concurrency else [])
+        load_rows = (load_sweep(cluster, prompts, args.max_tokens, concurrency, args.fixed_tree_nodes, args.tree_nodes,
+                                args.sweep_rounds)
+                     if cluster and concurrency else [])
     machine["load_average_after"] = os.getloadavg()[0]
     report = {
         "machine": machine,
@@ -318,8 +318,8 @@ def run_bench(args: argparse.Namespace) -> int:
         "drafters": drafter_rows,
         "drafter_union_agreement": union,
         "per_category": _per_category(records),
-        "load_sweep": load_sweep,
-        "load_sweep_verdicts": adaptive_verdicts(load_sweep) if load_sweep else [],
+        "load_sweep": load_rows,
+        "load_sweep_verdicts": adaptive_verdicts(load_rows) if load_rows else [],
     }
     _print_report(report)
     if args.json_out:
@@ -339,16 +339,18 @@ def write_json(report: dict, path: str | Path) -> Path:
     return out
 
 
-def _concurrency_levels(text: str) -> list[int]:
-    if not text:
-        return []
+def int_list(name: str, text: str, low: int, high: int) -> list[int]:
+    """A flag's comma-separated integers, each in ``low..high``."""
     try:
-        levels = [int(x) for x in text.split(",") if x.strip()]
+        values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise InvalidArgument("concurrency", f"is {text!r}; give comma-separated integers, e.g. 1,4,16") from None
-    if any(not 1 <= c <= 256 for c in levels):
-        raise InvalidArgument("concurrency", f"levels must be in 1..256, got {text!r}")
-    return levels
+        raise InvalidArgument(name, f"must be comma-separated integers, got {text!r}") from None
+    if not values or not all(low <= v <= high for v in values):
+        raise InvalidArgument(name, f"each must be in {low}..{high}, got {text!r}")
+    return values
+
+
+MAX_CONCURRENCY = 256
 
 
 # What the ratios measure: the headline is speculation's own gain, on specmesh's own runtime; a ratio to
@@ -471,11 +473,12 @@ LOAD_ROUNDS = 3  # runs of each policy at each concurrency, in rotated/mirrored 
 _SPECULATION_OF = {"none": "off", "fixed": "fixed", "adaptive": "adaptive"}
 
 
-def _load_sweep(cluster: LocalCluster, prompts: list[Prompt], max_tokens: int, levels: list[int],
-                fixed_tree_nodes: int, tree_nodes: int, rounds: int = LOAD_ROUNDS) -> list[dict]:
-    """At each concurrency, the same requests through the cluster with each policy (no speculation,
-    fixed k = ``fixed_tree_nodes`` every step, adaptive up to ``tree_nodes``), ``rounds`` times in
-    rotated (then mirrored) orders, so that drift and warm-up hit every policy alike. Per (level,
+def load_sweep(cluster: LocalCluster, prompts: list[Prompt], max_tokens: int, levels: list[int],
+               fixed_tree_nodes: int, tree_nodes: int, rounds: int = LOAD_ROUNDS,
+               policies: tuple[str, ...] = LOAD_POLICIES) -> list[dict]:
+    """At each concurrency, the same requests through the cluster with each of ``policies`` (none: no
+    speculation, fixed: k = ``fixed_tree_nodes`` every step, adaptive: up to ``tree_nodes``), ``rounds``
+    times in rotated (then mirrored) orders, so that drift and warm-up hit every policy alike. Per (level,
     policy): mean tokens/s over the rounds and its spread, per-token latency percentiles over every
     request of every round."""
     import asyncio
@@ -507,14 +510,14 @@ def _load_sweep(cluster: LocalCluster, prompts: list[Prompt], max_tokens: int, l
     for index, level in enumerate(tqdm(levels, desc="load sweep", unit="level")):
         count = max(2 * level, min(len(prompts), 8))
         chosen = [prompts[i % len(prompts)] for i in range(count)]
-        speeds: dict[str, list[float]] = {p: [] for p in LOAD_POLICIES}
-        latencies: dict[str, list[float]] = {p: [] for p in LOAD_POLICIES}
+        speeds: dict[str, list[float]] = {p: [] for p in policies}
+        latencies: dict[str, list[float]] = {p: [] for p in policies}
         for round_ in range(rounds):
-            for policy in sweep_order(index + round_, mirrored=(round_ // len(LOAD_POLICIES)) % 2 == 1):
+            for policy in sweep_order(index + round_, (round_ // len(policies)) % 2 == 1, policies):
                 speed, latency = asyncio.run(one_run(level, policy, chosen))
                 speeds[policy].append(speed)
                 latencies[policy].extend(latency)
-        for policy in LOAD_POLICIES:
+        for policy in policies:
             rows.append({"concurrency": level, "policy": policy, "requests": count, "rounds": rounds,
                          "tokens_per_s": round(statistics.fmean(speeds[policy]), 2),
                          "tokens_per_s_runs": [round(s, 2) for s in speeds[policy]],
@@ -523,11 +526,11 @@ def _load_sweep(cluster: LocalCluster, prompts: list[Prompt], max_tokens: int, l
     return rows
 
 
-def sweep_order(rotation: int, mirrored: bool) -> tuple[str, ...]:
-    """The policies rotated by ``rotation``, reversed when ``mirrored``: three rotations in a row put each
-    policy in each slot once (a Latin square); the next three, mirrored, balance who runs after whom."""
-    shift = rotation % len(LOAD_POLICIES)
-    order = LOAD_POLICIES[shift:] + LOAD_POLICIES[:shift]
+def sweep_order(rotation: int, mirrored: bool, policies: tuple[str, ...] = LOAD_POLICIES) -> tuple[str, ...]:
+    """``policies`` rotated by ``rotation``, reversed when ``mirrored``: n rotations in a row put each
+    policy in each slot once (a Latin square); the next n, mirrored, balance who runs after whom."""
+    shift = rotation % len(policies)
+    order = policies[shift:] + policies[:shift]
     return order[::-1] if mirrored else order
 
 

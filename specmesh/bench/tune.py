@@ -3,14 +3,16 @@
 A constant chosen on the prompts a benchmark judges on flatters that benchmark. The defaults are chosen
 here instead, on held-out prompts (default: ``tuning_prompts.jsonl``, templated prompts of their own seed,
 disjoint from the experts' training prompts, the classifier's examples and MT-Bench), and only judged by
-``specmesh bench`` on MT-Bench. Three sweeps, each candidate interleaved with the others and rotated
+``specmesh bench`` on MT-Bench. Four sweeps, each candidate interleaved with the others and rotated
 prompt by prompt (bench/run.py's rule), each speed relative to plain decoding in the same sweep:
 
 - ``tree_nodes`` (adaptive's budget cap) and ``fixed_tree_nodes`` (the load sweep's fixed k): one request
   at a time, in process;
 - ``margin`` (``SPECULATION_MARGIN``): ``batch`` requests a pass, in process, where it applies;
-- with ``--cluster``, the settings only a cluster has: drafting ahead and the verifiers' OpenMP spin
-  count, one local cluster per setting, in mirrored order.
+- ``cluster``: the settings only a cluster has, drafting ahead and the verifiers' OpenMP spin count, one
+  local cluster per setting, in mirrored order;
+- ``load``: the margin where it matters most, under concurrent load through a local cluster (one per
+  margin), adaptive against no speculation in the same cluster, paired round by round.
 
 It prints and writes what it measured and changes nothing: the defaults are set by hand, from its output
 (docs/bench.md records the last run).
@@ -19,14 +21,25 @@ It prints and writes what it measured and changes nothing: the defaults are set 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.resources import files
 
 from tqdm.auto import tqdm
 
-from specmesh.bench.run import WARMUP_PROMPT, ModeRecord, mode_order, non_inferiority, write_json
+from specmesh.bench.run import (
+    MAX_CONCURRENCY,
+    WARMUP_PROMPT,
+    ModeRecord,
+    int_list,
+    load_sweep,
+    mode_order,
+    non_inferiority,
+    write_json,
+)
 from specmesh.client import Client
 from specmesh.cluster.launcher import DEFAULT_DRAFTERS, OPENMP_SPIN_COUNT, ClusterSpec, LocalCluster
 from specmesh.distill.overlap import overlapped_questions
@@ -51,6 +64,10 @@ CLUSTER_SETTINGS = {
 }
 
 
+SWEEPS = ("budget", "margin", "cluster", "load")
+MARGIN_LOAD_POLICIES = ("none", "adaptive")  # the load sweep weighs each margin against no speculation
+
+
 def held_out(prompts: list[Prompt]) -> list[Prompt]:
     """``prompts`` if none shares a word 8-gram with MT-Bench: tuning on the judged prompts is what this
     command exists to avoid."""
@@ -59,16 +76,6 @@ def held_out(prompts: list[Prompt]) -> list[Prompt]:
         raise InvalidArgument("prompts", f"{len(overlapping)} of them (lines {overlapping[:5]}) share a word 8-gram "
                                          "with MT-Bench, which the bench judges on; tune on other prompts")
     return prompts
-
-
-def _int_list(name: str, text: str, low: int, high: int) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise InvalidArgument(name, f"must be comma-separated integers, got {text!r}") from None
-    if not values or not all(low <= v <= high for v in values):
-        raise InvalidArgument(name, f"each must be in {low}..{high}, got {text!r}")
-    return values
 
 
 def _float_list(name: str, text: str) -> list[float]:
@@ -196,45 +203,97 @@ def cluster_sweep(args: argparse.Namespace, drafters: tuple[str, ...], prompts: 
                    "vs_shipped": round(tokens[name] / seconds[name] / base, 3)} for name in names}
 
 
+def round_robin(prompts: list[Prompt]) -> list[Prompt]:
+    """One prompt of each category in turn (file order within each), so that any first n mix the categories."""
+    rank: dict[str, int] = defaultdict(int)
+    keyed = []
+    for index, prompt in enumerate(prompts):
+        keyed.append((rank[prompt.category], index, prompt))
+        rank[prompt.category] += 1
+    return [prompt for _, _, prompt in sorted(keyed, key=lambda k: k[:2])]
+
+
+def load_margin_sweep(args: argparse.Namespace, drafters: tuple[str, ...], prompts: list[Prompt], warmup: Prompt,
+                      margins: list[float], levels: list[int], rounds: int) -> dict[str, dict]:
+    """One local cluster per margin; in each, at every concurrency, adaptive (up to ``args.tree_nodes``) and
+    no speculation over the same requests, ``rounds`` times in rotated order (bench/run.py's load sweep).
+    Each margin is judged by adaptive's paired relative difference to plain decoding in its own cluster."""
+    rows: dict[str, dict] = {}
+    for margin in tqdm(margins, desc="margins under load", unit="cluster"):
+        spec = ClusterSpec(model=args.model, drafters=drafters, max_tree_nodes=args.tree_nodes, dtype=args.dtype,
+                           speculation_margin=margin)
+        with LocalCluster(spec) as cluster:
+            with Client(cluster.router_address) as client:
+                client.generate(chat=[("user", warmup.text)], max_tokens=args.max_tokens)
+            runs = load_sweep(cluster, round_robin(prompts), args.max_tokens, levels, DEFAULT_FIXED_TREE_NODES,
+                              args.tree_nodes, rounds, MARGIN_LOAD_POLICIES)
+        row = {}
+        for level in levels:
+            speeds = {r["policy"]: r["tokens_per_s_runs"] for r in runs if r["concurrency"] == level}
+            row[f"concurrency:{level}"] = {"tokens_per_s": round(statistics.fmean(speeds["adaptive"]), 2),
+                                           "plain_tokens_per_s": round(statistics.fmean(speeds["none"]), 2),
+                                           **versus(speeds["adaptive"], speeds["none"])}
+        rows[f"margin:{margin:g}"] = row
+    return rows
+
+
 def best(rows: dict[str, dict], prefix: str, key: str = "tokens_per_s") -> str:
     return max((n for n in rows if n.startswith(prefix)), key=lambda n: rows[n][key])
 
 
+def _sweeps(text: str) -> list[str]:
+    chosen = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = sorted(set(chosen) - set(SWEEPS))
+    if not chosen or unknown:
+        raise InvalidArgument("sweeps", f"choose from {', '.join(SWEEPS)}; got {text!r}")
+    return chosen
+
+
 def run_tune(args: argparse.Namespace) -> int:
-    caps = _int_list("tree_nodes", args.tree_nodes_candidates, 1, MAX_TREE_NODES)
-    fixed = _int_list("fixed_tree_nodes", args.fixed_tree_nodes_candidates, 1, MAX_TREE_NODES)
+    sweeps = _sweeps(args.sweeps)
+    caps = int_list("tree_nodes", args.tree_nodes_candidates, 1, MAX_TREE_NODES)
+    fixed = int_list("fixed_tree_nodes", args.fixed_tree_nodes_candidates, 1, MAX_TREE_NODES)
     margins = _float_list("margins", args.margins)
+    levels = int_list("load_concurrency", args.load_concurrency, 2, MAX_CONCURRENCY)  # the margin needs company
     if args.max_tokens < 1:
         raise InvalidArgument("max_tokens", f"must be >= 1, got {args.max_tokens}")
     if args.batch < 2:
         raise InvalidArgument("batch", f"the margin applies only in a shared pass: must be >= 2, got {args.batch}")
-    if args.cluster_rounds < 1:
-        raise InvalidArgument("cluster_rounds", f"must be >= 1, got {args.cluster_rounds}")
+    for name in ("cluster_rounds", "load_rounds"):
+        if getattr(args, name) < 1:
+            raise InvalidArgument(name, f"must be >= 1, got {getattr(args, name)}")
     if not 1 <= args.tree_nodes <= MAX_TREE_NODES:
         raise InvalidArgument("tree_nodes", f"must be in 1..{MAX_TREE_NODES}, got {args.tree_nodes}")
     prompts = held_out(load_prompts(args.prompts or TUNING_PROMPTS))
     configure_threads(args.threads)
     drafters = tuple(args.drafter or DEFAULT_DRAFTERS)
-    assembly = assemble(args.model, drafters, device=args.device, dtype=args.dtype)
-    classifier, params = default_classifier(), SamplingParams(max_tokens=args.max_tokens)
-    requests = [assembly.request(p.text, params, classifier) for p in prompts]
     warmup = Prompt(WARMUP_PROMPT, "warm-up")
-    warmup_request = assembly.request(warmup.text, params, classifier)
-
     report: dict = {"target": args.model, "drafter_set": list(drafters), "max_tokens": args.max_tokens,
-                    "prompts": {"source": str(args.prompts or TUNING_PROMPTS),
-                                "count": len(prompts)}}
-    sweep = engine_sweep(assembly, prompts, requests, (warmup, warmup_request), caps, fixed)
-    report["budget_sweep"] = sweep
-    report["best"] = {"tree_nodes": int(best(sweep, "adaptive:").split(":")[1]),
-                      "fixed_tree_nodes": int(best(sweep, "fixed:").split(":")[1])}
-    margin_rows = margin_sweep(assembly, requests, warmup_request, args.tree_nodes, margins, args.batch)
-    report["margin_sweep"] = {"batch": args.batch, "tree_nodes": args.tree_nodes, "rows": margin_rows}
-    report["best"]["margin"] = float(best(margin_rows, "margin:").split(":")[1])
-    if args.cluster:
+                    "prompts": {"source": str(args.prompts or TUNING_PROMPTS), "count": len(prompts)},
+                    "sweeps": sweeps, "best": {}}
+    if "budget" in sweeps or "margin" in sweeps:
+        assembly = assemble(args.model, drafters, device=args.device, dtype=args.dtype)
+        classifier, params = default_classifier(), SamplingParams(max_tokens=args.max_tokens)
+        requests = [assembly.request(p.text, params, classifier) for p in prompts]
+        warmup_request = assembly.request(warmup.text, params, classifier)
+    if "budget" in sweeps:
+        rows = engine_sweep(assembly, prompts, requests, (warmup, warmup_request), caps, fixed)
+        report["budget_sweep"] = rows
+        report["best"] |= {"tree_nodes": int(best(rows, "adaptive:").split(":")[1]),
+                           "fixed_tree_nodes": int(best(rows, "fixed:").split(":")[1])}
+    if "margin" in sweeps:
+        rows = margin_sweep(assembly, requests, warmup_request, args.tree_nodes, margins, args.batch)
+        report["margin_sweep"] = {"batch": args.batch, "tree_nodes": args.tree_nodes, "rows": rows}
+        report["best"]["margin"] = float(best(rows, "margin:").split(":")[1])
+    if "cluster" in sweeps:
         rows = cluster_sweep(args, drafters, prompts, warmup, args.cluster_rounds)
         report["cluster_sweep"] = {"tree_nodes": args.tree_nodes, "rounds": args.cluster_rounds, "rows": rows}
         report["best"]["cluster_setting"] = max(rows, key=lambda n: rows[n]["tokens_per_s"])
+    if "load" in sweeps:
+        rows = load_margin_sweep(args, drafters, prompts, warmup, margins, levels, args.load_rounds)
+        report["load_margin_sweep"] = {"tree_nodes": args.tree_nodes, "rounds": args.load_rounds, "rows": rows}
+        report["best"] |= {f"margin_at_concurrency_{level}": float(max(
+            rows, key=lambda m: rows[m][f"concurrency:{level}"]["paired_vs_plain"]).split(":")[1]) for level in levels}
     report["shipped"] = {"tree_nodes": DEFAULT_TREE_NODES, "fixed_tree_nodes": DEFAULT_FIXED_TREE_NODES,
                          "margin": SPECULATION_MARGIN,
                          "draft_ahead": ClusterSpec.draft_ahead, "openmp_spin_count": int(OPENMP_SPIN_COUNT)}
@@ -246,16 +305,20 @@ def run_tune(args: argparse.Namespace) -> int:
 
 def _print(report: dict) -> None:
     print(f"\n{report['prompts']['count']} held-out prompts x {report['max_tokens']} tokens ({report['prompts']['source']})")
-    for name, row in report["budget_sweep"].items():
+    for name, row in report.get("budget_sweep", {}).items():
         accepted = f", accepted length {row['mean_accepted_length']:.2f}" if row["mean_accepted_length"] else ""
         print(f"  {name:14s} {row['tokens_per_s']:7.2f} tok/s = {row['vs_plain']:.3f}x plain{_interval(row)}{accepted}, "
               f"identical {row['identical_to_plain']}")
-    margins = report["margin_sweep"]
+    margins = report.get("margin_sweep", {"rows": {}})
     for name, row in margins["rows"].items():
         print(f"  {name:14s} {row['tokens_per_s']:7.2f} tok/s = {row['vs_plain']:.3f}x plain{_interval(row)} "
               f"({margins['batch']} requests a pass, up to {margins['tree_nodes']} nodes)")
     for name, row in report.get("cluster_sweep", {}).get("rows", {}).items():
         print(f"  cluster {name:16s} {row['tokens_per_s']:7.2f} tok/s = {row['vs_shipped']:.3f}x the shipped settings")
+    for name, levels in report.get("load_margin_sweep", {}).get("rows", {}).items():
+        for level, row in levels.items():
+            print(f"  load {name:11s} {level:15s} {row['tokens_per_s']:7.2f} tok/s vs plain "
+                  f"{row['plain_tokens_per_s']:.2f}{_interval(row)}")
     print(f"  best: {report['best']}; shipped: {report['shipped']}")
 
 

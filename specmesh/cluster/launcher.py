@@ -22,10 +22,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specmesh.cluster.redis_server import RedisServer, free_port
-from specmesh.errors import Unavailable
+from specmesh.errors import InvalidArgument, Unavailable
 from specmesh.runtime.loading import EMBEDDED_DEFAULT
 from specmesh.speculation.expertise import MODEL_FREE_KINDS
-from specmesh.speculation.policy import DEFAULT_TREE_NODES
+from specmesh.speculation.policy import DEFAULT_TREE_NODES, SPECULATION_MARGIN
 
 DEFAULT_DRAFTERS = ("ngram", "code", "math", "writing", "knowledge", "chat")
 
@@ -45,12 +45,17 @@ class ClusterSpec:
     # cores, where it cost more than it saved (docs/experiments/2026-11-22-draft-ahead-on-one-machine.md)
     draft_ahead: bool = False
     speculation: str = "adaptive"  # the router's default for requests: adaptive, fixed or off
+    speculation_margin: float = SPECULATION_MARGIN  # adaptive's margin in a shared pass (the router's flag)
     router_port: int = 0  # 0: a free port
     cores: int = field(default_factory=lambda: os.cpu_count() or 1)
     dtype: str | None = None
     job_timeout_s: float = 30.0
     log_dir: Path | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.speculation_margin < 0:  # the router would refuse it only after Redis and the verifiers are up
+            raise InvalidArgument("speculation_margin", f"must be >= 0, got {self.speculation_margin}")
 
 
 @dataclass
@@ -169,7 +174,7 @@ class LocalCluster:
             args = ["--model", spec.model, "--redis-url", self.redis.url, "--max-tree-nodes", str(spec.max_tree_nodes),
                     "--job-timeout", str(spec.job_timeout_s), "--drafters", ",".join(d.address for d in self.drafters),
                     "--draft-ahead", "on" if spec.draft_ahead else "off", "--speculation", spec.speculation,
-                    "--local-drafters", ",".join(local)]
+                    "--speculation-margin", repr(spec.speculation_margin), "--local-drafters", ",".join(local)]
             self.router = self._service("router", "router", args, 1, spec.router_port)
             self.router.start()
             self.router.wait_ready(timeout_s)
