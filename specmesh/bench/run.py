@@ -217,7 +217,7 @@ def run_bench(args: argparse.Namespace) -> int:
         raise InvalidArgument("tree_nodes", f"the benchmark compares speculation: must be >= 1, got {args.tree_nodes}")
     if not 1 <= args.fixed_tree_nodes <= MAX_TREE_NODES:
         raise InvalidArgument("fixed_tree_nodes", f"must be in 1..{MAX_TREE_NODES}, got {args.fixed_tree_nodes}")
-    concurrency = int_list("concurrency", args.concurrency, 1, MAX_CONCURRENCY) if args.concurrency else []
+    concurrency = number_list("concurrency", args.concurrency, 1, MAX_CONCURRENCY) if args.concurrency else []
     configure_threads(args.threads)
     machine = _machine()
     prompts: list[Prompt] = load_prompts(args.prompts) if args.prompts else mtbench_prompts()
@@ -339,18 +339,17 @@ def write_json(report: dict, path: str | Path) -> Path:
     return out
 
 
-def int_list(name: str, text: str, low: int, high: int) -> list[int]:
-    """A flag's comma-separated integers, each in ``low..high``."""
+def number_list(name: str, text: str, low: float, high: float = math.inf, kind: type = int) -> list:
+    """A flag's comma-separated numbers of ``kind`` (int or float), each in ``low..high``."""
     try:
-        values = [int(x) for x in text.split(",") if x.strip()]
+        values = [kind(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise InvalidArgument(name, f"must be comma-separated integers, got {text!r}") from None
+        noun = "integers" if kind is int else "numbers"
+        raise InvalidArgument(name, f"must be comma-separated {noun}, got {text!r}") from None
     if not values or not all(low <= v <= high for v in values):
-        raise InvalidArgument(name, f"each must be in {low}..{high}, got {text!r}")
+        bounds = f"in {low}..{high}" if high != math.inf else f">= {low}"
+        raise InvalidArgument(name, f"each must be {bounds}, got {text!r}")
     return values
-
-
-MAX_CONCURRENCY = 256
 
 
 # What the ratios measure: the headline is speculation's own gain, on specmesh's own runtime; a ratio to
@@ -468,6 +467,7 @@ def _per_category(records: dict[str, ModeRecord]) -> dict[str, dict]:
     return table
 
 
+MAX_CONCURRENCY = 256  # the load sweep's most concurrent requests
 LOAD_POLICIES = ("none", "fixed", "adaptive")
 LOAD_ROUNDS = 3  # runs of each policy at each concurrency, in rotated/mirrored orders
 _SPECULATION_OF = {"none": "off", "fixed": "fixed", "adaptive": "adaptive"}

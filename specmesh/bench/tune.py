@@ -34,10 +34,10 @@ from specmesh.bench.run import (
     MAX_CONCURRENCY,
     WARMUP_PROMPT,
     ModeRecord,
-    int_list,
     load_sweep,
     mode_order,
     non_inferiority,
+    number_list,
     write_json,
 )
 from specmesh.client import Client
@@ -76,16 +76,6 @@ def held_out(prompts: list[Prompt]) -> list[Prompt]:
         raise InvalidArgument("prompts", f"{len(overlapping)} of them (lines {overlapping[:5]}) share a word 8-gram "
                                          "with MT-Bench, which the bench judges on; tune on other prompts")
     return prompts
-
-
-def _float_list(name: str, text: str) -> list[float]:
-    try:
-        values = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise InvalidArgument(name, f"must be comma-separated numbers, got {text!r}") from None
-    if not values or not all(v >= 0 for v in values):
-        raise InvalidArgument(name, f"each must be >= 0, got {text!r}")
-    return values
 
 
 Run = Callable[[Prompt, Request], tuple[list[int], int | None]]  # output tokens, target passes
@@ -237,10 +227,6 @@ def load_margin_sweep(args: argparse.Namespace, drafters: tuple[str, ...], promp
     return rows
 
 
-def best(rows: dict[str, dict], prefix: str, key: str = "tokens_per_s") -> str:
-    return max((n for n in rows if n.startswith(prefix)), key=lambda n: rows[n][key])
-
-
 def _sweeps(text: str) -> list[str]:
     chosen = [x.strip() for x in text.split(",") if x.strip()]
     unknown = sorted(set(chosen) - set(SWEEPS))
@@ -251,10 +237,10 @@ def _sweeps(text: str) -> list[str]:
 
 def run_tune(args: argparse.Namespace) -> int:
     sweeps = _sweeps(args.sweeps)
-    caps = int_list("tree_nodes", args.tree_nodes_candidates, 1, MAX_TREE_NODES)
-    fixed = int_list("fixed_tree_nodes", args.fixed_tree_nodes_candidates, 1, MAX_TREE_NODES)
-    margins = _float_list("margins", args.margins)
-    levels = int_list("load_concurrency", args.load_concurrency, 2, MAX_CONCURRENCY)  # the margin needs company
+    caps = number_list("tree_nodes", args.tree_nodes_candidates, 1, MAX_TREE_NODES)
+    fixed = number_list("fixed_tree_nodes", args.fixed_tree_nodes_candidates, 1, MAX_TREE_NODES)
+    margins = number_list("margins", args.margins, 0, kind=float)
+    levels = number_list("load_concurrency", args.load_concurrency, 2, MAX_CONCURRENCY)  # the margin needs company
     if args.max_tokens < 1:
         raise InvalidArgument("max_tokens", f"must be >= 1, got {args.max_tokens}")
     if args.batch < 2:
@@ -279,12 +265,12 @@ def run_tune(args: argparse.Namespace) -> int:
     if "budget" in sweeps:
         rows = engine_sweep(assembly, prompts, requests, (warmup, warmup_request), caps, fixed)
         report["budget_sweep"] = rows
-        report["best"] |= {"tree_nodes": int(best(rows, "adaptive:").split(":")[1]),
-                           "fixed_tree_nodes": int(best(rows, "fixed:").split(":")[1])}
+        report["best"] |= {"tree_nodes": max(caps, key=lambda n: rows[f"adaptive:{n}"]["tokens_per_s"]),
+                           "fixed_tree_nodes": max(fixed, key=lambda k: rows[f"fixed:{k}"]["tokens_per_s"])}
     if "margin" in sweeps:
         rows = margin_sweep(assembly, requests, warmup_request, args.tree_nodes, margins, args.batch)
         report["margin_sweep"] = {"batch": args.batch, "tree_nodes": args.tree_nodes, "rows": rows}
-        report["best"]["margin"] = float(best(rows, "margin:").split(":")[1])
+        report["best"]["margin"] = max(margins, key=lambda m: rows[f"margin:{m:g}"]["tokens_per_s"])
     if "cluster" in sweeps:
         rows = cluster_sweep(args, drafters, prompts, warmup, args.cluster_rounds)
         report["cluster_sweep"] = {"tree_nodes": args.tree_nodes, "rounds": args.cluster_rounds, "rows": rows}
@@ -292,8 +278,8 @@ def run_tune(args: argparse.Namespace) -> int:
     if "load" in sweeps:
         rows = load_margin_sweep(args, drafters, prompts, warmup, margins, levels, args.load_rounds)
         report["load_margin_sweep"] = {"tree_nodes": args.tree_nodes, "rounds": args.load_rounds, "rows": rows}
-        report["best"] |= {f"margin_at_concurrency_{level}": float(max(
-            rows, key=lambda m: rows[m][f"concurrency:{level}"]["paired_vs_plain"]).split(":")[1]) for level in levels}
+        report["best"] |= {f"margin_at_concurrency_{level}": max(
+            margins, key=lambda m: rows[f"margin:{m:g}"][f"concurrency:{level}"]["paired_vs_plain"]) for level in levels}
     report["shipped"] = {"tree_nodes": DEFAULT_TREE_NODES, "fixed_tree_nodes": DEFAULT_FIXED_TREE_NODES,
                          "margin": SPECULATION_MARGIN,
                          "draft_ahead": ClusterSpec.draft_ahead, "openmp_spin_count": int(OPENMP_SPIN_COUNT)}

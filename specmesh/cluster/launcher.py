@@ -22,10 +22,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specmesh.cluster.redis_server import RedisServer, free_port
-from specmesh.errors import InvalidArgument, Unavailable
+from specmesh.errors import Unavailable
 from specmesh.runtime.loading import EMBEDDED_DEFAULT
 from specmesh.speculation.expertise import MODEL_FREE_KINDS
-from specmesh.speculation.policy import DEFAULT_TREE_NODES, SPECULATION_MARGIN
+from specmesh.speculation.policy import DEFAULT_TREE_NODES, SPECULATION_MARGIN, check_margin
 
 DEFAULT_DRAFTERS = ("ngram", "code", "math", "writing", "knowledge", "chat")
 
@@ -54,8 +54,7 @@ class ClusterSpec:
     extra_env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.speculation_margin < 0:  # the router would refuse it only after Redis and the verifiers are up
-            raise InvalidArgument("speculation_margin", f"must be >= 0, got {self.speculation_margin}")
+        check_margin(self.speculation_margin, "speculation_margin")  # else the router refuses it only once all is up
 
 
 @dataclass

@@ -32,6 +32,12 @@ DEFAULT_FIXED_TREE_NODES = 4
 SPECULATION_MODES = ("adaptive", "fixed", "off")  # budget by goodput; the whole budget; plain decoding
 
 
+def check_margin(margin: float, name: str = "margin") -> float:
+    if margin < 0:
+        raise InvalidArgument(name, f"must be >= 0, got {margin}")
+    return margin
+
+
 def check_speculation(mode: str) -> str:
     if mode not in SPECULATION_MODES:
         raise InvalidArgument("speculation", f"is {mode!r}; use one of {', '.join(SPECULATION_MODES)}")
@@ -124,8 +130,7 @@ class AdaptivePolicy:
                  average: float = 0.9, margin: float = SPECULATION_MARGIN) -> None:
         """``adapt_budget`` False keeps routing and trust but always drafts the whole budget
         (the "fixed k" baseline of the benchmark's load sweep); ``margin``: see SPECULATION_MARGIN."""
-        if margin < 0:
-            raise InvalidArgument("margin", f"must be >= 0, got {margin}")
+        check_margin(margin)
         self.router = router
         self.controller = controller
         self.adapt_budget = adapt_budget
