@@ -28,6 +28,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                         f"(default {DEFAULT_TREE_NODES})")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: CUDA when present)")
     parser.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: fp32 on CPU, bf16 on CUDA)")
+    parser.add_argument("--precision", default="shipped",
+                        help="shipped: a GGUF target computed on its own 4/8-bit blocks (CPU); fp32: on its weights "
+                        "de-quantized, token for token Hugging Face's output (default: shipped)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
 
 
@@ -67,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--speculation-margin", type=float, default=SPECULATION_MARGIN,
                     help="adaptive: the least predicted goodput gain over plain decoding a tree must promise in a "
                     f"shared pass (default {SPECULATION_MARGIN})")
+    up.add_argument("--precision", default="shipped",
+                    help="the verifiers': shipped (a GGUF target on its own blocks, CPU) or fp32 (default shipped)")
     up.add_argument("--draft-ahead", action="store_true",
                     help="draft the next tree while one verifies (pays when drafters have cores of their own)")
     up.add_argument("--demo-prompt", default=DEMO_PROMPT)
@@ -144,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--seed", type=int, default=0)
     dist.add_argument("--threads", type=int, default=None)
 
-    prep = commands.add_parser("prepare", help="convert the embedded default model once (done by make install)")
+    prep = commands.add_parser("prepare", help="convert the embedded default model and build its quantized kernel once "
+                               "(done by make install)")
     prep.add_argument("--model", default=EMBEDDED_DEFAULT)
     return parser
 
@@ -169,9 +175,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "distill":
             return _distill(args)
         if args.command == "prepare":
-            from specmesh.runtime.loading import resolve_model_dir
+            from specmesh.runtime.target import prepare_target
 
-            print(resolve_model_dir(args.model)[0])
+            print(prepare_target(args.model))
             return 0
     except InvalidArgument as exc:
         parser.exit(2, f"specmesh: error: {exc}\n")
@@ -205,7 +211,8 @@ def _generate(args: argparse.Namespace) -> int:
         raise InvalidArgument("tree_nodes", f"must be >= 0, got {args.tree_nodes}")
     prompts = [Prompt(args.prompt)] if args.prompt is not None else load_prompts(args.prompts)
     configure_threads(args.threads)
-    assembly = assemble(args.model, args.drafter or ["ngram"], device=args.device, dtype=args.dtype)
+    assembly = assemble(args.model, args.drafter or ["ngram"], device=args.device, dtype=args.dtype,
+                        precision=args.precision)
     speculative = assembly.engine(args.tree_nodes, args.speculation or "adaptive")
     plain = assembly.engine(0)
     classifier = default_classifier()
@@ -309,7 +316,8 @@ def _up(args: argparse.Namespace) -> int:
 
     spec = ClusterSpec(model=args.model, drafters=tuple(args.drafter or DEFAULT_DRAFTERS), verifiers=args.verifiers,
                        max_tree_nodes=args.tree_nodes, draft_ahead=args.draft_ahead, router_port=args.port,
-                       log_dir=args.log_dir, speculation=args.speculation, speculation_margin=args.speculation_margin)
+                       log_dir=args.log_dir, speculation=args.speculation, speculation_margin=args.speculation_margin,
+                       precision=args.precision)
     cluster = LocalCluster(spec)
     print(f"starting Redis, {spec.verifiers} verifier(s), drafters {', '.join(spec.drafters)} (model-free ones "
           "inside the router) and the router "

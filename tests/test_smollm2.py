@@ -147,3 +147,57 @@ def test_the_full_router_is_lossless_and_routes_by_kind(target, questions, promp
     tokens = sum(len(o.token_ids) for o in outputs)
     steps = sum(o.stats.target_steps for o in outputs)
     print(f"\nSmolLM2 full router ({speculation}): {len(prompts)} prompts identical; mean accepted length {tokens / steps:.2f}")
+
+
+@pytest.fixture(scope="module")
+def shipped_runtime(target):
+    """The embedded default computed as shipped: its GGUF's Q4_1 blocks and Q8_0 head."""
+    from specmesh.runtime.loading import embedded_gguf_path
+    from specmesh.runtime.target import shipped_blocks
+
+    assert target.gguf == embedded_gguf_path()
+    runtime = LlamaRuntime(target.model, block_weights=shipped_blocks(target))  # checks blocks == fp32 weights
+    assert runtime.precision == "Q4_1+Q8_0"
+    return runtime
+
+
+def test_the_gguf_blocks_are_the_converted_weights(target):
+    """Every block matrix de-quantizes to exactly the converted fp32 weights (q/k rows un-permuted)."""
+    from specmesh.runtime.gguf import read_block_weights
+    from specmesh.runtime.loading import embedded_gguf_path
+
+    blocks = read_block_weights(embedded_gguf_path(), target.model.config)
+    assert len(blocks) == 30 * 7 + 2  # seven projections a layer, the embeddings and the tied head
+    parameters = dict(target.model.named_parameters())
+    for name, weight in blocks.items():
+        reference = parameters.get(name, target.model.lm_head.weight)
+        assert torch.equal(weight.dequantize(), reference.detach()), name
+
+
+def test_speculative_decoding_on_the_shipped_blocks_equals_their_plain_decoding(target, shipped_runtime, questions,
+                                                                               prompts):
+    """Lossless on the quantized path: every expert and prompt lookup behind the router, batched, give
+    exactly what plain decoding on the same blocks gives."""
+    from specmesh.drafters.catalog import load_drafter, shipped_experts
+    from specmesh.speculation.classifier import default_classifier
+    from specmesh.speculation.policy import adaptive_policy
+
+    eos = eos_token_ids(target)
+    plain = SpeculativeEngine(shipped_runtime, [], max_tree_nodes=0, eos_token_ids=eos)
+    expected = [plain.generate([Request(p, SamplingParams(max_tokens=MAX_TOKENS))])[0].token_ids for p in prompts]
+    drafters = [NgramDrafter(), *(load_drafter(n, target, device=None, dtype=None) for n in shipped_experts(EMBEDDED_DEFAULT))]
+    policy = adaptive_policy({d.name: [getattr(d, "domain", "general")] for d in drafters}, seed=0, free=["ngram"])
+    engine = SpeculativeEngine(shipped_runtime, drafters, max_tree_nodes=8, eos_token_ids=eos, policy=policy)
+    classifier = default_classifier()
+    requests = [Request(p, SamplingParams(max_tokens=MAX_TOKENS), kind=classifier.classify(q.text))
+                for q, p in zip(questions, prompts)]
+    outputs = []
+    for start in range(0, len(requests), 5):
+        outputs += engine.generate(requests[start : start + 5])
+    for prompt, want, out in zip(prompts, expected, outputs):
+        assert out.token_ids == want, f"prompt {prompt[:8]}...: first difference at " \
+            f"{next(i for i, (a, b) in enumerate(zip(want + [None], out.token_ids + [None])) if a != b)}"
+    tokens = sum(len(o.token_ids) for o in outputs)
+    steps = sum(o.stats.target_steps for o in outputs)
+    assert tokens > steps
+    print(f"\nSmolLM2 shipped (Q4_1): {len(prompts)} prompts identical to plain; mean accepted length {tokens / steps:.2f}")

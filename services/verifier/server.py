@@ -26,7 +26,8 @@ from specmesh.cluster.scheduling import PassRhythm, plan_batch
 from specmesh.cluster.serving import Service, TorchThread, env_default, run_service, start_server
 from specmesh.errors import InvalidArgument
 from specmesh.runtime.loading import EMBEDDED_DEFAULT, configure_threads, load_hf_model, tokenizer_fingerprint
-from specmesh.runtime.target import make_runtime
+from specmesh.runtime.precision import check_precision
+from specmesh.runtime.target import target_runtime
 from specmesh.runtime.tree_verifier import TreeVerifier
 from specmesh.tree import MAX_TREE_NODES
 from specmesh.v1 import verifier_pb2, verifier_pb2_grpc
@@ -248,14 +249,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--heartbeat-ttl", type=float, default=float(env_default("heartbeat_ttl", "3.0")), help="seconds")
     parser.add_argument("--device", default=env_default("device"))
     parser.add_argument("--dtype", default=env_default("dtype"))
+    parser.add_argument("--precision", default=env_default("precision", "shipped"),
+                        help="shipped (a GGUF target on its own blocks, CPU) or fp32 [SPECMESH_PRECISION]")
     parser.add_argument("--log-level", default=env_default("log_level", "INFO"))
     return parser
 
 
 def load_verifier(args: argparse.Namespace):
+    check_precision(args.precision)
     configure_threads(args.threads)
     target = load_hf_model(args.model, dtype=args.dtype, device=args.device)
-    runtime = make_runtime(target.model)
+    runtime = target_runtime(target, args.precision)
+    log.info("target %s computed in %s", target.name, runtime.precision)
     return target, runtime, TreeVerifier(runtime, max_sessions=args.max_sessions, max_tree_nodes=MAX_TREE_NODES)
 
 

@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specmesh.cluster.redis_server import RedisServer, free_port
 from specmesh.errors import Unavailable
 from specmesh.runtime.loading import EMBEDDED_DEFAULT
+from specmesh.runtime.precision import check_precision
 from specmesh.speculation.expertise import MODEL_FREE_KINDS
 from specmesh.speculation.policy import DEFAULT_TREE_NODES, SPECULATION_MARGIN, check_margin
 
@@ -49,12 +50,14 @@ class ClusterSpec:
     router_port: int = 0  # 0: a free port
     cores: int = field(default_factory=lambda: os.cpu_count() or 1)
     dtype: str | None = None
+    precision: str = "shipped"  # the verifiers' (see specmesh.runtime.target.PRECISIONS)
     job_timeout_s: float = 30.0
     log_dir: Path | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        check_margin(self.speculation_margin, "speculation_margin")  # else the router refuses it only once all is up
+        check_margin(self.speculation_margin, "speculation_margin")
+        check_precision(self.precision)  # else the router refuses it only once all is up
 
 
 @dataclass
@@ -152,6 +155,7 @@ class LocalCluster:
                 "--verifier-id", f"verifier-{index}"]
         if spec.dtype:
             args += ["--dtype", spec.dtype]
+        args += ["--precision", spec.precision]
         return self._service(f"verifier-{index}", "verifier", args, threads)
 
     def drafter_process(self, drafter: str) -> ServiceProcess:

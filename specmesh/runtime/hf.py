@@ -71,6 +71,7 @@ class HFRuntime:
         self.dtype = next(hf_model.parameters()).dtype
         self.vocab_size = config.vocab_size
         self.max_length = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", 2048)
+        self.precision = str(self.dtype).removeprefix("torch.")
 
     def new_session(self) -> HFSession:
         from transformers import DynamicCache

@@ -3,7 +3,7 @@
 Written for verification: rows of every request are packed into one ``[total_rows, hidden]`` matrix, so
 each projection is a single matrix product for the whole batch; attention runs per request over its
 KV session plus its tree, with the tree attention mask. On CUDA attention is the Triton kernel, elsewhere
-the PyTorch reference.
+the PyTorch reference; on a GGUF target's own blocks (CPU), the row-exact C++ kernel.
 
 Why not Hugging Face's forward: on a CPU its ``F.linear`` costs about as much per row for 2..8 rows as
 for one, so scoring k+1 tokens costs nearly k+1 decode steps and speculation cannot pay. Here the
@@ -14,14 +14,17 @@ rows cost 1.0-1.2x one row on the embedded default.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 import torch
 import torch.nn.functional as F
 
 from specmesh.errors import InvalidArgument
+from specmesh.kernels.block_linear import BlockWeight
+from specmesh.kernels.tree_attention_cpu import tree_attention_cpu
 from specmesh.kernels.tree_attention_reference import masked_attention, tree_attention_mask
 from specmesh.runtime.kv_cache import KVSession, new_session
-from specmesh.runtime.linear import Int8Linear, PackedLinear, linear_for
+from specmesh.runtime.linear import BlockLinear, Int8Linear, PackedLinear, linear_for
 from specmesh.tree import CompiledTree
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -72,23 +75,31 @@ class TreeBatch:
         return len(self.sessions)
 
 
+Linear = PackedLinear | Int8Linear | BlockLinear
+
+
 @dataclass
 class _Layer:
     input_norm: torch.Tensor  # [hidden]
-    qkv: PackedLinear | Int8Linear  # hidden -> (heads + 2 * kv_heads) * head_dim
-    out: PackedLinear | Int8Linear  # heads * head_dim -> hidden
+    qkv: Linear  # hidden -> (heads + 2 * kv_heads) * head_dim
+    out: Linear  # heads * head_dim -> hidden
     post_norm: torch.Tensor  # [hidden]
-    gate_up: PackedLinear | Int8Linear  # hidden -> 2 * intermediate
-    down: PackedLinear | Int8Linear  # intermediate -> hidden
+    gate_up: Linear  # hidden -> 2 * intermediate
+    down: Linear  # intermediate -> hidden
 
 
 class LlamaRuntime:
     """Target-model runtime: KV sessions and batched tree-scoring for a Llama-family model."""
 
-    def __init__(self, hf_model: torch.nn.Module, head_weight: torch.Tensor | None = None, int8_weights: bool = False) -> None:
+    def __init__(
+        self, hf_model: torch.nn.Module, head_weight: torch.Tensor | None = None, int8_weights: bool = False,
+        block_weights: Mapping[str, BlockWeight] | None = None,
+    ) -> None:
         """``hf_model``: a Llama-family causal LM, or its base model with ``head_weight`` [outputs, hidden]
         (drafters with a head over a vocabulary subset). ``int8_weights``: approximate int8 linears
-        (``Int8Linear``), for drafters on CPU only; a target must stay exact."""
+        (``Int8Linear``), for drafters on CPU only; a target must stay exact. ``block_weights``: the
+        model's GGUF blocks by Hugging Face name (``gguf.load_block_weights``), computed as shipped
+        (``BlockLinear``, CPU) wherever a whole fused projection has them."""
         config = hf_model.config
         reason = lean_unsupported(config)
         if reason:
@@ -107,25 +118,51 @@ class LlamaRuntime:
         self.embed = inner.embed_tokens.weight.detach()  # [vocab, hidden]
         self.final_norm = inner.norm.weight.detach()  # [hidden]
         self.int8_weights = int8_weights
+        self.block_weights = dict(block_weights or {})
         head = head_weight if head_weight is not None else hf_model.lm_head.weight
-        self.lm_head = linear_for(head, int8=int8_weights)  # hidden -> outputs
+        head_name = "lm_head.weight" if head_weight is None else None
+        self.lm_head = self._linear([head_name], [head])  # hidden -> outputs
         self.rotary = inner.rotary_emb  # HF's module: knows the model's RoPE variant and scaling
-        self.layers = [self._fuse_layer(layer) for layer in inner.layers]
+        self.layers = [self._fuse_layer(index, layer) for index, layer in enumerate(inner.layers)]
+        # On blocks, activations are rounded to 8 bits (a step function): every row must then be computed
+        # exactly as it would be alone, attention included, or last-bit differences become other tokens.
+        self.exact_rows = isinstance(self.lm_head, BlockLinear) or any(
+            isinstance(layer.qkv, BlockLinear) for layer in self.layers)
 
-    def _fuse_layer(self, layer: torch.nn.Module) -> _Layer:
+    def _linear(self, names: list[str | None], weights: list[torch.Tensor], bias: torch.Tensor | None = None) -> Linear:
+        """One linear over the rows of ``weights`` stacked (a fused projection): on their GGUF blocks when
+        all of them have blocks of one format, else on the model's weights."""
+        blocks = [self.block_weights.get(name) for name in names if name is not None]
+        if len(blocks) == len(weights) and all(b is not None for b in blocks):
+            if len({b.format for b in blocks}) == 1:
+                return BlockLinear(BlockWeight.cat(blocks) if len(blocks) > 1 else blocks[0], bias)
+        stacked = torch.cat([w.detach() for w in weights]) if len(weights) > 1 else weights[0].detach()
+        return linear_for(stacked, bias, int8=self.int8_weights)
+
+    def _fuse_layer(self, index: int, layer: torch.nn.Module) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
+        prefix = f"model.layers.{index}."
         projections = (attn.q_proj, attn.k_proj, attn.v_proj)
         bias = None
         if attn.q_proj.bias is not None:
             bias = torch.cat([p.bias.detach() for p in projections])
+        names = lambda *parts: [f"{prefix}{part}.weight" for part in parts]  # noqa: E731
         return _Layer(
             input_norm=layer.input_layernorm.weight.detach(),
-            qkv=linear_for(torch.cat([p.weight.detach() for p in projections]), bias, int8=self.int8_weights),
-            out=linear_for(attn.o_proj.weight, int8=self.int8_weights),
+            qkv=self._linear(names("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                             [p.weight for p in projections], bias),
+            out=self._linear(names("self_attn.o_proj"), [attn.o_proj.weight]),
             post_norm=layer.post_attention_layernorm.weight.detach(),
-            gate_up=linear_for(torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()]), int8=self.int8_weights),
-            down=linear_for(mlp.down_proj.weight, int8=self.int8_weights),
+            gate_up=self._linear(names("mlp.gate_proj", "mlp.up_proj"), [mlp.gate_proj.weight, mlp.up_proj.weight]),
+            down=self._linear(names("mlp.down_proj"), [mlp.down_proj.weight]),
         )
+
+    @property
+    def precision(self) -> str:
+        """What the weights are computed in: the GGUF formats ("Q4_1+Q8_0") or the dtype ("float32")."""
+        linears = [self.lm_head] + [p for layer in self.layers for p in (layer.qkv, layer.out, layer.gate_up, layer.down)]
+        formats = sorted({p.format for p in linears if isinstance(p, BlockLinear)})
+        return "+".join(formats) if formats else str(self.dtype).removeprefix("torch.")
 
     def new_session(self) -> KVSession:
         return new_session(
@@ -149,7 +186,8 @@ class LlamaRuntime:
             tree_masks.append(mask.to(self.device))  # [rows_i, rows_i]: what the Triton kernel takes
             single = end - start == 1  # one row sees every key: no mask needed
             full_masks.append(  # [rows_i, cached_i + rows_i]: what the PyTorch path takes
-                None if single or self.device.type == "cuda" else tree_attention_mask(session.length, tree_masks[-1])
+                None if single or self.device.type == "cuda" or self.exact_rows
+                else tree_attention_mask(session.length, tree_masks[-1])
             )
         input_ids = batch.input_ids.to(self.device)
         positions = batch.positions.to(self.device)
@@ -173,6 +211,9 @@ class LlamaRuntime:
                 kv = session.kv[index]  # [2, kv_heads, capacity, head_dim]
                 kv[0, :, cached : cached + end - start] = k[start:end].transpose(0, 1)
                 kv[1, :, cached : cached + end - start] = v[start:end].transpose(0, 1)
+                if self.exact_rows:
+                    attended[start:end] = tree_attention_cpu(q[start:end], kv[0], kv[1], cached, mask, self.scale)
+                    continue
                 attended[start:end] = self._attend(
                     q[start:end].transpose(0, 1), kv[0, :, : cached + end - start], kv[1, :, : cached + end - start],
                     mask, full_mask,

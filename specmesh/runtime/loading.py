@@ -106,20 +106,21 @@ def _save_plain(model: torch.nn.Module, out_dir: Path) -> None:
     save_model(model, str(out_dir / "model.safetensors"))  # drops tied duplicates (lm_head = embeddings)
 
 
-def resolve_model_dir(model: str) -> tuple[Path | str, str | None]:
-    """Turn a model reference into (directory or hub id, gguf file name or None), converting GGUF once."""
+def resolve_model_dir(model: str) -> tuple[Path | str, Path | None]:
+    """Turn a model reference into (directory or hub id, the GGUF file it came from or None), converting
+    GGUF once."""
     if not model or not model.strip():
         raise InvalidArgument("model", "is empty; give a hub id, a local directory, a .gguf file or "
                               f"{EMBEDDED_DEFAULT!r}")
     if model == EMBEDDED_DEFAULT:
         gguf = embedded_gguf_path()
-        return convert_gguf(gguf, cache_root() / "models" / EMBEDDED_DEFAULT), None
+        return convert_gguf(gguf, cache_root() / "models" / EMBEDDED_DEFAULT), gguf
     path = Path(model).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise InvalidArgument("model", f"GGUF file {model!r} does not exist")
         digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
-        return convert_gguf(path, cache_root() / "models" / f"{path.stem}-{digest}"), None
+        return convert_gguf(path, cache_root() / "models" / f"{path.stem}-{digest}"), path
     if path.is_dir():
         if not (path / "config.json").exists():
             raise InvalidArgument("model", f"directory {model!r} has no config.json; not a Hugging Face model")
@@ -134,13 +135,15 @@ class LoadedModel:
     name: str
     model: torch.nn.Module  # a transformers PreTrainedModel (causal LM)
     tokenizer: object  # a transformers tokenizer
+    gguf: Path | None = None  # the GGUF file the weights were converted from
+    converted: Path | None = None  # the directory of that conversion (caches what was read from the file)
 
 
 def load_hf_model(model: str, dtype: str | torch.dtype | None = None, device: str | None = None) -> LoadedModel:
     """Load a causal LM and its tokenizer, in eval mode, on the chosen device and dtype."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    source, _ = resolve_model_dir(model)
+    source, gguf = resolve_model_dir(model)
     torch_device = pick_device(device)
     torch_dtype = pick_dtype(dtype, torch_device)
     try:
@@ -149,7 +152,7 @@ def load_hf_model(model: str, dtype: str | torch.dtype | None = None, device: st
     except OSError as exc:
         raise InvalidArgument("model", f"cannot load {model!r}: {str(exc).splitlines()[0]}") from None
     hf_model.to(torch_device).eval()
-    return LoadedModel(name=model, model=hf_model, tokenizer=tokenizer)
+    return LoadedModel(model, hf_model, tokenizer, gguf, Path(source) if gguf is not None else None)
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

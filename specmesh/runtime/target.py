@@ -1,14 +1,24 @@
-"""Choosing the target runtime for a loaded model: the lean Llama path where it applies, else HF's forward."""
+"""Choosing the target runtime for a loaded model: the lean Llama path where it applies, else HF's forward;
+on the GGUF file's own blocks ("shipped" precision) or on the de-quantized weights ("fp32")."""
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+import logging
+from pathlib import Path
+from typing import Mapping, Protocol, Sequence
 
 import torch
 
+from specmesh.kernels.block_linear import BlockWeight
+from specmesh.kernels.cpu_ops import KernelUnavailable, load_cpu_ops
+from specmesh.runtime.gguf import check_block_weights, load_block_weights
 from specmesh.runtime.hf import HFRuntime
 from specmesh.runtime.llama import LlamaRuntime, TreeBatch, lean_unsupported
+from specmesh.runtime.loading import LoadedModel, cache_root, resolve_model_dir
+from specmesh.runtime.precision import check_precision
 from specmesh.tree import TokenTree, compile_tree
+
+log = logging.getLogger(__name__)
 
 
 class TargetRuntime(Protocol):
@@ -21,10 +31,57 @@ class TargetRuntime(Protocol):
     def forward(self, batch: TreeBatch, logits_rows: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
-def make_runtime(hf_model: torch.nn.Module, lean: bool = True) -> TargetRuntime:
+def make_runtime(
+    hf_model: torch.nn.Module, lean: bool = True, block_weights: Mapping[str, BlockWeight] | None = None
+) -> TargetRuntime:
     if lean and lean_unsupported(hf_model.config) is None:
-        return LlamaRuntime(hf_model)
+        return LlamaRuntime(hf_model, block_weights=block_weights)
     return HFRuntime(hf_model)
+
+
+def shipped_blocks(loaded: LoadedModel, precision: str = "shipped") -> dict[str, BlockWeight] | None:
+    """The GGUF blocks to compute on, or None (with the reason logged) where the target runs on its
+    de-quantized weights: fp32 asked for, not a GGUF model, not a CPU, not fp32 activations, no kernel."""
+    check_precision(precision)
+    if precision == "fp32" or loaded.gguf is None:
+        return None
+    weight = loaded.model.get_input_embeddings().weight
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        log.info("%s: GGUF blocks are computed on CPUs in fp32; running de-quantized on %s in %s",
+                 loaded.name, weight.device, weight.dtype)
+        return None
+    if lean_unsupported(loaded.model.config) is not None:
+        return None
+    try:
+        load_cpu_ops(cache_root() / "extensions")
+    except KernelUnavailable as exc:
+        log.warning("%s runs de-quantized to fp32: the quantized kernel is not available (%s)", loaded.name, exc)
+        return None
+    blocks = load_block_weights(loaded.gguf, loaded.converted, loaded.model.config)
+    check_block_weights(blocks, loaded.model)
+    return blocks
+
+
+def prepare_target(model: str) -> str:
+    """Convert a GGUF target once, build the quantized kernel and cache the file's blocks (what ``make
+    install`` does, so that nothing waits for it later). Returns a line saying what is ready."""
+    from transformers import AutoConfig
+
+    source, gguf = resolve_model_dir(model)
+    if gguf is None:
+        return f"{source}"
+    try:
+        load_cpu_ops(cache_root() / "extensions")
+    except KernelUnavailable as exc:
+        return f"{source} (fp32 only: {exc})"
+    load_block_weights(gguf, Path(source), AutoConfig.from_pretrained(source))
+    return f"{source} (shipped precision ready)"
+
+
+def target_runtime(loaded: LoadedModel, precision: str = "shipped") -> TargetRuntime:
+    """The runtime a verifier or ``generate`` serves ``loaded`` with, in ``precision`` (see
+    ``precision.PRECISIONS``)."""
+    return make_runtime(loaded.model, block_weights=shipped_blocks(loaded, precision))
 
 
 PREFILL_CHUNK = 512  # tokens per session per prefill pass: bounds the attention scores' memory

@@ -9,7 +9,7 @@ from specmesh.drafters.base import Drafter
 from specmesh.drafters.catalog import load_drafter
 from specmesh.prompts import encode_chat
 from specmesh.runtime.loading import LoadedModel, load_hf_model, parts_of
-from specmesh.runtime.target import TargetRuntime, make_runtime
+from specmesh.runtime.target import TargetRuntime, target_runtime
 from specmesh.sampling import SamplingParams
 from specmesh.speculation.classifier import RequestClassifier
 from specmesh.speculation.engine import Request, SpeculativeEngine
@@ -51,8 +51,10 @@ def eos_token_ids(model: LoadedModel) -> list[int]:
 
 
 def assemble(
-    model: str, drafters: Sequence[str] = ("ngram",), device: str | None = None, dtype: str | None = None
+    model: str, drafters: Sequence[str] = ("ngram",), device: str | None = None, dtype: str | None = None,
+    precision: str = "shipped",
 ) -> Assembly:
+    """The target (in ``precision``: see ``runtime.target.PRECISIONS``) and the named drafters."""
     target = load_hf_model(model, dtype=dtype, device=device)
-    runtime = make_runtime(target.model)
+    runtime = target_runtime(target, precision)
     return Assembly(target, runtime, [load_drafter(d, target, device, dtype) for d in drafters])

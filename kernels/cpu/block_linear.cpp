@@ -1,0 +1,272 @@
+// y = x @ W.T for W in GGUF's own block formats (Q4_0, Q4_1, Q8_0: 32 weights along the input dimension a
+// block, fp16 scales), read as the file stores them and computed the way llama.cpp computes them: each row
+// of x is quantized to 8 bits per block of 32 (an fp32 scale per row and block), and each block's product
+// is an integer dot product, scaled once.
+//
+// Why: one decoding step of a small model on a CPU is bound by the bytes of weights it streams (Q4_1 is
+// ~6x fewer than fp32); scoring a tree of n rows then by the multiply-adds, and integer dot products do 32
+// of them an instruction pair (AVX2: maddubs + madd) where fp32 does 8. PyTorch's own int4/int8 CPU
+// kernels are vectorised for AVX-512 only and grow with every row.
+//
+// Layout of the work: output features in groups of 8 (one fp32 register, a lane per feature), repacked once
+// at load so that a group's block is contiguous: its 8 fp16 d, its 8 fp16 m (Q4_1), then each feature's
+// 16 (4-bit) or 32 (8-bit) code bytes, as GGUF orders them. As many bytes as the file's blocks. For each row
+// and block, eight integer dot products are reduced into one register of eight sums, scaled by the
+// features' d times the row's block scale, and accumulated.
+//
+// Exactness: everything a row's result depends on (its 8-bit activations, its integer dot products, the
+// order of its fp32 operations) belongs to that row and runs the same whatever the other rows of the call,
+// and the portable path repeats the AVX2 path's arithmetic operation for operation. So a row scored inside
+// a tree equals the row scored alone, bit for bit. (Rounding activations to 8 bits is a step function: the
+// rest of the runtime must be row-exact too, or last-bit differences grow into different tokens.)
+//
+// Blocks (bytes; q = codes): Q4_0 = d fp16, 16 bytes of nibbles        w = d (q - 8)
+//                            Q4_1 = d fp16, m fp16, 16 bytes of nibbles w = d q + m
+//                            Q8_0 = d fp16, 32 x int8                   w = d q
+// Nibble byte j holds input j (low nibble) and j + 16 (high). The packed weight is uint8
+// [n / 8 (rounded up), k / 32, group block bytes]; features past n are zeros.
+// For a row x and a block: s = max |x| / 127, qx = round(x / s); the block adds
+//   (d s) (q . qx) + m (s sum(qx))      (Q4_0: q - 8 is written d q + m with m = -8 d; Q8_0: m = 0)
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define SPECMESH_AVX2 1
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kTile = 8;  // output features a pass: one AVX2 register of fp32 sums
+
+enum Format : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };  // GGML's type ids
+
+// Bytes of one block of a group of 8 features: d (and m) as 8 fp16 each, then the codes.
+int64_t group_block_bytes(int64_t format) { return format == kQ4_0 ? 16 + 128 : format == kQ4_1 ? 32 + 128 : 16 + 256; }
+
+float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#ifdef SPECMESH_AVX2
+  return _cvtsh_ss(h);
+#else
+  const uint32_t exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
+  float value;
+  if (exponent == 0)
+    value = std::ldexp(static_cast<float>(mantissa), -24);  // zero or subnormal: exact
+  else if (exponent == 31)
+    value = mantissa ? NAN : INFINITY;
+  else
+    value = std::ldexp(static_cast<float>(mantissa | 0x400), static_cast<int>(exponent) - 25);
+  return (h & 0x8000) ? -value : value;
+#endif
+}
+
+// A row's activations quantized per block: codes int8 [k], s and s * sum(codes) per block.
+struct QuantizedRow {
+  const int8_t* codes;
+  const float* scale;
+  const float* scaled_sum;
+};
+
+void quantize_row(const float* x, int64_t k, int8_t* codes, float* scale, float* scaled_sum) {
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const float* v = x + b * kBlock;
+    int8_t* q = codes + b * kBlock;
+    float amax = 0.0f;
+    for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(v[i]));
+    const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+#ifdef SPECMESH_AVX2
+    const __m256 factor = _mm256_set1_ps(inverse);
+    __m256i lanes[4];
+    for (int p = 0; p < 4; ++p)  // cvtps rounds to nearest even, as nearbyint does by default
+      lanes[p] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + p * 8), factor));
+    __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(lanes[0], lanes[1]), _mm256_packs_epi32(lanes[2], lanes[3]));
+    bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));  // undo the packs' interleave
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), bytes);
+#else
+    for (int64_t i = 0; i < kBlock; ++i) q[i] = static_cast<int8_t>(std::nearbyint(v[i] * inverse));
+#endif
+    int32_t sum = 0;
+    for (int64_t i = 0; i < kBlock; ++i) sum += q[i];
+    scale[b] = amax / 127.0f;
+    scaled_sum[b] = scale[b] * static_cast<float>(sum);
+  }
+}
+
+#ifdef SPECMESH_AVX2
+// The 8 lanes of int32 sums of 8 vectors reduced to one vector whose lane f is the total of vector f.
+inline __m256i reduce_eight(const __m256i* v) {
+  const __m256i t0 = _mm256_hadd_epi32(v[0], v[1]), t1 = _mm256_hadd_epi32(v[2], v[3]);
+  const __m256i t2 = _mm256_hadd_epi32(v[4], v[5]), t3 = _mm256_hadd_epi32(v[6], v[7]);
+  const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
+  return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+#endif
+
+#ifdef SPECMESH_AVX2
+// A 4-bit group's codes as one byte a weight, [blocks][8 features][32], for rows that reuse them.
+void expand_codes(const uint8_t* group, int64_t blocks, int64_t bytes, int64_t codes_at, uint8_t* out) {
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  for (int64_t b = 0; b < blocks; ++b)
+    for (int64_t f = 0; f < kTile; ++f) {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(group + b * bytes + codes_at + f * 16));
+      uint8_t* o = out + (b * kTile + f) * kBlock;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o), _mm_and_si128(raw, nibble));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 16), _mm_and_si128(_mm_srli_epi16(raw, 4), nibble));
+    }
+}
+#endif
+
+// y[f] for one row and the group's first `count` features; `group` points at its first block. `expanded`
+// (4-bit, AVX2; may be null): the group's codes from expand_codes, the same numbers without unpacking.
+template <Format F>
+void multiply_row(const uint8_t* group, int64_t blocks, int64_t count, const QuantizedRow& x, float* y,
+                  const uint8_t* expanded = nullptr) {
+  constexpr int64_t bytes = F == kQ4_0 ? 16 + 128 : F == kQ4_1 ? 32 + 128 : 16 + 256;
+  constexpr int64_t codes_at = F == kQ4_1 ? 32 : 16, code_bytes = F == kQ8_0 ? 32 : 16;
+#ifdef SPECMESH_AVX2
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = group + b * bytes;
+    const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.codes + b * kBlock));
+    __m256i dots[kTile];
+    for (int64_t f = 0; f < kTile; ++f) {
+      const uint8_t* codes = block + codes_at + f * code_bytes;
+      __m256i w, xs = xq;
+      if constexpr (F == kQ8_0) {  // maddubs multiplies unsigned by signed bytes: move the weights' signs onto x
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes));
+        w = _mm256_sign_epi8(q, q);  // |-128| = 128 as unsigned
+        xs = _mm256_sign_epi8(xq, q);
+      } else if (expanded != nullptr) {
+        w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(expanded + (b * kTile + f) * kBlock));
+      } else {
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+        w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), nibble), _mm_and_si128(raw, nibble));
+      }
+      dots[f] = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xs), ones);  // |pair| <= 2 * 128 * 127: no saturation
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce_eight(dots)), _mm256_mul_ps(d, _mm256_set1_ps(x.scale[b])), acc);
+    if constexpr (F != kQ8_0) {
+      const __m256 m = F == kQ4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16)))
+                                  : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+      acc = _mm256_fmadd_ps(m, _mm256_set1_ps(x.scaled_sum[b]), acc);
+    }
+  }
+  alignas(32) float sums[kTile];
+  _mm256_store_ps(sums, acc);
+  std::copy(sums, sums + count, y);
+#else
+  for (int64_t f = 0; f < count; ++f) {
+    float acc = 0.0f;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* block = group + b * bytes;
+      const uint8_t* codes = block + codes_at + f * code_bytes;
+      int32_t dot = 0;
+      for (int64_t i = 0; i < kBlock; ++i) {
+        int32_t q;
+        if constexpr (F == kQ8_0)
+          q = static_cast<int8_t>(codes[i]);
+        else
+          q = i < 16 ? (codes[i] & 0x0F) : (codes[i - 16] >> 4);
+        dot += q * static_cast<int32_t>(x.codes[b * kBlock + i]);
+      }
+      const float d = half_to_float(block + 2 * f);
+      acc = std::fma(static_cast<float>(dot), d * x.scale[b], acc);
+      if constexpr (F != kQ8_0) {
+        const float m = F == kQ4_1 ? half_to_float(block + 16 + 2 * f) : d * -8.0f;
+        acc = std::fma(m, x.scaled_sum[b], acc);
+      }
+    }
+    y[f] = acc;
+  }
+#endif
+}
+
+template <Format F>
+void multiply(const uint8_t* weights, int64_t n, int64_t k, const QuantizedRow* rows, int64_t count, float* y) {
+  const int64_t blocks = k / kBlock, group_bytes = blocks * group_block_bytes(F);
+  at::parallel_for(0, (n + kTile - 1) / kTile, 1, [&](int64_t begin, int64_t end) {
+#ifdef SPECMESH_AVX2
+    // Three rows or more: unpack each 4-bit group once (L1), not once a row.
+    const bool expand = F != kQ8_0 && count >= 3;
+    std::vector<uint8_t> expanded(expand ? blocks * kTile * kBlock : 0);
+#endif
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t first = g * kTile, features = std::min(kTile, n - first);
+      const uint8_t* group = weights + g * group_bytes;
+#ifdef SPECMESH_AVX2
+      if (g + 1 < end)  // streamed weights are never in cache: ask for the next group's now
+        for (int64_t i = 0; i < group_bytes; i += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(group + group_bytes + i), _MM_HINT_T0);
+#endif
+#ifdef SPECMESH_AVX2
+      if (expand) expand_codes(group, blocks, group_block_bytes(F), F == kQ4_1 ? 32 : 16, expanded.data());
+      const uint8_t* codes = expand ? expanded.data() : nullptr;
+#else
+      const uint8_t* codes = nullptr;
+#endif
+      for (int64_t r = 0; r < count; ++r) multiply_row<F>(group, blocks, features, rows[r], y + r * n + first, codes);
+    }
+  });
+}
+
+at::Tensor block_linear(const at::Tensor& x, const at::Tensor& weight, int64_t format, int64_t out_features) {
+  TORCH_CHECK(format == kQ4_0 || format == kQ4_1 || format == kQ8_0,
+              "block_linear: format must be GGML type 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0), got ", format);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "block_linear: x must be a 2-d fp32 CPU tensor");
+  TORCH_CHECK(weight.dim() == 3 && weight.scalar_type() == at::kByte && weight.is_contiguous() && weight.device().is_cpu(),
+              "block_linear: the weight must be contiguous uint8 [groups of 8 features, blocks, bytes] on the CPU");
+  const int64_t rows = x.size(0), k = x.size(1), n = out_features;
+  TORCH_CHECK(k % kBlock == 0 && weight.size(1) == k / kBlock && weight.size(2) == group_block_bytes(format),
+              "block_linear: x has ", k, " inputs; the weight has ", weight.size(1), " blocks of ", weight.size(2),
+              " bytes (format ", format, " needs ", group_block_bytes(format), ")");
+  TORCH_CHECK(n > (weight.size(0) - 1) * kTile && n <= weight.size(0) * kTile, "block_linear: ", n,
+              " output features do not fill ", weight.size(0), " groups of 8");
+  const at::Tensor input = x.contiguous();
+  at::Tensor y = at::empty({rows, n}, x.options());
+  if (rows == 0 || n == 0) return y;
+
+  const int64_t blocks = k / kBlock;
+  at::Tensor codes = at::empty({rows, k}, x.options().dtype(at::kChar));
+  at::Tensor scales = at::empty({2, rows, blocks}, x.options());
+  std::vector<QuantizedRow> quantized(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    int8_t* c = codes.data_ptr<int8_t>() + r * k;
+    float* s = scales.data_ptr<float>() + r * blocks;
+    float* sums = s + rows * blocks;
+    quantize_row(input.data_ptr<float>() + r * k, k, c, s, sums);
+    quantized[r] = {c, s, sums};
+  }
+  const uint8_t* w = weight.data_ptr<uint8_t>();
+  float* out = y.data_ptr<float>();
+  if (format == kQ4_0) multiply<kQ4_0>(w, n, k, quantized.data(), rows, out);
+  else if (format == kQ4_1) multiply<kQ4_1>(w, n, k, quantized.data(), rows, out);
+  else multiply<kQ8_0>(w, n, k, quantized.data(), rows, out);
+  return y;
+}
+
+}  // namespace
+
+#ifndef SPECMESH_OPS
+#define SPECMESH_OPS specmesh_cpu  // the tests build the portable path beside the AVX2 one under another name
+#endif
+
+TORCH_LIBRARY(SPECMESH_OPS, m) {
+  m.def("block_linear(Tensor x, Tensor weight, int format, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(SPECMESH_OPS, CPU, m) { m.impl("block_linear", &block_linear); }

@@ -1,0 +1,193 @@
+"""The quantized CPU kernel (GGUF Q4_0 / Q4_1 / Q8_0 blocks) and the runtime computing on it.
+
+What losslessness needs of it: a row's result never depends on the other rows of the call, so scoring a
+tree gives the logits plain decoding gives, and speculative output equals plain decoding on these weights.
+"""
+
+import pytest
+import torch
+from conftest import tiny_llama
+from drafting import OracleTreeDrafter
+from scipy.stats import chisquare
+
+from specmesh.kernels.block_linear import (
+    FORMATS,
+    BlockWeight,
+    PackedBlocks,
+    block_linear,
+    quantize,
+    quantized_reference,
+)
+from specmesh.kernels.cpu_ops import KernelUnavailable, load_cpu_ops
+from specmesh.runtime.linear import BlockLinear
+from specmesh.runtime.llama import LlamaRuntime, TreeBatch
+from specmesh.runtime.loading import cache_root
+from specmesh.runtime.target import prefill_sessions
+from specmesh.sampling import SamplingParams
+from specmesh.speculation.engine import Request, SpeculativeEngine
+from specmesh.tree import TokenTree, compile_tree
+
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ops():
+    try:
+        return load_cpu_ops(cache_root() / "extensions")
+    except KernelUnavailable as exc:  # the project installs g++ (.ci/run): this must not happen there
+        pytest.fail(f"the quantized kernel does not build here: {exc}")
+
+
+def random_weight(format: str, out: int, inputs: int, seed: int) -> BlockWeight:
+    generator = torch.Generator().manual_seed(seed)
+    return quantize(torch.randn(out, inputs, generator=generator) * 0.05, format)
+
+
+@pytest.mark.parametrize("format", FORMATS)
+@pytest.mark.parametrize("out,inputs", [(1, 32), (7, 64), (96, 576), (333, 160)])
+def test_the_kernel_computes_the_reference_maths(format, out, inputs):
+    weight = random_weight(format, out, inputs, seed=out)
+    x = torch.randn(5, inputs) * 3
+    y = block_linear(x, PackedBlocks.pack(weight))
+    assert y.shape == (5, out) and y.dtype == torch.float32
+    # the same 8-bit activations in fp64: only fp32 rounding apart
+    reference = quantized_reference(x, weight)
+    assert torch.allclose(y.double(), reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
+    # against the weights in fp64 with unrounded activations: the activations' 8 bits (~0.5 %)
+    exact = x.double() @ weight.dequantize(torch.float64).T
+    assert ((y.double() - exact).norm() / exact.norm()).item() < 0.02
+
+
+@pytest.mark.parametrize("format", FORMATS)
+def test_a_row_in_a_batch_equals_the_row_alone(format):
+    weight = random_weight(format, 70, 192, seed=1)
+    x = torch.randn(13, 192)
+    packed = PackedBlocks.pack(weight)
+    alone = torch.cat([block_linear(x[i : i + 1], packed) for i in range(13)])
+    for rows in (2, 3, 5, 13):
+        assert torch.equal(block_linear(x[:rows], packed), alone[:rows])
+
+
+def test_zero_rows_zero_activations_and_bad_shapes():
+    weight = PackedBlocks.pack(random_weight("Q4_1", 8, 64, seed=2))
+    assert block_linear(torch.empty(0, 64), weight).shape == (0, 8)
+    assert torch.equal(block_linear(torch.zeros(2, 64), weight), torch.zeros(2, 8))
+    with pytest.raises(RuntimeError, match="inputs"):
+        block_linear(torch.randn(1, 96), weight)
+    with pytest.raises(ValueError, match="no block kernel"):
+        BlockWeight("Q5_K", torch.zeros(1, 22, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="in % 32"):
+        quantize(torch.randn(4, 40), "Q8_0")
+
+
+def test_block_weights_stack_and_pick_rows():
+    a, b = random_weight("Q4_0", 6, 64, seed=3), random_weight("Q4_0", 4, 64, seed=4)
+    stacked = BlockWeight.cat([a, b])
+    assert stacked.shape == (10, 64)
+    assert torch.equal(stacked.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
+    order = torch.tensor([9, 0, 3])
+    assert torch.equal(stacked.rows(order).dequantize(), stacked.dequantize()[order])
+    with pytest.raises(ValueError, match="share"):
+        BlockWeight.cat([a, random_weight("Q8_0", 4, 64, seed=5)])
+
+
+@pytest.mark.slow
+def test_the_portable_path_repeats_the_avx2_path_bit_for_bit():
+    """CPUs without AVX2 (and ARM) run the plain C++ path: the same numbers, not just close ones."""
+    portable = load_cpu_ops(cache_root() / "extensions", portable=True)
+    for format in FORMATS:
+        weight = random_weight(format, 37, 128, seed=6)
+        x = torch.randn(3, 128)
+        expected = block_linear(x, PackedBlocks.pack(weight))
+        got = portable.block_linear(x, PackedBlocks.pack(weight).data, FORMATS[format][0], 37)
+        assert torch.equal(got, expected), format
+
+
+# ---- the runtime on quantized weights: a tiny Llama whose every projection is Q4_1 / Q8_0 blocks ----
+
+
+def quantized_llama(seed: int = 0, vocab: int = 96):
+    model = tiny_llama(vocab_size=vocab, seed=seed)
+    blocks = {}
+    for name, parameter in model.named_parameters():
+        if parameter.dim() == 2 and "embed" not in name:
+            blocks[name] = quantize(parameter, "Q8_0" if name == "lm_head.weight" else "Q4_1")
+    return model, LlamaRuntime(model, block_weights=blocks)
+
+
+def runtime_greedy(runtime, prompt, max_tokens) -> list[int]:
+    (out,) = SpeculativeEngine(runtime, [], max_tree_nodes=0).generate(
+        [Request(tuple(prompt), SamplingParams(max_tokens=max_tokens))])
+    return out.token_ids
+
+
+def test_every_projection_runs_on_blocks():
+    _, runtime = quantized_llama()
+    assert runtime.precision == "Q4_1+Q8_0"
+    assert all(isinstance(p, BlockLinear) for layer in runtime.layers for p in (layer.qkv, layer.out, layer.gate_up, layer.down))
+
+
+def test_tree_rows_score_exactly_as_plain_decoding_on_blocks():
+    """On blocks every op is row-exact (linears, attention): a tree's rows give plain decoding's logits bit
+    for bit, so 8-bit activation rounding cannot turn last-bit differences into other tokens."""
+    _, runtime = quantized_llama()
+    prompt = [5, 17, 3, 44, 9, 12]
+    plain = runtime.new_session()
+    prefill_sessions(runtime, [plain], [prompt[:-1]])
+    chain = [30, 31, 32]
+    expected = []
+    for token in [prompt[-1], *chain]:  # one row a pass, committing each
+        expected.append(runtime.forward(TreeBatch.build([plain], [compile_tree(token, TokenTree.chain([]))]))[0])
+        plain.keep_rows([0])
+    tree_session = runtime.new_session()
+    prefill_sessions(runtime, [tree_session], [prompt[:-1]])
+    tree = TokenTree.from_paths([chain, [77, 5]])  # rows 0-3: root and chain; rows 4-5: a branch they must not see
+    logits = runtime.forward(TreeBatch.build([tree_session], [compile_tree(prompt[-1], tree)]))
+    for row in range(4):
+        assert torch.equal(logits[row], expected[row]), f"row {row}"
+
+
+def test_speculative_greedy_equals_plain_greedy_on_blocks():
+    _, runtime = quantized_llama(seed=1)
+    prompts = [[7, 3, 9, 3, 7, 3, 9][: n + 2] * 2 for n in range(5)]
+    answers = {tuple(p): runtime_greedy(runtime, p, MAX_TOKENS) for p in prompts}
+    engine = SpeculativeEngine(runtime, [OracleTreeDrafter(answers, vocab_size=96, seed=0)], max_tree_nodes=6)
+    outputs = engine.generate([Request(tuple(p), SamplingParams(max_tokens=MAX_TOKENS)) for p in prompts])
+    for prompt, out in zip(prompts, outputs):
+        assert out.token_ids == answers[tuple(prompt)]
+    assert sum(len(o.token_ids) for o in outputs) > sum(o.stats.target_steps for o in outputs)
+
+
+def test_sampled_two_token_distribution_on_blocks():
+    """Speculative sampling on quantized weights follows the quantized model's own distribution."""
+    vocab, top_k = 32, 4
+    _, runtime = quantized_llama(seed=3, vocab=vocab)
+    prompt = [2, 9, 4, 2, 9]
+
+    def next_distribution(tokens):
+        session = runtime.new_session()
+        prefill_sessions(runtime, [session], [tokens[:-1]])
+        logits = runtime.forward(TreeBatch.build([session], [compile_tree(tokens[-1], TokenTree.chain([]))]))[0]
+        probs = torch.softmax(logits.double(), -1)
+        keep = probs.topk(top_k).indices
+        return keep, probs[keep] / probs[keep].sum()
+
+    exact = {}
+    keep, p1 = next_distribution(prompt)
+    for x, px in zip(keep.tolist(), p1.tolist()):
+        keep2, p2 = next_distribution(prompt + [x])
+        for y, py in zip(keep2.tolist(), p2.tolist()):
+            exact[(x, y)] = px * py
+    answers = {tuple(prompt): [int(keep[0]), int(next_distribution(prompt + [int(keep[0])])[0][0])]}
+    engine = SpeculativeEngine(runtime, drafters=[OracleTreeDrafter(answers, vocab_size=vocab, seed=1)], max_tree_nodes=6)
+    counts = dict.fromkeys(exact, 0)
+    params = dict(temperature=1.0, top_k=top_k, max_tokens=2)
+    for batch in range(30):
+        requests = [Request(tuple(prompt), SamplingParams(seed=batch * 100 + i, **params)) for i in range(50)]
+        for out in engine.generate(requests):
+            pair = tuple(out.token_ids[:2])
+            assert pair in counts, f"sampled {pair}, outside the model's top-{top_k} support"
+            counts[pair] += 1
+    total = sum(counts.values())
+    pvalue = chisquare([counts[k] for k in exact], [exact[k] * total for k in exact]).pvalue
+    assert pvalue > 1e-3, f"speculative sampling on blocks changed the distribution (p = {pvalue:.2e})"
