@@ -38,6 +38,11 @@ ENV PIP_NO_CACHE_DIR=1 \
     PYTHONDONTWRITEBYTECODE=1
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
+# g++: `specmesh prepare` compiles the quantized CPU kernels into the cache the runtime stage copies.
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends g++ \
+ && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY pyproject.toml README.md ./
 # torch first, from its own index, at the version pyproject pins (read from it: one place for the pin).

@@ -20,6 +20,7 @@ from specmesh.bench.run import (
     headline_lines,
     hf_modes,
     mode_order,
+    mode_references,
     non_inferiority,
     sweep_order,
 )
@@ -46,7 +47,12 @@ def test_bench_writes_the_summary_and_plots(tmp_path):
     summary = report["summary"]
     assert SUMMARY_KEYS <= set(summary)
     assert next(iter(summary)) == "speedup_vs_own_plain"  # the headline leads
-    assert summary["greedy_identical_fraction"] == 1.0 and summary["greedy_reference"].startswith("hf_plain")
+    # shipped precision (the default): specmesh's modes reproduce its plain decoding on the GGUF's blocks, and
+    # the same runtime on the de-quantized weights reproduces Hugging Face's
+    assert report["precision"] == "Q4_1+Q8_0"
+    assert summary["greedy_identical_fraction"] == 1.0 and summary["greedy_reference"].startswith("own_plain")
+    assert report["modes"]["own_plain_fp32"]["greedy_identical_fraction"] == 1.0
+    assert summary["own_plain_speedup_vs_fp32"] > 1.0
     assert summary["best_single_drafter"] in ("ngram", "code")
     settings = {f"hf_assisted:prompt_lookup_num_tokens={n}" for n in HF_PROMPT_LOOKUP_TOKENS}
     assert settings | {"hf_plain", "single:ngram", "single:code", "router_fixed", "engine", "cluster"} <= set(report["modes"])
@@ -234,3 +240,15 @@ def test_round_robin_mixes_the_categories_in_file_order():
 
     prompts = [Prompt(f"{c}{i}", c) for c in "abc" for i in range(3 if c == "a" else 1)]  # a0 a1 a2 b0 c0
     assert [p.text for p in round_robin(prompts)] == ["a0", "b0", "c0", "a1", "a2"]
+
+
+def test_each_mode_is_held_to_its_own_reference():
+    modes = ["hf_plain", "hf_assisted:prompt_lookup_num_tokens=3", "llama_cpp_plain", "own_plain_fp32", "own_plain",
+             "engine", "cluster"]
+    shipped = mode_references(modes, quantized=True)
+    assert {m: shipped[m] for m in ("engine", "cluster", "own_plain", "llama_cpp_plain")} == dict.fromkeys(
+        ("engine", "cluster", "own_plain", "llama_cpp_plain"), "own_plain")  # speculation: lossless on the blocks
+    assert shipped["own_plain_fp32"] == shipped["hf_assisted:prompt_lookup_num_tokens=3"] == "hf_plain"
+    fp32 = mode_references(["hf_plain", "own_plain", "engine"], quantized=False)
+    assert fp32 == dict.fromkeys(["hf_plain", "own_plain", "engine"], "hf_plain")
+    assert mode_references(["own_plain", "engine"], quantized=False)["engine"] == "own_plain"  # baselines skipped

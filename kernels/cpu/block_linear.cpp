@@ -38,11 +38,14 @@
 #include <cstring>
 #include <vector>
 
+#include "ops.h"
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define SPECMESH_AVX2 1
 #endif
 
+namespace specmesh {
 namespace {
 
 constexpr int64_t kBlock = 32;
@@ -223,6 +226,8 @@ void multiply(const uint8_t* weights, int64_t n, int64_t k, const QuantizedRow* 
   });
 }
 
+}  // namespace
+
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& weight, int64_t format, int64_t out_features) {
   TORCH_CHECK(format == kQ4_0 || format == kQ4_1 || format == kQ8_0,
               "block_linear: format must be GGML type 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0), got ", format);
@@ -259,7 +264,7 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& weight, int64_t f
   return y;
 }
 
-}  // namespace
+}  // namespace specmesh
 
 #ifndef SPECMESH_OPS
 #define SPECMESH_OPS specmesh_cpu  // the tests build the portable path beside the AVX2 one under another name
@@ -269,4 +274,4 @@ TORCH_LIBRARY(SPECMESH_OPS, m) {
   m.def("block_linear(Tensor x, Tensor weight, int format, int out_features) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(SPECMESH_OPS, CPU, m) { m.impl("block_linear", &block_linear); }
+TORCH_LIBRARY_IMPL(SPECMESH_OPS, CPU, m) { m.impl("block_linear", &specmesh::block_linear); }

@@ -37,7 +37,7 @@ from specmesh.errors import InvalidArgument
 from specmesh.prompts import Prompt, load_prompts, mtbench_prompts
 from specmesh.runtime.llama import TreeBatch
 from specmesh.runtime.loading import configure_threads
-from specmesh.runtime.target import TargetRuntime, prefilled_session
+from specmesh.runtime.target import TargetRuntime, make_runtime, prefilled_session
 from specmesh.sampling import SamplingParams
 from specmesh.speculation.assembly import Assembly, assemble, eos_token_ids
 from specmesh.speculation.classifier import default_classifier
@@ -122,6 +122,50 @@ def best_setting(speeds: dict[str, float], prefix: str = "hf_assisted:") -> tupl
     a tie goes to the setting listed first."""
     settings = [(mode[len(prefix):], speed) for mode, speed in speeds.items() if mode.startswith(prefix)]
     return max(settings, key=lambda item: item[1]) if settings else None
+
+
+def is_specmesh_mode(mode: str) -> bool:
+    return not mode.startswith(("hf_", "llama_cpp"))
+
+
+def mode_references(modes: list[str], quantized: bool) -> dict[str, str]:
+    """The mode whose greedy output each mode must reproduce. specmesh's modes: its own plain decoding on
+    the GGUF's blocks (``quantized``), else Hugging Face's plain greedy decoding of the same weights when it
+    ran. The fp32 runtime and Hugging Face's assisted modes: Hugging Face plain. llama.cpp computes the same
+    blocks with its own rounding: compared with specmesh's plain decoding, for information."""
+    exact = "hf_plain" if "hf_plain" in modes else ("own_plain_fp32" if "own_plain_fp32" in modes else "own_plain")
+    own = "own_plain" if quantized else exact
+    return {m: exact if m.startswith("hf_") or m == "own_plain_fp32" else own for m in modes}
+
+
+LLAMA_CPP_CONTEXT = 4096  # tokens: the longest MT-Bench first turn and its answer fit
+
+
+def llama_cpp_baseline(assembly: Assembly):
+    """llama.cpp's plain greedy decoding of the same GGUF file on the same threads, through the optional
+    ``llama-cpp-python`` (None when it is not installed or the target is not a GGUF file): a function
+    (prompt ids, max tokens, eos ids) -> output ids."""
+    if assembly.target.gguf is None:
+        return None
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        print("llama.cpp baseline skipped: pip install llama-cpp-python to compare with it", flush=True)
+        return None
+    threads = torch.get_num_threads()
+    model = Llama(model_path=str(assembly.target.gguf), n_ctx=LLAMA_CPP_CONTEXT, n_threads=threads,
+                  n_threads_batch=threads, verbose=False)
+
+    def generate(prompt_ids: tuple[int, ...], max_tokens: int, eos: list[int]) -> list[int]:
+        model.reset()  # no prefix reuse between prompts: every mode prefills its whole prompt
+        tokens: list[int] = []
+        for token in model.generate(list(prompt_ids), top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0):
+            tokens.append(int(token))
+            if token in eos or len(tokens) >= max_tokens:
+                break
+        return tokens
+
+    return generate
 
 
 def mode_order(modes: list[str], index: int) -> list[str]:
@@ -226,7 +270,8 @@ def run_bench(args: argparse.Namespace) -> int:
         prompts = first_of_each_category(prompts, args.per_category)
     prompts = prompts[: args.limit] if args.limit else prompts
     drafter_names = args.drafter or DEFAULT_DRAFTERS
-    assembly = assemble(args.model, drafter_names, device=args.device, dtype=args.dtype)
+    assembly = assemble(args.model, drafter_names, device=args.device, dtype=args.dtype, precision=args.precision)
+    quantized = assembly.runtime.precision != str(assembly.runtime.dtype).removeprefix("torch.")
     classifier = default_classifier()
     params = SamplingParams(max_tokens=args.max_tokens)
     requests = [assembly.request(p.text, params, classifier) for p in prompts]
@@ -241,13 +286,16 @@ def run_bench(args: argparse.Namespace) -> int:
 
     eos = eos_token_ids(assembly.target)
     engines: dict[str, SpeculativeEngine] = {"own_plain": assembly.engine(0)}
+    if quantized:  # the same runtime on the de-quantized weights: what computing as shipped gains
+        engines["own_plain_fp32"] = SpeculativeEngine(make_runtime(assembly.target.model), [], 0, eos)
     for drafter in assembly.drafters:  # each drafter alone, the whole budget every step
         engines[f"single:{drafter.name}"] = SpeculativeEngine(assembly.runtime, [drafter], args.tree_nodes, eos)
     engines["router_fixed"] = assembly.engine(args.fixed_tree_nodes, "fixed")
     engines["engine"] = assembly.engine(args.tree_nodes, "adaptive")
     hf = {} if args.skip_baselines else hf_modes(assembly.drafters)
-    modes = list(hf) + list(engines)
-    reference = "hf_plain" if hf else "own_plain"
+    llama_cpp = None if args.skip_baselines else llama_cpp_baseline(assembly)
+    modes = list(hf) + (["llama_cpp_plain"] if llama_cpp else []) + list(engines)
+    references = mode_references(modes, quantized)
     with ExitStack() as cleanup:
         cluster = client = None
         if not args.no_cluster:
@@ -264,6 +312,9 @@ def run_bench(args: argparse.Namespace) -> int:
             if mode in hf:
                 tokens = _hf_generate(assembly, request.prompt_ids, args.max_tokens, hf[mode])
                 return tokens, time.perf_counter() - started, len(tokens) if mode == "hf_plain" else None, None
+            if mode == "llama_cpp_plain":
+                tokens = llama_cpp(request.prompt_ids, args.max_tokens, eos)
+                return tokens, time.perf_counter() - started, len(tokens), None
             if mode == "cluster":
                 answer = client.generate(chat=[("user", prompt.text)], max_tokens=args.max_tokens,
                                          max_tree_nodes=args.tree_nodes)
@@ -291,8 +342,8 @@ def run_bench(args: argparse.Namespace) -> int:
                 outputs[mode], seconds, steps, first_token_s = run_mode(mode, prompt, request)
                 records[mode].add(prompt.category, outputs[mode], seconds, steps, first_token_s)
             for mode in modes:
-                records[mode].identical += outputs[mode] == outputs[reference]
-            all_identical += all(outputs[m] == outputs[reference] for m in modes if not m.startswith("hf_assisted:"))
+                records[mode].identical += outputs[mode] == outputs[references[mode]]
+            all_identical += all(outputs[m] == outputs[references[m]] for m in modes if is_specmesh_mode(m))
         busy_s = _verifier_busy_s(cluster) - busy_before if cluster else 0.0
         load_rows = (load_sweep(cluster, prompts, args.max_tokens, concurrency, args.fixed_tree_nodes, args.tree_nodes,
                                 args.sweep_rounds)
@@ -306,7 +357,8 @@ def run_bench(args: argparse.Namespace) -> int:
         "fixed_tree_nodes": args.fixed_tree_nodes,
         "max_tokens": args.max_tokens,
         "prompts": {"source": source, "count": len(prompts)},
-        "summary": _summary(records, len(prompts), all_identical, reference, one_step_ms, busy_s, union),
+        "precision": assembly.runtime.precision,
+        "summary": _summary(records, len(prompts), all_identical, references["own_plain"], one_step_ms, busy_s, union),
         "modes": {m: {"tokens_per_s": round(r.speed(), 2), "greedy_identical_fraction": round(r.identical / len(prompts), 4)}
                   | ({"mean_accepted_length": round(r.accepted_length(), 3)} if r.steps else {})
                   | (r.latency() if r.first_token_ms else {}) for m, r in records.items()},
@@ -393,6 +445,14 @@ def _summary(records: dict[str, ModeRecord], count: int, identical: int, referen
         "fixed_mean_accepted_length": round(accepted["router_fixed"], 3),
         "drafter_union_agreement": union.get("all", 0.0),
     }
+    if "own_plain_fp32" in records:  # computing on the shipped blocks against the de-quantized weights
+        summary |= {"own_plain_fp32_tokens_per_s": round(speed["own_plain_fp32"], 2),
+                    "own_plain_speedup_vs_fp32": round(speed["own_plain"] / speed["own_plain_fp32"], 3)}
+    if "llama_cpp_plain" in records:
+        summary |= {"llama_cpp_plain_tokens_per_s": round(speed["llama_cpp_plain"], 2),
+                    "own_plain_vs_llama_cpp": round(speed["own_plain"] / speed["llama_cpp_plain"], 3),
+                    f"{headline}_vs_llama_cpp": round(speed[headline] / speed["llama_cpp_plain"], 3),
+                    "llama_cpp_identical_to_own_plain": round(records["llama_cpp_plain"].identical / count, 4)}
     if best_single:
         summary |= {
             "best_single_drafter": best_single.split(":", 1)[1],
@@ -443,7 +503,9 @@ def _summary(records: dict[str, ModeRecord], count: int, identical: int, referen
 
 GREEDY_REFERENCES = {
     "hf_plain": "hf_plain: Hugging Face generate, greedy, the same model in the same dtype",
-    "own_plain": "own_plain: specmesh's runtime with speculation off (Hugging Face baselines skipped)",
+    "own_plain": "own_plain: specmesh's runtime with speculation off, on the same weights (the fp32 runtime: "
+                 "against Hugging Face when it ran)",
+    "own_plain_fp32": "own_plain_fp32: specmesh's runtime with speculation off (Hugging Face baselines skipped)",
 }
 
 
@@ -598,7 +660,8 @@ def _start_cluster(args: argparse.Namespace, drafters) -> LocalCluster:
     print("starting the local cluster ...", flush=True)
     # the cap admits the fixed-k requests of the load sweep; adaptive ones ask for --tree-nodes
     cap = max(args.tree_nodes, args.fixed_tree_nodes)
-    spec = ClusterSpec(model=args.model, drafters=tuple(drafters), max_tree_nodes=cap, dtype=args.dtype)
+    spec = ClusterSpec(model=args.model, drafters=tuple(drafters), max_tree_nodes=cap, dtype=args.dtype,
+                       precision=args.precision)
     return LocalCluster(spec).start()
 
 
@@ -625,6 +688,14 @@ def headline_lines(summary: dict) -> list[str]:
                   f"({summary['plain_tokens_per_s']:.2f} tok/s), {summary[assisted]:.3f}x Hugging Face assisted at its "
                   f"best setting, {summary['hf_assisted_setting']} ({summary['hf_assisted_tokens_per_s']:.2f} tok/s)",
                   f"  runtime alone: own plain {summary['own_plain_speedup_vs_plain']:.3f}x Hugging Face plain"]
+    if "own_plain_speedup_vs_fp32" in summary:
+        lines.append(f"  shipped precision: own plain {summary['own_plain_speedup_vs_fp32']:.3f}x the same runtime on "
+                     f"the de-quantized fp32 weights ({summary['own_plain_fp32_tokens_per_s']:.2f} tok/s)")
+    if "own_plain_vs_llama_cpp" in summary:
+        headline = summary["headline_mode"]
+        lines.append(f"  llama.cpp plain ({summary['llama_cpp_plain_tokens_per_s']:.2f} tok/s, same GGUF and threads): "
+                     f"own plain {summary['own_plain_vs_llama_cpp']:.3f}x, {headline} "
+                     f"{summary[f'{headline}_vs_llama_cpp']:.3f}x")
     lines.append(f"  greedy identical {summary['greedy_identical_fraction']:.0%} of prompts, against "
                  f"{summary['greedy_reference']}")
     return lines

@@ -177,7 +177,7 @@ def cluster_sweep(args: argparse.Namespace, drafters: tuple[str, ...], prompts: 
     tokens, seconds = dict.fromkeys(names, 0), dict.fromkeys(names, 0.0)
     for name in tqdm(order, desc="cluster settings", unit="cluster"):
         spec = ClusterSpec(model=args.model, drafters=drafters, max_tree_nodes=args.tree_nodes, dtype=args.dtype,
-                           **CLUSTER_SETTINGS[name])
+                           precision=args.precision, **CLUSTER_SETTINGS[name])
         with LocalCluster(spec) as cluster, Client(cluster.router_address) as client:
             def ask(prompt: Prompt) -> list[int]:
                 return client.generate(chat=[("user", prompt.text)], max_tokens=args.max_tokens,
@@ -211,6 +211,7 @@ def load_margin_sweep(args: argparse.Namespace, drafters: tuple[str, ...], promp
     rows: dict[str, dict] = {}
     for margin in tqdm(margins, desc="margins under load", unit="cluster"):
         spec = ClusterSpec(model=args.model, drafters=drafters, max_tree_nodes=args.tree_nodes, dtype=args.dtype,
+                           precision=args.precision,
                            speculation_margin=margin)
         with LocalCluster(spec) as cluster:
             with Client(cluster.router_address) as client:
@@ -258,7 +259,7 @@ def run_tune(args: argparse.Namespace) -> int:
                     "prompts": {"source": str(args.prompts or TUNING_PROMPTS), "count": len(prompts)},
                     "sweeps": sweeps, "best": {}}
     if "budget" in sweeps or "margin" in sweeps:
-        assembly = assemble(args.model, drafters, device=args.device, dtype=args.dtype)
+        assembly = assemble(args.model, drafters, device=args.device, dtype=args.dtype, precision=args.precision)
         classifier, params = default_classifier(), SamplingParams(max_tokens=args.max_tokens)
         requests = [assembly.request(p.text, params, classifier) for p in prompts]
         warmup_request = assembly.request(warmup.text, params, classifier)

@@ -23,7 +23,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from specmesh.kernels.block_linear import BlockWeight, PackedBlocks, block_linear
+from specmesh.kernels.block_linear import FORMATS, BlockWeight, PackedBlocks, block_linear
 
 _PACK_BATCH_HINT = 8  # oneDNN picks its blocking for this many rows; 1..16 rows stay flat with it
 _WEIGHT_LEFT_MAX_ROWS = 3
@@ -99,6 +99,7 @@ class BlockLinear:
 
     def __init__(self, weight: BlockWeight, bias: torch.Tensor | None = None) -> None:
         self.format = weight.format
+        self.format_id = FORMATS[weight.format][0]  # GGML's type id, what the C++ kernels take
         self.packed = PackedBlocks.pack(weight)  # the only copy kept
         self.bias = bias.detach().float() if bias is not None else None  # [out_features]
         self.out_features, self.in_features = weight.shape

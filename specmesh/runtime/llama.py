@@ -128,6 +128,9 @@ class LlamaRuntime:
         # exactly as it would be alone, attention included, or last-bit differences become other tokens.
         self.exact_rows = isinstance(self.lm_head, BlockLinear) or any(
             isinstance(layer.qkv, BlockLinear) for layer in self.layers)
+        # Every projection on blocks: each layer is one call of the C++ layer (no per-op dispatch).
+        self.fused_layers = all(isinstance(p, BlockLinear) for layer in self.layers
+                                for p in (layer.qkv, layer.out, layer.gate_up, layer.down))
 
     def _linear(self, names: list[str | None], weights: list[torch.Tensor], bias: torch.Tensor | None = None) -> Linear:
         """One linear over the rows of ``weights`` stacked (a fused projection): on their GGUF blocks when
@@ -196,7 +199,9 @@ class LlamaRuntime:
         cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [rows, 1, head_dim]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         rows = x.shape[0]
-        for index, layer in enumerate(self.layers):
+        if self.fused_layers:
+            x = self._fused_layers(x, cos[:, 0].contiguous(), sin[:, 0].contiguous(), batch, tree_masks)
+        for index, layer in enumerate([] if self.fused_layers else self.layers):
             h = self._norm(x, layer.input_norm)
             qkv = layer.qkv(h)  # [rows, q_size + 2 * kv_size]
             q = qkv[:, :q_size].reshape(rows, self.num_heads, self.head_dim)
@@ -225,6 +230,21 @@ class LlamaRuntime:
         if logits_rows is not None:
             x = x[logits_rows.to(self.device)]
         return self.lm_head(self._norm(x, self.final_norm)).float()
+
+    def _fused_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: TreeBatch,
+                      tree_masks: list[torch.Tensor]) -> torch.Tensor:
+        # x [rows, hidden] fp32; cos, sin [rows, head_dim]: every layer as one C++ call (kernels/cpu/llama_layer.cpp)
+        cached = [session.length for session in batch.sessions]
+        masks = [mask.bool().contiguous() for mask in tree_masks]
+        x = x.contiguous()
+        for index, layer in enumerate(self.layers):
+            x = torch.ops.specmesh_cpu.llama_layer(
+                x, layer.input_norm, layer.post_norm, layer.qkv.packed.data, layer.qkv.format_id, layer.qkv.bias,
+                layer.out.packed.data, layer.out.format_id, layer.gate_up.packed.data, layer.gate_up.format_id,
+                layer.down.packed.data, layer.down.format_id, cos, sin, [s.kv[index] for s in batch.sessions],
+                cached, list(batch.cu_rows), masks, self.num_heads, self.num_kv_heads, layer.down.in_features,
+                float(self.eps), float(self.scale))
+        return x
 
     def _attend(self, q, k, v, tree_mask: torch.Tensor, full_mask: torch.Tensor | None) -> torch.Tensor:
         # q [heads, n, head_dim]; k, v [kv_heads, cached + n, head_dim]; tree_mask [n, n];
