@@ -11,6 +11,7 @@ from typing import Sequence
 
 from specmesh.errors import InvalidArgument, SpecmeshError
 from specmesh.runtime.loading import EMBEDDED_DEFAULT
+from specmesh.runtime.precision import check_precision
 from specmesh.speculation.policy import DEFAULT_FIXED_TREE_NODES, DEFAULT_TREE_NODES, SPECULATION_MARGIN
 
 DEMO_PROMPT = "Write a Python function that checks whether a string is a palindrome, and explain it."
@@ -30,7 +31,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: fp32 on CPU, bf16 on CUDA)")
     parser.add_argument("--precision", default="shipped",
                         help="shipped: a GGUF target computed on its own 4/8-bit blocks (CPU); fp32: on its weights "
-                        "de-quantized, token for token Hugging Face's output (default: shipped)")
+                        "de-quantized, token for token Hugging Face's output; q8_0: any Llama-family model rounded to "
+                        "8-bit blocks at load (default: shipped)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
 
 
@@ -71,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="adaptive: the least predicted goodput gain over plain decoding a tree must promise in a "
                     f"shared pass (default {SPECULATION_MARGIN})")
     up.add_argument("--precision", default="shipped",
-                    help="the verifiers': shipped (a GGUF target on its own blocks, CPU) or fp32 (default shipped)")
+                    help="the verifiers': shipped (a GGUF target on its own blocks, CPU), fp32 or q8_0 "
+                    "(default shipped)")
     up.add_argument("--draft-ahead", action="store_true",
                     help="draft the next tree while one verifies (pays when drafters have cores of their own)")
     up.add_argument("--demo-prompt", default=DEMO_PROMPT)
@@ -206,6 +209,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     if (args.prompt is None) == (args.prompts is None):
         raise InvalidArgument("prompt", "give either a PROMPT or --prompts FILE.jsonl")
+    check_precision(args.precision)
     params = _sampling_params(args)
     if args.tree_nodes < 0:
         raise InvalidArgument("tree_nodes", f"must be >= 0, got {args.tree_nodes}")
@@ -410,7 +414,8 @@ def _distill(args: argparse.Namespace) -> int:
     if prompts is None and not args.synthesize:
         prompts = domain_prompts(args.domain, args.count, args.seed)
     configure_threads(args.threads)
-    assembly = assemble(args.target, drafters=[], dtype="float32")
+    # fp32: the shipped experts were distilled from (and their answer caches hold) the fp32 target
+    assembly = assemble(args.target, drafters=[], dtype="float32", precision="fp32")
     boost_from = [boost_directory(spec, assembly.target.name) for spec in args.boost_from]  # before any generation
     if prompts is None:
         prompts = synthesized_prompts(assembly, args.domain, args.synthesize, args.seed)

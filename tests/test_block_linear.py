@@ -124,7 +124,8 @@ def runtime_greedy(runtime, prompt, max_tokens) -> list[int]:
 def test_every_projection_runs_on_blocks():
     _, runtime = quantized_llama()
     assert runtime.precision == "Q4_1+Q8_0"
-    assert all(isinstance(p, BlockLinear) for layer in runtime.layers for p in (layer.qkv, layer.out, layer.gate_up, layer.down))
+    assert all(isinstance(p, BlockLinear)
+               for layer in runtime.layers for p in (layer.qkv, layer.out, layer.gate_up, layer.down))
 
 
 def test_tree_rows_score_exactly_as_plain_decoding_on_blocks():
@@ -179,7 +180,8 @@ def test_sampled_two_token_distribution_on_blocks():
         for y, py in zip(keep2.tolist(), p2.tolist()):
             exact[(x, y)] = px * py
     answers = {tuple(prompt): [int(keep[0]), int(next_distribution(prompt + [int(keep[0])])[0][0])]}
-    engine = SpeculativeEngine(runtime, drafters=[OracleTreeDrafter(answers, vocab_size=vocab, seed=1)], max_tree_nodes=6)
+    drafter = OracleTreeDrafter(answers, vocab_size=vocab, seed=1)
+    engine = SpeculativeEngine(runtime, drafters=[drafter], max_tree_nodes=6)
     counts = dict.fromkeys(exact, 0)
     params = dict(temperature=1.0, top_k=top_k, max_tokens=2)
     for batch in range(30):
@@ -191,3 +193,22 @@ def test_sampled_two_token_distribution_on_blocks():
     total = sum(counts.values())
     pvalue = chisquare([counts[k] for k in exact], [exact[k] * total for k in exact]).pvalue
     assert pvalue > 1e-3, f"speculative sampling on blocks changed the distribution (p = {pvalue:.2e})"
+
+
+def test_any_llama_model_can_run_int8_weight_only():
+    """--precision q8_0: every projection and the head rounded to Q8_0 blocks at load; speculative decoding
+    on them reproduces plain decoding on them."""
+    from specmesh.runtime.loading import LoadedModel
+    from specmesh.runtime.target import shipped_blocks
+
+    model = tiny_llama(seed=2)
+    blocks = shipped_blocks(LoadedModel("tiny", model, tokenizer=None), "q8_0")
+    assert set(blocks) == {n for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n}
+    assert shipped_blocks(LoadedModel("tiny", model, tokenizer=None), "shipped") is None  # not a GGUF file
+    runtime = LlamaRuntime(model, block_weights=blocks)
+    assert runtime.precision == "Q8_0" and runtime.fused_layers
+    prompts = [[4, 8, 15, 16, 23, 42][: n + 2] * 2 for n in range(4)]
+    answers = {tuple(p): runtime_greedy(runtime, p, MAX_TOKENS) for p in prompts}
+    engine = SpeculativeEngine(runtime, [OracleTreeDrafter(answers, vocab_size=96, seed=2)], max_tree_nodes=6)
+    outputs = engine.generate([Request(tuple(p), SamplingParams(max_tokens=MAX_TOKENS)) for p in prompts])
+    assert [o.token_ids for o in outputs] == [answers[tuple(p)] for p in prompts]

@@ -21,8 +21,8 @@ from conftest import wait_until
 from specmesh.client import Client
 from specmesh.cluster.launcher import ClusterSpec, LocalCluster
 from specmesh.prompts import encode_chat, mtbench_prompts
-from specmesh.runtime.llama import LlamaRuntime
 from specmesh.runtime.loading import EMBEDDED_DEFAULT, load_hf_model
+from specmesh.runtime.target import target_runtime
 from specmesh.sampling import SamplingParams
 from specmesh.speculation.assembly import eos_token_ids
 from specmesh.speculation.engine import Request, SpeculativeEngine
@@ -41,9 +41,10 @@ def questions():
 
 @pytest.fixture(scope="module")
 def plain_outputs(questions):
-    """Plain greedy decoding of the target (k = 0, checked against HF generate in test_smollm2)."""
+    """Plain greedy decoding of the target in the verifiers' default precision (its GGUF's own blocks;
+    the runtime is checked against plain decoding in test_smollm2)."""
     target = load_hf_model(EMBEDDED_DEFAULT, dtype="float32", device="cpu")
-    engine = SpeculativeEngine(LlamaRuntime(target.model), [], max_tree_nodes=0, eos_token_ids=eos_token_ids(target))
+    engine = SpeculativeEngine(target_runtime(target), [], max_tree_nodes=0, eos_token_ids=eos_token_ids(target))
     outputs = []
     for text in questions:
         (out,) = engine.generate([Request(tuple(encode_chat(target.tokenizer, text)), SamplingParams(max_tokens=MAX_TOKENS))])

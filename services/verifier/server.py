@@ -250,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default=env_default("device"))
     parser.add_argument("--dtype", default=env_default("dtype"))
     parser.add_argument("--precision", default=env_default("precision", "shipped"),
-                        help="shipped (a GGUF target on its own blocks, CPU) or fp32 [SPECMESH_PRECISION]")
+                        help="shipped (a GGUF target on its own blocks, CPU), fp32 or q8_0 [SPECMESH_PRECISION]")
     parser.add_argument("--log-level", default=env_default("log_level", "INFO"))
     return parser
 

@@ -37,6 +37,7 @@ from specmesh.errors import InvalidArgument
 from specmesh.prompts import Prompt, load_prompts, mtbench_prompts
 from specmesh.runtime.llama import TreeBatch
 from specmesh.runtime.loading import configure_threads
+from specmesh.runtime.precision import check_precision
 from specmesh.runtime.target import TargetRuntime, make_runtime, prefilled_session
 from specmesh.sampling import SamplingParams
 from specmesh.speculation.assembly import Assembly, assemble, eos_token_ids
@@ -262,6 +263,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if not 1 <= args.fixed_tree_nodes <= MAX_TREE_NODES:
         raise InvalidArgument("fixed_tree_nodes", f"must be in 1..{MAX_TREE_NODES}, got {args.fixed_tree_nodes}")
     concurrency = number_list("concurrency", args.concurrency, 1, MAX_CONCURRENCY) if args.concurrency else []
+    check_precision(args.precision)
     configure_threads(args.threads)
     machine = _machine()
     prompts: list[Prompt] = load_prompts(args.prompts) if args.prompts else mtbench_prompts()
@@ -295,7 +297,6 @@ def run_bench(args: argparse.Namespace) -> int:
     hf = {} if args.skip_baselines else hf_modes(assembly.drafters)
     llama_cpp = None if args.skip_baselines else llama_cpp_baseline(assembly)
     modes = list(hf) + (["llama_cpp_plain"] if llama_cpp else []) + list(engines)
-    references = mode_references(modes, quantized)
     with ExitStack() as cleanup:
         cluster = client = None
         if not args.no_cluster:
@@ -304,6 +305,7 @@ def run_bench(args: argparse.Namespace) -> int:
             client = cleanup.enter_context(Client(cluster.router_address))
             modes.append("cluster")
         records = {m: ModeRecord() for m in modes}
+        references = mode_references(modes, quantized)
 
         def run_mode(mode: str, prompt: Prompt, request) -> tuple[list[int], float, int | None, float | None]:
             """One prompt through one mode: output tokens, seconds, target passes (None: not known), time to

@@ -163,7 +163,8 @@ class LlamaRuntime:
     @property
     def precision(self) -> str:
         """What the weights are computed in: the GGUF formats ("Q4_1+Q8_0") or the dtype ("float32")."""
-        linears = [self.lm_head] + [p for layer in self.layers for p in (layer.qkv, layer.out, layer.gate_up, layer.down)]
+        linears = [self.lm_head] + [p for layer in self.layers
+                                    for p in (layer.qkv, layer.out, layer.gate_up, layer.down)]
         formats = sorted({p.format for p in linears if isinstance(p, BlockLinear)})
         return "+".join(formats) if formats else str(self.dtype).removeprefix("torch.")
 

@@ -9,7 +9,7 @@ from typing import Mapping, Protocol, Sequence
 
 import torch
 
-from specmesh.kernels.block_linear import BlockWeight
+from specmesh.kernels.block_linear import BlockWeight, quantize
 from specmesh.kernels.cpu_ops import KernelUnavailable, load_cpu_ops
 from specmesh.runtime.gguf import check_block_weights, load_block_weights
 from specmesh.runtime.hf import HFRuntime
@@ -40,10 +40,11 @@ def make_runtime(
 
 
 def shipped_blocks(loaded: LoadedModel, precision: str = "shipped") -> dict[str, BlockWeight] | None:
-    """The GGUF blocks to compute on, or None (with the reason logged) where the target runs on its
-    de-quantized weights: fp32 asked for, not a GGUF model, not a CPU, not fp32 activations, no kernel."""
+    """The blocks to compute on (a GGUF's own for ``shipped``; every projection rounded to Q8_0 for
+    ``q8_0``), or None (with the reason logged) where the target runs on its weights as loaded: fp32 asked
+    for, a shipped model that is not GGUF, not a CPU, not fp32 activations, no kernel."""
     check_precision(precision)
-    if precision == "fp32" or loaded.gguf is None:
+    if precision == "fp32" or (precision == "shipped" and loaded.gguf is None):
         return None
     weight = loaded.model.get_input_embeddings().weight
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
@@ -57,8 +58,23 @@ def shipped_blocks(loaded: LoadedModel, precision: str = "shipped") -> dict[str,
     except KernelUnavailable as exc:
         log.warning("%s runs de-quantized to fp32: the quantized kernel is not available (%s)", loaded.name, exc)
         return None
+    if precision == "q8_0":
+        return quantized_projections(loaded.model, "Q8_0")
     blocks = load_block_weights(loaded.gguf, loaded.converted, loaded.model.config)
     check_block_weights(blocks, loaded.model)
+    return blocks
+
+
+def quantized_projections(model: torch.nn.Module, format: str) -> dict[str, BlockWeight]:
+    """Every projection and the head of a Llama-family model rounded to ``format`` blocks, by Hugging Face
+    name (int8 weight-only for any such model: ``--precision q8_0``)."""
+    blocks = {}
+    for name, parameter in model.named_parameters():
+        if parameter.dim() == 2 and "embed_tokens" not in name and parameter.shape[1] % 32 == 0:
+            blocks[name] = quantize(parameter, format)
+    head = model.lm_head.weight  # a tied head is listed under the embeddings' name only
+    if "lm_head.weight" not in blocks and head.shape[1] % 32 == 0:
+        blocks["lm_head.weight"] = quantize(head, format)
     return blocks
 
 
