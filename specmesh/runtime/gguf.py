@@ -43,11 +43,12 @@ def unpermute_rows(rows: int, heads: int) -> torch.Tensor:
 
 
 def load_block_weights(gguf_path: Path, cache_dir: Path, config) -> dict[str, BlockWeight]:
-    """``read_block_weights``, cached as ``blocks.safetensors`` in ``cache_dir`` (parsing a GGUF file's
-    metadata takes seconds; the cache loads in milliseconds)."""
+    """``read_block_weights``, cached as ``gguf/blocks.safetensors`` in ``cache_dir`` (parsing a GGUF file's
+    metadata takes seconds; the cache loads in milliseconds). A sub-directory: the model directory's own
+    ``*.safetensors`` are its fp32 weights, and readers look there for them."""
     from safetensors.torch import load_file, save_file
 
-    cache = Path(cache_dir) / "blocks.safetensors"
+    cache = Path(cache_dir) / "gguf" / "blocks.safetensors"
     if cache.exists():
         from safetensors import safe_open
 
@@ -58,6 +59,7 @@ def load_block_weights(gguf_path: Path, cache_dir: Path, config) -> dict[str, Bl
     weights = read_block_weights(gguf_path, config)
     stored = {name: w for name, w in weights.items() if not (name == "lm_head.weight" and w is weights.get(
         "model.embed_tokens.weight"))}
+    cache.parent.mkdir(parents=True, exist_ok=True)
     partial = cache.with_suffix(".partial")
     save_file({name: w.data for name, w in stored.items()}, str(partial),
               metadata={name: w.format for name, w in stored.items()})
