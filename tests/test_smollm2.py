@@ -115,11 +115,9 @@ def test_shipped_experts_are_lossless(target, prompts, hf_outputs):
         assert sum(len(o.token_ids) for o in outputs) > sum(o.stats.target_steps for o in outputs)
 
 
-@pytest.mark.parametrize("speculation", ["adaptive", "fixed"])
-def test_the_full_router_is_lossless_and_routes_by_kind(target, questions, prompts, hf_outputs, speculation):
+def routed_outputs(target, runtime, questions, prompts, adapt_budget: bool = True) -> list:
     """Prompt lookup and every shipped expert behind the router's policy (classifier, routing, trust-
-    weighted fusion; the budget by goodput or fixed), batched: the greedy output exactly; with the whole
-    budget every step, coding questions are drafted by the code expert."""
+    weighted fusion), on ``runtime``, the prompts in batches of five: each request's result."""
     from specmesh.drafters.catalog import load_drafter, shipped_experts
     from specmesh.speculation.classifier import default_classifier
     from specmesh.speculation.policy import adaptive_policy
@@ -127,15 +125,23 @@ def test_the_full_router_is_lossless_and_routes_by_kind(target, questions, promp
     experts = [load_drafter(name, target, device=None, dtype=None) for name in shipped_experts(EMBEDDED_DEFAULT)]
     drafters = [NgramDrafter(), *experts]
     policy = adaptive_policy({d.name: [getattr(d, "domain", "general")] for d in drafters}, seed=0, free=["ngram"],
-                             adapt_budget=speculation == "adaptive")
-    engine = SpeculativeEngine(LlamaRuntime(target.model), drafters, max_tree_nodes=8, eos_token_ids=eos_token_ids(target),
-                               policy=policy)
+                             adapt_budget=adapt_budget)
+    engine = SpeculativeEngine(runtime, drafters, max_tree_nodes=8, eos_token_ids=eos_token_ids(target), policy=policy)
     classifier = default_classifier()
     requests = [Request(p, SamplingParams(max_tokens=MAX_TOKENS), kind=classifier.classify(q.text))
                 for q, p in zip(questions, prompts)]
     outputs = []
     for start in range(0, len(requests), 5):
         outputs += engine.generate(requests[start : start + 5])
+    return outputs
+
+
+@pytest.mark.parametrize("speculation", ["adaptive", "fixed"])
+def test_the_full_router_is_lossless_and_routes_by_kind(target, questions, prompts, hf_outputs, speculation):
+    """Prompt lookup and every shipped expert behind the router's policy (classifier, routing, trust-
+    weighted fusion; the budget by goodput or fixed), batched: the greedy output exactly; with the whole
+    budget every step, coding questions are drafted by the code expert."""
+    outputs = routed_outputs(target, LlamaRuntime(target.model), questions, prompts, speculation == "adaptive")
     for prompt, expected, out in zip(prompts, hf_outputs, outputs):
         assert out.token_ids == expected, divergence_report(target, prompt, expected, out.token_ids)
     coding = [o for q, o in zip(questions, outputs) if q.category == "coding"]
@@ -178,22 +184,9 @@ def test_speculative_decoding_on_the_shipped_blocks_equals_their_plain_decoding(
                                                                                prompts):
     """Lossless on the quantized path: every expert and prompt lookup behind the router, batched, give
     exactly what plain decoding on the same blocks gives."""
-    from specmesh.drafters.catalog import load_drafter, shipped_experts
-    from specmesh.speculation.classifier import default_classifier
-    from specmesh.speculation.policy import adaptive_policy
-
-    eos = eos_token_ids(target)
-    plain = SpeculativeEngine(shipped_runtime, [], max_tree_nodes=0, eos_token_ids=eos)
+    plain = SpeculativeEngine(shipped_runtime, [], max_tree_nodes=0, eos_token_ids=eos_token_ids(target))
     expected = [plain.generate([Request(p, SamplingParams(max_tokens=MAX_TOKENS))])[0].token_ids for p in prompts]
-    drafters = [NgramDrafter(), *(load_drafter(n, target, device=None, dtype=None) for n in shipped_experts(EMBEDDED_DEFAULT))]
-    policy = adaptive_policy({d.name: [getattr(d, "domain", "general")] for d in drafters}, seed=0, free=["ngram"])
-    engine = SpeculativeEngine(shipped_runtime, drafters, max_tree_nodes=8, eos_token_ids=eos, policy=policy)
-    classifier = default_classifier()
-    requests = [Request(p, SamplingParams(max_tokens=MAX_TOKENS), kind=classifier.classify(q.text))
-                for q, p in zip(questions, prompts)]
-    outputs = []
-    for start in range(0, len(requests), 5):
-        outputs += engine.generate(requests[start : start + 5])
+    outputs = routed_outputs(target, shipped_runtime, questions, prompts)
     for prompt, want, out in zip(prompts, expected, outputs):
         assert out.token_ids == want, f"prompt {prompt[:8]}...: first difference at " \
             f"{next(i for i, (a, b) in enumerate(zip(want + [None], out.token_ids + [None])) if a != b)}"

@@ -50,7 +50,7 @@ class ClusterSpec:
     router_port: int = 0  # 0: a free port
     cores: int = field(default_factory=lambda: os.cpu_count() or 1)
     dtype: str | None = None
-    precision: str = "shipped"  # the verifiers' (see specmesh.runtime.target.PRECISIONS)
+    precision: str = "shipped"  # the verifiers' (see specmesh.runtime.precision.PRECISIONS)
     job_timeout_s: float = 30.0
     log_dir: Path | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
