@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install model run test test-fast bench tune proto dashboards classifier-data tuning-prompts clean
+.PHONY: install model run test test-fast gpu-check bench tune proto dashboards classifier-data tuning-prompts clean
 
 install: $(STAMP) model
 
@@ -34,6 +34,11 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
+
+# On a CUDA machine: the paged kernels and CUDA graphs compiled, and the runtime on random weights of real
+# architectures against its weight-streaming limit (no install, no model download; JSON in gpu-results/).
+gpu-check:
+	bash tests/gpu_checks.sh
 
 bench: install
 	mkdir -p out

@@ -12,6 +12,7 @@ from typing import Sequence
 from specmesh.errors import InvalidArgument, SpecmeshError
 from specmesh.runtime.loading import EMBEDDED_DEFAULT
 from specmesh.runtime.precision import check_precision
+from specmesh.runtime.random_models import is_random
 from specmesh.speculation.policy import DEFAULT_FIXED_TREE_NODES, DEFAULT_TREE_NODES, SPECULATION_MARGIN
 
 DEMO_PROMPT = "Write a Python function that checks whether a string is a palindrome, and explain it."
@@ -19,7 +20,8 @@ DEMO_PROMPT = "Write a Python function that checks whether a string is a palindr
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=EMBEDDED_DEFAULT,
-                        help=f"target: hub id, model directory, .gguf file, or {EMBEDDED_DEFAULT!r} (default)")
+                        help=f"target: hub id, model directory, .gguf file, {EMBEDDED_DEFAULT!r} (default), or "
+                        "random:<architecture> (real shapes, random weights: `bench` measures the runtime's speed)")
     parser.add_argument("--drafter", action="append", default=None,
                         help="drafter: ngram (prompt lookup), history, a shipped expert (code, math, writing, knowledge, "
                         "chat), a drafter directory, or a small model sharing the target's tokenizer; repeatable "
@@ -34,6 +36,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                         "de-quantized, token for token Hugging Face's output; q8_0: any Llama-family model rounded to "
                         "8-bit blocks at load (default: shipped)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    parser.add_argument("--kv-cache-gb", type=float, default=None,
+                        help="the KV pool of a CUDA target: every request's cache in one budget, a request that does "
+                        "not fit waits or is refused (default: half the GPU memory free after loading)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--report-drafter", action="append", default=None,
                        help="drafters to measure by teacher forcing (default: the model-free ones and every "
                        "expert shipped for the target); repeatable")
+    bench.add_argument("--context", type=int, default=512,
+                       help="with --model random:<architecture>: committed tokens while steps are timed (default 512)")
+    bench.add_argument("--repeats", type=int, default=30,
+                       help="with --model random:<architecture>: timed calls of each pass (default 30)")
     _add_model_args(bench)
 
     tune = commands.add_parser("tune", help="measure the speculation constants on held-out prompts (not MT-Bench)")
@@ -167,6 +176,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _generate_remote(args) if args.server else _generate(args)
         if args.command == "up":
             return _up(args)
+        if args.command == "bench" and is_random(args.model):  # the runtime alone: random weights, no text
+            from specmesh.bench.runtime_speed import run_runtime_bench
+
+            return run_runtime_bench(args)
         if args.command == "bench":
             from specmesh.bench.run import run_bench
 

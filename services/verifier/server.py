@@ -251,6 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default=env_default("dtype"))
     parser.add_argument("--precision", default=env_default("precision", "shipped"),
                         help="shipped (a GGUF target on its own blocks, CPU), fp32 or q8_0 [SPECMESH_PRECISION]")
+    parser.add_argument("--kv-cache-gb", type=float, default=float(env_default("kv_cache_gb", "0")) or None,
+                        help="the KV pool of a CUDA target (default: half the GPU memory free after loading) "
+                        "[SPECMESH_KV_CACHE_GB]")
     parser.add_argument("--log-level", default=env_default("log_level", "INFO"))
     return parser
 
@@ -259,7 +262,7 @@ def load_verifier(args: argparse.Namespace):
     check_precision(args.precision)
     configure_threads(args.threads)
     target = load_hf_model(args.model, dtype=args.dtype, device=args.device)
-    runtime = target_runtime(target, args.precision)
+    runtime = target_runtime(target, args.precision, args.kv_cache_gb)
     log.info("target %s computed in %s", target.name, runtime.precision)
     return target, runtime, TreeVerifier(runtime, max_sessions=args.max_sessions, max_tree_nodes=MAX_TREE_NODES)
 

@@ -32,9 +32,16 @@ class TargetRuntime(Protocol):
 
 
 def make_runtime(
-    hf_model: torch.nn.Module, lean: bool = True, block_weights: Mapping[str, BlockWeight] | None = None
+    hf_model: torch.nn.Module, lean: bool = True, block_weights: Mapping[str, BlockWeight] | None = None,
+    kv_cache_gb: float | None = None,
 ) -> TargetRuntime:
+    """The lean runtime where it computes this model exactly (on CUDA: paged KV pool of ``kv_cache_gb``,
+    fused kernels, CUDA graphs), else Hugging Face's forward."""
     if lean and lean_unsupported(hf_model.config) is None:
+        if hf_model.device.type == "cuda" and not block_weights:
+            from specmesh.runtime.paged_llama import PagedLlamaRuntime
+
+            return PagedLlamaRuntime(hf_model, kv_cache_gb=kv_cache_gb)
         return LlamaRuntime(hf_model, block_weights=block_weights)
     return HFRuntime(hf_model)
 
@@ -94,10 +101,10 @@ def prepare_target(model: str) -> str:
     return f"{source} (shipped precision ready)"
 
 
-def target_runtime(loaded: LoadedModel, precision: str = "shipped") -> TargetRuntime:
+def target_runtime(loaded: LoadedModel, precision: str = "shipped", kv_cache_gb: float | None = None) -> TargetRuntime:
     """The runtime a verifier or ``generate`` serves ``loaded`` with, in ``precision`` (see
-    ``precision.PRECISIONS``)."""
-    return make_runtime(loaded.model, block_weights=shipped_blocks(loaded, precision))
+    ``precision.PRECISIONS``); ``kv_cache_gb``: the KV pool's budget on CUDA."""
+    return make_runtime(loaded.model, block_weights=shipped_blocks(loaded, precision), kv_cache_gb=kv_cache_gb)
 
 
 PREFILL_CHUNK = 512  # tokens per session per prefill pass: bounds the attention scores' memory

@@ -147,6 +147,7 @@ class TreeVerifier:
             else:
                 self.stats.resyncs += 1
                 results[i] = VerifyResult(job.request_id, job.step, None)
+        self._make_room([jobs[i] for i in ready])
         self._prefill([jobs[i] for i in prefills])
         prefill_ms = (time.perf_counter() - started) * 1e3
         if ready:
@@ -187,6 +188,23 @@ class TreeVerifier:
             self.close(next(iter(self._sessions)))
         self._sessions[request_id] = self.runtime.new_session()
         self._last_used[request_id] = time.monotonic()
+
+    def _make_room(self, jobs: Sequence[VerifyJob]) -> None:
+        """On a runtime with a KV pool: free the least recently used other sessions until the pool holds
+        the pages this pass needs (each evicted request pays a resync later). If it still cannot, the pass
+        raises ``ResourceExhausted``; nothing is over-committed."""
+        pool = getattr(self.runtime, "pool", None)
+        if pool is None:
+            return
+        needed = 0
+        for job in jobs:
+            held = self._sessions[job.request_id]
+            needed += max(0, pool.pages_for(job.position + 1 + len(job.tree)) - len(held.pages))
+        batch = {job.request_id for job in jobs}
+        for request_id in [rid for rid in self._sessions if rid not in batch]:  # least recently used first
+            if pool.free_pages >= needed:
+                return
+            self.close(request_id)
 
     def _prefill(self, jobs: Sequence[VerifyJob]) -> None:
         """Cache each job's history, in chunks so attention memory stays bounded."""

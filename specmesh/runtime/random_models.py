@@ -1,0 +1,88 @@
+"""Real architectures with random weights (``--model random:llama-3-8b``): speed you can check without
+downloading a model. A step's time does not depend on the weights' values, only on their shapes.
+
+The configurations are the published ones' shapes (hidden size, layers, heads, vocabulary, RoPE);
+weights are drawn with the architecture's own initialisation, on the target device, in its dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from specmesh.errors import InvalidArgument
+
+log = logging.getLogger(__name__)
+
+PREFIX = "random:"
+
+_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192, "rope_theta": 500000.0}
+_LLAMA31_ROPE = {**_LLAMA3_ROPE, "factor": 8.0}
+
+ARCHITECTURES: dict[str, dict] = {
+    "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+                         max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True),
+    "llama-3.2-1b": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+                         max_position_embeddings=131072, rope_scaling=_LLAMA3_ROPE, rope_theta=500000.0,
+                         rms_norm_eps=1e-5, tie_word_embeddings=True),
+    "llama-3.2-3b": dict(model_type="llama", hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                         num_attention_heads=24, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                         max_position_embeddings=131072, rope_scaling=_LLAMA3_ROPE, rope_theta=500000.0,
+                         rms_norm_eps=1e-5, tie_word_embeddings=True),
+    "llama-3-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
+                       rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "llama-3.1-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                         max_position_embeddings=131072, rope_scaling=_LLAMA31_ROPE, rope_theta=500000.0,
+                         rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768,
+                         rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False),
+    "qwen2.5-1.5b": dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768,
+                         rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False),
+    "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, max_position_embeddings=32768,
+                       rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False),
+}
+
+
+def is_random(model: str) -> bool:
+    return model.startswith(PREFIX)
+
+
+def random_config(model: str):
+    """The transformers config of ``random:<architecture>``."""
+    from transformers import AutoConfig
+
+    name = model.removeprefix(PREFIX)
+    if name not in ARCHITECTURES:
+        raise InvalidArgument("model", f"unknown random architecture {name!r}; known: {', '.join(ARCHITECTURES)}")
+    fields = dict(ARCHITECTURES[name])
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+@torch.no_grad()
+def random_model(model: str, dtype: torch.dtype, device: torch.device, seed: int = 0) -> torch.nn.Module:
+    """A causal LM of ``random:<architecture>`` with random weights, built directly on ``device``."""
+    from transformers import AutoModelForCausalLM
+
+    config = random_config(model)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        hf_model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return hf_model.eval()
+
+
+def weight_bytes(hf_model: torch.nn.Module) -> int:
+    """Bytes a one-token step must read: every matrix the layers and the head multiply by (the embedding
+    table is only indexed)."""
+    inner = getattr(hf_model, "model", hf_model)
+    layers = sum(p.numel() * p.element_size() for p in inner.layers.parameters())
+    head = hf_model.lm_head.weight
+    return layers + head.numel() * head.element_size() + inner.norm.weight.numel() * inner.norm.weight.element_size()

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The GPU checks (`make gpu-check`): the kernels and CUDA graphs compiled on a CUDA machine, then the
+# target runtime's speed on random weights of real architectures (`specmesh bench --model random:...`).
+# Runs from the repository root without installing: a package shim maps `specmesh.kernels` to kernels/
+# (PYTHONSAFEPATH keeps the un-mapped folder in the working directory off the import path).
+# Results (JSON) go to $OUT (default ./gpu-results).
+set -o pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-results}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT" /tmp/specmesh-shim/specmesh
+for entry in specmesh/*; do ln -sfn "$PWD/$entry" /tmp/specmesh-shim/specmesh/; done
+ln -sfn "$PWD/kernels" /tmp/specmesh-shim/specmesh/kernels
+ln -sfn "$PWD/services" /tmp/specmesh-shim/specmesh/services
+export PYTHONSAFEPATH=1 PYTHONPATH=/tmp/specmesh-shim PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 HF_HUB_OFFLINE=1
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv,noheader
+$PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+timeout 240 $PY -m pytest -q -p no:cacheprovider tests/test_paged_runtime.py 2>&1 | tail -8 | tee "$OUT/tests.txt"
+for model in ${MODELS:-llama-3-8b llama-3.2-1b qwen2.5-0.5b}; do
+  timeout 300 $PY -m specmesh bench --model "random:$model" --device cuda --repeats "${REPEATS:-30}" \
+    --json "$OUT/$model.json" 2>&1 | grep -v -i warn | tail -9
+done

@@ -1,0 +1,290 @@
+"""The paged KV pool, the batched paged tree-attention kernel and the shape-stable runtime built on them.
+
+On a CPU the kernel runs in Triton's interpreter (``TRITON_INTERPRET=1``, set by conftest.py); with
+``TRITON_INTERPRET=0`` on a CUDA machine the same tests run the compiled kernel and the CUDA graphs.
+"""
+
+import os
+import random
+
+import pytest
+import torch
+from conftest import tiny_llama
+
+from specmesh.errors import InvalidArgument, ResourceExhausted
+from specmesh.kernels.paged_tree_attention import (
+    ancestor_table,
+    paged_tree_attention_reference,
+    paged_tree_attention_triton,
+)
+from specmesh.kernels.tree_attention_reference import tree_attention_reference
+from specmesh.runtime.kv_pool import KVPool
+from specmesh.runtime.llama import LlamaRuntime, TreeBatch
+from specmesh.runtime.paged_llama import PagedLlamaRuntime, bucket_pow2, bucket_rows
+from specmesh.runtime.target import prefill_sessions
+from specmesh.tree import TokenTree, compile_tree
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu")
+
+
+def random_batch(lengths, rows, num_heads, num_kv_heads, head_dim, page_size=16, pages=64, dtype=torch.float32, seed=0):
+    """A pool with random K/V, requests scattered over shuffled pages, random trees, two padded rows and
+    one padded request (owning no row)."""
+    rng = random.Random(seed)
+    generator = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(pages * page_size, num_kv_heads, head_dim, generator=generator)
+    v_cache = torch.randn(pages * page_size, num_kv_heads, head_dim, generator=generator)
+    free = list(range(1, pages))
+    rng.shuffle(free)
+    max_pages = max(-(-(length + n) // page_size) for length, n in zip(lengths, rows))
+    block_tables = torch.zeros(len(lengths) + 1, max_pages, dtype=torch.int32)
+    masks = []
+    for b, (length, n) in enumerate(zip(lengths, rows)):
+        for i in range(-(-(length + n) // page_size)):
+            block_tables[b, i] = free.pop()
+        mask = torch.zeros(n, n, dtype=torch.bool)
+        for i in range(n):  # a random forest: a node sees its parent's ancestors and itself
+            parent = rng.randrange(-1, i)
+            if parent >= 0:
+                mask[i] = mask[parent]
+            mask[i, i] = True
+        masks.append(mask)
+    total = sum(rows) + 2
+    row_request, ancestors, seen = ancestor_table(masks, total, bucket_pow2(max(rows), least=16))
+    query = torch.randn(total, num_heads, head_dim, generator=generator)
+    tensors = [t.to(DEVICE) for t in (query.to(dtype), k_cache.to(dtype), v_cache.to(dtype), block_tables,
+                                      torch.tensor(lengths + [0], dtype=torch.int32), row_request, ancestors, seen)]
+    return (*tensors, page_size, head_dim**-0.5), masks
+
+
+@pytest.mark.parametrize("num_kv_heads", [1, 2, 4])
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_the_paged_kernel_matches_the_reference(num_kv_heads, head_dim):
+    args, _ = random_batch([5, 0, 37, 70], [3, 1, 9, 17], 4, num_kv_heads, head_dim, seed=num_kv_heads + head_dim)
+    out = paged_tree_attention_triton(*args)
+    expected = paged_tree_attention_reference(*args)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    assert out[-2:].abs().max() == 0  # rows no request owns
+
+
+def test_the_paged_reference_is_tree_attention_over_the_pages():
+    args, (mask,) = random_batch([21], [6], 6, 3, 16)
+    query, k_cache, v_cache, block_tables, *_, page, scale = args
+    positions = torch.arange(27, device=DEVICE)
+    slots = block_tables[0].long()[positions // page] * page + positions % page
+    expected = tree_attention_reference(query[:6].transpose(0, 1), k_cache[slots].transpose(0, 1),
+                                        v_cache[slots].transpose(0, 1), mask.to(DEVICE), scale).transpose(0, 1)
+    torch.testing.assert_close(paged_tree_attention_reference(*args)[:6], expected)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="bf16 tolerance is a GPU check")
+def test_the_paged_kernel_in_bf16():
+    args, _ = random_batch([300, 511], [9, 1], 32, 8, 128, pages=64, dtype=torch.bfloat16)
+    out = paged_tree_attention_triton(*args).float()
+    reference_args = [a.double() if torch.is_tensor(a) and a.is_floating_point() else a for a in args]
+    expected = paged_tree_attention_reference(*reference_args).float()
+    assert ((out - expected).norm() / expected.norm()).item() < 1e-2
+
+
+def test_the_pool_hands_out_pages_and_refuses_when_full():
+    pool = KVPool(2, 2, 16, torch.float32, torch.device("cpu"), budget_bytes=5 * 2 * 2 * 16 * 2 * 16 * 4)
+    assert pool.capacity_pages == 4  # one page is the trash page
+    a, b = pool.new_session(512), pool.new_session(512)
+    a.reserve(40)  # 3 pages
+    with pytest.raises(ResourceExhausted, match="KV cache full"):
+        b.reserve(17)  # 2 more pages: only one is free
+    assert b.pages == [] and pool.free_pages == 1  # the refused session holds nothing
+    a.keep_rows(list(range(20)))  # 20 committed: 2 pages and one spare are kept
+    assert len(a.pages) == 3
+    with pytest.raises(InvalidArgument, match="context"):
+        a.reserve(600)
+    a.free()
+    b.reserve(17)
+    assert pool.free_pages == 2
+    b.free()
+    b.free()  # twice is harmless
+    assert pool.free_pages == pool.capacity_pages
+
+
+def test_a_budget_below_two_pages_is_a_clear_error():
+    with pytest.raises(InvalidArgument, match="kv_cache_gb"):
+        KVPool(30, 3, 64, torch.float32, torch.device("cpu"), budget_bytes=1000)
+
+
+def test_thousands_of_requests_leak_no_page():
+    pool = KVPool(1, 1, 16, torch.float32, torch.device("cpu"), budget_bytes=64 * 2 * 16 * 16 * 4)
+    rng = random.Random(0)
+    live = []
+    for _ in range(3000):
+        if live and (rng.random() < 0.5 or pool.free_pages < 8):
+            live.pop(rng.randrange(len(live))).free()
+            continue
+        session = pool.new_session(4096)
+        session.reserve(rng.randrange(1, 60))
+        rows = sorted(rng.sample(range(session.capacity - session.length), rng.randrange(1, 5)))
+        session.keep_rows(rows if rng.random() < 0.5 else list(range(len(rows))))
+        live.append(session)
+    for session in live:
+        session.free()
+    assert pool.free_pages == pool.capacity_pages
+    assert len(set(pool._free)) == pool.capacity_pages  # no page handed back twice
+
+
+def test_keep_rows_moves_the_accepted_rows_into_place():
+    pool = KVPool(1, 1, 16, torch.float32, torch.device("cpu"), budget_bytes=8 * 2 * 16 * 16 * 4)
+    session = pool.new_session(512)
+    session.reserve(14)
+    session.length = 14  # as if 14 were committed
+    session.reserve(20)  # a tree of 20 rows crosses into a third page
+    slots = session.slots(14, 20)
+    pool.k[0, slots] = torch.arange(20, dtype=torch.float32)[:, None, None].expand(20, 1, 16)
+    session.keep_rows([0, 3, 17])
+    assert pool.k[0, session.slots(14, 3), 0, 0].tolist() == [0.0, 3.0, 17.0]
+    assert session.length == 17
+
+
+def test_buckets():
+    assert [bucket_rows(n) for n in (1, 16, 17, 200, 257, 600)] == [16, 16, 32, 256, 512, 768]
+    assert [bucket_pow2(n) for n in (1, 2, 3, 9)] == [1, 2, 4, 16]
+    assert bucket_pow2(3, least=16) == 16
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(vocab_size=96, layers=2, hidden=64).to(DEVICE)
+
+
+def greedy(runtime, prompt, steps):
+    session = runtime.new_session()
+    prefill_sessions(runtime, [session], [prompt[:-1]])
+    tokens = [prompt[-1]]
+    for _ in range(steps):
+        logits = runtime.forward(TreeBatch.build([session], [compile_tree(tokens[-1], TokenTree())]))
+        session.keep_rows([0])
+        tokens.append(int(logits[0].argmax()))
+    session.free()
+    return tokens[1:]
+
+
+def test_the_paged_runtime_scores_as_the_lean_runtime(model):
+    if DEVICE.type == "cuda":
+        pytest.skip("fp32 on CPU: the lean runtime's per-request attention is the comparison")
+    paged, lean = PagedLlamaRuntime(model, kv_cache_gb=0.01), LlamaRuntime(model)
+    prompt = list(range(3, 40))
+    assert greedy(paged, prompt, 20) == greedy(lean, prompt, 20)
+    sessions = [runtime.new_session() for runtime in (paged, lean)]
+    trees = [compile_tree(5, TokenTree.from_paths([[7, 8, 9], [7, 10], [11]]))]
+    for runtime, session in zip((paged, lean), sessions):
+        prefill_sessions(runtime, [session], [prompt])
+    a = paged.forward(TreeBatch.build(sessions[:1], trees))
+    b = lean.forward(TreeBatch.build(sessions[1:], trees))
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_the_fused_layer_ops_compute_the_pytorch_maths():
+    from specmesh.kernels.llama_ops_triton import add_rms_norm, rope_and_cache, silu_mul
+    from specmesh.runtime.llama import _rope
+
+    generator = torch.Generator().manual_seed(3)
+    x, delta = (torch.randn(5, 96, generator=generator).to(DEVICE) for _ in range(2))
+    weight = torch.rand(96, generator=generator).to(DEVICE)
+    summed, normed = add_rms_norm(x, delta, weight, 1e-5)
+    expected = x + delta
+    torch.testing.assert_close(summed, expected)
+    torch.testing.assert_close(normed, weight * expected * torch.rsqrt(expected.pow(2).mean(-1, keepdim=True) + 1e-5))
+
+    heads, kv_heads, head_dim = 4, 2, 16
+    qkv = torch.randn(5, (heads + 2 * kv_heads) * head_dim, generator=generator).to(DEVICE)
+    cos, sin = torch.randn(2, 40, head_dim, generator=generator).to(DEVICE)
+    positions = torch.tensor([3, 0, 39, 7, 7], device=DEVICE)
+    slots = torch.tensor([9, 2, 30, 31, 0], device=DEVICE)
+    k_cache, v_cache = torch.zeros(2, 32, kv_heads, head_dim, device=DEVICE)
+    q = rope_and_cache(qkv, positions, cos, sin, slots, k_cache, v_cache, heads)
+    c, s_ = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    torch.testing.assert_close(q, _rope(qkv[:, :q_size].reshape(5, heads, head_dim), c, s_))
+    torch.testing.assert_close(k_cache[slots], _rope(qkv[:, q_size : q_size + kv_size].reshape(5, kv_heads, head_dim), c, s_))
+    torch.testing.assert_close(v_cache[slots], qkv[:, q_size + kv_size :].reshape(5, kv_heads, head_dim))
+
+    gate_up = torch.randn(5, 2 * 1100, generator=generator).to(DEVICE)  # two column blocks, the second partial
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(silu_mul(gate_up), torch.nn.functional.silu(gate) * up)
+
+
+def test_the_fused_runtime_scores_as_the_lean_runtime(model):
+    if DEVICE.type == "cuda":
+        pytest.skip("fp32 on CPU: the lean runtime is the comparison")
+    fused, lean = PagedLlamaRuntime(model, kv_cache_gb=0.01, attention="triton"), LlamaRuntime(model)
+    assert fused.fused_ops
+    sessions = [runtime.new_session() for runtime in (fused, lean)]
+    trees = [compile_tree(5, TokenTree.from_paths([[7, 8, 9], [7, 10], [11]]))]
+    for runtime, session in zip((fused, lean), sessions):
+        prefill_sessions(runtime, [session], [list(range(3, 40))])
+    torch.testing.assert_close(fused.forward(TreeBatch.build(sessions[:1], trees)),
+                               lean.forward(TreeBatch.build(sessions[1:], trees)), atol=1e-4, rtol=1e-4)
+
+
+def test_a_tree_gets_exactly_the_logits_of_plain_steps(model):
+    """Lossless by construction: a tree's rows (same row bucket) equal the one-row steps bit for bit."""
+    runtime = PagedLlamaRuntime(model, kv_cache_gb=0.01, attention="triton")  # the batch-invariant kernel
+    prompt = list(range(3, 30))
+    path = greedy(runtime, prompt, 6)
+    session = runtime.new_session()
+    prefill_sessions(runtime, [session], [prompt[:-1]])
+    plain_rows = []
+    for token in [prompt[-1]] + path[:-1]:
+        plain_rows.append(runtime.forward(TreeBatch.build([session], [compile_tree(token, TokenTree())]))[0])
+        session.keep_rows([0])
+    session.rollback(len(prompt) - 1)
+    # a wrong branch first: the path's nodes are rows 0, 2, 3, ... (not where plain decoding had them)
+    tree = TokenTree.from_paths([[(path[0] + 2) % 96, 4], path[:5], [path[0], (path[1] + 1) % 96]])
+    logits = runtime.forward(TreeBatch.build([session], [compile_tree(prompt[-1], tree)]))
+    on_path = [0, 3, 4, 5, 6, 7]  # the root, then the second path's nodes (from_paths numbers paths in order)
+    assert [tree.tokens[row - 1] for row in on_path[1:]] == path[:5]
+    for row, expected in zip(on_path, plain_rows):
+        assert torch.equal(logits[row], expected)
+    session.free()
+    assert runtime.pool.free_pages == runtime.pool.capacity_pages
+
+
+def test_a_full_pool_refuses_the_pass_and_recovers(model):
+    runtime = PagedLlamaRuntime(model, kv_cache_gb=4 * runtime_page_bytes(model) / 2**30)
+    assert runtime.pool.capacity_pages == 3
+    first, second = runtime.new_session(), runtime.new_session()
+    prefill_sessions(runtime, [first], [list(range(40))])  # 3 pages
+    with pytest.raises(ResourceExhausted):
+        prefill_sessions(runtime, [second], [list(range(10))])
+    assert second.pages == [] and second.length == 0
+    first.free()
+    prefill_sessions(runtime, [second], [list(range(10))])
+    assert second.length == 10
+
+
+def runtime_page_bytes(model) -> int:
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    return config.num_hidden_layers * 2 * 16 * config.num_key_value_heads * head_dim * 4
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a GPU")
+def test_graph_replays_equal_eager_passes(model):
+    graphed = PagedLlamaRuntime(model, kv_cache_gb=0.01, graphs=True)
+    eager = PagedLlamaRuntime(model, kv_cache_gb=0.01, graphs=False)
+    prompt = list(range(3, 50))
+    assert greedy(graphed, prompt, 30) == greedy(eager, prompt, 30)
+
+
+def test_a_verifier_frees_idle_sessions_when_the_pool_is_full(model):
+    from specmesh.runtime.tree_verifier import TreeVerifier, VerifyJob
+    from specmesh.sampling import SamplingParams
+
+    runtime = PagedLlamaRuntime(model, kv_cache_gb=6 * runtime_page_bytes(model) / 2**30)  # 5 usable pages
+    verifier = TreeVerifier(runtime)
+    job = lambda rid, length: VerifyJob(rid, 0, length, 5, TokenTree.chain([6, 7]), SamplingParams(),  # noqa: E731
+                                        history=tuple(3 + i % 90 for i in range(length)))
+    (first,) = verifier.verify([job("a", 40)])  # 43 positions: 3 pages
+    (second,) = verifier.verify([job("b", 30)])  # 2 more pages would leave none for a tree: "a" is evicted
+    assert not first.resync and not second.resync
+    assert verifier.num_sessions == 1 and runtime.pool.free_pages >= 1
+    with pytest.raises(ResourceExhausted):  # one request larger than the whole pool: a clear refusal
+        verifier.verify([job("c", 100)])
