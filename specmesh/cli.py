@@ -229,7 +229,7 @@ def _generate(args: argparse.Namespace) -> int:
     prompts = [Prompt(args.prompt)] if args.prompt is not None else load_prompts(args.prompts)
     configure_threads(args.threads)
     assembly = assemble(args.model, args.drafter or ["ngram"], device=args.device, dtype=args.dtype,
-                        precision=args.precision)
+                        precision=args.precision, kv_cache_gb=args.kv_cache_gb)
     speculative = assembly.engine(args.tree_nodes, args.speculation or "adaptive")
     plain = assembly.engine(0)
     classifier = default_classifier()

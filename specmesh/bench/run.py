@@ -272,7 +272,8 @@ def run_bench(args: argparse.Namespace) -> int:
         prompts = first_of_each_category(prompts, args.per_category)
     prompts = prompts[: args.limit] if args.limit else prompts
     drafter_names = args.drafter or DEFAULT_DRAFTERS
-    assembly = assemble(args.model, drafter_names, device=args.device, dtype=args.dtype, precision=args.precision)
+    assembly = assemble(args.model, drafter_names, device=args.device, dtype=args.dtype, precision=args.precision,
+                        kv_cache_gb=getattr(args, "kv_cache_gb", None))
     quantized = assembly.runtime.precision != str(assembly.runtime.dtype).removeprefix("torch.")
     classifier = default_classifier()
     params = SamplingParams(max_tokens=args.max_tokens)

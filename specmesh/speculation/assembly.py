@@ -52,9 +52,10 @@ def eos_token_ids(model: LoadedModel) -> list[int]:
 
 def assemble(
     model: str, drafters: Sequence[str] = ("ngram",), device: str | None = None, dtype: str | None = None,
-    precision: str = "shipped",
+    precision: str = "shipped", kv_cache_gb: float | None = None,
 ) -> Assembly:
-    """The target (in ``precision``: see ``runtime.target.PRECISIONS``) and the named drafters."""
+    """The target (in ``precision``: see ``runtime.target.PRECISIONS``; on CUDA with a KV pool of
+    ``kv_cache_gb``) and the named drafters."""
     target = load_hf_model(model, dtype=dtype, device=device)
-    runtime = target_runtime(target, precision)
+    runtime = target_runtime(target, precision, kv_cache_gb)
     return Assembly(target, runtime, [load_drafter(d, target, device, dtype) for d in drafters])
