@@ -98,8 +98,10 @@ GROUP = 8  # output features the kernel computes together
 @dataclass(frozen=True)
 class PackedBlocks:
     """A ``BlockWeight`` in the kernel's layout, as many bytes as the file's: features in groups of 8, and
-    each block of a group contiguous: 8 fp16 d, 8 fp16 m (Q4_1), then each feature's code bytes.
-    data uint8 [groups, in / 32, group block bytes]; features past out_features are zeros."""
+    each block of a group contiguous: 8 fp16 d, 8 fp16 m (Q4_1), then its codes in 8 chunks of 4 inputs x 8
+    features (chunk j, byte 4 f + i: input 4 j + i of feature f; 4-bit: features f and f + 4 share a byte,
+    low and high nibble). data uint8 [groups, in / 32, group block bytes]; features past out_features are
+    zeros."""
 
     format: str
     data: torch.Tensor
@@ -116,10 +118,17 @@ class PackedBlocks:
         def grouped(part: torch.Tensor) -> torch.Tensor:  # [groups * 8, blocks, b] -> [groups, blocks, 8 * b]
             return part.reshape(groups, GROUP, blocks, -1).transpose(1, 2).reshape(groups, blocks, -1)
 
+        codes = raw[..., scales:]  # [groups * 8, blocks, 16 or 32]
+        if weight.format != "Q8_0":  # the file's nibble byte j: input j (low), input j + 16 (high)
+            codes = torch.cat([codes & 0x0F, codes >> 4], dim=-1)
+        # [groups, feature, blocks, chunk, input] -> [groups, blocks, chunk, feature, input]
+        chunked = codes.reshape(groups, GROUP, blocks, BLOCK // 4, 4).permute(0, 2, 3, 1, 4)
+        if weight.format != "Q8_0":
+            chunked = chunked[:, :, :, :4] | (chunked[:, :, :, 4:] << 4)
         parts = [grouped(raw[..., 0:2])]
         if weight.format == "Q4_1":
             parts.append(grouped(raw[..., 2:4]))
-        parts.append(grouped(raw[..., scales:]))
+        parts.append(chunked.reshape(groups, blocks, -1))
         return cls(weight.format, torch.cat(parts, dim=-1).contiguous(), out)
 
 

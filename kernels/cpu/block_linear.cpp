@@ -9,10 +9,10 @@
 // kernels are vectorised for AVX-512 only and grow with every row.
 //
 // Layout of the work: output features in groups of 8 (one fp32 register, a lane per feature), repacked once
-// at load so that a group's block is contiguous: its 8 fp16 d, its 8 fp16 m (Q4_1), then each feature's
-// 16 (4-bit) or 32 (8-bit) code bytes, as GGUF orders them. As many bytes as the file's blocks. For each row
-// and block, eight integer dot products are reduced into one register of eight sums, scaled by the
-// features' d times the row's block scale, and accumulated.
+// at load so that a group's block is contiguous: its 8 fp16 d, its 8 fp16 m (Q4_1), then its codes in 8
+// chunks of 4 inputs x 8 features (interleaved: see code_at). As many bytes as the file's blocks. For each
+// row and block, the integer dot products of the 8 features build up lane by lane, are scaled by the
+// features' d times the row's block scale, and accumulated; rows in tiles of 4 share each block's weights.
 //
 // Exactness: everything a row's result depends on (its 8-bit activations, its integer dot products, the
 // order of its fp32 operations) belongs to that row and runs the same whatever the other rows of the call,
@@ -23,7 +23,7 @@
 // Blocks (bytes; q = codes): Q4_0 = d fp16, 16 bytes of nibbles        w = d (q - 8)
 //                            Q4_1 = d fp16, m fp16, 16 bytes of nibbles w = d q + m
 //                            Q8_0 = d fp16, 32 x int8                   w = d q
-// Nibble byte j holds input j (low nibble) and j + 16 (high). The packed weight is uint8
+// In the file, nibble byte j holds input j (low nibble) and j + 16 (high). The packed weight is uint8
 // [n / 8 (rounded up), k / 32, group block bytes]; features past n are zeros.
 // For a row x and a block: s = max |x| / 127, qx = round(x / s); the block adds
 //   (d s) (q . qx) + m (s sum(qx))      (Q4_0: q - 8 is written d q + m with m = -8 d; Q8_0: m = 0)
@@ -106,95 +106,99 @@ void quantize_row(const float* x, int64_t k, int8_t* codes, float* scale, float*
   }
 }
 
-#ifdef SPECMESH_AVX2
-// The 8 lanes of int32 sums of 8 vectors reduced to one vector whose lane f is the total of vector f.
-inline __m256i reduce_eight(const __m256i* v) {
-  const __m256i t0 = _mm256_hadd_epi32(v[0], v[1]), t1 = _mm256_hadd_epi32(v[2], v[3]);
-  const __m256i t2 = _mm256_hadd_epi32(v[4], v[5]), t3 = _mm256_hadd_epi32(v[6], v[7]);
-  const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
-  return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
-}
-#endif
-
-#ifdef SPECMESH_AVX2
-// A 4-bit group's codes as one byte a weight, [blocks][8 features][32], for rows that reuse them.
-void expand_codes(const uint8_t* group, int64_t blocks, int64_t bytes, int64_t codes_at, uint8_t* out) {
-  const __m128i nibble = _mm_set1_epi8(0x0F);
-  for (int64_t b = 0; b < blocks; ++b)
-    for (int64_t f = 0; f < kTile; ++f) {
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(group + b * bytes + codes_at + f * 16));
-      uint8_t* o = out + (b * kTile + f) * kBlock;
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(o), _mm_and_si128(raw, nibble));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 16), _mm_and_si128(_mm_srli_epi16(raw, 4), nibble));
-    }
-}
-#endif
-
-// y[f] for one row and the group's first `count` features; `group` points at its first block. `expanded`
-// (4-bit, AVX2; may be null): the group's codes from expand_codes, the same numbers without unpacking.
+// Code of feature f (0..7) and input i (0..31) in a group's block: byte 4 j + p of chunk j = i / 4 holds
+// inputs 4 j .. 4 j + 3 of feature p / 4 (low nibble, 4-bit) and of feature 4 + p / 4 (high nibble);
+// 8-bit chunks are 32 bytes, byte p = feature p / 4, input 4 j + p % 4.
 template <Format F>
-void multiply_row(const uint8_t* group, int64_t blocks, int64_t count, const QuantizedRow& x, float* y,
-                  const uint8_t* expanded = nullptr) {
+int32_t code_at(const uint8_t* codes, int64_t f, int64_t i) {
+  const int64_t chunk = i / 4, lane = i % 4;
+  if constexpr (F == kQ8_0) return static_cast<int8_t>(codes[chunk * 32 + f * 4 + lane]);
+  const uint8_t byte = codes[chunk * 16 + (f % 4) * 4 + lane];
+  return f < 4 ? (byte & 0x0F) : (byte >> 4);
+}
+
+constexpr int64_t kRowTile = 4;  // rows sharing one load (and unpack) of a block's weights
+
+// y[r][f] for rows [0, count) and the group's first `features` features; `group` points at its first block.
+template <Format F>
+void multiply_group(const uint8_t* group, int64_t blocks, int64_t features, const QuantizedRow* rows, int64_t count,
+                    float* y, int64_t stride) {
   constexpr int64_t bytes = F == kQ4_0 ? 16 + 128 : F == kQ4_1 ? 32 + 128 : 16 + 256;
-  constexpr int64_t codes_at = F == kQ4_1 ? 32 : 16, code_bytes = F == kQ8_0 ? 32 : 16;
+  constexpr int64_t codes_at = F == kQ4_1 ? 32 : 16;
 #ifdef SPECMESH_AVX2
+  // Chunk j of a block is one register: 8 features x 4 inputs. Each row's 4 activations of the chunk are
+  // broadcast to the 8 features, so one maddubs + madd gives every feature's partial dot product in its own
+  // lane: no horizontal sums. 4-bit: the 8 chunks' 16-bit pair sums add up without overflow (8 x 2 x 15 x
+  // 127 < 2^15) and are widened once a block.
   const __m256i ones = _mm256_set1_epi16(1);
   const __m128i nibble = _mm_set1_epi8(0x0F);
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* block = group + b * bytes;
-    const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.codes + b * kBlock));
-    __m256i dots[kTile];
-    for (int64_t f = 0; f < kTile; ++f) {
-      const uint8_t* codes = block + codes_at + f * code_bytes;
-      __m256i w, xs = xq;
-      if constexpr (F == kQ8_0) {  // maddubs multiplies unsigned by signed bytes: move the weights' signs onto x
-        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes));
-        w = _mm256_sign_epi8(q, q);  // |-128| = 128 as unsigned
-        xs = _mm256_sign_epi8(xq, q);
-      } else if (expanded != nullptr) {
-        w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(expanded + (b * kTile + f) * kBlock));
-      } else {
-        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
-        w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), nibble), _mm_and_si128(raw, nibble));
-      }
-      dots[f] = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xs), ones);  // |pair| <= 2 * 128 * 127: no saturation
-    }
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce_eight(dots)), _mm256_mul_ps(d, _mm256_set1_ps(x.scale[b])), acc);
-    if constexpr (F != kQ8_0) {
-      const __m256 m = F == kQ4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16)))
-                                  : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
-      acc = _mm256_fmadd_ps(m, _mm256_set1_ps(x.scaled_sum[b]), acc);
-    }
-  }
-  alignas(32) float sums[kTile];
-  _mm256_store_ps(sums, acc);
-  std::copy(sums, sums + count, y);
-#else
-  for (int64_t f = 0; f < count; ++f) {
-    float acc = 0.0f;
+  for (int64_t r0 = 0; r0 < count; r0 += kRowTile) {
+    const int64_t tile = std::min(kRowTile, count - r0);
+    __m256 acc[kRowTile];
+    for (int64_t r = 0; r < kRowTile; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* block = group + b * bytes;
-      const uint8_t* codes = block + codes_at + f * code_bytes;
-      int32_t dot = 0;
-      for (int64_t i = 0; i < kBlock; ++i) {
-        int32_t q;
-        if constexpr (F == kQ8_0)
-          q = static_cast<int8_t>(codes[i]);
-        else
-          q = i < 16 ? (codes[i] & 0x0F) : (codes[i - 16] >> 4);
-        dot += q * static_cast<int32_t>(x.codes[b * kBlock + i]);
-      }
-      const float d = half_to_float(block + 2 * f);
-      acc = std::fma(static_cast<float>(dot), d * x.scale[b], acc);
-      if constexpr (F != kQ8_0) {
-        const float m = F == kQ4_1 ? half_to_float(block + 16 + 2 * f) : d * -8.0f;
-        acc = std::fma(m, x.scaled_sum[b], acc);
+      const uint8_t* codes = block + codes_at;
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
+      __m256 m = _mm256_setzero_ps();
+      if constexpr (F == kQ4_1) m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16)));
+      if constexpr (F == kQ4_0) m = _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+      __m256i w[8];
+      if constexpr (F != kQ8_0)
+        for (int64_t j = 0; j < 8; ++j) {
+          const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j * 16));
+          w[j] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), nibble), _mm_and_si128(raw, nibble));
+        }
+      for (int64_t r = 0; r < tile; ++r) {
+        const QuantizedRow& x = rows[r0 + r];
+        const int8_t* xq = x.codes + b * kBlock;
+        __m256i dot;
+        if constexpr (F == kQ8_0) {  // maddubs multiplies unsigned by signed bytes: move the weights' signs onto x
+          dot = _mm256_setzero_si256();
+          for (int64_t j = 0; j < 8; ++j) {
+            int32_t four;
+            std::memcpy(&four, xq + j * 4, 4);
+            const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * 32));
+            const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(_mm256_set1_epi32(four), q));
+            dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pairs, ones));  // |pair| <= 2 * 128 * 127: no saturation
+          }
+        } else {
+          __m256i pairs = _mm256_setzero_si256();
+          for (int64_t j = 0; j < 8; ++j) {
+            int32_t four;
+            std::memcpy(&four, xq + j * 4, 4);
+            pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(four)));
+          }
+          dot = _mm256_madd_epi16(pairs, ones);
+        }
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(x.scale[b])), acc[r]);
+        if constexpr (F != kQ8_0) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.scaled_sum[b]), acc[r]);
       }
     }
-    y[f] = acc;
+    for (int64_t r = 0; r < tile; ++r) {
+      alignas(32) float sums[kTile];
+      _mm256_store_ps(sums, acc[r]);
+      std::copy(sums, sums + features, y + (r0 + r) * stride);
+    }
   }
+#else
+  for (int64_t r = 0; r < count; ++r)
+    for (int64_t f = 0; f < features; ++f) {
+      const QuantizedRow& x = rows[r];
+      float acc = 0.0f;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* block = group + b * bytes;
+        int32_t dot = 0;
+        for (int64_t i = 0; i < kBlock; ++i) dot += code_at<F>(block + codes_at, f, i) * x.codes[b * kBlock + i];
+        const float d = half_to_float(block + 2 * f);
+        acc = std::fma(static_cast<float>(dot), d * x.scale[b], acc);
+        if constexpr (F != kQ8_0) {
+          const float m = F == kQ4_1 ? half_to_float(block + 16 + 2 * f) : d * -8.0f;
+          acc = std::fma(m, x.scaled_sum[b], acc);
+        }
+      }
+      y[r * stride + f] = acc;
+    }
 #endif
 }
 
@@ -202,26 +206,15 @@ template <Format F>
 void multiply(const uint8_t* weights, int64_t n, int64_t k, const QuantizedRow* rows, int64_t count, float* y) {
   const int64_t blocks = k / kBlock, group_bytes = blocks * group_block_bytes(F);
   at::parallel_for(0, (n + kTile - 1) / kTile, 1, [&](int64_t begin, int64_t end) {
-#ifdef SPECMESH_AVX2
-    // Three rows or more: unpack each 4-bit group once (L1), not once a row.
-    const bool expand = F != kQ8_0 && count >= 3;
-    std::vector<uint8_t> expanded(expand ? blocks * kTile * kBlock : 0);
-#endif
     for (int64_t g = begin; g < end; ++g) {
-      const int64_t first = g * kTile, features = std::min(kTile, n - first);
+      const int64_t first = g * kTile;
       const uint8_t* group = weights + g * group_bytes;
 #ifdef SPECMESH_AVX2
       if (g + 1 < end)  // streamed weights are never in cache: ask for the next group's now
         for (int64_t i = 0; i < group_bytes; i += 64)
           _mm_prefetch(reinterpret_cast<const char*>(group + group_bytes + i), _MM_HINT_T0);
 #endif
-#ifdef SPECMESH_AVX2
-      if (expand) expand_codes(group, blocks, group_block_bytes(F), F == kQ4_1 ? 32 : 16, expanded.data());
-      const uint8_t* codes = expand ? expanded.data() : nullptr;
-#else
-      const uint8_t* codes = nullptr;
-#endif
-      for (int64_t r = 0; r < count; ++r) multiply_row<F>(group, blocks, features, rows[r], y + r * n + first, codes);
+      multiply_group<F>(group, blocks, std::min(kTile, n - first), rows, count, y + first, n);
     }
   });
 }
