@@ -12,7 +12,7 @@
 // at load so that a group's block is contiguous: its 8 fp16 d, its 8 fp16 m (Q4_1), then its codes in 8
 // chunks of 4 inputs x 8 features (interleaved: see code_at). As many bytes as the file's blocks. For each
 // row and block, the integer dot products of the 8 features build up lane by lane, are scaled by the
-// features' d times the row's block scale, and accumulated; rows in tiles of 4 share each block's weights.
+// features' d times the row's block scale, and accumulated; rows in tiles of up to 8 share each block's weights.
 //
 // Exactness: everything a row's result depends on (its 8-bit activations, its integer dot products, the
 // order of its fp32 operations) belongs to that row and runs the same whatever the other rows of the call,
@@ -117,7 +117,7 @@ int32_t code_at(const uint8_t* codes, int64_t f, int64_t i) {
   return f < 4 ? (byte & 0x0F) : (byte >> 4);
 }
 
-constexpr int64_t kRowTile = 4;  // rows sharing one load (and unpack) of a block's weights
+constexpr int64_t kRowTile = 8;  // at most, rows sharing one load (and unpack) of a block's weights
 
 // y[r][f] for rows [0, count) and the group's first `features` features; `group` points at its first block.
 template <Format F>
@@ -132,8 +132,9 @@ void multiply_group(const uint8_t* group, int64_t blocks, int64_t features, cons
   // 127 < 2^15) and are widened once a block.
   const __m256i ones = _mm256_set1_epi16(1);
   const __m128i nibble = _mm_set1_epi8(0x0F);
-  for (int64_t r0 = 0; r0 < count; r0 += kRowTile) {
-    const int64_t tile = std::min(kRowTile, count - r0);
+  const int64_t tiles = (count + kRowTile - 1) / kRowTile, per_tile = (count + tiles - 1) / tiles;  // 9 = 5 + 4
+  for (int64_t r0 = 0; r0 < count; r0 += per_tile) {
+    const int64_t tile = std::min(per_tile, count - r0);
     __m256 acc[kRowTile];
     for (int64_t r = 0; r < kRowTile; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
