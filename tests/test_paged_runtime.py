@@ -286,5 +286,8 @@ def test_a_verifier_frees_idle_sessions_when_the_pool_is_full(model):
     (second,) = verifier.verify([job("b", 30)])  # 2 more pages would leave none for a tree: "a" is evicted
     assert not first.resync and not second.resync
     assert verifier.num_sessions == 1 and runtime.pool.free_pages >= 1
-    with pytest.raises(ResourceExhausted):  # one request larger than the whole pool: a clear refusal
-        verifier.verify([job("c", 100)])
+    (refused,) = verifier.verify([job("c", 100)])  # larger than the whole pool: a clear refusal
+    assert refused.verdict is None and not refused.resync and "KV cache full" in refused.refused
+    assert runtime.pool.free_pages == runtime.pool.capacity_pages  # everyone else was evicted first
+    small, large = verifier.verify([job("d", 20), job("e", 100)])  # one batch: only the job that cannot fit
+    assert small.verdict is not None and large.refused

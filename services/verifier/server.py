@@ -173,14 +173,14 @@ class VerifierWorker:
                     for e, j in zip(batch, jobs)]
         verify_ms = (time.monotonic() - started) * 1e3
         self._count_pass(batch, results, started, verify_ms)
-        self.rhythm.passed([j.request_id for j, r in zip(jobs, results) if not r.resync], verify_ms)
+        self.rhythm.passed([j.request_id for j, r in zip(jobs, results) if r.verdict is not None], verify_ms)
         answered = []
         for entry, job, result in zip(batch, jobs, results):
             payload = encode_result(
                 result, self.verifier_id, queue_ms=(started - entry.received) * 1e3, verify_ms=verify_ms,
                 batch_size=len(batch),
             )
-            if not result.resync:
+            if result.verdict is not None:
                 self._recent[job.request_id] = (job.step, payload)
                 self._recent.move_to_end(job.request_id)
                 while len(self._recent) > RECENT_RESULTS:
@@ -195,7 +195,7 @@ class VerifierWorker:
         m.pass_seconds.observe(verify_ms / 1e3)
         for entry, result in zip(batch, results):
             m.queue_wait.observe(max(started - entry.received, 0.0))
-            m.jobs.labels("resync" if result.resync else "ok").inc()
+            m.jobs.labels("refused" if result.refused else "resync" if result.resync else "ok").inc()
         m.kv_sessions.set(self.verifier.num_sessions)
         m.kv_bytes.set(self.verifier.cache_bytes)
 

@@ -204,7 +204,7 @@ class VerifierMetrics(ServiceMetrics):
     def __init__(self) -> None:
         super().__init__("verifier")
         r = self.registry
-        self.jobs = Counter("specmesh_verify_jobs", "Jobs taken from the queue, by outcome (ok, resync, repeat, error, expired)",
+        self.jobs = Counter("specmesh_verify_jobs", "Jobs taken from the queue, by outcome (ok, resync, refused, repeat, error, expired)",
                             ["outcome"], registry=r)
         self.batch_requests = Histogram("specmesh_verify_batch_requests", "Requests per verification pass",
                                         buckets=COUNT_BUCKETS[:10], registry=r)

@@ -32,7 +32,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from specmesh.acceptance import Verdict
 from specmesh.cluster.backoff import redis_reconnect
 from specmesh.cluster.wire import sampling_from_pb, sampling_to_pb, tree_from_pb, tree_to_pb
-from specmesh.errors import Unavailable
+from specmesh.errors import ResourceExhausted, Unavailable
 from specmesh.runtime.tree_verifier import VerifyJob, VerifyResult
 from specmesh.v1 import common_pb2, verifier_pb2
 
@@ -100,9 +100,10 @@ def decode_job(data: bytes) -> QueuedJob:
 
 
 def encode_result(result: VerifyResult, verifier_id: str, **timings) -> bytes:
-    status = verifier_pb2.VerifyResult.RESYNC if result.resync else verifier_pb2.VerifyResult.OK
+    status = (verifier_pb2.VerifyResult.EXHAUSTED if result.refused else
+              verifier_pb2.VerifyResult.RESYNC if result.resync else verifier_pb2.VerifyResult.OK)
     message = verifier_pb2.VerifyResult(
-        request_id=result.request_id, step=result.step, status=status, verifier_id=verifier_id,
+        request_id=result.request_id, step=result.step, status=status, verifier_id=verifier_id, message=result.refused,
         prefilled_tokens=result.prefilled_tokens, pass_ms=result.pass_ms, batch_rows=result.batch_rows,
         batch_trees=result.batch_trees, **timings,
     )
@@ -196,6 +197,8 @@ class QueueVerifierClient:
                     stream = self.keys.jobs
         finally:
             self._waiting.pop(key, None)
+        if message.status == verifier_pb2.VerifyResult.EXHAUSTED:
+            raise ResourceExhausted(f"verifier {message.verifier_id}: {message.message}")
         if message.status == verifier_pb2.VerifyResult.ERROR:
             raise Unavailable(f"verifier {message.verifier_id} cannot verify step {job.step}: {message.message}")
         if message.status == verifier_pb2.VerifyResult.RESYNC:  # the history goes where the cache may still be

@@ -54,10 +54,11 @@ class VerifyResult:
     batch_size: int = 0  # jobs in that pass
     batch_trees: int = 0  # jobs in that pass with a tree (the others are plain decoding steps)
     verify_ms: float = 0.0  # the verifier's whole work for that pass: any prefill, then the tree pass
+    refused: str = ""  # why the job was not verified (its KV cache does not fit now); verdict None
 
     @property
     def resync(self) -> bool:
-        return self.verdict is None
+        return self.verdict is None and not self.refused
 
 
 @dataclass
@@ -147,7 +148,12 @@ class TreeVerifier:
             else:
                 self.stats.resyncs += 1
                 results[i] = VerifyResult(job.request_id, job.step, None)
-        self._make_room([jobs[i] for i in ready])
+        refused = self._make_room([jobs[i] for i in ready])
+        for i in [i for i in ready if jobs[i].request_id in refused]:
+            results[i] = VerifyResult(jobs[i].request_id, jobs[i].step, None, refused=refused[jobs[i].request_id])
+            ready.remove(i)
+            if i in prefills:
+                prefills.remove(i)
         self._prefill([jobs[i] for i in prefills])
         prefill_ms = (time.perf_counter() - started) * 1e3
         if ready:
@@ -189,22 +195,28 @@ class TreeVerifier:
         self._sessions[request_id] = self.runtime.new_session()
         self._last_used[request_id] = time.monotonic()
 
-    def _make_room(self, jobs: Sequence[VerifyJob]) -> None:
+    def _make_room(self, jobs: Sequence[VerifyJob]) -> dict[str, str]:
         """On a runtime with a KV pool: free the least recently used other sessions until the pool holds
-        the pages this pass needs (each evicted request pays a resync later). If it still cannot, the pass
-        raises ``ResourceExhausted``; nothing is over-committed."""
+        the pages this pass needs (each evicted request pays a resync later); if it still cannot, refuse
+        the jobs that need the most pages until the rest fit. Returns the refused ones: request id -> why.
+        Nothing is over-committed."""
         pool = getattr(self.runtime, "pool", None)
         if pool is None:
-            return
-        needed = 0
-        for job in jobs:
-            held = self._sessions[job.request_id]
-            needed += max(0, pool.pages_for(job.position + 1 + len(job.tree)) - len(held.pages))
-        batch = {job.request_id for job in jobs}
-        for request_id in [rid for rid in self._sessions if rid not in batch]:  # least recently used first
-            if pool.free_pages >= needed:
-                return
+            return {}
+        needed = {job.request_id: max(0, pool.pages_for(job.position + 1 + len(job.tree))
+                                      - len(self._sessions[job.request_id].pages)) for job in jobs}
+        for request_id in [rid for rid in self._sessions if rid not in needed]:  # least recently used first
+            if pool.free_pages >= sum(needed.values()):
+                return {}
             self.close(request_id)
+        refused = {}
+        for request_id in sorted(needed, key=needed.get, reverse=True):
+            if pool.free_pages >= sum(needed.values()):
+                break
+            refused[request_id] = (f"KV cache full: the job needs {needed.pop(request_id)} more pages of "
+                                   f"{pool.page_size} positions; {pool.capacity_pages} pages in all")
+            self.close(request_id)
+        return refused
 
     def _prefill(self, jobs: Sequence[VerifyJob]) -> None:
         """Cache each job's history, in chunks so attention memory stays bounded."""

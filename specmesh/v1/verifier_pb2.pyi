@@ -84,10 +84,12 @@ class VerifyResult(_message.Message):
         OK: _ClassVar[VerifyResult.Status]
         RESYNC: _ClassVar[VerifyResult.Status]
         ERROR: _ClassVar[VerifyResult.Status]
+        EXHAUSTED: _ClassVar[VerifyResult.Status]
     STATUS_UNSPECIFIED: VerifyResult.Status
     OK: VerifyResult.Status
     RESYNC: VerifyResult.Status
     ERROR: VerifyResult.Status
+    EXHAUSTED: VerifyResult.Status
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
