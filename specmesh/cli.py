@@ -37,8 +37,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                         "8-bit blocks at load (default: shipped)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     parser.add_argument("--kv-cache-gb", type=float, default=None,
-                        help="the KV pool of a CUDA target: every request's cache in one budget, a request that does "
-                        "not fit waits or is refused (default: half the GPU memory free after loading)")
+                        help="the target's KV cache: every request's in one budget (on CUDA a paged pool); a request "
+                        "that does not fit is refused with RESOURCE_EXHAUSTED (default: half the GPU memory free "
+                        "after loading; a quarter of the machine's memory on CPU)")
 
 
 def build_parser() -> argparse.ArgumentParser:

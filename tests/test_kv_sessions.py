@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import tiny_llama
 
-from specmesh.errors import InvalidArgument
+from specmesh.errors import InvalidArgument, ResourceExhausted
 from specmesh.runtime.hf import HFRuntime
 from specmesh.runtime.llama import LlamaRuntime, TreeBatch
 from specmesh.tree import TokenTree, compile_tree
@@ -72,3 +72,48 @@ def test_sessions_grow_past_their_first_allocation_and_stop_at_the_context(runti
         session.reserve(runtime.max_length)
     session.free()
     assert session.length == 0
+
+
+def test_sessions_share_one_budget_and_give_it_back(tiny_model):
+    position_bytes = LlamaRuntime(tiny_model).pool.position_bytes
+    runtime = LlamaRuntime(tiny_model, kv_cache_gb=600 * position_bytes / 2**30)  # 600 positions in all
+    a, b, c = (runtime.new_session() for _ in range(3))
+    a.reserve(10)  # capacity grows by 256 positions
+    with pytest.raises(ResourceExhausted, match="KV cache full"):
+        b.reserve(300)  # 512 more: over the budget
+    assert b.capacity == 0
+    b.reserve(200)
+    with pytest.raises(ResourceExhausted):
+        c.reserve(1)
+    a.free()
+    c.reserve(1)
+    for session in (b, c):
+        session.free()
+    assert runtime.pool.used_bytes == 0
+
+
+def test_a_verifier_on_a_cpu_budget_refuses_only_what_cannot_fit(tiny_model):
+    from specmesh.runtime.tree_verifier import TreeVerifier, VerifyJob
+    from specmesh.sampling import SamplingParams
+
+    position_bytes = LlamaRuntime(tiny_model).pool.position_bytes
+    runtime = LlamaRuntime(tiny_model, kv_cache_gb=300 * position_bytes / 2**30)  # one chunk of 256 positions
+    verifier = TreeVerifier(runtime)
+    job = lambda rid, length: VerifyJob(rid, 0, length, 5, TokenTree.chain([6, 7]), SamplingParams(),  # noqa: E731
+                                        history=tuple(3 + i % 90 for i in range(length)))
+    assert verifier.verify([job("a", 40)])[0].verdict is not None
+    assert verifier.verify([job("b", 40)])[0].verdict is not None  # "a" made room
+    assert verifier.num_sessions == 1
+    small, large = verifier.verify([job("c", 20), job("d", 400)])
+    assert small.verdict is not None and "KV cache full" in large.refused and not large.resync
+    verifier.close_all()
+    assert runtime.pool.used_bytes == 0
+
+
+def test_a_session_dropped_without_free_gives_its_budget_back(tiny_model):
+    runtime = LlamaRuntime(tiny_model, kv_cache_gb=0.01)
+    session = runtime.new_session()
+    session.reserve(100)
+    assert runtime.pool.used_bytes > 0
+    del session
+    assert runtime.pool.used_bytes == 0

@@ -106,6 +106,14 @@ def test_the_pool_hands_out_pages_and_refuses_when_full():
     assert pool.free_pages == pool.capacity_pages
 
 
+def test_a_session_dropped_without_free_gives_its_pages_back():
+    pool = KVPool(1, 1, 16, torch.float32, torch.device("cpu"), budget_bytes=8 * 2 * 16 * 16 * 4)
+    session = pool.new_session(512)
+    session.reserve(40)
+    del session
+    assert pool.free_pages == pool.capacity_pages
+
+
 def test_a_budget_below_two_pages_is_a_clear_error():
     with pytest.raises(InvalidArgument, match="kv_cache_gb"):
         KVPool(30, 3, 64, torch.float32, torch.device("cpu"), budget_bytes=1000)
@@ -291,3 +299,33 @@ def test_a_verifier_frees_idle_sessions_when_the_pool_is_full(model):
     assert runtime.pool.free_pages == runtime.pool.capacity_pages  # everyone else was evicted first
     small, large = verifier.verify([job("d", 20), job("e", 100)])  # one batch: only the job that cannot fit
     assert small.verdict is not None and large.refused
+
+
+def test_the_batch_invariant_matmul_gives_a_row_the_same_bits_in_any_batch():
+    from specmesh.kernels.matmul_triton import invariant_linear
+
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(200, 192, generator=generator).to(DEVICE)  # a partial column tile; K = 3 x 64
+    bias = torch.randn(200, generator=generator).to(DEVICE)
+    x = torch.randn(37, 192, generator=generator).to(DEVICE)
+    everything = invariant_linear(x, weight, bias)
+    torch.testing.assert_close(everything, torch.nn.functional.linear(x, weight, bias), atol=1e-4, rtol=1e-4)
+    slices = [(0, 1), (0, 17), (16, 32), (32, 37)]  # other row counts, the same places in the 16-row tiles
+    if DEVICE.type == "cuda":  # other places in a tile too (the interpreter's numpy dot sums by place in the tile)
+        slices += [(5, 9), (20, 37)]
+    for start, end in slices:
+        assert torch.equal(invariant_linear(x[start:end].contiguous(), weight, bias), everything[start:end])
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="rows land anywhere in a tile: the interpreter's numpy dot sums by "
+                    "place in the tile")
+def test_a_batch_invariant_runtime_scores_a_request_alike_in_any_batch(model):
+    runtime = PagedLlamaRuntime(model, kv_cache_gb=0.01, attention="triton", batch_invariant=True)
+    prompts = [list(range(3, 30)), list(range(10, 50)), list(range(5, 12))]
+    sessions = [runtime.new_session() for _ in prompts]
+    prefill_sessions(runtime, sessions, prompts)
+    trees = [compile_tree(5, TokenTree.from_paths([[7, 8, 9], [7, 10]])), compile_tree(6, TokenTree.chain([1] * 20)),
+             compile_tree(7, TokenTree())]
+    together = runtime.forward(TreeBatch.build(sessions, trees))  # 30 rows: another row bucket than each alone
+    alone = torch.cat([runtime.forward(TreeBatch.build([s], [t])) for s, t in zip(sessions, trees)])
+    assert torch.equal(together, alone)

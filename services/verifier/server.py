@@ -252,8 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--precision", default=env_default("precision", "shipped"),
                         help="shipped (a GGUF target on its own blocks, CPU), fp32 or q8_0 [SPECMESH_PRECISION]")
     parser.add_argument("--kv-cache-gb", type=float, default=float(env_default("kv_cache_gb", "0")) or None,
-                        help="the KV pool of a CUDA target (default: half the GPU memory free after loading) "
-                        "[SPECMESH_KV_CACHE_GB]")
+                        help="the target's KV cache budget (default: half the GPU memory free after loading; a "
+                        "quarter of the machine's memory on CPU) [SPECMESH_KV_CACHE_GB]")
     parser.add_argument("--log-level", default=env_default("log_level", "INFO"))
     return parser
 

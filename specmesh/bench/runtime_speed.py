@@ -130,6 +130,52 @@ def batch_invariance(runtime: PagedLlamaRuntime, sessions: list, trees: list) ->
             "same_argmax": int((together.argmax(1) == alone.argmax(1)).sum())}
 
 
+def measure(runtime: PagedLlamaRuntime, contexts: list[torch.Tensor], device: torch.device, repeats: int,
+            limit_ms: float, curve: bool = True) -> dict:
+    """Every timed pass of the report on ``runtime``, then its batch invariance and lossless checks."""
+    report: dict = {}
+    context_len = contexts[0].shape[0]
+    sessions = [runtime.new_session() for _ in range(BATCH)]
+    started = time.perf_counter()
+    prefill_sessions(runtime, sessions, [c.tolist()[:-1] for c in contexts])
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    report["prefill_tokens_per_s"] = round(BATCH * (context_len - 1) / (time.perf_counter() - started))
+    lasts = [int(c[-1]) for c in contexts]
+    drafted = [c.tolist()[:63] for c in contexts]
+
+    def one(nodes: int, shape: Callable[[list[int]], TokenTree] = TokenTree.chain) -> Callable[[], object]:
+        batch = TreeBatch.build([sessions[0]], [compile_tree(lasts[0], shape(drafted[0][:nodes]))])
+        return lambda: runtime.forward(batch)
+
+    print("one-token step and verify cost curve ...", flush=True)
+    step_ms = statistics.median(timed(one(0), device, repeats))
+    report["step_ms"] = round(step_ms, 3)
+    report["step_vs_limit"] = round(step_ms / limit_ms, 2)
+    if curve:
+        report["cost_curve"] = {str(n): round(statistics.median(timed(one(n), device, repeats)) / step_ms, 3)
+                                for n in CURVE_NODES[1:]}
+    report["tree16_vs_step"] = round(statistics.median(timed(one(16, binary_tree), device, repeats)) / step_ms, 3)
+    prepare = TreeBatch.build([sessions[0]], [compile_tree(lasts[0], TokenTree())])
+    report["host_prepare_ms"] = round(statistics.median(timed(lambda: runtime.prepare(prepare), device, repeats)), 3)
+
+    print(f"batched passes ({BATCH} requests) ...", flush=True)
+    for name, nodes in (("batch16_plain", 0), (f"batch16_tree{BATCH_TREE_NODES}", BATCH_TREE_NODES)):
+        trees = [compile_tree(last, binary_tree(d[:nodes])) for last, d in zip(lasts, drafted)]
+        batch = TreeBatch.build(sessions, trees)
+        ms = statistics.median(timed(lambda: runtime.forward(batch), device, repeats))
+        report[f"{name}_ms"] = round(ms, 3)
+        report[f"{name}_vs_step"] = round(ms / step_ms, 3)
+    report["batch_invariance"] = batch_invariance(runtime, sessions, trees)
+    for session in sessions:
+        session.free()
+
+    print("lossless check ...", flush=True)
+    report["lossless"] = lossless_check(runtime, contexts[0].tolist()[:64])
+    report["kv_pool_free_after"] = runtime.pool.free_pages == runtime.pool.capacity_pages
+    return report
+
+
 def run_runtime_bench(args: argparse.Namespace) -> int:
     configure_threads(args.threads)
     device = pick_device(args.device)
@@ -157,43 +203,13 @@ def run_runtime_bench(args: argparse.Namespace) -> int:
 
     runtime = PagedLlamaRuntime(hf_model, kv_cache_gb=args.kv_cache_gb, graphs=None if device.type == "cuda" else False)
     report["kv_pool_pages"] = runtime.pool.capacity_pages
-    sessions = [runtime.new_session() for _ in range(BATCH)]
-    started = time.perf_counter()
-    prefill_sessions(runtime, sessions, [c.tolist()[:-1] for c in contexts])
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    report["prefill_tokens_per_s"] = round(BATCH * (context_len - 1) / (time.perf_counter() - started))
-    lasts = [int(c[-1]) for c in contexts]
-    drafted = [c.tolist()[:63] for c in contexts]
-
-    def one(nodes: int, shape: Callable[[list[int]], TokenTree] = TokenTree.chain) -> Callable[[], object]:
-        batch = TreeBatch.build([sessions[0]], [compile_tree(lasts[0], shape(drafted[0][:nodes]))])
-        return lambda: runtime.forward(batch)
-
-    print("one-token step and verify cost curve ...", flush=True)
-    step_ms = statistics.median(timed(one(0), device, repeats))
-    report["step_ms"] = round(step_ms, 3)
-    report["step_vs_limit"] = round(step_ms / limit_ms, 2)
-    report["cost_curve"] = {str(n): round(statistics.median(timed(one(n), device, repeats)) / step_ms, 3)
-                            for n in CURVE_NODES[1:]}
-    report["tree16_vs_step"] = round(statistics.median(timed(one(16, binary_tree), device, repeats)) / step_ms, 3)
-    prepare = TreeBatch.build([sessions[0]], [compile_tree(lasts[0], TokenTree())])
-    report["host_prepare_ms"] = round(statistics.median(timed(lambda: runtime.prepare(prepare), device, repeats)), 3)
-
-    print(f"batched passes ({BATCH} requests) ...", flush=True)
-    for name, nodes in (("batch16_plain", 0), (f"batch16_tree{BATCH_TREE_NODES}", BATCH_TREE_NODES)):
-        trees = [compile_tree(last, binary_tree(d[:nodes])) for last, d in zip(lasts, drafted)]
-        batch = TreeBatch.build(sessions, trees)
-        ms = statistics.median(timed(lambda: runtime.forward(batch), device, repeats))
-        report[f"{name}_ms"] = round(ms, 3)
-        report[f"{name}_vs_step"] = round(ms / step_ms, 3)
-    report["batch_invariance"] = batch_invariance(runtime, sessions, trees)
-    for session in sessions:
-        session.free()
-
-    print("lossless check ...", flush=True)
-    report["lossless"] = lossless_check(runtime, contexts[0].tolist()[:64])
-    report["kv_pool_free_after"] = runtime.pool.free_pages == runtime.pool.capacity_pages
+    report.update(measure(runtime, contexts, device, repeats, limit_ms))
+    if device.type == "cuda":  # the same passes with batch-invariant matrix products (Triton, not cuBLAS)
+        del runtime
+        torch.cuda.empty_cache()
+        print("batch-invariant matrix products ...", flush=True)
+        invariant = PagedLlamaRuntime(hf_model, kv_cache_gb=args.kv_cache_gb, batch_invariant=True)
+        report["batch_invariant"] = measure(invariant, contexts, device, repeats, limit_ms, curve=False)
     _print(report)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")
@@ -220,3 +236,10 @@ def _print(report: dict) -> None:
     lossless = report["lossless"]
     print(f"  lossless: speculative == plain over {lossless['tokens']} tokens: {lossless['identical']} "
           f"({lossless['speculative_steps']} speculative steps); KV pool empty after: {report['kv_pool_free_after']}")
+    invariant = report.get("batch_invariant")
+    if invariant:
+        rows = invariant["batch_invariance"]
+        print(f"  batch-invariant matrix products: step {invariant['step_ms']} ms ({invariant['step_vs_limit']}x the "
+              f"limit), 16-node tree {invariant['tree16_vs_step']}x, {BATCH} requests x {BATCH_TREE_NODES}-node trees "
+              f"{invariant[f'batch16_tree{BATCH_TREE_NODES}_ms']} ms; rows equal in a batch and alone: "
+              f"{rows['bitwise_equal']}/{rows['rows']}; lossless {invariant['lossless']['identical']}")

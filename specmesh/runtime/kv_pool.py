@@ -47,6 +47,18 @@ class KVPool:
     def pages_for(self, positions: int) -> int:
         return -(-positions // self.page_size)
 
+    @property
+    def free_bytes(self) -> int:
+        return len(self._free) * self.page_bytes
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.capacity_pages * self.page_bytes
+
+    def extra_bytes(self, session: PagedSession, positions: int) -> int:
+        """What ``session`` must take to hold ``positions`` entries."""
+        return max(0, self.pages_for(positions) - len(session.pages)) * self.page_bytes
+
     def allocate(self, count: int) -> list[int]:
         if count > len(self._free):
             raise ResourceExhausted(f"KV cache full: {count} pages asked for, {len(self._free)} of "
@@ -127,3 +139,7 @@ class PagedSession:
         self.pool.release(self.pages)
         self.pages = []
         self.length = 0
+
+    def __del__(self) -> None:  # a session dropped without free() gives its pages back too
+        if self.pages:
+            self.free()

@@ -113,6 +113,23 @@ class BlockLinear:
         return y + self.bias if self.bias is not None else y
 
 
+class InvariantLinear:
+    """y = x @ weight.T + bias whose rows never depend on the other rows of the call (Triton, GPU; see
+    ``kernels/matmul_triton.py``): a verifier's batches then give each request exactly its own logits."""
+
+    kind = "batch-invariant"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight = weight.detach().contiguous()  # [out_features, in_features]
+        self.bias = bias.detach() if bias is not None else None
+        self.out_features, self.in_features = self.weight.shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        from specmesh.kernels.matmul_triton import invariant_linear
+
+        return invariant_linear(x.contiguous(), self.weight, self.bias)
+
+
 def int8_available(device: torch.device | str) -> bool:
     """Whether ``Int8Linear`` runs here: CPUs with FBGEMM (x86)."""
     if torch.device(device).type != "cpu" or "fbgemm" not in torch.backends.quantized.supported_engines:

@@ -13,6 +13,7 @@ rows cost 1.0-1.2x one row on the embedded default.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -23,11 +24,16 @@ from specmesh.errors import InvalidArgument
 from specmesh.kernels.block_linear import BlockWeight
 from specmesh.kernels.tree_attention_cpu import tree_attention_cpu
 from specmesh.kernels.tree_attention_reference import masked_attention, tree_attention_mask
-from specmesh.runtime.kv_cache import KVSession, new_session
+from specmesh.runtime.kv_cache import KVBudget, KVSession, new_session
 from specmesh.runtime.linear import BlockLinear, Int8Linear, PackedLinear, linear_for
 from specmesh.tree import CompiledTree
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+DEFAULT_KV_MEMORY_SHARE = 0.25  # of the machine's memory, for the KV cache when no --kv-cache-gb is given
+
+
+def _memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def lean_unsupported(config) -> str | None:
@@ -93,13 +99,14 @@ class LlamaRuntime:
 
     def __init__(
         self, hf_model: torch.nn.Module, head_weight: torch.Tensor | None = None, int8_weights: bool = False,
-        block_weights: Mapping[str, BlockWeight] | None = None,
+        block_weights: Mapping[str, BlockWeight] | None = None, kv_cache_gb: float | None = None,
     ) -> None:
         """``hf_model``: a Llama-family causal LM, or its base model with ``head_weight`` [outputs, hidden]
         (drafters with a head over a vocabulary subset). ``int8_weights``: approximate int8 linears
         (``Int8Linear``), for drafters on CPU only; a target must stay exact. ``block_weights``: the
         model's GGUF blocks by Hugging Face name (``gguf.load_block_weights``), computed as shipped
-        (``BlockLinear``, CPU) wherever a whole fused projection has them."""
+        (``BlockLinear``, CPU) wherever a whole fused projection has them. ``kv_cache_gb``: what all
+        sessions may hold together (default: a quarter of the machine's memory)."""
         config = hf_model.config
         reason = lean_unsupported(config)
         if reason:
@@ -131,6 +138,11 @@ class LlamaRuntime:
         # Every projection on blocks: each layer is one call of the C++ layer (no per-op dispatch).
         self.fused_layers = all(isinstance(p, BlockLinear) for layer in self.layers
                                 for p in (layer.qkv, layer.out, layer.gate_up, layer.down))
+        if kv_cache_gb is not None and not kv_cache_gb > 0:
+            raise InvalidArgument("kv_cache_gb", f"must be > 0, got {kv_cache_gb}")
+        position_bytes = len(self.layers) * 2 * self.num_kv_heads * self.head_dim * self.embed.element_size()
+        capacity = kv_cache_gb * 2**30 if kv_cache_gb is not None else DEFAULT_KV_MEMORY_SHARE * _memory_bytes()
+        self.pool = KVBudget(int(capacity), position_bytes)
 
     def _linear(self, names: list[str | None], weights: list[torch.Tensor], bias: torch.Tensor | None = None) -> Linear:
         """One linear over the rows of ``weights`` stacked (a fused projection): on their GGUF blocks when
@@ -170,7 +182,7 @@ class LlamaRuntime:
 
     def new_session(self) -> KVSession:
         return new_session(
-            len(self.layers), self.num_kv_heads, self.head_dim, self.max_length, self.dtype, self.device
+            len(self.layers), self.num_kv_heads, self.head_dim, self.max_length, self.dtype, self.device, self.pool
         )
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

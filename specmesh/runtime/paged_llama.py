@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from specmesh.errors import InvalidArgument
 from specmesh.kernels.paged_tree_attention import ancestor_table
 from specmesh.runtime.kv_pool import PAGE_SIZE, TRASH_PAGE, KVPool, PagedSession
+from specmesh.runtime.linear import InvariantLinear
 from specmesh.runtime.llama import LlamaRuntime, TreeBatch, _rope
 
 log = logging.getLogger(__name__)
@@ -114,10 +115,13 @@ class PagedLlamaRuntime(LlamaRuntime):
     ``ResourceExhausted`` from ``forward`` before anything is written."""
 
     def __init__(self, hf_model: torch.nn.Module, kv_cache_gb: float | None = None, graphs: bool | None = None,
-                 page_size: int = PAGE_SIZE, attention: str | None = None) -> None:
+                 page_size: int = PAGE_SIZE, attention: str | None = None, batch_invariant: bool = False) -> None:
         """``attention``: "triton" (the default on CUDA; on a CPU only under ``TRITON_INTERPRET=1``, for tests:
         attention and the fused elementwise kernels) or "reference" (PyTorch ops, the default elsewhere; its
-        attention is not batch-invariant)."""
+        attention is not batch-invariant). ``batch_invariant``: the matrix products in Triton with tiles
+        fixed by the weights' shapes, so that a request's logits never depend on the rest of its batch
+        (else cuBLAS, faster, exact only within a row bucket)."""
+        self.batch_invariant = batch_invariant  # read by _linear, which the base class calls
         super().__init__(hf_model)
         self.attention = attention or ("triton" if self.device.type == "cuda" else "reference")
         if self.attention not in ("triton", "reference"):
@@ -150,6 +154,11 @@ class PagedLlamaRuntime(LlamaRuntime):
             free, _ = torch.cuda.mem_get_info(self.device)
             return free * DEFAULT_KV_FRACTION / 2**30
         return DEFAULT_CPU_KV_GB
+
+    def _linear(self, names, weights, bias=None):
+        if not self.batch_invariant:
+            return super()._linear(names, weights, bias)
+        return InvariantLinear(torch.cat([w.detach() for w in weights]) if len(weights) > 1 else weights[0], bias)
 
     def new_session(self) -> PagedSession:
         return self.pool.new_session(self.max_length)

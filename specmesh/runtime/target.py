@@ -36,13 +36,14 @@ def make_runtime(
     kv_cache_gb: float | None = None,
 ) -> TargetRuntime:
     """The lean runtime where it computes this model exactly (on CUDA: paged KV pool of ``kv_cache_gb``,
-    fused kernels, CUDA graphs), else Hugging Face's forward."""
+    fused kernels, CUDA graphs; elsewhere sessions capped at ``kv_cache_gb`` together), else Hugging
+    Face's forward."""
     if lean and lean_unsupported(hf_model.config) is None:
         if hf_model.device.type == "cuda" and not block_weights:
             from specmesh.runtime.paged_llama import PagedLlamaRuntime
 
             return PagedLlamaRuntime(hf_model, kv_cache_gb=kv_cache_gb)
-        return LlamaRuntime(hf_model, block_weights=block_weights)
+        return LlamaRuntime(hf_model, block_weights=block_weights, kv_cache_gb=kv_cache_gb)
     return HFRuntime(hf_model)
 
 

@@ -200,21 +200,21 @@ class TreeVerifier:
         the pages this pass needs (each evicted request pays a resync later); if it still cannot, refuse
         the jobs that need the most pages until the rest fit. Returns the refused ones: request id -> why.
         Nothing is over-committed."""
-        pool = getattr(self.runtime, "pool", None)
+        pool = getattr(self.runtime, "pool", None)  # a KVPool (CUDA) or KVBudget (CPU); None: no limit
         if pool is None:
             return {}
-        needed = {job.request_id: max(0, pool.pages_for(job.position + 1 + len(job.tree))
-                                      - len(self._sessions[job.request_id].pages)) for job in jobs}
+        needed = {job.request_id: pool.extra_bytes(self._sessions[job.request_id], job.position + 1 + len(job.tree))
+                  for job in jobs}
         for request_id in [rid for rid in self._sessions if rid not in needed]:  # least recently used first
-            if pool.free_pages >= sum(needed.values()):
+            if pool.free_bytes >= sum(needed.values()):
                 return {}
             self.close(request_id)
         refused = {}
         for request_id in sorted(needed, key=needed.get, reverse=True):
-            if pool.free_pages >= sum(needed.values()):
+            if pool.free_bytes >= sum(needed.values()):
                 break
-            refused[request_id] = (f"KV cache full: the job needs {needed.pop(request_id)} more pages of "
-                                   f"{pool.page_size} positions; {pool.capacity_pages} pages in all")
+            refused[request_id] = (f"KV cache full: the job needs {needed.pop(request_id) / 2**20:.1f} MiB more; "
+                                   f"the cache holds {pool.capacity_bytes / 2**30:.2f} GiB in all")
             self.close(request_id)
         return refused
 
