@@ -40,6 +40,10 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="the target's KV cache: every request's in one budget (on CUDA a paged pool); a request "
                         "that does not fit is refused with RESOURCE_EXHAUSTED (default: half the GPU memory free "
                         "after loading; a quarter of the machine's memory on CPU)")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="CUDA: matrix products in Triton with tiles fixed by the weights, so that a request's "
+                        "logits never depend on the batch it is verified in (as fast as cuBLAS for one request, "
+                        "slower for large batches); CPU targets on their shipped blocks are batch-invariant already")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -230,7 +234,7 @@ def _generate(args: argparse.Namespace) -> int:
     prompts = [Prompt(args.prompt)] if args.prompt is not None else load_prompts(args.prompts)
     configure_threads(args.threads)
     assembly = assemble(args.model, args.drafter or ["ngram"], device=args.device, dtype=args.dtype,
-                        precision=args.precision, kv_cache_gb=args.kv_cache_gb)
+                        precision=args.precision, kv_cache_gb=args.kv_cache_gb, batch_invariant=args.batch_invariant)
     speculative = assembly.engine(args.tree_nodes, args.speculation or "adaptive")
     plain = assembly.engine(0)
     classifier = default_classifier()

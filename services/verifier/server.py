@@ -254,6 +254,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-cache-gb", type=float, default=float(env_default("kv_cache_gb", "0")) or None,
                         help="the target's KV cache budget (default: half the GPU memory free after loading; a "
                         "quarter of the machine's memory on CPU) [SPECMESH_KV_CACHE_GB]")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        default=env_default("batch_invariant", "") not in ("", "0", "false"),
+                        help="CUDA: a request's logits never depend on its batch (Triton matrix products; slower for "
+                        "large batches) [SPECMESH_BATCH_INVARIANT]")
     parser.add_argument("--log-level", default=env_default("log_level", "INFO"))
     return parser
 
@@ -262,7 +266,7 @@ def load_verifier(args: argparse.Namespace):
     check_precision(args.precision)
     configure_threads(args.threads)
     target = load_hf_model(args.model, dtype=args.dtype, device=args.device)
-    runtime = target_runtime(target, args.precision, args.kv_cache_gb)
+    runtime = target_runtime(target, args.precision, args.kv_cache_gb, args.batch_invariant)
     log.info("target %s computed in %s", target.name, runtime.precision)
     return target, runtime, TreeVerifier(runtime, max_sessions=args.max_sessions, max_tree_nodes=MAX_TREE_NODES)
 

@@ -33,7 +33,7 @@ class TargetRuntime(Protocol):
 
 def make_runtime(
     hf_model: torch.nn.Module, lean: bool = True, block_weights: Mapping[str, BlockWeight] | None = None,
-    kv_cache_gb: float | None = None,
+    kv_cache_gb: float | None = None, batch_invariant: bool = False,
 ) -> TargetRuntime:
     """The lean runtime where it computes this model exactly (on CUDA: paged KV pool of ``kv_cache_gb``,
     fused kernels, CUDA graphs; elsewhere sessions capped at ``kv_cache_gb`` together), else Hugging
@@ -42,7 +42,9 @@ def make_runtime(
         if hf_model.device.type == "cuda" and not block_weights:
             from specmesh.runtime.paged_llama import PagedLlamaRuntime
 
-            return PagedLlamaRuntime(hf_model, kv_cache_gb=kv_cache_gb)
+            return PagedLlamaRuntime(hf_model, kv_cache_gb=kv_cache_gb, batch_invariant=batch_invariant)
+        if batch_invariant and not block_weights:
+            log.info("--batch-invariant applies to CUDA targets; this one runs on %s", hf_model.device)
         return LlamaRuntime(hf_model, block_weights=block_weights, kv_cache_gb=kv_cache_gb)
     return HFRuntime(hf_model)
 
@@ -102,10 +104,13 @@ def prepare_target(model: str) -> str:
     return f"{source} (shipped precision ready)"
 
 
-def target_runtime(loaded: LoadedModel, precision: str = "shipped", kv_cache_gb: float | None = None) -> TargetRuntime:
+def target_runtime(loaded: LoadedModel, precision: str = "shipped", kv_cache_gb: float | None = None,
+                   batch_invariant: bool = False) -> TargetRuntime:
     """The runtime a verifier or ``generate`` serves ``loaded`` with, in ``precision`` (see
-    ``precision.PRECISIONS``); ``kv_cache_gb``: the KV pool's budget on CUDA."""
-    return make_runtime(loaded.model, block_weights=shipped_blocks(loaded, precision), kv_cache_gb=kv_cache_gb)
+    ``precision.PRECISIONS``), its KV cache within ``kv_cache_gb``; ``batch_invariant``: see
+    ``PagedLlamaRuntime``."""
+    return make_runtime(loaded.model, block_weights=shipped_blocks(loaded, precision), kv_cache_gb=kv_cache_gb,
+                        batch_invariant=batch_invariant)
 
 
 PREFILL_CHUNK = 512  # tokens per session per prefill pass: bounds the attention scores' memory
