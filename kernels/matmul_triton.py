@@ -4,9 +4,11 @@ way whatever the number of rows.
 cuBLAS picks its kernel (tile shape, split of the reduction) from the whole problem's shape, so a row
 scored in a pass of 160 rows may differ in the last bit from the same row in a pass of 16, and at a near
 tie a greedy token flips. Here the tile shape and the split of K depend only on the weight's shape (and
-the device): each output element is the same sequence of fp32 operations in every pass. Rows go in tiles
-of 16; programs that share a weight tile run next to one another, so a batch reads its weights from
-memory about once.
+the device): each output element is the same sequence of fp32 operations in every pass, wherever its row
+sits in its tile. Rows go in tiles of 64 (the matrix instructions of a warp group; a one-request pass
+masks most of a tile, which costs little while the weights stream); programs that share a weight tile
+run next to one another, so a batch reads its weights from memory about once. Tile shapes: the best of
+32 measured on an H100 (docs/experiments/2026-11-26-gpu-step-on-h100.md).
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_M = 16  # rows a tile: fixed, never chosen from the batch
-BLOCK_N = 64
+BLOCK_M = 64  # rows a tile: fixed, never chosen from the batch
+BLOCK_N = 128
+NUM_WARPS, NUM_STAGES = 4, 3
 
 
 @triton.jit
@@ -54,7 +57,7 @@ def _sum_splits(partial_ptr, bias_ptr, y_ptr, total, N, splits, stride_split,
 @functools.lru_cache(maxsize=None)
 def _plan(n: int, k: int, programs: int) -> tuple[int, int]:
     """(BLOCK_K, splits of K) for a weight [n, k]: enough programs for one tile of rows to fill the device."""
-    block_k = next((b for b in (128, 64, 32) if k % b == 0), None)
+    block_k = next((b for b in (64, 32) if k % b == 0), None)
     if block_k is None:
         raise ValueError(f"batch-invariant matmul: in_features {k} is not a multiple of 32")
     steps, tiles = k // block_k, triton.cdiv(n, BLOCK_N)
@@ -80,7 +83,7 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     partial = torch.empty(splits, rows, n, dtype=torch.float32, device=x.device)
     _partial_products[(triton.cdiv(rows, BLOCK_M), triton.cdiv(n, BLOCK_N), splits)](
         x, weight, partial, rows, n, k // splits, x.stride(0), weight.stride(0), partial.stride(0), partial.stride(1),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=block_k)
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=block_k, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     block = 1024
     _sum_splits[(triton.cdiv(rows * n, block),)](

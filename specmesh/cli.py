@@ -42,8 +42,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                         "after loading; a quarter of the machine's memory on CPU)")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="CUDA: matrix products in Triton with tiles fixed by the weights, so that a request's "
-                        "logits never depend on the batch it is verified in (as fast as cuBLAS for one request, "
-                        "slower for large batches); CPU targets on their shipped blocks are batch-invariant already")
+                        "logits never depend on the batch it is verified in (on an H100 about as fast as cuBLAS for "
+                        "one request, slower for large batches); CPU targets on their shipped blocks are "
+                        "batch-invariant already")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--precision", default="shipped",
                     help="the verifiers': shipped (a GGUF target on its own blocks, CPU), fp32 or q8_0 "
                     "(default shipped)")
+    up.add_argument("--kv-cache-gb", type=float, default=None,
+                    help="each verifier's KV cache budget (default: half the GPU memory free after loading; a "
+                    "quarter of the machine's memory on CPU)")
+    up.add_argument("--batch-invariant", action="store_true",
+                    help="CUDA verifiers: a request's logits never depend on its batch (slower for large batches)")
     up.add_argument("--draft-ahead", action="store_true",
                     help="draft the next tree while one verifies (pays when drafters have cores of their own)")
     up.add_argument("--demo-prompt", default=DEMO_PROMPT)
@@ -339,7 +345,7 @@ def _up(args: argparse.Namespace) -> int:
     spec = ClusterSpec(model=args.model, drafters=tuple(args.drafter or DEFAULT_DRAFTERS), verifiers=args.verifiers,
                        max_tree_nodes=args.tree_nodes, draft_ahead=args.draft_ahead, router_port=args.port,
                        log_dir=args.log_dir, speculation=args.speculation, speculation_margin=args.speculation_margin,
-                       precision=args.precision)
+                       precision=args.precision, kv_cache_gb=args.kv_cache_gb, batch_invariant=args.batch_invariant)
     cluster = LocalCluster(spec)
     print(f"starting Redis, {spec.verifiers} verifier(s), drafters {', '.join(spec.drafters)} (model-free ones "
           "inside the router) and the router "

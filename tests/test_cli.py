@@ -146,3 +146,11 @@ def test_tune_refuses_prompts_the_bench_judges_on(tmp_path, capsys):
     prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
     error = one_error_line(["tune", "--prompts", str(prompts)], capsys)
     assert "error: prompts: 1 of them (lines [2])" in error and "MT-Bench" in error
+
+
+def test_up_rejects_a_kv_cache_budget_that_is_not_positive():
+    from specmesh.cluster.launcher import ClusterSpec
+    from specmesh.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="kv_cache_gb"):
+        ClusterSpec(model="m", kv_cache_gb=0)

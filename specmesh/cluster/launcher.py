@@ -22,7 +22,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specmesh.cluster.redis_server import RedisServer, free_port
-from specmesh.errors import Unavailable
+from specmesh.errors import InvalidArgument, Unavailable
 from specmesh.runtime.loading import EMBEDDED_DEFAULT
 from specmesh.runtime.precision import check_precision
 from specmesh.speculation.expertise import MODEL_FREE_KINDS
@@ -51,6 +51,8 @@ class ClusterSpec:
     cores: int = field(default_factory=lambda: os.cpu_count() or 1)
     dtype: str | None = None
     precision: str = "shipped"  # the verifiers' (see specmesh.runtime.precision.PRECISIONS)
+    kv_cache_gb: float | None = None  # each verifier's KV cache budget (None: its default)
+    batch_invariant: bool = False  # the verifiers' matrix products (CUDA; see PagedLlamaRuntime)
     job_timeout_s: float = 30.0
     log_dir: Path | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -58,6 +60,8 @@ class ClusterSpec:
     def __post_init__(self) -> None:
         check_margin(self.speculation_margin, "speculation_margin")
         check_precision(self.precision)  # else the router refuses it only once all is up
+        if self.kv_cache_gb is not None and not self.kv_cache_gb > 0:
+            raise InvalidArgument("kv_cache_gb", f"must be > 0, got {self.kv_cache_gb}")
 
 
 @dataclass
@@ -156,6 +160,10 @@ class LocalCluster:
         if spec.dtype:
             args += ["--dtype", spec.dtype]
         args += ["--precision", spec.precision]
+        if spec.kv_cache_gb is not None:
+            args += ["--kv-cache-gb", str(spec.kv_cache_gb)]
+        if spec.batch_invariant:
+            args.append("--batch-invariant")
         return self._service(f"verifier-{index}", "verifier", args, threads)
 
     def drafter_process(self, drafter: str) -> ServiceProcess:
