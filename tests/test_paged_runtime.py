@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import tiny_llama
 
+from specmesh.bench.runtime_speed import plain_greedy
 from specmesh.errors import InvalidArgument, ResourceExhausted
 from specmesh.kernels.paged_tree_attention import (
     ancestor_table,
@@ -162,24 +163,12 @@ def model():
     return tiny_llama(vocab_size=96, layers=2, hidden=64).to(DEVICE)
 
 
-def greedy(runtime, prompt, steps):
-    session = runtime.new_session()
-    prefill_sessions(runtime, [session], [prompt[:-1]])
-    tokens = [prompt[-1]]
-    for _ in range(steps):
-        logits = runtime.forward(TreeBatch.build([session], [compile_tree(tokens[-1], TokenTree())]))
-        session.keep_rows([0])
-        tokens.append(int(logits[0].argmax()))
-    session.free()
-    return tokens[1:]
-
-
 def test_the_paged_runtime_scores_as_the_lean_runtime(model):
     if DEVICE.type == "cuda":
         pytest.skip("fp32 on CPU: the lean runtime's per-request attention is the comparison")
     paged, lean = PagedLlamaRuntime(model, kv_cache_gb=0.01), LlamaRuntime(model)
     prompt = list(range(3, 40))
-    assert greedy(paged, prompt, 20) == greedy(lean, prompt, 20)
+    assert plain_greedy(paged, prompt, 20) == plain_greedy(lean, prompt, 20)
     sessions = [runtime.new_session() for runtime in (paged, lean)]
     trees = [compile_tree(5, TokenTree.from_paths([[7, 8, 9], [7, 10], [11]]))]
     for runtime, session in zip((paged, lean), sessions):
@@ -236,7 +225,7 @@ def test_a_tree_gets_exactly_the_logits_of_plain_steps(model):
     """Lossless by construction: a tree's rows (same row bucket) equal the one-row steps bit for bit."""
     runtime = PagedLlamaRuntime(model, kv_cache_gb=0.01, attention="triton")  # the batch-invariant kernel
     prompt = list(range(3, 30))
-    path = greedy(runtime, prompt, 6)
+    path = plain_greedy(runtime, prompt, 6)
     session = runtime.new_session()
     prefill_sessions(runtime, [session], [prompt[:-1]])
     plain_rows = []
@@ -279,7 +268,7 @@ def test_graph_replays_equal_eager_passes(model):
     graphed = PagedLlamaRuntime(model, kv_cache_gb=0.01, graphs=True)
     eager = PagedLlamaRuntime(model, kv_cache_gb=0.01, graphs=False)
     prompt = list(range(3, 50))
-    assert greedy(graphed, prompt, 30) == greedy(eager, prompt, 30)
+    assert plain_greedy(graphed, prompt, 30) == plain_greedy(eager, prompt, 30)
 
 
 def test_a_verifier_frees_idle_sessions_when_the_pool_is_full(model):

@@ -83,17 +83,23 @@ def hf_step_ms(hf_model: torch.nn.Module, context: torch.Tensor, device: torch.d
         return statistics.median(timed(step, device, repeats))
 
 
+def plain_greedy(runtime, prompt: list[int], steps: int) -> list[int]:
+    """The ``steps`` tokens plain greedy decoding gives after ``prompt``, one target pass a token."""
+    session = runtime.new_session()
+    prefill_sessions(runtime, [session], [prompt[:-1]])
+    tokens = [prompt[-1]]
+    for _ in range(steps):
+        logits = runtime.forward(TreeBatch.build([session], [compile_tree(tokens[-1], TokenTree())]))
+        session.keep_rows([0])
+        tokens.append(int(logits[0].argmax()))
+    session.free()
+    return tokens[1:]
+
+
 def lossless_check(runtime: PagedLlamaRuntime, prompt: list[int]) -> dict:
     """Plain greedy steps, then the same tokens verified as trees (the true continuation with a wrong
     sibling at every depth): every step must accept exactly what plain decoding produced."""
-    session = runtime.new_session()
-    prefill_sessions(runtime, [session], [prompt[:-1]])
-    plain = [prompt[-1]]
-    for _ in range(LOSSLESS_STEPS):
-        logits = runtime.forward(TreeBatch.build([session], [compile_tree(plain[-1], TokenTree())]))
-        session.keep_rows([0])
-        plain.append(int(logits[0].argmax()))
-    session.free()
+    plain = [prompt[-1]] + plain_greedy(runtime, prompt, LOSSLESS_STEPS)
 
     session = runtime.new_session()
     prefill_sessions(runtime, [session], [prompt[:-1]])

@@ -210,17 +210,11 @@ class LlamaRuntime:
         x = self.embed[input_ids]  # [rows, hidden]
         cos, sin = self.rotary(x, positions.unsqueeze(0))  # [1, rows, head_dim] each
         cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [rows, 1, head_dim]
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         rows = x.shape[0]
         if self.fused_layers:
             x = self._fused_layers(x, cos[:, 0].contiguous(), sin[:, 0].contiguous(), batch, tree_masks)
         for index, layer in enumerate([] if self.fused_layers else self.layers):
-            h = self._norm(x, layer.input_norm)
-            qkv = layer.qkv(h)  # [rows, q_size + 2 * kv_size]
-            q = qkv[:, :q_size].reshape(rows, self.num_heads, self.head_dim)
-            k = qkv[:, q_size : q_size + kv_size].reshape(rows, self.num_kv_heads, self.head_dim)
-            v = qkv[:, q_size + kv_size :].reshape(rows, self.num_kv_heads, self.head_dim)
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            q, k, v = self._attention_inputs(layer, x, cos, sin)
             attended = torch.empty(rows, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
             for session, mask, full_mask, start, end in zip(
                 batch.sessions, tree_masks, full_masks, batch.cu_rows, batch.cu_rows[1:]
@@ -236,13 +230,26 @@ class LlamaRuntime:
                     q[start:end].transpose(0, 1), kv[0, :, : cached + end - start], kv[1, :, : cached + end - start],
                     mask, full_mask,
                 ).transpose(0, 1)
-            x = x + layer.out(attended.reshape(rows, q_size))
-            h = self._norm(x, layer.post_norm)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
+            x = self._finish_layer(layer, x, attended)
         if logits_rows is not None:
             x = x[logits_rows.to(self.device)]
         return self.lm_head(self._norm(x, self.final_norm)).float()
+
+    def _attention_inputs(self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        # x [rows, hidden]; cos, sin [rows, 1, head_dim] -> q [rows, heads, head_dim], k and v [rows, kv_heads,
+        # head_dim], q and k rotated
+        rows, q_size, kv_size = x.shape[0], self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        qkv = layer.qkv(self._norm(x, layer.input_norm))  # [rows, q_size + 2 * kv_size]
+        q = qkv[:, :q_size].reshape(rows, self.num_heads, self.head_dim)
+        k = qkv[:, q_size : q_size + kv_size].reshape(rows, self.num_kv_heads, self.head_dim)
+        v = qkv[:, q_size + kv_size :].reshape(rows, self.num_kv_heads, self.head_dim)
+        return _rope(q, cos, sin), _rope(k, cos, sin), v
+
+    def _finish_layer(self, layer: _Layer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        # x [rows, hidden], attended [rows, heads, head_dim]: the output projection and the MLP, with residuals
+        x = x + layer.out(attended.reshape(x.shape[0], -1))
+        gate, up = layer.gate_up(self._norm(x, layer.post_norm)).chunk(2, dim=-1)
+        return x + layer.down(F.silu(gate) * up)
 
     def _fused_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: TreeBatch,
                       tree_masks: list[torch.Tensor]) -> torch.Tensor:

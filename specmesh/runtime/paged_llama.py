@@ -20,13 +20,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from specmesh.errors import InvalidArgument
 from specmesh.kernels.paged_tree_attention import ancestor_table
 from specmesh.runtime.kv_pool import PAGE_SIZE, TRASH_PAGE, KVPool, PagedSession
 from specmesh.runtime.linear import InvariantLinear
-from specmesh.runtime.llama import LlamaRuntime, TreeBatch, _rope
+from specmesh.runtime.llama import LlamaRuntime, TreeBatch
 
 log = logging.getLogger(__name__)
 
@@ -214,27 +213,17 @@ class PagedLlamaRuntime(LlamaRuntime):
     def step(self, inputs: PassInputs, logits: bool) -> torch.Tensor | None:
         """One padded pass on device tensors: writes every row's K/V into its slot; logits [rows, vocab]
         fp32 when ``logits``. Shapes alone decide the work (graph-capturable on CUDA)."""
-        rows = inputs.input_ids.shape[0]
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         x = self.embed[inputs.input_ids]  # [rows, hidden]
         if self.fused_ops:
             return self._fused_step(x, inputs, logits)
         cos = self.cos[inputs.positions].unsqueeze(1)  # [rows, 1, head_dim]
         sin = self.sin[inputs.positions].unsqueeze(1)
         for index, layer in enumerate(self.layers):
-            h = self._norm(x, layer.input_norm)
-            qkv = layer.qkv(h)  # [rows, q_size + 2 * kv_size]
-            q = qkv[:, :q_size].reshape(rows, self.num_heads, self.head_dim)
-            k = qkv[:, q_size : q_size + kv_size].reshape(rows, self.num_kv_heads, self.head_dim)
-            v = qkv[:, q_size + kv_size :].reshape(rows, self.num_kv_heads, self.head_dim)
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            q, k, v = self._attention_inputs(layer, x, cos, sin)
             self.pool.k[index].index_copy_(0, inputs.slots, k)
             self.pool.v[index].index_copy_(0, inputs.slots, v)
             attended = self._paged_attention(q.contiguous(), index, inputs)  # [rows, heads, head_dim]
-            x = x + layer.out(attended.reshape(rows, q_size))
-            h = self._norm(x, layer.post_norm)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
+            x = self._finish_layer(layer, x, attended)
         if not logits:
             return None
         return self.lm_head(self._norm(x, self.final_norm)).float()
