@@ -196,10 +196,10 @@ class TreeVerifier:
         self._last_used[request_id] = time.monotonic()
 
     def _make_room(self, jobs: Sequence[VerifyJob]) -> dict[str, str]:
-        """On a runtime with a KV pool: free the least recently used other sessions until the pool holds
-        the pages this pass needs (each evicted request pays a resync later); if it still cannot, refuse
-        the jobs that need the most pages until the rest fit. Returns the refused ones: request id -> why.
-        Nothing is over-committed."""
+        """On a runtime with a KV budget: free the least recently used other sessions until it holds the
+        bytes this pass needs (each evicted request pays a resync later); if it still cannot, refuse the
+        jobs that need the most until the rest fit. Returns the refused ones: request id -> why. Nothing
+        is over-committed."""
         pool = getattr(self.runtime, "pool", None)  # a KVPool (CUDA) or KVBudget (CPU); None: no limit
         if pool is None:
             return {}
