@@ -146,23 +146,29 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--json", dest="json_out", help="write what was measured here")
     _add_model_args(tune)
 
-    dist = commands.add_parser("distill", help="train an expert drafter for a target on one domain")
+    dist = commands.add_parser("distill", help="train a drafter for a target: an expert on one domain, or a "
+                               "feature drafter that reads the target's hidden states (--kind feature)")
+    dist.add_argument("--kind", choices=("expert", "feature"), default="expert",
+                      help="expert: a small LM over tokens, for --domain; feature: one head over the target's hidden "
+                      "states, for every domain (trained on the templated prompts of all of them)")
     dist.add_argument("--target", default=EMBEDDED_DEFAULT, help="the target model (default: the embedded one)")
-    dist.add_argument("--domain", required=True,
+    dist.add_argument("--domain",
                       help="code, math, writing, knowledge; general (every request not code or math: with --synthesize); "
-                      "any name with --prompts")
+                      "any name with --prompts (required for --kind expert)")
     dist.add_argument("--prompts", help="JSONL training prompts (default: specmesh's templated prompts for --domain)")
     dist.add_argument("--count", type=int, default=1200, help="templated prompts to make when --prompts is absent")
     dist.add_argument("--synthesize", type=int, default=0, metavar="N",
                       help="train on those of N requests the target writes itself (cached per target) that the "
                       "request classifier puts in --domain, instead of templated prompts")
     dist.add_argument("--out", required=True, help="the drafter directory to write")
-    dist.add_argument("--minutes", type=float, default=10.0, help="training time budget (default 10)")
+    dist.add_argument("--minutes", type=float, help="training time budget (default: 10 for an expert; a feature "
+                      "drafter trains for --epochs)")
     dist.add_argument("--steps", type=int, default=0,
                       help="train exactly this many steps instead of for --minutes: a run that repeats on any machine")
     dist.add_argument("--layers", type=int, default=3)
-    dist.add_argument("--learning-rate", type=float, default=2e-3)
-    dist.add_argument("--batch-tokens", type=int, default=2048, help="padded tokens per training batch")
+    dist.add_argument("--learning-rate", type=float, help="default: 2e-3 for an expert, 1e-3 for a feature drafter")
+    dist.add_argument("--batch-tokens", type=int, help="padded tokens per training batch (default: 2048 for an expert, "
+                      "4096 for a feature drafter)")
     dist.add_argument("--subset-size", type=int, default=8192, help="output head vocabulary subset (default 8192)")
     dist.add_argument("--answer-tokens", type=int, default=128,
                       help="max tokens of each target answer (default 128: many short answers teach more than few long ones)")
@@ -171,6 +177,14 @@ def build_parser() -> argparse.ArgumentParser:
                       "it gets wrong weigh more (repeatable)")
     dist.add_argument("--seed", type=int, default=0)
     dist.add_argument("--threads", type=int, default=None)
+    dist.add_argument("--feature-layers", help="--kind feature: the target's layers read, comma-separated counts of "
+                      "decoder layers (default: a low, the middle and the top one)")
+    dist.add_argument("--epochs", type=float, default=4.0, help="--kind feature: passes over the answers (default 4)")
+    dist.add_argument("--unroll", type=int, default=3,
+                      help="--kind feature: drafting steps unrolled in training (training-time test; default 3)")
+    dist.add_argument("--precision", default="shipped",
+                      help="--kind feature: the target precision whose hidden states are read; that of the verifiers "
+                      "it will serve (default shipped)")
 
     prep = commands.add_parser("prepare", help="convert the embedded default model and build its quantized kernel once "
                                "(done by make install)")
@@ -399,6 +413,20 @@ def boost_directory(spec: str, target_name: str) -> Path:
 
 
 def _distill(args: argparse.Namespace) -> int:
+    feature = args.kind == "feature"
+    args.minutes = args.minutes if args.minutes is not None else (0.0 if feature else 10.0)
+    args.learning_rate = args.learning_rate if args.learning_rate is not None else (1e-3 if feature else 2e-3)
+    args.batch_tokens = args.batch_tokens if args.batch_tokens is not None else (4096 if feature else 2048)
+    if args.minutes < 0 or (args.minutes == 0 and not feature):
+        raise InvalidArgument("minutes", f"must be > 0, got {args.minutes}")
+    if not 0 < args.learning_rate < 1:
+        raise InvalidArgument("learning_rate", f"must be in (0, 1), got {args.learning_rate}")
+    if args.batch_tokens < 64:
+        raise InvalidArgument("batch_tokens", f"must be >= 64, got {args.batch_tokens}")
+    if feature:
+        return _distill_feature(args)
+    if not args.domain:
+        raise InvalidArgument("domain", "an expert is trained for one domain: give --domain")
     from specmesh.distill.overlap import overlaps
     from specmesh.distill.pipeline import distill, synthesized_prompts
     from specmesh.distill.templates import DOMAINS, domain_prompts
@@ -408,18 +436,12 @@ def _distill(args: argparse.Namespace) -> int:
     from specmesh.speculation.assembly import assemble
     from specmesh.speculation.expertise import GENERAL
 
-    if args.minutes <= 0:
-        raise InvalidArgument("minutes", f"must be > 0, got {args.minutes}")
     if args.steps < 0:
         raise InvalidArgument("steps", f"must be >= 0 (0: train for --minutes), got {args.steps}")
     if not 1 <= args.layers <= 64:
         raise InvalidArgument("layers", f"must be in 1..64, got {args.layers}")
     if args.subset_size < 16:
         raise InvalidArgument("subset_size", f"must be >= 16, got {args.subset_size}")
-    if not 0 < args.learning_rate < 1:
-        raise InvalidArgument("learning_rate", f"must be in (0, 1), got {args.learning_rate}")
-    if args.batch_tokens < 64:
-        raise InvalidArgument("batch_tokens", f"must be >= 64, got {args.batch_tokens}")
     if args.synthesize < 0:
         raise InvalidArgument("synthesize", f"must be >= 0, got {args.synthesize}")
     if args.synthesize and args.prompts:
@@ -454,6 +476,54 @@ def _distill(args: argparse.Namespace) -> int:
     print(f"drafter {spec.name} ({spec.domain}) written to {args.out}")
     print(f"  MT-Bench agreement: {measured['mtbench_agreement']}")
     print(f"  expected tokens per step (k=1..8): {measured['mtbench_expected_tokens_per_step']}")
+    print(f"  cost {measured['cost_ms']} ms per drafted token = {measured['cost_fraction']:.3f} of a target step")
+    return 0
+
+
+
+def _distill_feature(args: argparse.Namespace) -> int:
+    import itertools
+    import shlex
+
+    from specmesh.distill.feature_pipeline import default_feature_layers, distill_feature
+    from specmesh.distill.feature_train import FeatureTrainConfig
+    from specmesh.distill.templates import DOMAINS, domain_prompts
+    from specmesh.prompts import load_prompts
+    from specmesh.runtime.llama import check_feature_layers
+    from specmesh.runtime.loading import configure_threads
+    from specmesh.speculation.assembly import assemble
+
+    if args.epochs <= 0:
+        raise InvalidArgument("epochs", f"must be > 0, got {args.epochs}")
+    if not 1 <= args.unroll <= 8:
+        raise InvalidArgument("unroll", f"must be in 1..8, got {args.unroll}")
+    if args.subset_size < 16:
+        raise InvalidArgument("subset_size", f"must be >= 16, got {args.subset_size}")
+    if args.synthesize:
+        raise InvalidArgument("synthesize", "--kind feature trains on templated prompts or --prompts")
+    configure_threads(args.threads)
+    assembly = assemble(args.target, drafters=[], precision=args.precision)
+    num_layers = assembly.target.model.config.num_hidden_layers
+    try:
+        layers = (tuple(int(n) for n in args.feature_layers.split(",")) if args.feature_layers
+                  else default_feature_layers(num_layers))
+    except ValueError:
+        raise InvalidArgument("feature_layers", f"must be comma-separated integers, got {args.feature_layers!r}") from None
+    check_feature_layers(layers, num_layers)
+    if args.prompts:
+        prompts = load_prompts(args.prompts)
+    else:  # every domain, interleaved: a store cut short is still balanced
+        groups = [domain_prompts(domain, args.count, args.seed) for domain in DOMAINS]
+        prompts = [p for group in itertools.zip_longest(*groups) for p in group if p is not None]
+    config = FeatureTrainConfig(subset_size=args.subset_size, unroll=args.unroll, epochs=args.epochs,
+                                minutes=args.minutes,
+                                learning_rate=args.learning_rate, tokens_per_batch=args.batch_tokens, seed=args.seed)
+    command = "specmesh " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["distill"] else "specmesh distill --kind feature"
+    spec = distill_feature(assembly, prompts, Path(args.out), config, sorted(layers), command, args.answer_tokens)
+    measured = spec.measured
+    print(f"feature drafter {spec.name} (layers {list(layers)}) written to {args.out}")
+    print(f"  MT-Bench agreement: {measured['mtbench_agreement']}")
+    print(f"  by depth past the last feature: {measured['mtbench_agreement_by_depth']}")
     print(f"  cost {measured['cost_ms']} ms per drafted token = {measured['cost_fraction']:.3f} of a target step")
     return 0
 

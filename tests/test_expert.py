@@ -66,7 +66,7 @@ def test_greedy_answers_record_the_teacher_forced_distribution(target, examples)
     chosen = examples[:6]
     results = target_answers(runtime, [e.prompt_ids for e in chosen], max_tokens=16, top_k=8)
     forced = teacher_forced_labels(target, chosen, top_k=8)
-    for example, (answer, labels), reference in zip(chosen, results, forced):
+    for example, (answer, labels, _), reference in zip(chosen, results, forced):
         assert tuple(answer) == example.response_ids  # plain greedy decoding, as the engine does it
         assert labels.token_ids.shape == (len(answer), 8)
         assert labels.token_ids[:, 0].tolist() == answer
@@ -76,7 +76,7 @@ def test_greedy_answers_record_the_teacher_forced_distribution(target, examples)
 def test_greedy_answers_stop_at_eos(target, examples):
     example = examples[0]
     eos = example.response_ids[2]
-    [(answer, labels)] = target_answers(LlamaRuntime(target), [example.prompt_ids], max_tokens=16, eos_token_ids=[eos])
+    [(answer, labels, _)] = target_answers(LlamaRuntime(target), [example.prompt_ids], max_tokens=16, eos_token_ids=[eos])
     assert answer == list(example.response_ids[: example.response_ids.index(eos) + 1])
     assert labels.token_ids.shape[0] == len(answer)
 

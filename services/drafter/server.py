@@ -16,10 +16,11 @@ import redis.asyncio as aioredis
 from specmesh.cluster.discovery import RedisRegistry
 from specmesh.cluster.metrics import DrafterMetrics, serve_metrics
 from specmesh.cluster.serving import Service, TorchThread, env_default, run_service, start_server
-from specmesh.cluster.wire import tree_to_pb
+from specmesh.cluster.wire import features_from_pb, tree_to_pb
 from specmesh.drafters.base import Drafter
 from specmesh.drafters.catalog import load_drafter
 from specmesh.errors import InvalidArgument, NotFound
+from specmesh.runtime.features import Features
 from specmesh.runtime.loading import EMBEDDED_DEFAULT, configure_threads, load_target_parts, tokenizer_fingerprint
 from specmesh.tree import MAX_TREE_NODES
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
@@ -63,7 +64,8 @@ class DrafterSessions:
         self.drafter.start(request_id, list(prompt_ids))
         self._sessions[request_id] = time.monotonic()
 
-    def propose(self, request_id: str, committed: Sequence[int], budget: int, assumed: Sequence[int] = ()):
+    def propose(self, request_id: str, committed: Sequence[int], budget: int, assumed: Sequence[int] = (),
+                features: Features | None = None):
         if not 0 <= budget <= MAX_TREE_NODES:
             raise InvalidArgument("budget", f"must be in 0..{MAX_TREE_NODES}, got {budget}")
         if request_id not in self._sessions:
@@ -74,6 +76,10 @@ class DrafterSessions:
         self._sessions[request_id] = time.monotonic()
         if committed:
             self.drafter.commit(request_id, list(committed))
+        if features is not None:
+            if not hasattr(self.drafter, "add_features"):
+                raise InvalidArgument("features", f"drafter {self.drafter.name!r} reads no features; send none")
+            self.drafter.add_features(request_id, features)
         return self.drafter.propose(request_id, budget, list(assumed))
 
     def close(self, request_id: str, committed: Sequence[int]) -> None:
@@ -103,8 +109,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     async def Propose(self, request, context):
         started = time.perf_counter()
+        features = features_from_pb(request.features) if request.HasField("features") else None
         tree = await self._run(self.sessions.propose, request.request_id, tuple(request.committed), request.budget,
-                               tuple(request.assumed))
+                               tuple(request.assumed), features)
         seconds = time.perf_counter() - started
         self.metrics.proposals.labels(self.info.name).inc()
         self.metrics.proposed_nodes.labels(self.info.name).inc(len(tree))
@@ -164,6 +171,8 @@ async def serve(args: argparse.Namespace) -> None:
     info = drafter_pb2.DrafterInfo(
         name=drafter.name, kind=getattr(drafter, "kind", "model"), domains=domains, target=target.name,
         tokenizer_hash=tokenizer_fingerprint(target.tokenizer), max_sessions=args.max_sessions,
+        feature_layers=getattr(drafter, "feature_layers", ()),
+        hidden_size=target.hidden_size if getattr(drafter, "feature_layers", ()) else 0,
     )
     metrics = DrafterMetrics()
     endpoint = serve_metrics(metrics, args.metrics_address)

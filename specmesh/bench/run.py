@@ -76,13 +76,20 @@ def drafter_report(assembly: Assembly, drafters: list, target_ms: float) -> tupl
     examples = mtbench_examples(assembly)
     rows, all_hits = [], []
     for drafter in tqdm(drafters, desc="drafters (teacher forcing)", unit="drafter"):
-        hits, ms_per_guess = interface_hits(drafter, examples)
-        all_hits.append(hits)
+        layers = getattr(drafter, "feature_layers", ())
+        if layers:  # the target's answers with their hidden states, from the runtime that serves (its precision)
+            from specmesh.distill.feature_pipeline import mtbench_features
+
+            feature_examples, features = mtbench_features(assembly, layers)
+            hits, ms_per_guess = interface_hits(drafter, feature_examples, features)
+        else:
+            hits, ms_per_guess = interface_hits(drafter, examples)
+            all_hits.append(hits)  # the union is over one set of answers: the token drafters'
         rows.append({
             "name": drafter.name,
             "kind": type(drafter).__name__,
             "domain": getattr(drafter, "domain", "any"),
-            "agreement": agreement_by_category(examples, hits),
+            "agreement": agreement_by_category(feature_examples if layers else examples, hits),
             "cost_fraction": round(ms_per_guess / target_ms, 4),
             "expected_tokens_per_step": expected_tokens_per_step(hits),
         })

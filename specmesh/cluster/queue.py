@@ -31,8 +31,16 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from specmesh.acceptance import Verdict
 from specmesh.cluster.backoff import redis_reconnect
-from specmesh.cluster.wire import sampling_from_pb, sampling_to_pb, tree_from_pb, tree_to_pb
-from specmesh.errors import ResourceExhausted, Unavailable
+from specmesh.cluster.wire import (
+    features_from_pb,
+    features_to_pb,
+    sampling_from_pb,
+    sampling_to_pb,
+    tree_from_pb,
+    tree_to_pb,
+)
+from specmesh.errors import InvalidArgument, ResourceExhausted, Unavailable
+from specmesh.runtime.features import MAX_PROMPT_FEATURES
 from specmesh.runtime.tree_verifier import VerifyJob, VerifyResult
 from specmesh.v1 import common_pb2, verifier_pb2
 
@@ -75,7 +83,8 @@ def encode_job(job: VerifyJob, reply_to: str, deadline_unix_ms: int) -> bytes:
     message = verifier_pb2.VerifyJob(
         request_id=job.request_id, step=job.step, position=job.position, root=job.root,
         tree=tree_to_pb(job.tree), sampling=sampling_to_pb(job.params), reply_to=reply_to,
-        deadline_unix_ms=deadline_unix_ms,
+        deadline_unix_ms=deadline_unix_ms, feature_layers=job.feature_layers,
+        max_prompt_features=job.max_prompt_features if job.feature_layers else 0,
     )
     if job.history is not None:
         message.history.CopyFrom(common_pb2.TokenIds(ids=job.history))
@@ -94,7 +103,8 @@ def decode_job(data: bytes) -> QueuedJob:
     history = tuple(message.history.ids) if message.HasField("history") else None
     job = VerifyJob(
         message.request_id, message.step, message.position, message.root, tree_from_pb(message.tree),
-        sampling_from_pb(message.sampling), history,
+        sampling_from_pb(message.sampling), history, tuple(message.feature_layers),
+        message.max_prompt_features or MAX_PROMPT_FEATURES,
     )
     return QueuedJob(job, message.reply_to, message.deadline_unix_ms)
 
@@ -110,6 +120,8 @@ def encode_result(result: VerifyResult, verifier_id: str, **timings) -> bytes:
     if result.verdict is not None:
         message.accepted_nodes.extend(result.verdict.accepted_nodes)
         message.tokens.extend(result.verdict.tokens)
+    if result.features is not None:
+        message.features.CopyFrom(features_to_pb(result.features))
     return message.SerializeToString()
 
 
@@ -208,8 +220,16 @@ class QueueVerifierClient:
             await self._close_on(previous, job.request_id)  # its copy of the cache is stale now
         self.affinity[job.request_id] = message.verifier_id
         verdict = Verdict(tuple(message.accepted_nodes), tuple(message.tokens))
+        features = None
+        if job.feature_layers and message.HasField("features"):
+            try:
+                features = features_from_pb(message.features)
+            except InvalidArgument as exc:  # the feature drafters go without this block; the request does not
+                log.warning("request %s step %d: verifier %s sent malformed features (%s); dropped",
+                            job.request_id, job.step, message.verifier_id, exc)
         return VerifyResult(job.request_id, job.step, verdict, message.prefilled_tokens, message.pass_ms,
-                            message.batch_rows, message.batch_size, message.batch_trees, message.verify_ms)
+                            message.batch_rows, message.batch_size, message.batch_trees, message.verify_ms,
+                            features=features)
 
     async def close(self, request_id: str) -> None:
         """Free the request's cache on its verifier now (idle sessions are also evicted there)."""

@@ -13,10 +13,12 @@ import time
 from typing import Sequence
 
 import grpc
+import torch
 
 from specmesh.cluster.backoff import unreachable_node
-from specmesh.cluster.wire import tree_from_pb
+from specmesh.cluster.wire import features_to_pb, tree_from_pb
 from specmesh.errors import InvalidArgument
+from specmesh.runtime.features import MAX_PROMPT_FEATURES, Features
 from specmesh.tree import TokenTree
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
 
@@ -36,14 +38,18 @@ class RemoteDrafter:
         self.kind = "unknown"
         self.domains: tuple[str, ...] = ()
         self.tokenizer_hash = ""
+        self.feature_layers: tuple[int, ...] = ()  # a feature drafter's: the target's hidden states it reads
         self._channel = grpc.aio.insecure_channel(address)
         self._stub = drafter_pb2_grpc.DrafterStub(self._channel)
         self._context: dict[str, list[int]] = {}  # request -> every committed token
         self._unsent: dict[str, list[int]] = {}  # request -> committed since the drafter last heard
         self._open: set[str] = set()  # sessions the drafter holds, as far as we know
+        self._features: dict[str, list[Features]] = {}  # request -> blocks not yet sent (feature drafters)
+        self._refused: set[str] = set()  # requests whose features the drafter refused: it sits them out
         self._down_until = 0.0
         self._backoff = unreachable_node(max_backoff_s)
         self._expected_hash: str | None = None
+        self._expected_hidden: int | None = None
         self.failures = 0
 
     @property
@@ -55,9 +61,10 @@ class RemoteDrafter:
     def healthy(self) -> bool:
         return time.monotonic() >= self._down_until
 
-    async def connect(self, tokenizer_hash: str | None = None) -> bool:
-        """Read the drafter's card; refuse one built for another vocabulary. False when unreachable."""
-        self._expected_hash = tokenizer_hash
+    async def connect(self, tokenizer_hash: str | None = None, hidden_size: int | None = None) -> bool:
+        """Read the drafter's card; refuse one built for another vocabulary, or a feature drafter that reads
+        hidden states of another size than the target's. False when unreachable."""
+        self._expected_hash, self._expected_hidden = tokenizer_hash, hidden_size
         try:
             info = await self._stub.Info(drafter_pb2.DrafterInfoRequest(), timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
@@ -65,7 +72,11 @@ class RemoteDrafter:
             return False
         if tokenizer_hash and info.tokenizer_hash != tokenizer_hash:
             raise InvalidArgument("drafter", f"{self.address} ({info.name}) drafts with another vocabulary than the target's")
+        if info.feature_layers and hidden_size and info.hidden_size != hidden_size:
+            raise InvalidArgument("drafter", f"{self.address} ({info.name}) reads hidden states of size {info.hidden_size}; "
+                                  f"the target's are {hidden_size}")
         self.name, self.kind, self.domains, self.tokenizer_hash = info.name, info.kind, tuple(info.domains), info.tokenizer_hash
+        self.feature_layers = tuple(info.feature_layers)
         self._up()
         return True
 
@@ -77,7 +88,7 @@ class RemoteDrafter:
         self._unsent[request_id] = []
         if self.healthy and not self.tokenizer_hash:  # unreachable at start-up: its card (name, domains) first
             try:
-                if not await self.connect(self._expected_hash):
+                if not await self.connect(self._expected_hash, self._expected_hidden):
                     return
             except InvalidArgument as exc:
                 log.warning("%s", exc)
@@ -89,7 +100,7 @@ class RemoteDrafter:
             await self._open_session(request_id)
 
     async def propose(self, request_id: str, budget: int, assumed: Sequence[int] = ()) -> TokenTree:
-        if not self.healthy or request_id not in self._context:
+        if not self.healthy or request_id not in self._context or request_id in self._refused:
             return TokenTree()
         for _ in range(2):  # a second try after re-opening a session the drafter lost
             if request_id not in self._open and not await self._open_session(request_id):
@@ -97,15 +108,21 @@ class RemoteDrafter:
             request = drafter_pb2.ProposeRequest(
                 request_id=request_id, committed=self._unsent[request_id], budget=budget, assumed=assumed
             )
+            blocks = self._features.get(request_id)
+            if blocks:
+                request.features.CopyFrom(features_to_pb(_joined(blocks)))
             try:
                 answer = await self._stub.Propose(request, timeout=self.timeout_s)
             except grpc.aio.AioRpcError as exc:
                 self._open.discard(request_id)
                 if exc.code() == grpc.StatusCode.NOT_FOUND:
                     continue
+                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT and blocks:
+                    self._refused.add(request_id)  # features it cannot read: the request goes on without it
                 self._mark_down(exc)
                 return TokenTree()
             self._unsent[request_id] = []
+            self._features[request_id] = []
             self._up()
             try:
                 return tree_from_pb(answer.tree).truncated(budget)
@@ -119,8 +136,25 @@ class RemoteDrafter:
             self._context[request_id].extend(new_token_ids)
             self._unsent[request_id].extend(new_token_ids)
 
+    async def add_features(self, request_id: str, features: Features) -> None:
+        """Kept and sent with the next proposal. Bounded: past ``MAX_PROMPT_FEATURES`` unsent positions (a
+        request the drafter was not asked to draft for in a while) the oldest go, and the session is opened
+        afresh so that the drafter takes the rest as a new start."""
+        if request_id not in self._context or not self.feature_layers:
+            return
+        blocks = self._features.setdefault(request_id, [])
+        if blocks and features.start != blocks[-1].end:  # a block was lost on the way: start afresh
+            blocks.clear()
+            self._open.discard(request_id)
+        blocks.append(features)
+        while sum(len(b) for b in blocks) > MAX_PROMPT_FEATURES and len(blocks) > 1:
+            blocks.pop(0)
+            self._open.discard(request_id)
+
     async def end(self, request_id: str) -> None:
         self._context.pop(request_id, None)
+        self._features.pop(request_id, None)
+        self._refused.discard(request_id)
         unsent = self._unsent.pop(request_id, [])
         if request_id in self._open and self.healthy:
             self._open.discard(request_id)
@@ -155,3 +189,10 @@ class RemoteDrafter:
 
     def _up(self) -> None:
         self._backoff.reset()
+
+
+def _joined(blocks: list[Features]) -> Features:
+    """Consecutive blocks as one."""
+    if len(blocks) == 1:
+        return blocks[0]
+    return Features(blocks[0].start, torch.cat([b.values for b in blocks]), blocks[0].layers)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import torch
+
 from specmesh.errors import InvalidArgument
+from specmesh.runtime.features import Features
 from specmesh.sampling import SamplingParams
 from specmesh.tree import TokenTree
 from specmesh.v1 import common_pb2
@@ -36,3 +39,35 @@ def sampling_from_pb(message: common_pb2.SamplingParams) -> SamplingParams:
         seed=message.seed if message.HasField("seed") else None,
         max_tokens=message.max_tokens,
     )
+
+
+FEATURE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+MAX_FEATURE_POSITIONS = 1 << 16  # a block larger than this is no step's or prompt tail's
+
+
+def features_to_pb(features: Features) -> common_pb2.Features:
+    """Features in fp16 (bf16 stays bf16: its range is the point of it), raw little-endian bytes."""
+    values = features.values if features.values.dtype == torch.bfloat16 else features.values.to(torch.float16)
+    values = values.detach().cpu().contiguous()
+    return common_pb2.Features(
+        start=features.start, positions=values.shape[0], layers=features.layers, hidden_size=values.shape[2],
+        dtype=str(values.dtype).removeprefix("torch."), data=values.view(torch.uint8).numpy().tobytes(),
+    )
+
+
+def features_from_pb(message: common_pb2.Features) -> Features:
+    """The block a message carries, checked: a malformed one is INVALID_ARGUMENT, never a crash."""
+    dtype = FEATURE_DTYPES.get(message.dtype)
+    if dtype is None:
+        raise InvalidArgument("features", f"dtype {message.dtype!r} is not one of {', '.join(FEATURE_DTYPES)}")
+    layers = tuple(message.layers)
+    if not layers or message.hidden_size <= 0 or message.start < 0 or not 0 <= message.positions <= MAX_FEATURE_POSITIONS:
+        raise InvalidArgument("features", f"need layers, hidden_size > 0, start >= 0 and 0..{MAX_FEATURE_POSITIONS} "
+                              f"positions; got {len(layers)} layers, hidden_size {message.hidden_size}, start "
+                              f"{message.start}, {message.positions} positions")
+    expected = message.positions * len(layers) * message.hidden_size * dtype.itemsize
+    if len(message.data) != expected:
+        raise InvalidArgument("features", f"{message.positions} x {len(layers)} x {message.hidden_size} {message.dtype} "
+                              f"values are {expected} bytes; got {len(message.data)}")
+    values = torch.frombuffer(bytearray(message.data), dtype=dtype) if expected else torch.empty(0, dtype=dtype)
+    return Features(message.start, values.view(message.positions, len(layers), message.hidden_size), layers)

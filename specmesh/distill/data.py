@@ -16,7 +16,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from specmesh.errors import InvalidArgument
 from specmesh.prompts import Prompt, encode_chat
 from specmesh.runtime.llama import TreeBatch
-from specmesh.runtime.target import prefill_sessions
+from specmesh.runtime.target import prefill_sessions, score_with_features
 from specmesh.tree import TokenTree, compile_tree
 
 SOFT_LABEL_TOP_K = 16
@@ -64,27 +64,42 @@ def load_examples(path: Path) -> list[Example]:
     return examples
 
 
+class Answer(NamedTuple):
+    tokens: list[int]  # the answer's token ids
+    labels: SoftLabels  # the target's top-k at each answer position
+    features: torch.Tensor | None = None  # [prompt + answer - 1, layers, hidden] fp16: hidden states at every
+    # position whose next token is known (all but the answer's last), when ``feature_layers`` were asked for
+
+
 def target_answers(
     runtime, prompts: Sequence[Sequence[int]], max_tokens: int, eos_token_ids: Sequence[int] = (), top_k: int = SOFT_LABEL_TOP_K,
-    temperature: float = 0.0, generator: torch.Generator | None = None,
-) -> list[tuple[list[int], SoftLabels]]:
+    temperature: float = 0.0, generator: torch.Generator | None = None, feature_layers: Sequence[int] = (),
+) -> list[Answer]:
     """Plain decoding of every prompt together (one target pass per step), recording the target's top-k
     distribution at each step: the answer, and the soft labels of its every position. Greedy at
     temperature 0; above it, each token is sampled from the tempered distribution (the recorded one
-    stays untempered: its top-1 is the greedy label)."""
+    stays untempered: its top-1 is the greedy label). With ``feature_layers``, also the hidden states
+    after those layers at every position, prompt included (what a feature drafter learns from)."""
     eos = frozenset(eos_token_ids)
     sessions = [runtime.new_session() for _ in prompts]
     try:
         for session, ids in zip(sessions, prompts):
             session.reserve(len(ids) + max_tokens)  # one buffer for the whole answer: no regrowth, no fragments
-        prefill_sessions(runtime, sessions, [ids[:-1] for ids in prompts])
+        prompt_features = prefill_sessions(runtime, sessions, [ids[:-1] for ids in prompts], feature_layers)
+        features: list[list[torch.Tensor]] = [[f.half()] if f is not None else [] for f in prompt_features] \
+            if feature_layers else [[] for _ in prompts]
         answers: list[list[int]] = [[] for _ in prompts]
         tops: list[list[torch.Tensor]] = [[] for _ in prompts]  # per step [2, k]: ids, probs
         last = [ids[-1] for ids in prompts]
         active = list(range(len(prompts)))
         while active:
             trees = [compile_tree(last[i], TokenTree()) for i in active]
-            logits = runtime.forward(TreeBatch.build([sessions[i] for i in active], trees))  # [active, vocab]
+            batch = TreeBatch.build([sessions[i] for i in active], trees)
+            if feature_layers:
+                scored = score_with_features(runtime, batch, feature_layers)
+                logits, hidden = scored.logits, scored.features.half()  # [active, vocab], [active, layers, hidden]
+            else:
+                logits, hidden = runtime.forward(batch), None
             scores = logits.float()  # [active, vocab]
             top = scores.softmax(-1).topk(top_k, dim=-1)
             top_ids, top_probs = top.indices.cpu(), top.values.cpu()  # [active, k]: one transfer a step
@@ -97,6 +112,8 @@ def target_answers(
                 token = drawn[row] if temperature > 0 else int(top_ids[row, 0])  # softmax keeps the argmax
                 answers[i].append(token)
                 tops[i].append(torch.stack([top_ids[row].float(), top_probs[row]]))
+                if hidden is not None:
+                    features[i].append(hidden[row : row + 1].cpu())
                 last[i] = token
                 if token not in eos and len(answers[i]) < max_tokens:
                     still.append(i)
@@ -105,11 +122,13 @@ def target_answers(
         for session in sessions:
             session.free()
         release_freed_memory()
-    labels = []
-    for steps in tops:
+    results = []
+    for answer, steps, hidden in zip(answers, tops, features):
         stacked = torch.stack(steps)  # [answer_len, 2, k]
-        labels.append(SoftLabels(stacked[:, 0].long(), stacked[:, 1].contiguous()))
-    return list(zip(answers, labels))
+        # the last step's input is the answer's second-to-last token's successor: all but the last position
+        results.append(Answer(answer, SoftLabels(stacked[:, 0].long(), stacked[:, 1].contiguous()),
+                              torch.cat(hidden) if feature_layers else None))
+    return results
 
 
 def release_freed_memory() -> None:
@@ -150,8 +169,8 @@ def generate_examples(
             encoded = [tuple(encode_chat(tokenizer, p.text)) for p in batch]
             shard = hashlib.sha256(repr(encoded).encode()).hexdigest()[:16] + ".safetensors"
             results = target_answers(runtime, encoded, max_tokens, eos_token_ids)
-            _save_shard(shards / shard, [labels for _, labels in results])
-            for index, (prompt, ids, (answer, labels)) in enumerate(zip(batch, encoded, results)):
+            _save_shard(shards / shard, [result.labels for result in results])
+            for index, (prompt, ids, (answer, _, _)) in enumerate(zip(batch, encoded, results)):
                 row = {"prompt": prompt.text, "category": prompt.category, "prompt_ids": list(ids), "response_ids": answer,
                        "labels": [shard, index]}
                 done[prompt.text] = Example(prompt.text, prompt.category, ids, tuple(answer), (shard, index))

@@ -18,6 +18,7 @@ import torch
 
 from specmesh.distill.data import Example
 from specmesh.drafters.expert import ExpertModel
+from specmesh.runtime.features import Features
 
 MAX_K = 8
 
@@ -89,21 +90,31 @@ def expected_tokens_per_step(hits: Sequence[Sequence[bool]], max_k: int = MAX_K)
     return {str(k): round(1 + sum(min(r, k) for r in runs) / len(runs), 3) for k in range(1, max_k + 1)}
 
 
-def interface_hits(drafter, examples: Sequence[Example]) -> tuple[list[list[bool]], float]:
+def interface_hits(drafter, examples: Sequence[Example],
+                   features: Sequence[torch.Tensor] | None = None) -> tuple[list[list[bool]], float]:
     """Teacher-forced hits of any drafter, through its interface: at each answer position, is its
-    first guess the target's next token? (No guess counts as wrong.) Also the median ms per guess."""
+    first guess the target's next token? (No guess counts as wrong.) Also the median ms per guess.
+    A feature drafter also needs each example's ``features`` ([tokens - 1, layers, hidden]): it hears
+    the prompt's at the start and one position more with each committed token, as in a run."""
+    layers = tuple(getattr(drafter, "feature_layers", ()))
     hits, times = [], []
     for number, example in enumerate(examples):
         request = f"eval-{number}"
         drafter.start(request, example.prompt_ids)
+        first = len(example.prompt_ids) - 1  # the prompt's features: positions 0 .. first - 1
+        if layers:
+            drafter.add_features(request, Features(0, features[number][:first], layers))
         row = []
         try:
-            for token in example.response_ids:
+            for offset, token in enumerate(example.response_ids):
                 started = time.perf_counter()
                 tree = drafter.propose(request, 1)
                 times.append(time.perf_counter() - started)
                 row.append(len(tree) > 0 and tree.tokens[0] == token)
                 drafter.commit(request, [token])
+                if layers and first + offset < features[number].shape[0]:
+                    drafter.add_features(request, Features(first + offset, features[number][first + offset :
+                                                                                             first + offset + 1], layers))
         finally:
             drafter.end(request)
         hits.append(row)

@@ -89,7 +89,7 @@ def synthesize_requests(
             batch_index += 1
             drawn = target_answers(runtime, [prefix] * batch_size, max_tokens, eos, top_k=1,
                                    temperature=temperature, generator=generator)
-            for ids, _ in drawn:
+            for ids, _, _ in drawn:
                 if not ids or ids[-1] not in eos:
                     continue  # cut off at max_tokens: not a whole request
                 text = tokenizer.decode(ids[:-1], skip_special_tokens=True).strip()

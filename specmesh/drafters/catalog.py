@@ -7,6 +7,13 @@ from pathlib import Path
 
 from specmesh.drafters.base import Drafter
 from specmesh.drafters.expert import ExpertDrafter, ExpertModel, ExpertSpec, drafter_dtype, load_expert
+from specmesh.drafters.feature import (
+    FeatureDrafter,
+    FeatureHead,
+    check_feature_target,
+    is_feature_drafter,
+    load_feature_head,
+)
 from specmesh.drafters.model import ModelDrafter
 from specmesh.drafters.ngram import HistoryDrafter, NgramDrafter
 from specmesh.errors import InvalidArgument
@@ -54,6 +61,17 @@ def load_expert_for(directory: str | Path, target: LoadedModel | TargetParts,
     return model, spec
 
 
+def load_feature_for(directory: str | Path, target: LoadedModel | TargetParts, device: str | None = None) -> FeatureHead:
+    """A feature drafter's head, refusing one made for another target: another vocabulary, another hidden
+    size, or layers the target does not have."""
+    target = parts_of(target) if isinstance(target, LoadedModel) else target
+    embedding = target.input_embeddings()
+    model, spec = load_feature_head(directory, embedding)
+    check_feature_target(spec, tokenizer_fingerprint(target.tokenizer), target.hidden_size, target.num_layers,
+                         str(directory))
+    return model.to(pick_device(device) if device is not None else embedding.device)
+
+
 def load_drafter(spec: str, target: LoadedModel | TargetParts, device: str | None, dtype: str | None) -> Drafter:
     """A model-free drafter (``ngram``, ``history``), a shipped expert's name (``code``), a drafter
     directory made by ``specmesh distill``, or a small LM sharing the target's tokenizer."""
@@ -61,6 +79,8 @@ def load_drafter(spec: str, target: LoadedModel | TargetParts, device: str | Non
     if spec in MODEL_FREE_DRAFTERS:
         return MODEL_FREE_DRAFTERS[spec]()
     directory = expert_directory(spec, target.name)
+    if directory is not None and is_feature_drafter(directory):
+        return FeatureDrafter(load_feature_for(directory, target, device), name=Path(directory).name)
     if directory is not None:
         model, expert = load_expert_for(directory, target, device)
         return ExpertDrafter(model, name=expert.name, domain=expert.domain)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +49,20 @@ def lean_unsupported(config) -> str | None:
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         return "sliding-window attention"
     return None
+
+
+class Scores(NamedTuple):
+    """What one pass computed: logits [rows, vocab] fp32, and the chosen layers' hidden states
+    [rows, layers, hidden] in the runtime's dtype (None when none were asked for)."""
+
+    logits: torch.Tensor
+    features: torch.Tensor | None = None
+
+
+def check_feature_layers(layers: Sequence[int], num_layers: int) -> None:
+    """Feature layers name hidden states after 1..num_layers decoder layers, each once."""
+    if any(not 1 <= n <= num_layers for n in layers) or len(set(layers)) != len(layers):
+        raise InvalidArgument("feature_layers", f"must be distinct layer counts in 1..{num_layers}, got {list(layers)}")
 
 
 @dataclass(frozen=True)
@@ -189,13 +203,20 @@ class LlamaRuntime:
         variance = x.float().pow(2).mean(-1, keepdim=True)
         return weight * (x.float() * torch.rsqrt(variance + self.eps)).to(x.dtype)
 
-    @torch.no_grad()  # not inference_mode: KV sessions are updated in place between passes
     def forward(self, batch: TreeBatch, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Score every row of every tree; writes each tree's K/V after its session's committed entries.
 
         Returns logits [total_rows, vocab] (or only for ``logits_rows``), in fp32. Sessions' committed
         lengths are unchanged: the caller keeps the accepted rows with ``KVSession.keep_rows``.
         """
+        return self.score(batch, logits_rows).logits
+
+    @torch.no_grad()  # not inference_mode: KV sessions are updated in place between passes
+    def score(self, batch: TreeBatch, logits_rows: torch.Tensor | None = None,
+              feature_layers: Sequence[int] = ()) -> Scores:
+        """``forward``'s logits, and the residual stream of every row after each of ``feature_layers``
+        (1..layers: the hidden state after that many decoder layers, before the final norm)."""
+        check_feature_layers(feature_layers, len(self.layers))
         tree_masks, full_masks = [], []  # per request, on the device, built once for all layers
         for session, mask, start, end in zip(batch.sessions, batch.masks, batch.cu_rows, batch.cu_rows[1:]):
             session.reserve(end - start)
@@ -211,8 +232,11 @@ class LlamaRuntime:
         cos, sin = self.rotary(x, positions.unsqueeze(0))  # [1, rows, head_dim] each
         cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [rows, 1, head_dim]
         rows = x.shape[0]
+        captured: dict[int, torch.Tensor] = {}  # layers done -> [rows, hidden]
+        wanted = frozenset(feature_layers)
         if self.fused_layers:
-            x = self._fused_layers(x, cos[:, 0].contiguous(), sin[:, 0].contiguous(), batch, tree_masks)
+            x = self._fused_layers(x, cos[:, 0].contiguous(), sin[:, 0].contiguous(), batch, tree_masks,
+                                   captured, wanted)
         for index, layer in enumerate([] if self.fused_layers else self.layers):
             q, k, v = self._attention_inputs(layer, x, cos, sin)
             attended = torch.empty(rows, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
@@ -231,9 +255,13 @@ class LlamaRuntime:
                     mask, full_mask,
                 ).transpose(0, 1)
             x = self._finish_layer(layer, x, attended)
+            if index + 1 in wanted:
+                captured[index + 1] = x
+        features = torch.stack([captured[n] for n in feature_layers], dim=1) if feature_layers else None
         if logits_rows is not None:
             x = x[logits_rows.to(self.device)]
-        return self.lm_head(self._norm(x, self.final_norm)).float()
+        logits = self.lm_head(self._norm(x, self.final_norm)).float() if x.shape[0] else x.new_empty(0, self.vocab_size)
+        return Scores(logits, features)
 
     def _attention_inputs(self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         # x [rows, hidden]; cos, sin [rows, 1, head_dim] -> q [rows, heads, head_dim], k and v [rows, kv_heads,
@@ -252,7 +280,8 @@ class LlamaRuntime:
         return x + layer.down(F.silu(gate) * up)
 
     def _fused_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: TreeBatch,
-                      tree_masks: list[torch.Tensor]) -> torch.Tensor:
+                      tree_masks: list[torch.Tensor], captured: dict[int, torch.Tensor],
+                      wanted: frozenset[int]) -> torch.Tensor:
         # x [rows, hidden] fp32; cos, sin [rows, head_dim]: every layer as one C++ call (kernels/cpu/llama_layer.cpp)
         cached = [session.length for session in batch.sessions]
         masks = [mask.bool().contiguous() for mask in tree_masks]
@@ -264,6 +293,8 @@ class LlamaRuntime:
                 layer.down.packed.data, layer.down.format_id, cos, sin, [s.kv[index] for s in batch.sessions],
                 cached, list(batch.cu_rows), masks, self.num_heads, self.num_kv_heads, layer.down.in_features,
                 float(self.eps), float(self.scale))
+            if index + 1 in wanted:
+                captured[index + 1] = x
         return x
 
     def _attend(self, q, k, v, tree_mask: torch.Tensor, full_mask: torch.Tensor | None) -> torch.Tensor:

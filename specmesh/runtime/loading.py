@@ -172,6 +172,8 @@ class TargetParts:
     max_length: int  # context window in tokens
     eos_token_ids: tuple[int, ...]
     input_embeddings: Callable[[], torch.Tensor]  # [vocab, hidden], read on first use
+    hidden_size: int = 0
+    num_layers: int = 0
 
 
 def _eos_ids(generation_config, tokenizer) -> tuple[int, ...]:
@@ -186,7 +188,7 @@ def parts_of(loaded: LoadedModel) -> TargetParts:
     return TargetParts(
         loaded.name, loaded.tokenizer, config.vocab_size, int(getattr(config, "max_position_embeddings", 2048)),
         _eos_ids(loaded.model.generation_config, loaded.tokenizer),
-        lambda: loaded.model.get_input_embeddings().weight.detach(),
+        lambda: loaded.model.get_input_embeddings().weight.detach(), config.hidden_size, config.num_hidden_layers,
     )
 
 
@@ -228,7 +230,8 @@ def load_target_parts(model: str) -> TargetParts:
 
     return TargetParts(
         model, tokenizer, config.vocab_size, int(getattr(config, "max_position_embeddings", 2048)),
-        _eos_ids(generation_config, tokenizer), embeddings,
+        _eos_ids(generation_config, tokenizer), embeddings, getattr(config, "hidden_size", 0),
+        getattr(config, "num_hidden_layers", 0),
     )
 
 

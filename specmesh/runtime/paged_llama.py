@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -25,7 +26,7 @@ from specmesh.errors import InvalidArgument
 from specmesh.kernels.paged_tree_attention import ancestor_table
 from specmesh.runtime.kv_pool import PAGE_SIZE, TRASH_PAGE, KVPool, PagedSession
 from specmesh.runtime.linear import InvariantLinear
-from specmesh.runtime.llama import LlamaRuntime, TreeBatch
+from specmesh.runtime.llama import LlamaRuntime, Scores, TreeBatch, check_feature_layers
 
 log = logging.getLogger(__name__)
 
@@ -204,18 +205,36 @@ class PagedLlamaRuntime(LlamaRuntime):
             logits = self.step(inputs.to(self.device), logits=True)[:rows]
         return logits if logits_rows is None else logits[logits_rows.to(self.device)]
 
+    @torch.no_grad()
+    def score(self, batch: TreeBatch, logits_rows: torch.Tensor | None = None,
+              feature_layers: Sequence[int] = ()) -> Scores:
+        """``forward``, and the hidden states after ``feature_layers`` (see ``LlamaRuntime.score``). A pass
+        with features runs eagerly: the graphs are captured without them."""
+        if not feature_layers:
+            return Scores(self.forward(batch, logits_rows))
+        check_feature_layers(feature_layers, len(self.layers))
+        rows = batch.cu_rows[-1]
+        captured: dict[int, torch.Tensor] = {}
+        logits = self.step(self.prepare(batch).to(self.device), logits=True, capture=(frozenset(feature_layers), captured))
+        features = torch.stack([captured[n][:rows] for n in feature_layers], dim=1)
+        logits = logits[:rows]
+        return Scores(logits if logits_rows is None else logits[logits_rows.to(self.device)], features)
+
     def _graph(self, inputs: PassInputs) -> _Graph:
         graph = self._graphs.get(inputs.key)
         if graph is None:
             graph = self._graphs[inputs.key] = _Graph(self, inputs, self._graph_memory)
         return graph
 
-    def step(self, inputs: PassInputs, logits: bool) -> torch.Tensor | None:
+    def step(self, inputs: PassInputs, logits: bool,
+             capture: tuple[frozenset[int], dict[int, torch.Tensor]] | None = None) -> torch.Tensor | None:
         """One padded pass on device tensors: writes every row's K/V into its slot; logits [rows, vocab]
-        fp32 when ``logits``. Shapes alone decide the work (graph-capturable on CUDA)."""
+        fp32 when ``logits``. Shapes alone decide the work (graph-capturable on CUDA). ``capture``: (layer
+        counts, a dict to fill with the hidden states after them)."""
         x = self.embed[inputs.input_ids]  # [rows, hidden]
+        wanted, captured = capture if capture is not None else (frozenset(), {})
         if self.fused_ops:
-            return self._fused_step(x, inputs, logits)
+            return self._fused_step(x, inputs, logits, wanted, captured)
         cos = self.cos[inputs.positions].unsqueeze(1)  # [rows, 1, head_dim]
         sin = self.sin[inputs.positions].unsqueeze(1)
         for index, layer in enumerate(self.layers):
@@ -224,11 +243,14 @@ class PagedLlamaRuntime(LlamaRuntime):
             self.pool.v[index].index_copy_(0, inputs.slots, v)
             attended = self._paged_attention(q.contiguous(), index, inputs)  # [rows, heads, head_dim]
             x = self._finish_layer(layer, x, attended)
+            if index + 1 in wanted:
+                captured[index + 1] = x
         if not logits:
             return None
         return self.lm_head(self._norm(x, self.final_norm)).float()
 
-    def _fused_step(self, x: torch.Tensor, inputs: PassInputs, logits: bool) -> torch.Tensor | None:
+    def _fused_step(self, x: torch.Tensor, inputs: PassInputs, logits: bool, wanted: frozenset[int] = frozenset(),
+                    captured: dict[int, torch.Tensor] | None = None) -> torch.Tensor | None:
         # the same maths with the elementwise ops fused (kernels/llama_ops_triton.py): 9 launches a layer
         from specmesh.kernels.llama_ops_triton import add_rms_norm, rope_and_cache, silu_mul
 
@@ -241,6 +263,8 @@ class PagedLlamaRuntime(LlamaRuntime):
             attended = self._paged_attention(q, index, inputs)
             x, h = add_rms_norm(x, layer.out(attended.reshape(rows, q_size)), layer.post_norm, self.eps)
             delta = layer.down(silu_mul(layer.gate_up(h)))
+            if index + 1 in wanted:  # the residual stream is x + delta until the next norm adds it
+                captured[index + 1] = x + delta
         if not logits:
             return None
         _, h = add_rms_norm(x, delta, self.final_norm, self.eps)

@@ -9,11 +9,12 @@ from typing import Mapping, Protocol, Sequence
 
 import torch
 
+from specmesh.errors import InvalidArgument
 from specmesh.kernels.block_linear import BlockWeight, quantize
 from specmesh.kernels.cpu_ops import KernelUnavailable, load_cpu_ops
 from specmesh.runtime.gguf import check_block_weights, load_block_weights
 from specmesh.runtime.hf import HFRuntime
-from specmesh.runtime.llama import LlamaRuntime, TreeBatch, lean_unsupported
+from specmesh.runtime.llama import LlamaRuntime, Scores, TreeBatch, lean_unsupported
 from specmesh.runtime.loading import LoadedModel, cache_root, resolve_model_dir
 from specmesh.runtime.precision import check_precision
 from specmesh.tree import TokenTree, compile_tree
@@ -116,20 +117,40 @@ def target_runtime(loaded: LoadedModel, precision: str = "shipped", kv_cache_gb:
 PREFILL_CHUNK = 512  # tokens per session per prefill pass: bounds the attention scores' memory
 
 
-def prefill_sessions(runtime: TargetRuntime, sessions: Sequence, histories: Sequence[Sequence[int]]) -> None:
-    """Extend each session's cache until it holds its whole history, all sessions in each pass (no logits)."""
+def prefill_sessions(runtime: TargetRuntime, sessions: Sequence, histories: Sequence[Sequence[int]],
+                     feature_layers: Sequence[int] = ()) -> list[torch.Tensor]:
+    """Extend each session's cache until it holds its whole history, all sessions in each pass (no logits).
+    With ``feature_layers``: each session's hidden states at the positions it prefilled
+    ([positions, layers, hidden], see ``score_with_features``), else []."""
+    features: list[list[torch.Tensor]] = [[] for _ in sessions]
     while True:
-        pending = [(s, h) for s, h in zip(sessions, histories) if s.length < len(h)]
+        pending = [(i, s, h) for i, (s, h) in enumerate(zip(sessions, histories)) if s.length < len(h)]
         if not pending:
-            return
+            break
         trees = []
-        for session, history in pending:
+        for _, session, history in pending:
             chunk = history[session.length :][:PREFILL_CHUNK]
             trees.append(compile_tree(chunk[0], TokenTree.chain(chunk[1:])))
-        batch_sessions = [s for s, _ in pending]
-        runtime.forward(TreeBatch.build(batch_sessions, trees), logits_rows=torch.empty(0, dtype=torch.long))
-        for session, tree in zip(batch_sessions, trees):
+        batch = TreeBatch.build([s for _, s, _ in pending], trees)
+        no_logits = torch.empty(0, dtype=torch.long)
+        if feature_layers:
+            hidden = score_with_features(runtime, batch, feature_layers, no_logits).features
+            for (i, _, _), start, end in zip(pending, batch.cu_rows, batch.cu_rows[1:]):
+                features[i].append(hidden[start:end])
+        else:
+            runtime.forward(batch, logits_rows=no_logits)
+        for (_, session, _), tree in zip(pending, trees):
             session.keep_rows(list(range(tree.num_rows)))
+    return [torch.cat(parts) if parts else None for parts in features] if feature_layers else []
+
+
+def score_with_features(runtime: TargetRuntime, batch: TreeBatch, feature_layers: Sequence[int],
+                        logits_rows: torch.Tensor | None = None) -> Scores:
+    """A pass that also returns hidden states after ``feature_layers`` (lean runtimes only)."""
+    if not hasattr(runtime, "score"):
+        raise InvalidArgument("feature_layers", f"{type(runtime).__name__} cannot return hidden states; "
+                              "feature drafters need the lean runtime")
+    return runtime.score(batch, logits_rows, feature_layers)
 
 
 def prefilled_session(runtime: TargetRuntime, tokens: Sequence[int]):

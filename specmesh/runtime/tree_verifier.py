@@ -24,8 +24,9 @@ import torch
 
 from specmesh.acceptance import Verdict, verify_greedy, verify_mss
 from specmesh.errors import InvalidArgument
-from specmesh.runtime.llama import TreeBatch
-from specmesh.runtime.target import TargetRuntime, prefill_sessions
+from specmesh.runtime.features import MAX_PROMPT_FEATURES, Features
+from specmesh.runtime.llama import TreeBatch, check_feature_layers
+from specmesh.runtime.target import TargetRuntime, prefill_sessions, score_with_features
 from specmesh.sampling import SamplingParams, target_probabilities
 from specmesh.tree import CompiledTree, TokenTree, compile_tree
 
@@ -41,6 +42,8 @@ class VerifyJob:
     tree: TokenTree
     params: SamplingParams
     history: tuple[int, ...] | None = None  # the ``position`` committed tokens, when a resync may be needed
+    feature_layers: tuple[int, ...] = ()  # return the target's hidden states after these layers (feature drafters)
+    max_prompt_features: int = MAX_PROMPT_FEATURES  # of a prefill's positions, return at most the last this many
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,8 @@ class VerifyResult:
     batch_trees: int = 0  # jobs in that pass with a tree (the others are plain decoding steps)
     verify_ms: float = 0.0  # the verifier's whole work for that pass: any prefill, then the tree pass
     refused: str = ""  # why the job was not verified (its KV cache does not fit now); verdict None
+    features: Features | None = None  # the job's feature_layers at the root and accepted nodes (after a
+    # prefill, the prefilled positions' last ones first), fp16 on the CPU
 
     @property
     def resync(self) -> bool:
@@ -121,6 +126,10 @@ class TreeVerifier:
             raise InvalidArgument("tree", f"holds token ids outside the vocabulary (0..{vocab - 1})")
         if job.history is not None and len(job.history) != job.position:
             raise InvalidArgument("history", f"has {len(job.history)} tokens but position is {job.position}")
+        if job.feature_layers:
+            check_feature_layers(job.feature_layers, self.runtime.config.num_hidden_layers)
+            if job.max_prompt_features < 0:
+                raise InvalidArgument("max_prompt_features", f"must be >= 0, got {job.max_prompt_features}")
         if job.position + 1 + len(job.tree) > self.runtime.max_length:
             raise InvalidArgument("position", f"{job.position} + tree exceeds the model's context of {self.runtime.max_length}")
 
@@ -154,18 +163,21 @@ class TreeVerifier:
             ready.remove(i)
             if i in prefills:
                 prefills.remove(i)
-        self._prefill([jobs[i] for i in prefills])
+        prompt_features = self._prefill([jobs[i] for i in prefills])
         prefill_ms = (time.perf_counter() - started) * 1e3
         if ready:
             passed_at = time.perf_counter()
-            verdicts = self._verify_trees([jobs[i] for i in ready])
+            verdicts, step_features = self._verify_trees([jobs[i] for i in ready])
             pass_ms = (time.perf_counter() - passed_at) * 1e3
             rows = sum(1 + len(jobs[i].tree) for i in ready)
             trees = sum(1 for i in ready if len(jobs[i].tree))
-            for i, verdict in zip(ready, verdicts):
+            for i, verdict, features in zip(ready, verdicts, step_features):
                 prefilled = jobs[i].position if i in prefills else 0
+                if features is not None and jobs[i].request_id in prompt_features:
+                    before = prompt_features[jobs[i].request_id]
+                    features = Features(before.start, torch.cat([before.values, features.values]), features.layers)
                 results[i] = VerifyResult(jobs[i].request_id, jobs[i].step, verdict, prefilled, pass_ms, rows, len(ready),
-                                          trees, prefill_ms + pass_ms)
+                                          trees, prefill_ms + pass_ms, features=features)
         self.stats.batches += 1
         self.stats.jobs += len(jobs)
         self.stats.busy_s += time.perf_counter() - started
@@ -218,25 +230,52 @@ class TreeVerifier:
             self.close(request_id)
         return refused
 
-    def _prefill(self, jobs: Sequence[VerifyJob]) -> None:
-        """Cache each job's history, in chunks so attention memory stays bounded."""
-        prefill_sessions(self.runtime, [self._sessions[j.request_id] for j in jobs], [j.history[: j.position] for j in jobs])
+    def _prefill(self, jobs: Sequence[VerifyJob]) -> dict[str, Features]:
+        """Cache each job's history, in chunks so attention memory stays bounded. Returns, for the jobs that
+        ask for features, the hidden states of their last ``max_prompt_features`` prefilled positions."""
+        layers = _union([j.feature_layers for j in jobs])
+        hidden = prefill_sessions(self.runtime, [self._sessions[j.request_id] for j in jobs],
+                                  [j.history[: j.position] for j in jobs], layers)
+        tails = {}
+        for job, values in zip(jobs, hidden):
+            if job.feature_layers and values is not None:
+                keep = min(job.max_prompt_features, values.shape[0])
+                block = Features(job.position - keep, values[values.shape[0] - keep :].half().cpu(), layers)
+                tails[job.request_id] = block.of_layers(job.feature_layers)
+        return tails
 
-    def _verify_trees(self, jobs: Sequence[VerifyJob]) -> list[Verdict]:
+    def _verify_trees(self, jobs: Sequence[VerifyJob]) -> tuple[list[Verdict], list[Features | None]]:
         sessions = [self._sessions[j.request_id] for j in jobs]
         trees: list[CompiledTree] = [compile_tree(j.root, j.tree) for j in jobs]
-        logits = self.runtime.forward(TreeBatch.build(sessions, trees))  # [total_rows, vocab]
-        verdicts = []
+        batch = TreeBatch.build(sessions, trees)
+        layers = _union([j.feature_layers for j in jobs])
+        if layers:
+            scores = score_with_features(self.runtime, batch, layers)
+            logits, hidden = scores.logits, scores.features  # [total_rows, vocab], [total_rows, layers, hidden]
+        else:
+            logits, hidden = self.runtime.forward(batch), None
+        verdicts, features = [], []
         offset = 0
         for job, session, tree in zip(jobs, sessions, trees):
             rows = logits[offset : offset + tree.num_rows]
-            offset += tree.num_rows
             if job.params.greedy:
                 verdict = verify_greedy(tree, rows)
             else:
                 generator = step_generator(job.params, job.position, self.runtime.device, self._random)
                 verdict = verify_mss(tree, target_probabilities(rows, job.params), generator)
-            session.keep_rows([0] + [node + 1 for node in verdict.accepted_nodes])
+            kept = [0] + [node + 1 for node in verdict.accepted_nodes]
+            session.keep_rows(kept)
+            if job.feature_layers:  # the root's and accepted nodes' rows: positions position.. of the committed
+                block = hidden[offset + torch.tensor(kept, device=hidden.device)].half().cpu()
+                features.append(Features(job.position, block, layers).of_layers(job.feature_layers))
+            else:
+                features.append(None)
+            offset += tree.num_rows
             self.stats.tree_nodes += len(job.tree)
             verdicts.append(verdict)
-        return verdicts
+        return verdicts, features
+
+
+def _union(layer_sets: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
+    """Every layer any job asks for, in ascending order (one pass captures them all)."""
+    return tuple(sorted({n for layers in layer_sets for n in layers}))

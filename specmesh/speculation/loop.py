@@ -26,6 +26,7 @@ from typing import AsyncIterator, Protocol, Sequence
 from specmesh.drafters.base import Drafter
 from specmesh.errors import InvalidArgument, Unavailable
 from specmesh.fusion import fuse_trees
+from specmesh.runtime.features import Features
 from specmesh.runtime.tree_verifier import TreeVerifier, VerifyJob, VerifyResult
 from specmesh.sampling import SamplingParams
 from specmesh.speculation.expertise import GENERAL
@@ -93,6 +94,9 @@ class StepOutput:
 
 class AsyncDrafter(Protocol):
     name: str
+    # A feature drafter also has ``feature_layers`` (the target layers it reads) and
+    # ``async add_features(request_id, Features)``: the loop asks the verifier for those hidden states
+    # and hands each step's block over after the commit.
 
     async def start(self, request_id: str, prompt_ids: Sequence[int]) -> None: ...
 
@@ -122,6 +126,7 @@ class LocalDrafter:
         self.drafter = drafter
         self.name = drafter.name
         self.kind = getattr(drafter, "kind", "model")
+        self.feature_layers: tuple[int, ...] = tuple(getattr(drafter, "feature_layers", ()))
         self._context: dict[str, list[int]] = {}  # request -> every committed token
         self._stale: set[str] = set()  # requests whose session a failed call may have left inconsistent
 
@@ -139,6 +144,9 @@ class LocalDrafter:
     async def commit(self, request_id: str, new_token_ids: Sequence[int]) -> None:
         self._context[request_id].extend(new_token_ids)
         self._call(request_id, self.drafter.commit, request_id, new_token_ids)
+
+    async def add_features(self, request_id: str, features: Features) -> None:
+        self._call(request_id, self.drafter.add_features, request_id, features)
 
     async def end(self, request_id: str) -> None:
         self._context.pop(request_id, None)
@@ -236,6 +244,7 @@ async def speculate(
     if len(by_name) != len(drafters):
         raise ValueError(f"drafter names must be unique: {[d.name for d in drafters]}")
     stats.request_kind = policy.kind
+    feature_layers = tuple(sorted({n for d in drafters for n in getattr(d, "feature_layers", ())}))
     started = time.perf_counter()
     context = list(request.prompt_ids)  # every committed token; the last one is the next tree's root
     produced = 0
@@ -263,7 +272,8 @@ async def speculate(
                 stats.drafter_steps[name] = stats.drafter_steps.get(name, 0) + 1
             tree = draft.fused
             verified_at = time.perf_counter()
-            verifying = asyncio.ensure_future(_verify(verifier, request, step, context, tree, send_history, stats))
+            verifying = asyncio.ensure_future(_verify(verifier, request, step, context, tree, send_history, stats,
+                                                      feature_layers))
             pending = [verifying]
             assumed = tree.likeliest_path() if draft_ahead and len(tree) else []
             if assumed:
@@ -308,6 +318,10 @@ async def speculate(
             for drafter in drafters:  # also the last: history drafters keep answers
                 # bookkeeping, sent with the next proposal: one at a time costs no gather
                 await _guarded(drafter, "commit", rid, stats, drafter.commit(rid, new))
+                layers = getattr(drafter, "feature_layers", ())
+                if layers and result.features is not None and finish_reason is None:
+                    await _guarded(drafter, "add_features", rid, stats,
+                                   drafter.add_features(rid, result.features.of_layers(layers)))
             yield StepOutput(new, finish_reason)
             if finish_reason is not None:
                 return
@@ -354,13 +368,14 @@ async def _draft(
 
 async def _verify(
     verifier: VerifierClient, request: Request, step: int, context: list[int], tree: TokenTree,
-    send_history: bool, stats: SpeculationStats,
+    send_history: bool, stats: SpeculationStats, feature_layers: tuple[int, ...] = (),
 ) -> VerifyResult:
     for attempt in range(MAX_RESYNCS_PER_STEP + 1):
         with_history = send_history or attempt > 0
         job = VerifyJob(
             request.request_id, step, position=len(context) - 1, root=context[-1], tree=tree,
             params=request.params, history=tuple(context[:-1]) if with_history else None,
+            feature_layers=feature_layers,
         )
         result = await verifier.verify(job)
         if not result.resync:

@@ -35,3 +35,19 @@ class TokenIds(_message.Message):
     IDS_FIELD_NUMBER: _ClassVar[int]
     ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Features(_message.Message):
+    __slots__ = ("start", "positions", "layers", "hidden_size", "dtype", "data")
+    START_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    positions: int
+    layers: _containers.RepeatedScalarFieldContainer[int]
+    hidden_size: int
+    dtype: str
+    data: bytes
+    def __init__(self, start: _Optional[int] = ..., positions: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...

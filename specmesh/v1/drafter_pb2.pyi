@@ -20,16 +20,18 @@ class OpenSessionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("request_id", "committed", "budget", "assumed")
+    __slots__ = ("request_id", "committed", "budget", "assumed", "features")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     ASSUMED_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     committed: _containers.RepeatedScalarFieldContainer[int]
     budget: int
     assumed: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., committed: _Optional[_Iterable[int]] = ..., budget: _Optional[int] = ..., assumed: _Optional[_Iterable[int]] = ...) -> None: ...
+    features: _common_pb2.Features
+    def __init__(self, request_id: _Optional[str] = ..., committed: _Optional[_Iterable[int]] = ..., budget: _Optional[int] = ..., assumed: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("tree", "draft_ms")
@@ -56,7 +58,7 @@ class DrafterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterInfo(_message.Message):
-    __slots__ = ("name", "kind", "domains", "target", "tokenizer_hash", "active_sessions", "max_sessions")
+    __slots__ = ("name", "kind", "domains", "target", "tokenizer_hash", "active_sessions", "max_sessions", "feature_layers", "hidden_size")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     DOMAINS_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +66,8 @@ class DrafterInfo(_message.Message):
     TOKENIZER_HASH_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: str
     domains: _containers.RepeatedScalarFieldContainer[str]
@@ -71,4 +75,6 @@ class DrafterInfo(_message.Message):
     tokenizer_hash: str
     active_sessions: int
     max_sessions: int
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., domains: _Optional[_Iterable[str]] = ..., target: _Optional[str] = ..., tokenizer_hash: _Optional[str] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ...) -> None: ...
+    feature_layers: _containers.RepeatedScalarFieldContainer[int]
+    hidden_size: int
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., domains: _Optional[_Iterable[str]] = ..., target: _Optional[str] = ..., tokenizer_hash: _Optional[str] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., feature_layers: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ...) -> None: ...

@@ -55,7 +55,7 @@ class DrainResponse(_message.Message):
     def __init__(self, released_sessions: _Optional[int] = ...) -> None: ...
 
 class VerifyJob(_message.Message):
-    __slots__ = ("request_id", "step", "position", "root", "tree", "sampling", "history", "reply_to", "deadline_unix_ms")
+    __slots__ = ("request_id", "step", "position", "root", "tree", "sampling", "history", "reply_to", "deadline_unix_ms", "feature_layers", "max_prompt_features")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,8 @@ class VerifyJob(_message.Message):
     HISTORY_FIELD_NUMBER: _ClassVar[int]
     REPLY_TO_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_FEATURES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     step: int
     position: int
@@ -74,10 +76,12 @@ class VerifyJob(_message.Message):
     history: _common_pb2.TokenIds
     reply_to: str
     deadline_unix_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., step: _Optional[int] = ..., position: _Optional[int] = ..., root: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., history: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., reply_to: _Optional[str] = ..., deadline_unix_ms: _Optional[int] = ...) -> None: ...
+    feature_layers: _containers.RepeatedScalarFieldContainer[int]
+    max_prompt_features: int
+    def __init__(self, request_id: _Optional[str] = ..., step: _Optional[int] = ..., position: _Optional[int] = ..., root: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., history: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., reply_to: _Optional[str] = ..., deadline_unix_ms: _Optional[int] = ..., feature_layers: _Optional[_Iterable[int]] = ..., max_prompt_features: _Optional[int] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("request_id", "step", "status", "accepted_nodes", "tokens", "verifier_id", "message", "prefilled_tokens", "queue_ms", "verify_ms", "batch_size", "pass_ms", "batch_rows", "batch_trees")
+    __slots__ = ("request_id", "step", "status", "accepted_nodes", "tokens", "verifier_id", "message", "prefilled_tokens", "queue_ms", "verify_ms", "batch_size", "pass_ms", "batch_rows", "batch_trees", "features")
     class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATUS_UNSPECIFIED: _ClassVar[VerifyResult.Status]
@@ -104,6 +108,7 @@ class VerifyResult(_message.Message):
     PASS_MS_FIELD_NUMBER: _ClassVar[int]
     BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
     BATCH_TREES_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     step: int
     status: VerifyResult.Status
@@ -118,4 +123,5 @@ class VerifyResult(_message.Message):
     pass_ms: float
     batch_rows: int
     batch_trees: int
-    def __init__(self, request_id: _Optional[str] = ..., step: _Optional[int] = ..., status: _Optional[_Union[VerifyResult.Status, str]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., verifier_id: _Optional[str] = ..., message: _Optional[str] = ..., prefilled_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., pass_ms: _Optional[float] = ..., batch_rows: _Optional[int] = ..., batch_trees: _Optional[int] = ...) -> None: ...
+    features: _common_pb2.Features
+    def __init__(self, request_id: _Optional[str] = ..., step: _Optional[int] = ..., status: _Optional[_Union[VerifyResult.Status, str]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., verifier_id: _Optional[str] = ..., message: _Optional[str] = ..., prefilled_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., pass_ms: _Optional[float] = ..., batch_rows: _Optional[int] = ..., batch_trees: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,452 @@
+"""Feature drafters: a small head that reads the target's own hidden states (EAGLE, Li et al. 2024-25).
+
+The target's hidden state at position t already holds most of what it will say next. The head takes,
+at each position t, the target's hidden states after a few of its layers (``feature_layers``: low, middle
+and top, as EAGLE-3 fuses them) and the embedding of the token that followed, and predicts the token
+after that, through one decoder layer. To draft further than the target's features reach, it feeds its
+own output hidden state in place of the target's fused features (EAGLE's autoregression in feature
+space); training unrolls that loop a few steps ("training-time test") so the head learns to read its
+own outputs as well as the target's.
+
+One step at position p (g: fused target features, or the head's previous output):
+    x = [norm_e(embed(token[p + 1])), norm_g(g)]                    [2 * hidden]
+    h = g + attn(x)                                                  (attention over earlier positions)
+    out = h + mlp(norm_post(h))                                      [hidden]  -> next step's g
+    logits = head(norm_final(out))                                   [subset + 1]  (last: fallback)
+The head covers the most frequent answer tokens plus a fallback class ("none of these"), as the experts'.
+
+A drafter directory holds ``drafter.json`` (kind "feature", the target's name, tokenizer hash, hidden size
+and layers, the architecture, measured agreement and cost, the command that made it) and
+``weights.safetensors``; the input embeddings are the target's, read at load.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specmesh.drafters.shape import Step, confident_tree
+from specmesh.errors import InvalidArgument
+from specmesh.runtime.features import Features
+from specmesh.runtime.linear import linear_for
+from specmesh.tree import TokenTree
+
+FORMAT = "specmesh-feature-drafter/1"
+STORED_DTYPE = torch.float16
+
+
+@dataclass(frozen=True)
+class FeatureConfig:
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    feature_layers: tuple[int, ...]  # the target's layers read (hidden states after that many layers)
+    rope_theta: float
+    rms_norm_eps: float
+    subset_size: int
+
+    @classmethod
+    def for_target(cls, config, feature_layers: Sequence[int], subset_size: int) -> FeatureConfig:
+        """The head at the target's width, heads and MLP size."""
+        rope = getattr(config, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        heads = config.num_attention_heads
+        return cls(config.hidden_size, heads, config.num_key_value_heads,
+                   getattr(config, "head_dim", None) or config.hidden_size // heads, config.intermediate_size,
+                   tuple(int(n) for n in feature_layers), float(theta), float(config.rms_norm_eps), subset_size)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [...] -> cos, sin [..., head_dim] (Llama's rotation of the two halves)."""
+    inverse = theta ** -(torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
+    angles = positions.float().unsqueeze(-1) * inverse  # [..., head_dim / 2]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+class FeatureHead(nn.Module):
+    """The trainable head; ``embedding`` [vocab, hidden] is the target's (frozen, not saved)."""
+
+    def __init__(self, config: FeatureConfig, embedding: torch.Tensor, subset_ids: torch.Tensor) -> None:
+        super().__init__()
+        self.config = config
+        h, layers = config.hidden_size, len(config.feature_layers)
+        q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        self.register_buffer("embedding", embedding.detach().clone(), persistent=False)  # [vocab, hidden]
+        self.register_buffer("subset_ids", subset_ids.to(torch.long), persistent=False)  # [subset]
+        self.feature_norms = nn.ModuleList(RMSNorm(h, config.rms_norm_eps) for _ in range(layers))
+        self.fuse = nn.Linear(layers * h, h, bias=False)  # the target's layers -> one feature
+        self.embed_norm = RMSNorm(h, config.rms_norm_eps)
+        self.input_norm = RMSNorm(h, config.rms_norm_eps)
+        self.qkv = nn.Linear(2 * h, q_size + 2 * kv_size, bias=False)
+        self.out = nn.Linear(q_size, h, bias=False)
+        self.post_norm = RMSNorm(h, config.rms_norm_eps)
+        self.gate_up = nn.Linear(h, 2 * config.intermediate_size, bias=False)
+        self.down = nn.Linear(config.intermediate_size, h, bias=False)
+        self.final_norm = RMSNorm(h, config.rms_norm_eps)
+        self.head = nn.Linear(h, len(subset_ids) + 1, bias=False)  # last row: the fallback class
+
+    @property
+    def fallback(self) -> int:
+        return self.head.out_features - 1
+
+    def fused(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features [..., layers, hidden] -> g [..., hidden]."""
+        normed = [norm(features[..., i, :].float()) for i, norm in enumerate(self.feature_norms)]
+        return self.fuse(torch.cat(normed, dim=-1))
+
+    def step_inputs(self, g: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+        """g [..., hidden], next_ids [...] -> the attention's input [..., 2 * hidden]."""
+        return torch.cat([self.embed_norm(self.embedding[next_ids].float()), self.input_norm(g)], dim=-1)
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor):
+        """x [..., 2 * hidden] -> q [..., heads, head_dim], k and v [..., kv_heads, head_dim], q and k rotated."""
+        c = self.config
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        qkv = self.qkv(x)
+        q = qkv[..., :q_size].unflatten(-1, (c.num_heads, c.head_dim))
+        k = qkv[..., q_size : q_size + kv_size].unflatten(-1, (c.num_kv_heads, c.head_dim))
+        v = qkv[..., q_size + kv_size :].unflatten(-1, (c.num_kv_heads, c.head_dim))
+        cos, sin = rope_tables(positions, c.head_dim, c.rope_theta)
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+    def finish(self, g: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """g [..., hidden], attended [..., heads * head_dim] -> the step's output hidden state [..., hidden]."""
+        h = g + self.out(attended)
+        gate, up = self.gate_up(self.post_norm(h)).chunk(2, dim=-1)
+        return h + self.down(F.silu(gate) * up)
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        return self.head(self.final_norm(out))
+
+    def unrolled(self, features: torch.Tensor, next_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """Training-time test. features [batch, T, layers, hidden] (right-padded), next_ids [batch, T]: the
+        token after each position. Returns each step's output hidden states [batch, T, hidden]: step 0 reads
+        the target's features everywhere; step j at position p reads step j-1's output at p-1, i.e. it
+        drafts its j-th token past the target's last feature at p-j, attending to the target-fed keys up to
+        p-j and its own keys at p-j+1..p (as drafting does). Each output predicts the token after next_ids."""
+        c = self.config
+        batch, length = next_ids.shape
+        positions = torch.arange(length, device=next_ids.device)
+        groups = c.num_heads // c.num_kv_heads
+        scale = c.head_dim ** -0.5
+        g = self.fused(features)  # [batch, T, hidden]
+        keys: list[tuple[torch.Tensor, torch.Tensor]] = []  # per step: k, v [batch, kv_heads, T, head_dim]
+        outputs = []
+        for j in range(steps):
+            q, k, v = self.project(self.step_inputs(g, next_ids), positions)
+            q = q.transpose(1, 2)  # [batch, heads, T, head_dim]
+            keys.append((k.transpose(1, 2).repeat_interleave(groups, 1), v.transpose(1, 2).repeat_interleave(groups, 1)))
+            k0, v0 = keys[0]
+            scores = q @ k0.transpose(-1, -2) * scale  # [batch, heads, T, T]
+            visible = torch.ones(length, length, dtype=torch.bool, device=q.device).tril(-j)  # key <= p - j
+            scores = scores.masked_fill(~visible, float("-inf"))
+            diagonal, values = [], []
+            for i in range(1, j + 1):  # step i's key at p - j + i: the head's own earlier guesses
+                ki, vi = (_shift(t, j - i) for t in keys[i])
+                diagonal.append((q * ki).sum(-1, keepdim=True) * scale)  # [batch, heads, T, 1]
+                values.append(vi)
+            weights = torch.cat([scores, *diagonal], dim=-1).softmax(-1)
+            attended = weights[..., :length] @ v0
+            for i, vi in enumerate(values):
+                attended = attended + weights[..., length + i : length + i + 1] * vi
+            out = self.finish(g, attended.transpose(1, 2).flatten(-2))  # [batch, T, hidden]
+            outputs.append(out)
+            g = _shift(out.unsqueeze(1), 1).squeeze(1)  # step j+1 at p reads this step's output at p-1
+        return outputs
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        return dict(self.state_dict())
+
+
+def _shift(x: torch.Tensor, by: int) -> torch.Tensor:
+    """x [batch, heads, T, ...] -> x shifted ``by`` positions later along T (zeros first)."""
+    if by == 0:
+        return x
+    return torch.cat([torch.zeros_like(x[:, :, :by]), x[:, :, :-by]], dim=2)
+
+
+@dataclass
+class FeatureSpec:
+    """What ``drafter.json`` says about a feature drafter."""
+
+    name: str
+    target: dict  # {"name", "tokenizer_hash", "vocab_size", "hidden_size", "precision"}
+    architecture: dict  # FeatureConfig's fields
+    kind: str = "feature"
+    domain: str = "general"
+    measured: dict = field(default_factory=dict)
+    training: dict = field(default_factory=dict)
+
+    @property
+    def config(self) -> FeatureConfig:
+        return FeatureConfig(**{**self.architecture, "feature_layers": tuple(self.architecture["feature_layers"])})
+
+    def to_json(self) -> str:
+        return json.dumps({"format": FORMAT, **asdict(self)}, indent=2) + "\n"
+
+    @classmethod
+    def read(cls, directory: Path) -> FeatureSpec:
+        data = json.loads((Path(directory) / "drafter.json").read_text())
+        if data.pop("format", None) != FORMAT:
+            raise InvalidArgument("drafter", f"{directory}/drafter.json is not in format {FORMAT}")
+        return cls(**data)
+
+
+def check_feature_target(spec: FeatureSpec, tokenizer_hash: str, hidden_size: int, num_layers: int, where: str) -> None:
+    """Refuse a head made for another target: it would read hidden states that mean something else."""
+    made_for = spec.target
+    if made_for.get("tokenizer_hash") != tokenizer_hash:
+        raise InvalidArgument("drafter", f"{where} was trained for another vocabulary than this target's "
+                              f"({made_for.get('name')!r}'s)")
+    if made_for.get("hidden_size") != hidden_size:
+        raise InvalidArgument("drafter", f"{where} reads hidden states of size {made_for.get('hidden_size')}; "
+                              f"this target's are {hidden_size}")
+    if max(spec.config.feature_layers) > num_layers:
+        raise InvalidArgument("drafter", f"{where} reads layer {max(spec.config.feature_layers)}; this target has "
+                              f"{num_layers}")
+
+
+def is_feature_drafter(directory: str | Path) -> bool:
+    file = Path(directory) / "drafter.json"
+    return file.is_file() and json.loads(file.read_text()).get("format") == FORMAT
+
+
+def save_feature_head(model: FeatureHead, spec: FeatureSpec, directory: Path) -> None:
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to(device="cpu", dtype=STORED_DTYPE).contiguous() for k, v in model.trainable_state().items()}
+    tensors["subset_ids"] = model.subset_ids.to(device="cpu", dtype=torch.int32)
+    save_file(tensors, str(directory / "weights.safetensors"))
+    (directory / "drafter.json").write_text(spec.to_json())
+
+
+def round_to_stored(model: FeatureHead) -> FeatureHead:
+    """Round the weights to the precision they are saved in (in place): what is measured is what ships."""
+    with torch.no_grad():
+        for tensor in model.trainable_state().values():
+            tensor.copy_(tensor.to(STORED_DTYPE))
+    return model
+
+
+def load_feature_head(directory: str | Path, embedding: torch.Tensor) -> tuple[FeatureHead, FeatureSpec]:
+    """The head in ``directory`` over ``embedding`` (the target's), in fp32 on the embedding's device."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    spec = FeatureSpec.read(directory)
+    tensors = load_file(str(directory / "weights.safetensors"))
+    subset = tensors.pop("subset_ids").to(torch.long)
+    model = FeatureHead(spec.config, embedding.float(), subset)
+    missing, unexpected = model.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
+    if missing or unexpected:
+        raise InvalidArgument("drafter", f"{directory}: weights do not match drafter.json (missing {missing[:3]}, "
+                              f"unexpected {unexpected[:3]})")
+    return model.to(embedding.device).eval(), spec
+
+
+class FeatureMismatch(InvalidArgument):
+    """Features that do not fit the head (another target, other layers, a malformed block)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("features", message)
+
+
+@dataclass
+class _Request:
+    committed: list[int]  # every committed token
+    features: torch.Tensor | None = None  # the target's features heard [known, layers, hidden]
+    first: int = 0  # position of the first feature held (a long prompt's earliest are not sent)
+    known: int = 0  # positions with target features: first .. first + known - 1
+    fed: int = 0  # of those, entries in the cache (the real ones, kept between proposals)
+    keys: torch.Tensor | None = None  # [2, kv_heads, capacity, head_dim]: real entries, then scratch
+    last_out: torch.Tensor | None = None  # the output hidden state of the last real entry [hidden]
+    position: int = 0  # while drafting: the position of the last entry fed
+    out: torch.Tensor | None = None  # while drafting: its output [hidden]
+
+
+class FeatureDrafter:
+    """Drafts a confidence-shaped tree (``shape.py``) from the target's features, one request at a time.
+
+    Per request it holds the target features heard so far and a KV cache of its own entries over them.
+    A proposal feeds the new real entries, then drafts in feature space: past the last target feature,
+    every position (committed tokens without features yet, assumed tokens, guesses) reads the head's own
+    previous output. Linears are pre-packed (int8 on a CPU where it pays), as the experts'.
+    """
+
+    kind = "feature"
+
+    def __init__(self, model: FeatureHead, name: str, max_depth: int = 8, branch_below: float = 0.6,
+                 branch_width: int = 2, stop_below: float = 0.0, int8_weights: bool | None = None) -> None:
+        from specmesh.drafters.expert import drafter_int8
+
+        self.name = name
+        self.domain = "general"
+        self.model = model
+        self.config = model.config
+        self.feature_layers = model.config.feature_layers
+        device = model.head.weight.device
+        if int8_weights is None:
+            int8_weights = drafter_int8(device, model.head.weight.dtype)
+        pack = lambda layer: linear_for(layer.weight.detach(), None, int8=int8_weights)  # noqa: E731
+        self._fuse, self._qkv, self._out = pack(model.fuse), pack(model.qkv), pack(model.out)
+        self._gate_up, self._down, self._head = pack(model.gate_up), pack(model.down), pack(model.head)
+        self.subset_ids = model.subset_ids.tolist()
+        self.max_depth, self.branch_below, self.branch_width, self.stop_below = max_depth, branch_below, branch_width, stop_below
+        self._requests: dict[str, _Request] = {}
+
+    # -- the Drafter interface ----------------------------------------------------------------------
+    def start(self, request_id: str, prompt_ids: Sequence[int]) -> None:
+        self._requests[request_id] = _Request([int(t) for t in prompt_ids])
+
+    def commit(self, request_id: str, new_token_ids: Sequence[int]) -> None:
+        self._requests[request_id].committed.extend(int(t) for t in new_token_ids)
+
+    def end(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def add_features(self, request_id: str, block: Features) -> None:
+        """The target's hidden states at positions block.start.. (sent once the tokens they follow were
+        committed). The first block may start anywhere (a long prompt's tail); later ones continue where
+        the last ended. Refuses (``FeatureMismatch``) what does not fit: other layers or sizes, values
+        that are not finite, gaps, positions past the committed tokens."""
+        state = self._requests[request_id]
+        features, start = block.values, block.start
+        expected = (len(self.feature_layers), self.config.hidden_size)
+        if tuple(block.layers) != self.feature_layers:
+            raise FeatureMismatch(f"features of layers {list(block.layers)}; this drafter reads {list(self.feature_layers)}")
+        if features.dim() != 3 or tuple(features.shape[1:]) != expected:
+            raise FeatureMismatch(f"expected [n, {expected[0]}, {expected[1]}] features, got {list(features.shape)}")
+        if start < 0:
+            raise FeatureMismatch(f"features start at position {start}")
+        if not torch.isfinite(features).all():
+            raise FeatureMismatch("features hold NaN or infinite values")
+        if state.known == 0:
+            state.first = start
+        elif start > state.first + state.known:
+            raise FeatureMismatch(f"features start at position {start}; the drafter holds up to {state.first + state.known}")
+        elif start < state.first + state.known:  # a verifier's re-prefill sends known positions again
+            features, start = features[state.first + state.known - start :], state.first + state.known
+        if start + features.shape[0] > len(state.committed) - 1:
+            raise FeatureMismatch(f"features reach position {start + features.shape[0] - 1}, past the committed tokens")
+        if features.shape[0]:
+            features = features.to(self.model.head.weight.device)
+            state.features = features if state.features is None else torch.cat([state.features, features])
+            state.known += features.shape[0]
+
+    def propose(self, request_id: str, budget: int, assumed: Sequence[int] = ()) -> TokenTree:
+        state = self._requests[request_id]
+        if budget <= 0 or state.known == 0:
+            return TokenTree()  # no features yet (before the prefill's result): nothing to read
+        with torch.no_grad():
+            first = self._catch_up(state, [*state.committed, *assumed])
+            return confident_tree(first, self._advance(state), budget, self.max_depth, self.branch_below,
+                                  self.branch_width, stop_index=len(self.subset_ids), stop_below=self.stop_below)
+
+    # -- drafting ----------------------------------------------------------------------------------
+    def _catch_up(self, state: _Request, context: list[int]) -> Step:
+        """Feed the real entries not yet cached, then the positions past the last target feature (reading
+        the head's own outputs); return the distribution of the token after ``context``. Entry p reads g at p
+        and token p + 1 and predicts token p + 2."""
+        if state.fed < state.known:
+            start = state.first + state.fed
+            block = state.features[state.fed :]
+            outs = self._entries(state, self._fused(block), context[start + 1 : start + 1 + block.shape[0]], start)
+            state.fed, state.last_out = state.known, outs[-1]
+        out = state.last_out
+        for position in range(state.first + state.fed, len(context) - 1):  # scratch: rewritten next proposal
+            out = self._entries(state, out.unsqueeze(0), [context[position + 1]], position)[-1]
+        state.position, state.out = len(context) - 1, out
+        return self._step(out)
+
+    def _advance(self, state: _Request):
+        def advance(token: int) -> Step:  # the guess follows the last fed token: one more scratch entry
+            state.out = self._entries(state, state.out.unsqueeze(0), [token], state.position)[-1]
+            state.position += 1
+            return self._step(state.out)
+        return advance
+
+    def _step(self, out: torch.Tensor) -> Step:
+        normed = self.model.final_norm(out.unsqueeze(0))
+        return Step(self._head(normed)[0].float().softmax(-1), self.subset_ids)
+
+    def _fused(self, features: torch.Tensor) -> torch.Tensor:
+        m = self.model
+        normed = [norm(features[:, i].float()) for i, norm in enumerate(m.feature_norms)]
+        return self._fuse(torch.cat(normed, dim=-1))
+
+    def _entries(self, state: _Request, g: torch.Tensor, next_ids: Sequence[int], start: int) -> torch.Tensor:
+        """Feed entries at positions start.. (g [n, hidden], the tokens after each); write their K/V at those
+        positions (overwriting any scratch there) and return their outputs [n, hidden]."""
+        m, c = self.model, self.config
+        n = g.shape[0]
+        positions = torch.arange(start, start + n, device=g.device)
+        x = m.step_inputs(g, torch.tensor(next_ids, device=g.device))
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        qkv = self._qkv(x)
+        q = qkv[:, :q_size].unflatten(-1, (c.num_heads, c.head_dim))
+        k = qkv[:, q_size : q_size + kv_size].unflatten(-1, (c.num_kv_heads, c.head_dim))
+        v = qkv[:, q_size + kv_size :].unflatten(-1, (c.num_kv_heads, c.head_dim))
+        cos, sin = rope_tables(positions, c.head_dim, c.rope_theta)
+        q, k = rotate(q, cos.unsqueeze(1), sin.unsqueeze(1)), rotate(k, cos.unsqueeze(1), sin.unsqueeze(1))
+        offset = start - state.first  # cache index of position ``start``
+        self._reserve(state, offset + n)
+        state.keys[0, :, offset : offset + n] = k.transpose(0, 1)
+        state.keys[1, :, offset : offset + n] = v.transpose(0, 1)
+        keys, values = state.keys[0, :, : offset + n], state.keys[1, :, : offset + n]  # [kv_heads, offset + n, d]
+        groups = c.num_heads // c.num_kv_heads
+        mask = torch.ones(n, offset + n, dtype=torch.bool, device=g.device).tril(offset)  # causal
+        attended = F.scaled_dot_product_attention(
+            q.transpose(0, 1), keys.repeat_interleave(groups, 0), values.repeat_interleave(groups, 0),
+            attn_mask=mask)  # [heads, n, head_dim]
+        h = g + self._out(attended.transpose(0, 1).reshape(n, -1))
+        gate, up = self._gate_up(m.post_norm(h)).chunk(2, dim=-1)
+        return h + self._down(F.silu(gate) * up)
+
+    def _reserve(self, state: _Request, length: int) -> None:
+        c = self.config
+        capacity = 0 if state.keys is None else state.keys.shape[2]
+        if length <= capacity:
+            return
+        grown = torch.zeros(2, c.num_kv_heads, max(length, 2 * capacity, 64), c.head_dim,
+                            device=self.model.head.weight.device)
+        if state.keys is not None:
+            grown[:, :, :capacity] = state.keys
+        state.keys = grown
+
+
+def subset_head_rows(target_head: torch.Tensor, subset_ids: torch.Tensor) -> torch.Tensor:
+    """The target's LM head rows for the subset, plus a zero fallback row: a head that starts where the
+    target's own would read a feature like its top layer's."""
+    rows = target_head.detach().float().cpu()[subset_ids]
+    return torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
+
+
+def parameter_count(model: FeatureHead) -> int:
+    return sum(math.prod(p.shape) for p in model.parameters())

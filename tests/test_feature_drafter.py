@@ -1,0 +1,172 @@
+"""The feature drafter: its training unroll and its drafting runtime compute the same thing, and it
+refuses features that do not fit."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specmesh.cluster.wire import features_from_pb, features_to_pb
+from specmesh.distill.data import Example, target_answers
+from specmesh.distill.feature_train import FeatureTrainConfig, build_feature_head, train_feature_head
+from specmesh.drafters.feature import FeatureConfig, FeatureDrafter, FeatureHead, FeatureMismatch
+from specmesh.drafters.ngram import NgramDrafter
+from specmesh.errors import InvalidArgument
+from specmesh.runtime.features import Features
+from specmesh.runtime.llama import LlamaRuntime, TreeBatch
+from specmesh.runtime.tree_verifier import TreeVerifier, VerifyJob
+from specmesh.sampling import SamplingParams
+from specmesh.speculation.engine import Request, SpeculativeEngine
+from specmesh.tree import TokenTree, compile_tree
+from specmesh.v1 import common_pb2
+
+CONFIG = FeatureConfig(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48,
+                       feature_layers=(1, 3), rope_theta=10000.0, rms_norm_eps=1e-5, subset_size=20)
+
+
+def make_head(seed: int = 0) -> FeatureHead:
+    torch.manual_seed(seed)
+    embedding = torch.randn(50, 32)
+    model = FeatureHead(CONFIG, embedding, torch.arange(20))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return model.eval()
+
+
+def test_drafting_computes_the_unroll_it_was_trained_with():
+    model = make_head()
+    drafter = FeatureDrafter(model, "feature", int8_weights=False)
+    tokens = torch.randint(0, 50, (14,)).tolist()
+    features = torch.randn(13, 2, 32)  # positions 0..12 (the last token has none)
+    with torch.no_grad():
+        steps = model.unrolled(features.unsqueeze(0), torch.tensor([tokens[1:]]), 3)
+    for known in (5, 9):  # the target's features up to position known - 1
+        for j in range(3):  # drafting j positions past the last feature
+            context = tokens[: known + 1 + j]
+            drafter.start("r", tokens[: known + 1])
+            drafter.add_features("r", Features(0, features[:known], (1, 3)))
+            drafter.commit("r", context[known + 1 :])
+            step = drafter._catch_up(drafter._requests["r"], context)
+            expected = model.logits(steps[j][0, known - 1 + j]).softmax(-1)
+            assert torch.allclose(step.probs, expected, atol=1e-5), (known, j)
+            drafter.end("r")
+
+
+def test_features_arriving_in_blocks_give_the_same_drafts():
+    model = make_head(1)
+    tokens = torch.randint(0, 50, (20,)).tolist()
+    features = torch.randn(19, 2, 32)
+    whole, pieces = FeatureDrafter(model, "a", int8_weights=False), FeatureDrafter(model, "b", int8_weights=False)
+    whole.start("r", tokens)
+    whole.add_features("r", Features(4, features[4:19], (1, 3)))  # a long prompt's first positions are not sent
+    pieces.start("r", tokens[:8])
+    pieces.add_features("r", Features(4, features[4:7], (1, 3)))
+    pieces.propose("r", 4, assumed=tokens[8:11])  # draft-ahead scratch, rewritten later
+    pieces.commit("r", tokens[8:])
+    pieces.add_features("r", Features(7, features[7:19], (1, 3)))
+    assert whole.propose("r", 6) == pieces.propose("r", 6)
+
+
+def test_features_that_do_not_fit_are_refused():
+    drafter = FeatureDrafter(make_head(), "feature", int8_weights=False)
+    drafter.start("r", [1, 2, 3, 4])
+    with pytest.raises(FeatureMismatch, match=r"expected \[n, 2, 32\]"):
+        drafter.add_features("r", Features(0, torch.randn(3, 2, 16), (1, 3)))
+    with pytest.raises(FeatureMismatch, match="NaN"):
+        drafter.add_features("r", Features(0, torch.full((3, 2, 32), float("nan")), (1, 3)))
+    with pytest.raises(FeatureMismatch, match="past the committed"):
+        drafter.add_features("r", Features(0, torch.randn(4, 2, 32), (1, 3)))
+    with pytest.raises(FeatureMismatch, match=r"layers \[1, 2\]"):
+        drafter.add_features("r", Features(0, torch.randn(3, 2, 32), (1, 2)))
+    drafter.add_features("r", Features(0, torch.randn(2, 2, 32), (1, 3)))
+    with pytest.raises(FeatureMismatch, match="start at position 3"):
+        drafter.add_features("r", Features(3, torch.randn(1, 2, 32), (1, 3)))
+    assert len(drafter.propose("r", 4)) > 0
+
+
+# ---- with a target: a tiny one, its head trained on its own answers ----
+
+FEATURE_LAYERS = (1, 2)
+MAX_TOKENS = 24
+
+
+def ragged_prompts(count: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2, vocab) for _ in range(rng.randint(2, 20))] for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_model):
+    """A feature head over the tiny target, trained on the target's greedy answers to 64 prompts."""
+    runtime = LlamaRuntime(tiny_model)
+    prompts = ragged_prompts(64, 96, seed=3)
+    answers = target_answers(runtime, prompts, MAX_TOKENS, feature_layers=FEATURE_LAYERS)
+    examples = [Example("", "tiny", tuple(p), tuple(a.tokens)) for p, a in zip(prompts, answers)]
+    head = build_feature_head(tiny_model, FEATURE_LAYERS, torch.arange(2, 96))
+    train_feature_head(head, examples, [a.features for a in answers],
+                       FeatureTrainConfig(epochs=60, unroll=2, learning_rate=3e-3, tokens_per_batch=4096))
+    return head
+
+
+def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
+                             pad_token_id=model.config.pad_token_id)
+    return out[0, len(prompt):].tolist()
+
+
+def test_the_verifier_returns_the_hidden_states_of_what_it_committed(tiny_model):
+    runtime = LlamaRuntime(tiny_model)
+    verifier = TreeVerifier(runtime)
+    prompt = [5, 9, 11, 3, 7, 22, 41]
+    answer = hf_greedy(tiny_model, prompt, 8)
+    context = list(prompt)
+    tree = TokenTree.chain(answer[:3])  # right three times: the root, three accepted nodes, then the bonus
+    job = VerifyJob("r", 0, len(context) - 1, context[-1], tree, SamplingParams(), tuple(context[:-1]),
+                    feature_layers=(2,), max_prompt_features=4)
+    [result] = verifier.verify([job])
+    assert list(result.verdict.tokens) == answer[:4]
+    context += answer[:4]
+    # the whole sequence scored at once: the hidden states each position had
+    session = runtime.new_session()
+    full = runtime.score(TreeBatch.build([session], [compile_tree(context[0], TokenTree.chain(context[1:]))]),
+                         feature_layers=(2,)).features
+    features = result.features
+    assert features.layers == (2,) and features.values.dtype == torch.float16
+    assert features.start == len(prompt) - 1 - 4  # the prompt's last 4 prefilled positions, then the step's
+    assert features.end == len(context) - 1  # every committed position but the newest
+    assert torch.allclose(features.values.float(), full[features.start : features.end].float(), atol=2e-2, rtol=1e-2)
+    assert verifier.verify([VerifyJob("r", 1, len(context) - 1, context[-1], TokenTree(), SamplingParams())])[0].features is None
+
+
+def test_the_head_learns_and_the_engine_stays_lossless(tiny_model, trained):
+    prompts = ragged_prompts(6, 96, seed=21)  # not trained on
+    drafter = FeatureDrafter(trained, "feature", int8_weights=False)
+    engine = SpeculativeEngine(LlamaRuntime(tiny_model), drafters=[drafter, NgramDrafter()], max_tree_nodes=6)
+    outputs = engine.generate([Request(tuple(p), SamplingParams(max_tokens=MAX_TOKENS)) for p in prompts])
+    for prompt, out in zip(prompts, outputs):
+        assert out.token_ids == hf_greedy(tiny_model, prompt, MAX_TOKENS)
+    steps = sum(o.stats.target_steps for o in outputs)
+    committed = sum(len(o.token_ids) for o in outputs)
+    assert committed / steps > 1.5, "the trained head's guesses should be accepted"
+    assert all(not drafter._requests for drafter in [drafter])  # every session ended
+
+
+def test_wire_round_trip_and_malformed_blocks():
+    block = Features(7, torch.randn(3, 2, 16).half(), (4, 9))
+    back = features_from_pb(features_to_pb(block))
+    assert (back.start, back.layers) == (7, (4, 9)) and torch.equal(back.values, block.values)
+    bf16 = features_from_pb(features_to_pb(Features(0, torch.randn(2, 1, 8).bfloat16(), (3,))))
+    assert bf16.values.dtype == torch.bfloat16
+    good = features_to_pb(block)
+    for change, words in [({"dtype": "int8"}, "dtype"), ({"data": good.data[:-2]}, "bytes"),
+                          ({"hidden_size": 0}, "hidden_size"), ({"start": -1}, "start"), ({"positions": 4}, "bytes")]:
+        message = common_pb2.Features()
+        message.CopyFrom(good)
+        for key, value in change.items():
+            setattr(message, key, value)
+        with pytest.raises(InvalidArgument, match=words):
+            features_from_pb(message)
