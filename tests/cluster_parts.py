@@ -80,8 +80,10 @@ class ServiceStack:
         await self.pool.__aenter__()
         vocab = self.model.config.vocab_size
         self.sessions = DrafterSessions(self.drafter, vocab, max_sessions=16)
+        layers = getattr(self.drafter, "feature_layers", ())
         info = drafter_pb2.DrafterInfo(name=self.drafter.name, kind=self.drafter.kind, domains=["general"],
-                                       tokenizer_hash=tokenizer_fingerprint(self.tokenizer))
+                                       tokenizer_hash=tokenizer_fingerprint(self.tokenizer), feature_layers=layers,
+                                       hidden_size=self.model.config.hidden_size if layers else 0)
         drafter_metrics, router_metrics = DrafterMetrics(), RouterMetrics() if self.with_metrics else None
         servicer = DrafterServicer(self.sessions, info, TorchThread("draft"), drafter_metrics)
         self.drafter_server = await start_server(
@@ -89,7 +91,7 @@ class ServiceStack:
             "127.0.0.1:0", metrics=drafter_metrics,
         )
         self.remote = RemoteDrafter(f"127.0.0.1:{self.drafter_server.port}")
-        await self.remote.connect(tokenizer_fingerprint(self.tokenizer))
+        await self.remote.connect(tokenizer_fingerprint(self.tokenizer), self.model.config.hidden_size)
         card = ModelCard("tiny", vocab, self.model.config.max_position_embeddings,
                          tokenizer_fingerprint(self.tokenizer), frozenset())
         self.router = Router(self.tokenizer, card, [self.remote], self.pool.client, self.limits,

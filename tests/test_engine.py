@@ -178,12 +178,19 @@ def _drafter_for_distribution_test(kind: str, model, vocab: int, prompt: list[in
     if kind == "expert":
         subset = torch.arange(2, vocab - 4)
         return ExpertDrafter(build_student(model, subset, layers=1), name="expert", branch_below=1.01)
+    if kind == "feature":  # reads the target's hidden states, which the verifier returns with each result
+        from specmesh.distill.feature_train import build_feature_head
+        from specmesh.drafters.feature import FeatureDrafter
+
+        head = build_feature_head(model, (1, 2), torch.arange(2, vocab - 4))
+        return FeatureDrafter(head, "feature", branch_below=1.01, int8_weights=False)
     raise ValueError(kind)
 
 
 @pytest.mark.parametrize("kind", [
     # fast: a model-free drafter, and the router fusing three; each is 2,000 sampled requests
-    *(pytest.param(k, marks=pytest.mark.slow) for k in ("oracle", "ngram", "model", "expert")), "history", "router",
+    *(pytest.param(k, marks=pytest.mark.slow) for k in ("oracle", "ngram", "model", "expert", "feature")),
+    "history", "router",
 ])
 def test_sampled_two_token_distribution_end_to_end(kind):
     """Engine + tiny model: the first two sampled tokens follow the model's exact (top-k) distribution,

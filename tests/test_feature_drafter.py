@@ -3,11 +3,17 @@ refuses features that do not fit."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 
+import grpc
 import pytest
 import torch
+from cluster_parts import ServiceStack
+from conftest import tiny_llama
 
+from specmesh.client import AsyncClient
+from specmesh.cluster.remote_drafter import RemoteDrafter
 from specmesh.cluster.wire import features_from_pb, features_to_pb
 from specmesh.distill.data import Example, target_answers
 from specmesh.distill.feature_train import FeatureTrainConfig, build_feature_head, train_feature_head
@@ -20,7 +26,7 @@ from specmesh.runtime.tree_verifier import TreeVerifier, VerifyJob
 from specmesh.sampling import SamplingParams
 from specmesh.speculation.engine import Request, SpeculativeEngine
 from specmesh.tree import TokenTree, compile_tree
-from specmesh.v1 import common_pb2
+from specmesh.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 
 CONFIG = FeatureConfig(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48,
                        feature_layers=(1, 3), rope_theta=10000.0, rms_norm_eps=1e-5, subset_size=20)
@@ -170,3 +176,116 @@ def test_wire_round_trip_and_malformed_blocks():
             setattr(message, key, value)
         with pytest.raises(InvalidArgument, match=words):
             features_from_pb(message)
+
+
+# ---- through the services: real gRPC, a real Redis queue ----
+
+
+class RecordingFeatureDrafter(FeatureDrafter):
+    """Counts the feature positions it hears."""
+
+    heard = 0
+
+    def add_features(self, request_id, block):
+        super().add_features(request_id, block)
+        RecordingFeatureDrafter.heard += len(block)
+
+
+@pytest.fixture(scope="module")
+def services_model():
+    from transformers import AutoTokenizer
+
+    from specmesh.runtime.loading import EMBEDDED_DEFAULT, resolve_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(EMBEDDED_DEFAULT)[0])
+    return tiny_llama(vocab_size=len(tokenizer), layers=2, seed=5), tokenizer
+
+
+def test_features_reach_a_remote_feature_drafter_and_bad_ones_are_refused(redis_server, services_model):
+    model, tokenizer = services_model
+    head = build_feature_head(model, FEATURE_LAYERS, torch.arange(2, 4000))
+    drafter = RecordingFeatureDrafter(head, "feature", int8_weights=False)
+    prompt = [5, 6, 7, 5, 6, 7, 8, 9]
+
+    async def main():
+        async with ServiceStack(redis_server.url, model, tokenizer, drafter) as stack:
+            async with AsyncClient(stack.address) as client:
+                answer = await client.generate(prompt_ids=prompt, max_tokens=12)
+            proposed = stack.remote.failures
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.drafter_server.port}") as channel:
+                stub = drafter_pb2_grpc.DrafterStub(channel)
+                await stub.OpenSession(drafter_pb2.OpenSessionRequest(request_id="r", prompt_ids=prompt), timeout=10)
+                good = features_to_pb(Features(0, torch.randn(7, 2, 64).half(), FEATURE_LAYERS))
+                codes = []
+                for bad in (features_to_pb(Features(0, torch.randn(7, 2, 32).half(), FEATURE_LAYERS)),  # other size
+                            features_to_pb(Features(0, torch.randn(7, 1, 64).half(), (2,))),  # other layers
+                            common_pb2.Features(start=0, positions=7, layers=FEATURE_LAYERS, hidden_size=64,
+                                                dtype="float16", data=b"\x00" * 10)):  # truncated
+                    try:
+                        await stub.Propose(drafter_pb2.ProposeRequest(request_id="r", budget=4, features=bad), timeout=10)
+                        codes.append(grpc.StatusCode.OK)
+                    except grpc.aio.AioRpcError as exc:
+                        codes.append((exc.code(), exc.details()))
+                tree = (await stub.Propose(drafter_pb2.ProposeRequest(request_id="r", budget=4, features=good),
+                                           timeout=10)).tree
+            wrong = RemoteDrafter(f"127.0.0.1:{stack.drafter_server.port}")
+            with pytest.raises(InvalidArgument, match="hidden states of size 64; the target's are 128"):
+                await wrong.connect(None, hidden_size=128)
+            await wrong.close()
+            return answer, proposed, codes, len(tree.tokens)
+
+    answer, failures, codes, drafted = asyncio.run(main())
+    engine = SpeculativeEngine(LlamaRuntime(model), [], max_tree_nodes=0)
+    assert answer.token_ids == engine.generate([Request(tuple(prompt), SamplingParams(max_tokens=12))])[0].token_ids
+    assert RecordingFeatureDrafter.heard >= len(prompt) - 1 + 12 - 2  # the prompt's and every step's
+    assert failures == 0
+    assert [c[0] for c in codes] == [grpc.StatusCode.INVALID_ARGUMENT] * 3
+    assert "expected [n, 2, 64]" in codes[0][1] and "layers [2]" in codes[1][1] and "bytes" in codes[2][1]
+    assert drafted > 0  # the session goes on after refused blocks
+
+
+class Vocabulary:
+    """A stand-in tokenizer: only its vocabulary matters to the fingerprint."""
+
+    def __init__(self, size: int, salt: str = "") -> None:
+        self.size, self.salt = size, salt
+
+    def get_vocab(self) -> dict[str, int]:
+        return {f"{self.salt}t{i}": i for i in range(self.size)}
+
+
+def test_a_feature_drafter_made_for_another_target_is_refused_at_load(tiny_model, tmp_path):
+    from specmesh.drafters.catalog import load_drafter
+    from specmesh.drafters.feature import FeatureSpec, save_feature_head
+    from specmesh.runtime.loading import TargetParts, tokenizer_fingerprint
+
+    head = build_feature_head(tiny_model, FEATURE_LAYERS, torch.arange(2, 96))
+    vocabulary = Vocabulary(96)
+    spec = FeatureSpec(name="feature", target={"name": "tiny", "tokenizer_hash": tokenizer_fingerprint(vocabulary),
+                                               "vocab_size": 96, "hidden_size": 64, "precision": "float32"},
+                       architecture={**head.config.__dict__, "feature_layers": list(FEATURE_LAYERS)})
+    save_feature_head(head, spec, tmp_path / "feature")
+    embeddings = tiny_model.model.embed_tokens.weight.detach()
+
+    def target(tokenizer, hidden=64, layers=2):
+        return TargetParts("tiny", tokenizer, 96, 512, (1,), lambda: embeddings, hidden, layers)
+
+    drafter = load_drafter(str(tmp_path / "feature"), target(vocabulary), "cpu", None)
+    assert drafter.kind == "feature" and drafter.feature_layers == FEATURE_LAYERS
+    for other, words in [(target(Vocabulary(96, "x")), "another vocabulary"), (target(vocabulary, hidden=128),
+                         "hidden states of size 64; this target's are 128"), (target(vocabulary, layers=1), "layer 2")]:
+        with pytest.raises(InvalidArgument, match=words):
+            load_drafter(str(tmp_path / "feature"), other, "cpu", None)
+
+
+def test_a_verifier_that_cannot_give_the_hidden_states_verifies_without_them(tiny_model, caplog):
+    from specmesh.runtime.hf import HFRuntime
+
+    prompt = [5, 9, 11, 3]
+    for runtime, layers in [(HFRuntime(tiny_model), (1,)), (LlamaRuntime(tiny_model), (7,))]:
+        verifier = TreeVerifier(runtime)
+        job = VerifyJob("r", 0, len(prompt) - 1, prompt[-1], TokenTree.chain([4]), SamplingParams(), tuple(prompt[:-1]),
+                        feature_layers=layers)
+        [result] = verifier.verify([job])
+        assert result.verdict is not None and result.features is None
+    assert "returns no hidden states" in caplog.text and "1..2" in caplog.text

@@ -244,7 +244,7 @@ async def serve(args: argparse.Namespace) -> None:
     local = [LocalDrafter(MODEL_FREE_DRAFTERS[name]()) for name in local_drafter_names(args.local_drafters)]
     drafters: list = [*local]
     remote = DrafterSet(drafters, lambda address: RemoteDrafter(address, timeout_s=args.drafter_timeout), card.tokenizer_hash,
-                        hidden_size=target.hidden_size or None)
+                        hidden_size=target.hidden_size or None, num_layers=target.num_layers or None)
     await remote.update(a.strip() for a in args.drafters.split(",") if a.strip())
     discovery = None
     if args.discovery == "redis":

@@ -40,13 +40,14 @@ class DrafterSet:
     """The router's remote drafters, kept equal to the latest set of discovered addresses."""
 
     def __init__(self, drafters: list, make: Callable[[str], RemoteDrafter], tokenizer_hash: str,
-                 drain_s: float = 60.0, hidden_size: int | None = None) -> None:
+                 drain_s: float = 60.0, hidden_size: int | None = None, num_layers: int | None = None) -> None:
         """``drafters``: the router's own list (model-free local drafters stay in it untouched);
-        ``tokenizer_hash``, ``hidden_size``: the target's, which a drafter must match."""
+        ``tokenizer_hash``, ``hidden_size``, ``num_layers``: the target's, which a drafter must match."""
         self.drafters = drafters
         self.make = make
         self.tokenizer_hash = tokenizer_hash
         self.hidden_size = hidden_size
+        self.num_layers = num_layers
         self.drain_s = drain_s
         self._closing: set[asyncio.Task] = set()
 
@@ -69,7 +70,7 @@ class DrafterSet:
         for address in added:
             drafter = self.make(address)
             try:
-                reachable = await drafter.connect(self.tokenizer_hash, self.hidden_size)
+                reachable = await drafter.connect(self.tokenizer_hash, self.hidden_size, self.num_layers)
             except InvalidArgument as exc:  # another vocabulary or hidden size: never use it
                 log.warning("%s", exc)
                 await drafter.close()

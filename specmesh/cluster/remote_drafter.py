@@ -50,6 +50,7 @@ class RemoteDrafter:
         self._backoff = unreachable_node(max_backoff_s)
         self._expected_hash: str | None = None
         self._expected_hidden: int | None = None
+        self._expected_layers: int | None = None
         self.failures = 0
 
     @property
@@ -61,10 +62,11 @@ class RemoteDrafter:
     def healthy(self) -> bool:
         return time.monotonic() >= self._down_until
 
-    async def connect(self, tokenizer_hash: str | None = None, hidden_size: int | None = None) -> bool:
+    async def connect(self, tokenizer_hash: str | None = None, hidden_size: int | None = None,
+                      num_layers: int | None = None) -> bool:
         """Read the drafter's card; refuse one built for another vocabulary, or a feature drafter that reads
-        hidden states of another size than the target's. False when unreachable."""
-        self._expected_hash, self._expected_hidden = tokenizer_hash, hidden_size
+        hidden states of another size or layers than the target has. False when unreachable."""
+        self._expected_hash, self._expected_hidden, self._expected_layers = tokenizer_hash, hidden_size, num_layers
         try:
             info = await self._stub.Info(drafter_pb2.DrafterInfoRequest(), timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
@@ -75,6 +77,9 @@ class RemoteDrafter:
         if info.feature_layers and hidden_size and info.hidden_size != hidden_size:
             raise InvalidArgument("drafter", f"{self.address} ({info.name}) reads hidden states of size {info.hidden_size}; "
                                   f"the target's are {hidden_size}")
+        if info.feature_layers and num_layers and not all(1 <= n <= num_layers for n in info.feature_layers):
+            raise InvalidArgument("drafter", f"{self.address} ({info.name}) reads layers {list(info.feature_layers)}; "
+                                  f"the target has {num_layers}")
         self.name, self.kind, self.domains, self.tokenizer_hash = info.name, info.kind, tuple(info.domains), info.tokenizer_hash
         self.feature_layers = tuple(info.feature_layers)
         self._up()
@@ -88,7 +93,7 @@ class RemoteDrafter:
         self._unsent[request_id] = []
         if self.healthy and not self.tokenizer_hash:  # unreachable at start-up: its card (name, domains) first
             try:
-                if not await self.connect(self._expected_hash, self._expected_hidden):
+                if not await self.connect(self._expected_hash, self._expected_hidden, self._expected_layers):
                     return
             except InvalidArgument as exc:
                 log.warning("%s", exc)

@@ -34,8 +34,9 @@ from torch import nn
 
 from specmesh.drafters.shape import Step, confident_tree
 from specmesh.errors import InvalidArgument
+from specmesh.kernels.block_linear import quantize
 from specmesh.runtime.features import Features
-from specmesh.runtime.linear import linear_for
+from specmesh.runtime.linear import BlockLinear, linear_for
 from specmesh.tree import TokenTree
 
 FORMAT = "specmesh-feature-drafter/1"
@@ -72,7 +73,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -291,6 +292,21 @@ class _Request:
     out: torch.Tensor | None = None  # while drafting: its output [hidden]
 
 
+def block_kernel_loaded(device: torch.device) -> bool:
+    """Whether specmesh's C++ block kernel runs here: one row's product with Q8_0 weights streams them
+    at memory speed, where PyTorch's dynamic int8 path spends ~4x longer per call on a drafted token."""
+    if device.type != "cpu":
+        return False
+    from specmesh.kernels.cpu_ops import KernelUnavailable, load_cpu_ops
+    from specmesh.runtime.loading import cache_root
+
+    try:
+        load_cpu_ops(cache_root() / "extensions")
+    except KernelUnavailable:
+        return False
+    return True
+
+
 class FeatureDrafter:
     """Drafts a confidence-shaped tree (``shape.py``) from the target's features, one request at a time.
 
@@ -314,12 +330,15 @@ class FeatureDrafter:
         device = model.head.weight.device
         if int8_weights is None:
             int8_weights = drafter_int8(device, model.head.weight.dtype)
-        pack = lambda layer: linear_for(layer.weight.detach(), None, int8=int8_weights)  # noqa: E731
+        blocks = int8_weights and block_kernel_loaded(device)
+        pack = lambda layer: (BlockLinear(quantize(layer.weight.detach(), "Q8_0")) if blocks  # noqa: E731
+                              else linear_for(layer.weight.detach(), None, int8=int8_weights))
         self._fuse, self._qkv, self._out = pack(model.fuse), pack(model.qkv), pack(model.out)
         self._gate_up, self._down, self._head = pack(model.gate_up), pack(model.down), pack(model.head)
         self.subset_ids = model.subset_ids.tolist()
         self.max_depth, self.branch_below, self.branch_width, self.stop_below = max_depth, branch_below, branch_width, stop_below
         self._requests: dict[str, _Request] = {}
+        self._rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # -- the Drafter interface ----------------------------------------------------------------------
     def start(self, request_id: str, prompt_ids: Sequence[int]) -> None:
@@ -406,28 +425,34 @@ class FeatureDrafter:
         positions (overwriting any scratch there) and return their outputs [n, hidden]."""
         m, c = self.model, self.config
         n = g.shape[0]
-        positions = torch.arange(start, start + n, device=g.device)
         x = m.step_inputs(g, torch.tensor(next_ids, device=g.device))
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         qkv = self._qkv(x)
         q = qkv[:, :q_size].unflatten(-1, (c.num_heads, c.head_dim))
         k = qkv[:, q_size : q_size + kv_size].unflatten(-1, (c.num_kv_heads, c.head_dim))
         v = qkv[:, q_size + kv_size :].unflatten(-1, (c.num_kv_heads, c.head_dim))
-        cos, sin = rope_tables(positions, c.head_dim, c.rope_theta)
-        q, k = rotate(q, cos.unsqueeze(1), sin.unsqueeze(1)), rotate(k, cos.unsqueeze(1), sin.unsqueeze(1))
+        cos, sin = self._rope(start + n)
+        cos, sin = cos[start : start + n].unsqueeze(1), sin[start : start + n].unsqueeze(1)  # [n, 1, head_dim]
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         offset = start - state.first  # cache index of position ``start``
         self._reserve(state, offset + n)
         state.keys[0, :, offset : offset + n] = k.transpose(0, 1)
         state.keys[1, :, offset : offset + n] = v.transpose(0, 1)
         keys, values = state.keys[0, :, : offset + n], state.keys[1, :, : offset + n]  # [kv_heads, offset + n, d]
-        groups = c.num_heads // c.num_kv_heads
-        mask = torch.ones(n, offset + n, dtype=torch.bool, device=g.device).tril(offset)  # causal
-        attended = F.scaled_dot_product_attention(
-            q.transpose(0, 1), keys.repeat_interleave(groups, 0), values.repeat_interleave(groups, 0),
-            attn_mask=mask)  # [heads, n, head_dim]
+        mask = None if n == 1 else torch.ones(n, offset + n, dtype=torch.bool, device=g.device).tril(offset)  # causal
+        attended = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask,
+                                                  enable_gqa=True)  # [heads, n, head_dim]
         h = g + self._out(attended.transpose(0, 1).reshape(n, -1))
         gate, up = self._gate_up(m.post_norm(h)).chunk(2, dim=-1)
         return h + self._down(F.silu(gate) * up)
+
+    def _rope(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [>= length, head_dim], computed once and grown by doubling."""
+        if self._rope_tables is None or self._rope_tables[0].shape[0] < length:
+            size = max(length, 2 * (0 if self._rope_tables is None else self._rope_tables[0].shape[0]), 1024)
+            positions = torch.arange(size, device=self.model.head.weight.device)
+            self._rope_tables = rope_tables(positions, self.config.head_dim, self.config.rope_theta)
+        return self._rope_tables
 
     def _reserve(self, state: _Request, length: int) -> None:
         c = self.config

@@ -14,6 +14,8 @@ gives the same tokens whichever verifier happens to verify each of its steps.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import time
 from collections import OrderedDict
@@ -31,6 +33,7 @@ from specmesh.sampling import SamplingParams, target_probabilities
 from specmesh.tree import CompiledTree, TokenTree, compile_tree
 
 _MASK64 = (1 << 64) - 1
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,7 @@ class TreeVerifier:
         self._random = torch.Generator(device=runtime.device)
         self._random.manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
         self.stats = VerifierStats()
+        self._warned: set[str] = set()  # each reason features cannot be given is logged once
 
     @property
     def num_sessions(self) -> int:
@@ -126,12 +130,21 @@ class TreeVerifier:
             raise InvalidArgument("tree", f"holds token ids outside the vocabulary (0..{vocab - 1})")
         if job.history is not None and len(job.history) != job.position:
             raise InvalidArgument("history", f"has {len(job.history)} tokens but position is {job.position}")
-        if job.feature_layers:
-            check_feature_layers(job.feature_layers, self.runtime.config.num_hidden_layers)
-            if job.max_prompt_features < 0:
-                raise InvalidArgument("max_prompt_features", f"must be >= 0, got {job.max_prompt_features}")
+        if job.max_prompt_features < 0:
+            raise InvalidArgument("max_prompt_features", f"must be >= 0, got {job.max_prompt_features}")
         if job.position + 1 + len(job.tree) > self.runtime.max_length:
             raise InvalidArgument("position", f"{job.position} + tree exceeds the model's context of {self.runtime.max_length}")
+
+    def features_unavailable(self, layers: Sequence[int]) -> str | None:
+        """Why this verifier cannot return these hidden states (None when it can): a job asking for them is
+        verified without (its feature drafters draft nothing), never refused."""
+        if not hasattr(self.runtime, "score"):
+            return f"{type(self.runtime).__name__} returns no hidden states"
+        try:
+            check_feature_layers(layers, self.runtime.config.num_hidden_layers)
+        except InvalidArgument as exc:
+            return str(exc)
+        return None
 
     def verify(self, jobs: Sequence[VerifyJob]) -> list[VerifyResult]:
         """One verification pass for every job whose session is (or can be made) current."""
@@ -139,6 +152,7 @@ class TreeVerifier:
             raise InvalidArgument("jobs", "two jobs of one batch belong to the same request")
         for job in jobs:
             self.check(job)
+        jobs = [self._without_unavailable_features(job) for job in jobs]
         started = time.perf_counter()
         results: dict[int, VerifyResult] = {}
         ready: list[int] = []
@@ -182,6 +196,17 @@ class TreeVerifier:
         self.stats.jobs += len(jobs)
         self.stats.busy_s += time.perf_counter() - started
         return [results[i] for i in range(len(jobs))]
+
+    def _without_unavailable_features(self, job: VerifyJob) -> VerifyJob:
+        if not job.feature_layers:
+            return job
+        why = self.features_unavailable(job.feature_layers)
+        if why is None:
+            return job
+        if why not in self._warned:
+            self._warned.add(why)
+            log.warning("jobs ask for hidden states this verifier cannot give (%s): verified without them", why)
+        return dataclasses.replace(job, feature_layers=())
 
     def close(self, request_id: str) -> None:
         session = self._sessions.pop(request_id, None)
