@@ -289,3 +289,30 @@ def test_a_verifier_that_cannot_give_the_hidden_states_verifies_without_them(tin
         [result] = verifier.verify([job])
         assert result.verdict is not None and result.features is None
     assert "returns no hidden states" in caplog.text and "1..2" in caplog.text
+
+
+class CharTokenizer:
+    """Text to ids by character (the tiny target has no real tokenizer)."""
+
+    def __call__(self, text: str) -> dict:
+        return {"input_ids": [2 + ord(c) % 90 for c in text]}
+
+
+def test_the_feature_store_grows_resumes_and_refuses_other_targets(tiny_model, tmp_path):
+    from specmesh.distill.feature_data import FeatureStore, FeatureStoreCard
+    from specmesh.prompts import Prompt
+
+    card = FeatureStoreCard("tiny", "hash", "float32", FEATURE_LAYERS, 64)
+    runtime = LlamaRuntime(tiny_model)
+    prompts = [Prompt(f"prompt number {i}", "test") for i in range(7)]
+    store = FeatureStore(tmp_path / "store", card)
+    first = store.record(runtime, CharTokenizer(), prompts[:5], max_tokens=6, eos_token_ids=(), batch_size=4)
+    again = FeatureStore(tmp_path / "store", card)
+    both = again.record(runtime, CharTokenizer(), prompts, max_tokens=6, eos_token_ids=(), batch_size=4)
+    assert both[:5] == first and len(again.examples()) == 7  # only the two new prompts were answered
+    assert len(list((tmp_path / "store").glob("*.safetensors"))) == 3
+    for example, features in zip(both, again.features(both)):
+        assert features.shape == (len(example.token_ids) - 1, 2, 64) and features.dtype == torch.float16
+        assert list(example.response_ids) == hf_greedy(tiny_model, list(example.prompt_ids), 6)
+    with pytest.raises(InvalidArgument, match="holds features of"):
+        FeatureStore(tmp_path / "store", FeatureStoreCard("tiny", "hash", "float32", (2,), 64))
