@@ -316,3 +316,28 @@ def test_the_feature_store_grows_resumes_and_refuses_other_targets(tiny_model, t
         assert list(example.response_ids) == hf_greedy(tiny_model, list(example.prompt_ids), 6)
     with pytest.raises(InvalidArgument, match="holds features of"):
         FeatureStore(tmp_path / "store", FeatureStoreCard("tiny", "hash", "float32", (2,), 64))
+
+
+def test_the_routers_adapter_keeps_blocks_in_order_and_bounded():
+    async def main():
+        drafter = RemoteDrafter("127.0.0.1:9")  # never called: blocks wait for the next proposal
+        drafter.feature_layers = (1,)
+        drafter._context["r"], drafter._open = [1, 2, 3], {"r"}
+        block = lambda start, n: Features(start, torch.zeros(n, 1, 8), (1,))  # noqa: E731
+        await drafter.add_features("r", block(0, 300))
+        await drafter.add_features("r", block(300, 4))
+        kept = [(b.start, len(b)) for b in drafter._features["r"]]
+        still_open = "r" in drafter._open
+        await drafter.add_features("r", block(310, 4))  # 304..309 lost: the drafter must start afresh
+        after_gap = [(b.start, len(b)) for b in drafter._features["r"]], "r" in drafter._open
+        drafter._open.add("r")
+        await drafter.add_features("r", block(314, 300))
+        await drafter.add_features("r", block(614, 300))  # over 512 unsent positions: the oldest go
+        bounded = [(b.start, len(b)) for b in drafter._features["r"]], "r" in drafter._open
+        await drafter.close()
+        return kept, still_open, after_gap, bounded
+
+    kept, still_open, after_gap, bounded = asyncio.run(main())
+    assert kept == [(0, 300), (300, 4)] and still_open
+    assert after_gap == ([(310, 4)], False)
+    assert bounded == ([(614, 300)], False)

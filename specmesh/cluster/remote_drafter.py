@@ -45,6 +45,7 @@ class RemoteDrafter:
         self._unsent: dict[str, list[int]] = {}  # request -> committed since the drafter last heard
         self._open: set[str] = set()  # sessions the drafter holds, as far as we know
         self._features: dict[str, list[Features]] = {}  # request -> blocks not yet sent (feature drafters)
+        self._feature_end: dict[str, int] = {}  # request -> where the next block must start
         self._refused: set[str] = set()  # requests whose features the drafter refused: it sits them out
         self._down_until = 0.0
         self._backoff = unreachable_node(max_backoff_s)
@@ -148,10 +149,12 @@ class RemoteDrafter:
         if request_id not in self._context or not self.feature_layers:
             return
         blocks = self._features.setdefault(request_id, [])
-        if blocks and features.start != blocks[-1].end:  # a block was lost on the way: start afresh
+        expected = self._feature_end.get(request_id)
+        if expected is not None and features.start != expected:  # a block was lost on the way: start afresh
             blocks.clear()
             self._open.discard(request_id)
         blocks.append(features)
+        self._feature_end[request_id] = features.end
         while sum(len(b) for b in blocks) > MAX_PROMPT_FEATURES and len(blocks) > 1:
             blocks.pop(0)
             self._open.discard(request_id)
@@ -159,6 +162,7 @@ class RemoteDrafter:
     async def end(self, request_id: str) -> None:
         self._context.pop(request_id, None)
         self._features.pop(request_id, None)
+        self._feature_end.pop(request_id, None)
         self._refused.discard(request_id)
         unsent = self._unsent.pop(request_id, [])
         if request_id in self._open and self.healthy:

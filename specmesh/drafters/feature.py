@@ -282,7 +282,7 @@ class FeatureMismatch(InvalidArgument):
 @dataclass
 class _Request:
     committed: list[int]  # every committed token
-    features: torch.Tensor | None = None  # the target's features heard [known, layers, hidden]
+    pending: torch.Tensor | None = None  # target features heard and not yet fed [known - fed, layers, hidden]
     first: int = 0  # position of the first feature held (a long prompt's earliest are not sent)
     known: int = 0  # positions with target features: first .. first + known - 1
     fed: int = 0  # of those, entries in the cache (the real ones, kept between proposals)
@@ -378,7 +378,7 @@ class FeatureDrafter:
             raise FeatureMismatch(f"features reach position {start + features.shape[0] - 1}, past the committed tokens")
         if features.shape[0]:
             features = features.to(self.model.head.weight.device)
-            state.features = features if state.features is None else torch.cat([state.features, features])
+            state.pending = features if state.pending is None else torch.cat([state.pending, features])
             state.known += features.shape[0]
 
     def propose(self, request_id: str, budget: int, assumed: Sequence[int] = ()) -> TokenTree:
@@ -397,7 +397,7 @@ class FeatureDrafter:
         and token p + 1 and predicts token p + 2."""
         if state.fed < state.known:
             start = state.first + state.fed
-            block = state.features[state.fed :]
+            block, state.pending = state.pending, None  # fed once: the cache holds what they gave
             outs = self._entries(state, self._fused(block), context[start + 1 : start + 1 + block.shape[0]], start)
             state.fed, state.last_out = state.known, outs[-1]
         out = state.last_out
