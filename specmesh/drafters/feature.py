@@ -23,7 +23,6 @@ and layers, the architecture, measured agreement and cost, the command that made
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -473,7 +472,3 @@ def subset_head_rows(target_head: torch.Tensor, subset_ids: torch.Tensor) -> tor
     target's own would read a feature like its top layer's."""
     rows = target_head.detach().float().cpu()[subset_ids]
     return torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
-
-
-def parameter_count(model: FeatureHead) -> int:
-    return sum(math.prod(p.shape) for p in model.parameters())
