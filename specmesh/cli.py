@@ -515,8 +515,7 @@ def _distill_feature(args: argparse.Namespace) -> int:
     else:  # every domain, interleaved: a store cut short is still balanced
         groups = [domain_prompts(domain, args.count, args.seed) for domain in DOMAINS]
         prompts = [p for group in itertools.zip_longest(*groups) for p in group if p is not None]
-    config = FeatureTrainConfig(subset_size=args.subset_size, unroll=args.unroll, epochs=args.epochs,
-                                minutes=args.minutes,
+    config = FeatureTrainConfig(subset_size=args.subset_size, unroll=args.unroll, epochs=args.epochs, minutes=args.minutes,
                                 learning_rate=args.learning_rate, tokens_per_batch=args.batch_tokens, seed=args.seed)
     command = "specmesh " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["distill"] else "specmesh distill --kind feature"
     spec = distill_feature(assembly, prompts, Path(args.out), config, sorted(layers), command, args.answer_tokens)

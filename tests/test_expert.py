@@ -12,7 +12,7 @@ from specmesh.distill.data import Example, SoftLabels, generate_examples, record
 from specmesh.distill.evaluate import agreement_by_category, expected_tokens_per_step, teacher_forced_hits, union_hits
 from specmesh.distill.train import TrainConfig, build_student, labels_for, train_student
 from specmesh.drafters.catalog import load_expert_for
-from specmesh.drafters.expert import ExpertDrafter, ExpertSpec, load_expert, round_to_stored, save_expert, subset_for
+from specmesh.drafters.expert import ExpertDrafter, ExpertSpec, load_expert, round_to_stored, save_drafter, subset_for
 from specmesh.errors import InvalidArgument
 from specmesh.runtime.llama import LlamaRuntime
 from specmesh.runtime.loading import TargetParts
@@ -182,7 +182,7 @@ def test_save_load_round_trip_and_losslessness(trained, target, examples, tmp_pa
     model, _, _ = trained
     spec = ExpertSpec(name="tiny", domain="even", target={"tokenizer_hash": "x", "vocab_size": VOCAB},
                       architecture=model.config.to_dict())
-    save_expert(model, spec, tmp_path / "tiny")
+    save_drafter(model, spec, tmp_path / "tiny")
     loaded, loaded_spec = load_expert(tmp_path / "tiny", target.model.embed_tokens.weight.detach())
     assert loaded_spec.domain == "even"
     tokens = torch.tensor([list(examples[0].token_ids)])
@@ -209,7 +209,7 @@ def test_a_drafter_directory_with_a_copy_gate_is_refused(trained, target, tmp_pa
     model, _, _ = trained
     spec = ExpertSpec(name="tiny", domain="even", target={"tokenizer_hash": "x", "vocab_size": VOCAB},
                       architecture=model.config.to_dict())
-    save_expert(model, spec, tmp_path / "tiny")
+    save_drafter(model, spec, tmp_path / "tiny")
     embedding = target.model.embed_tokens.weight.detach()
     drafter_json = tmp_path / "tiny" / "drafter.json"
     drafter_json.write_text(json.dumps(json.loads(drafter_json.read_text()) | {"copy": {}}))  # as the shipped writing expert's
@@ -227,7 +227,7 @@ def test_rounded_to_the_stored_precision_an_expert_computes_exactly_what_it_load
     round_to_stored(model)
     spec = ExpertSpec(name="tiny", domain="even", target={"tokenizer_hash": "x", "vocab_size": VOCAB},
                       architecture=model.config.to_dict())
-    save_expert(model, spec, tmp_path / "tiny")
+    save_drafter(model, spec, tmp_path / "tiny")
     loaded, _ = load_expert(tmp_path / "tiny", target.model.embed_tokens.weight.detach())
     tokens = torch.tensor([list(e.token_ids) for e in examples[:1]])
     assert torch.equal(loaded(tokens), model(tokens))  # what distill measures is what ships

@@ -256,7 +256,8 @@ class Vocabulary:
 
 def test_a_feature_drafter_made_for_another_target_is_refused_at_load(tiny_model, tmp_path):
     from specmesh.drafters.catalog import load_drafter
-    from specmesh.drafters.feature import FeatureSpec, save_feature_head
+    from specmesh.drafters.expert import save_drafter
+    from specmesh.drafters.feature import FeatureSpec
     from specmesh.runtime.loading import TargetParts, tokenizer_fingerprint
 
     head = build_feature_head(tiny_model, FEATURE_LAYERS, torch.arange(2, 96))
@@ -264,7 +265,7 @@ def test_a_feature_drafter_made_for_another_target_is_refused_at_load(tiny_model
     spec = FeatureSpec(name="feature", target={"name": "tiny", "tokenizer_hash": tokenizer_fingerprint(vocabulary),
                                                "vocab_size": 96, "hidden_size": 64, "precision": "float32"},
                        architecture={**head.config.__dict__, "feature_layers": list(FEATURE_LAYERS)})
-    save_feature_head(head, spec, tmp_path / "feature")
+    save_drafter(head, spec, tmp_path / "feature")
     embeddings = tiny_model.model.embed_tokens.weight.detach()
 
     def target(tokenizer, hidden=64, layers=2):

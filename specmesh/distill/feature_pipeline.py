@@ -15,8 +15,8 @@ from specmesh.distill.evaluate import agreement_by_category, interface_hits
 from specmesh.distill.feature_data import FeatureStore, FeatureStoreCard
 from specmesh.distill.feature_train import FeatureTrainConfig, build_feature_head, feature_hits, train_feature_head
 from specmesh.distill.pipeline import MTBENCH_ANSWER_TOKENS, target_step_ms
-from specmesh.drafters.expert import subset_for
-from specmesh.drafters.feature import FeatureDrafter, FeatureHead, FeatureSpec, round_to_stored, save_feature_head
+from specmesh.drafters.expert import round_to_stored, save_drafter, subset_for
+from specmesh.drafters.feature import FeatureDrafter, FeatureHead, FeatureSpec
 from specmesh.prompts import Prompt, mtbench_prompts
 from specmesh.runtime.loading import cache_root, tokenizer_fingerprint
 from specmesh.speculation.assembly import Assembly, eos_token_ids
@@ -88,7 +88,7 @@ def distill_feature(assembly: Assembly, prompts: Sequence[Prompt], out_dir: Path
                                    "steps": result.steps, "epochs": round(result.epochs, 2),
                                    "seconds": round(result.seconds, 1), "history": result.history},
     )
-    save_feature_head(model, spec, out_dir)
+    save_drafter(model, spec, out_dir)
     return spec
 
 

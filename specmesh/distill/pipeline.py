@@ -27,7 +27,7 @@ from specmesh.drafters.expert import (
     ExpertSpec,
     drafter_dtype,
     round_to_stored,
-    save_expert,
+    save_drafter,
     subset_for,
 )
 from specmesh.prompts import Prompt, mtbench_prompts
@@ -127,7 +127,7 @@ def distill(
                                    "best_held_out_agreement": result.best_held_out,
                                    "boosted_from": [Path(d).name for d in boost_from], "subset_size": len(subset)},
     )
-    save_expert(model, spec, out_dir)
+    save_drafter(model, spec, out_dir)
     return spec
 
 

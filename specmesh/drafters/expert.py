@@ -124,12 +124,13 @@ def drafter_int8(device: torch.device | str, dtype: torch.dtype) -> bool:
     return dtype == torch.float32 and int8_available(device)
 
 
-STORED_DTYPE = torch.float16  # the precision of an expert's weights in ``weights.safetensors``
+STORED_DTYPE = torch.float16  # the precision of a drafter's weights in ``weights.safetensors``
 
 
-def round_to_stored(model: ExpertModel) -> ExpertModel:
-    """Round ``model``'s own weights to the precision they are saved in (in place), so that what is
-    measured before saving is what ships (the rounding alone moved MT-Bench writing agreement by 0.013)."""
+def round_to_stored(model):
+    """Round a trained drafter's own weights (an expert's or a feature head's ``trainable_state``) to the
+    precision they are saved in (in place), so that what is measured before saving is what ships (the
+    rounding alone moved MT-Bench writing agreement by 0.013)."""
     with torch.no_grad():
         for tensor in model.trainable_state().values():
             if tensor.is_floating_point():
@@ -137,7 +138,9 @@ def round_to_stored(model: ExpertModel) -> ExpertModel:
     return model
 
 
-def save_expert(model: ExpertModel, spec: ExpertSpec, directory: Path) -> None:
+def save_drafter(model, spec, directory: Path) -> None:
+    """A trained drafter (an expert, a feature head) and its ``drafter.json`` spec into ``directory``: its
+    own weights in fp16, its head's token ids."""
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)

@@ -39,7 +39,6 @@ from specmesh.runtime.linear import BlockLinear, linear_for
 from specmesh.tree import TokenTree
 
 FORMAT = "specmesh-feature-drafter/1"
-STORED_DTYPE = torch.float16
 
 
 @dataclass(frozen=True)
@@ -235,24 +234,6 @@ def check_feature_target(spec: FeatureSpec, tokenizer_hash: str, hidden_size: in
 def is_feature_drafter(directory: str | Path) -> bool:
     file = Path(directory) / "drafter.json"
     return file.is_file() and json.loads(file.read_text()).get("format") == FORMAT
-
-
-def save_feature_head(model: FeatureHead, spec: FeatureSpec, directory: Path) -> None:
-    from safetensors.torch import save_file
-
-    directory.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to(device="cpu", dtype=STORED_DTYPE).contiguous() for k, v in model.trainable_state().items()}
-    tensors["subset_ids"] = model.subset_ids.to(device="cpu", dtype=torch.int32)
-    save_file(tensors, str(directory / "weights.safetensors"))
-    (directory / "drafter.json").write_text(spec.to_json())
-
-
-def round_to_stored(model: FeatureHead) -> FeatureHead:
-    """Round the weights to the precision they are saved in (in place): what is measured is what ships."""
-    with torch.no_grad():
-        for tensor in model.trainable_state().values():
-            tensor.copy_(tensor.to(STORED_DTYPE))
-    return model
 
 
 def load_feature_head(directory: str | Path, embedding: torch.Tensor) -> tuple[FeatureHead, FeatureSpec]:
