@@ -150,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
                                "feature drafter that reads the target's hidden states (--kind feature)")
     dist.add_argument("--kind", choices=("expert", "feature"), default="expert",
                       help="expert: a small LM over tokens, for --domain; feature: one head over the target's hidden "
-                      "states, for every domain (trained on the templated prompts of all of them)")
+                      "states, for every domain (trained on the templated prompts of all of them, and --synthesize)")
     dist.add_argument("--target", default=EMBEDDED_DEFAULT, help="the target model (default: the embedded one)")
     dist.add_argument("--domain",
                       help="code, math, writing, knowledge; general (every request not code or math: with --synthesize); "
@@ -159,7 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--count", type=int, default=1200, help="templated prompts to make when --prompts is absent")
     dist.add_argument("--synthesize", type=int, default=0, metavar="N",
                       help="train on those of N requests the target writes itself (cached per target) that the "
-                      "request classifier puts in --domain, instead of templated prompts")
+                      "request classifier puts in --domain, instead of templated prompts; --kind feature: on all N, "
+                      "beside the templated prompts")
     dist.add_argument("--out", required=True, help="the drafter directory to write")
     dist.add_argument("--minutes", type=float, help="training time budget (default: 10 for an expert; a feature "
                       "drafter trains for --epochs)")
@@ -487,8 +488,9 @@ def _distill_feature(args: argparse.Namespace) -> int:
 
     from specmesh.distill.feature_pipeline import default_feature_layers, distill_feature
     from specmesh.distill.feature_train import FeatureTrainConfig
+    from specmesh.distill.pipeline import target_written_requests
     from specmesh.distill.templates import DOMAINS, domain_prompts
-    from specmesh.prompts import load_prompts
+    from specmesh.prompts import Prompt, load_prompts
     from specmesh.runtime.llama import check_feature_layers
     from specmesh.runtime.loading import configure_threads
     from specmesh.speculation.assembly import assemble
@@ -499,8 +501,8 @@ def _distill_feature(args: argparse.Namespace) -> int:
         raise InvalidArgument("unroll", f"must be in 1..8, got {args.unroll}")
     if args.subset_size < 16:
         raise InvalidArgument("subset_size", f"must be >= 16, got {args.subset_size}")
-    if args.synthesize:
-        raise InvalidArgument("synthesize", "--kind feature trains on templated prompts or --prompts")
+    if args.synthesize < 0:
+        raise InvalidArgument("synthesize", f"must be >= 0, got {args.synthesize}")
     configure_threads(args.threads)
     assembly = assemble(args.target, drafters=[], precision=args.precision)
     num_layers = assembly.target.model.config.num_hidden_layers
@@ -515,6 +517,9 @@ def _distill_feature(args: argparse.Namespace) -> int:
     else:  # every domain, interleaved: a store cut short is still balanced
         groups = [domain_prompts(domain, args.count, args.seed) for domain in DOMAINS]
         prompts = [p for group in itertools.zip_longest(*groups) for p in group if p is not None]
+    if args.synthesize:  # their variety is what templates lack; interleaved, as the domains are
+        written = [Prompt(text, "synthesized") for text in target_written_requests(assembly, args.synthesize, args.seed)]
+        prompts = [p for pair in itertools.zip_longest(prompts, written) for p in pair if p is not None]
     config = FeatureTrainConfig(subset_size=args.subset_size, unroll=args.unroll, epochs=args.epochs, minutes=args.minutes,
                                 learning_rate=args.learning_rate, tokens_per_batch=args.batch_tokens, seed=args.seed)
     command = "specmesh " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["distill"] else "specmesh distill --kind feature"

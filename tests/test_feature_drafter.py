@@ -61,6 +61,33 @@ def test_drafting_computes_the_unroll_it_was_trained_with():
             drafter.end("r")
 
 
+def test_the_one_call_layer_drafts_what_the_step_by_step_layer_does():
+    from specmesh.kernels.cpu_ops import load_cpu_ops
+    from specmesh.runtime.loading import cache_root
+
+    load_cpu_ops(cache_root() / "extensions")  # the project installs g++ (.ci/run): it builds there
+    config = FeatureConfig(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96,
+                           feature_layers=(1, 3), rope_theta=10000.0, rms_norm_eps=1e-5, subset_size=20)
+    torch.manual_seed(2)
+    model = FeatureHead(config, torch.randn(50, 64), torch.arange(20))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    tokens = torch.randint(0, 50, (16,)).tolist()
+    features = torch.randn(15, 2, 64)
+    fused, stepwise = (FeatureDrafter(model.eval(), name, int8_weights=True) for name in ("fused", "stepwise"))
+    assert fused._one_call  # Q8_0 blocks: the C++ layer
+    stepwise._one_call = False
+    for drafter in (fused, stepwise):
+        drafter.start("r", tokens[:9])
+        drafter.add_features("r", Features(0, features[:6], (1, 3)))  # two committed tokens past the features
+    with torch.no_grad():
+        steps = [d._catch_up(d._requests["r"], tokens[:12]) for d in (fused, stepwise)]  # and one assumed
+        guesses = [d._advance(d._requests["r"])(tokens[12]) for d in (fused, stepwise)]
+    for a, b in (steps, guesses):
+        assert torch.allclose(a.probs, b.probs, atol=1e-5)
+
+
 def test_features_arriving_in_blocks_give_the_same_drafts():
     model = make_head(1)
     tokens = torch.randint(0, 50, (20,)).tolist()

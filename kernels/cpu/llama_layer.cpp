@@ -1,6 +1,8 @@
 // One Llama-family decoder layer over a batch of token trees, in one call, on GGUF blocks (CPU):
 // RMSNorm -> q/k/v -> RoPE -> K/V written into each request's cache -> tree attention -> output
 // projection + residual -> RMSNorm -> gate/up -> SiLU(gate) * up -> down + residual.
+// With `prefix` [rows, p], q/k/v read [prefix, RMSNorm(x)] (p + hidden wide): a feature drafter's layer
+// reads the next token's embedding beside its feature (drafters/feature.py), the residual still x.
 //
 // Why: a small model's step on a CPU is ~40 PyTorch calls a layer besides the linears (norms, slices,
 // RoPE, copies), several ms a step of dispatch; here they are loops over a row at a time. Every op is
@@ -97,7 +99,8 @@ at::Tensor llama_layer(const at::Tensor& x, const at::Tensor& input_norm, const 
                        const at::Tensor& out, int64_t out_format, const at::Tensor& gate_up, int64_t gate_up_format,
                        const at::Tensor& down, int64_t down_format, const at::Tensor& cos, const at::Tensor& sin,
                        at::TensorList kv, at::IntArrayRef cached, at::IntArrayRef cu_rows, at::TensorList masks,
-                       int64_t heads, int64_t kv_heads, int64_t intermediate, double eps, double scale) {
+                       int64_t heads, int64_t kv_heads, int64_t intermediate, double eps, double scale,
+                       const c10::optional<at::Tensor>& prefix) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "llama_layer: x must be contiguous fp32 [rows, hidden]");
   const int64_t rows = x.size(0), hidden = x.size(1), requests = static_cast<int64_t>(kv.size());
@@ -108,7 +111,12 @@ at::Tensor llama_layer(const at::Tensor& x, const at::Tensor& input_norm, const 
                   static_cast<int64_t>(cu_rows.size()) == requests + 1 && cu_rows[requests] == rows,
               "llama_layer: one cache, cached length and mask per request, and cu_rows delimiting the rows");
 
-  const at::Tensor h = rms_norm(x, input_norm, static_cast<float>(eps));
+  at::Tensor h = rms_norm(x, input_norm, static_cast<float>(eps));
+  if (prefix.has_value()) {
+    TORCH_CHECK(prefix->dim() == 2 && prefix->size(0) == rows && prefix->scalar_type() == at::kFloat,
+                "llama_layer: prefix must be fp32 [rows, p]");
+    h = at::cat({*prefix, h}, 1);
+  }
   const at::Tensor projected = add_bias(block_linear(h, qkv, qkv_format, q_size + 2 * kv_size), qkv_bias);
   at::Tensor q = at::empty({rows, heads, dim}, x.options());
   for (int64_t s = 0; s < requests; ++s) {
@@ -157,7 +165,7 @@ TORCH_LIBRARY_FRAGMENT(SPECMESH_OPS, m) {
   m.def("llama_layer(Tensor x, Tensor input_norm, Tensor post_norm, Tensor qkv, int qkv_format, Tensor? qkv_bias, "
         "Tensor out, int out_format, Tensor gate_up, int gate_up_format, Tensor down, int down_format, Tensor cos, "
         "Tensor sin, Tensor(a!)[] kv, int[] cached, int[] cu_rows, Tensor[] masks, int heads, int kv_heads, "
-        "int intermediate, float eps, float scale) -> Tensor");
+        "int intermediate, float eps, float scale, Tensor? prefix=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(SPECMESH_OPS, CPU, m) { m.impl("llama_layer", &specmesh::llama_layer); }

@@ -63,14 +63,18 @@ def mtbench_examples(assembly: Assembly, max_tokens: int = MTBENCH_ANSWER_TOKENS
                              eos_token_ids(assembly.target))
 
 
-def synthesized_prompts(assembly: Assembly, domain: str, count: int, seed: int = 0) -> list[Prompt]:
-    """Of ``count`` requests the target writes itself (one cached pool per target, grown as needed), those the
-    request classifier puts in ``domain``'s kinds; never sharing a long word run with an MT-Bench question."""
+def target_written_requests(assembly: Assembly, count: int, seed: int = 0) -> list[str]:
+    """``count`` requests the target writes itself (one cached pool per target and seed, grown as needed),
+    never sharing a long word run with an MT-Bench question."""
     name = assembly.target.name.replace("/", "_")
     pool = cache_root() / "synthesized" / f"requests-{name}-seed{seed}.jsonl"
-    requests = synthesize_requests(assembly.runtime, assembly.target.tokenizer, count, pool, eos_token_ids(assembly.target),
-                                   seed=seed)
-    return classified_prompts(requests, domain, default_classifier().classify)
+    return synthesize_requests(assembly.runtime, assembly.target.tokenizer, count, pool, eos_token_ids(assembly.target),
+                               seed=seed)
+
+
+def synthesized_prompts(assembly: Assembly, domain: str, count: int, seed: int = 0) -> list[Prompt]:
+    """Of ``count`` target-written requests, those the request classifier puts in ``domain``'s kinds."""
+    return classified_prompts(target_written_requests(assembly, count, seed), domain, default_classifier().classify)
 
 
 def boost_weights(assembly: Assembly, examples: Sequence[Example], earlier_dirs: Sequence[str | Path]) -> list[list[float]]:

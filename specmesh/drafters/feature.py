@@ -315,6 +315,7 @@ class FeatureDrafter:
         blocks = int8_weights and block_kernel_loaded(device)
         pack = lambda layer: (BlockLinear(quantize(layer.weight.detach(), "Q8_0")) if blocks  # noqa: E731
                               else linear_for(layer.weight.detach(), None, int8=int8_weights))
+        self._one_call = blocks  # the decoder layer as one C++ call (kernels/cpu/llama_layer.cpp)
         self._fuse, self._qkv, self._out = pack(model.fuse), pack(model.qkv), pack(model.out)
         self._gate_up, self._down, self._head = pack(model.gate_up), pack(model.down), pack(model.head)
         self.subset_ids = model.subset_ids.tolist()
@@ -407,17 +408,27 @@ class FeatureDrafter:
         positions (overwriting any scratch there) and return their outputs [n, hidden]."""
         m, c = self.model, self.config
         n = g.shape[0]
-        x = m.step_inputs(g, torch.tensor(next_ids, device=g.device))
+        offset = start - state.first  # cache index of position ``start``
+        self._reserve(state, offset + n)
+        cos, sin = self._rope(start + n)
+        ids = torch.tensor(next_ids, device=g.device)
+        if self._one_call:  # ~100 small ops become one: most of a guess's time on a CPU was their dispatch
+            mask = torch.ones(n, n, dtype=torch.bool).tril()
+            return torch.ops.specmesh_cpu.llama_layer(
+                g.float().contiguous(), m.input_norm.weight.detach(), m.post_norm.weight.detach(),
+                self._qkv.packed.data, self._qkv.format_id, None, self._out.packed.data, self._out.format_id,
+                self._gate_up.packed.data, self._gate_up.format_id, self._down.packed.data, self._down.format_id,
+                cos[start : start + n].contiguous(), sin[start : start + n].contiguous(), [state.keys], [offset],
+                [0, n], [mask], c.num_heads, c.num_kv_heads, c.intermediate_size, c.rms_norm_eps, c.head_dim ** -0.5,
+                m.embed_norm(m.embedding[ids].float()).contiguous())
+        x = m.step_inputs(g, ids)
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         qkv = self._qkv(x)
         q = qkv[:, :q_size].unflatten(-1, (c.num_heads, c.head_dim))
         k = qkv[:, q_size : q_size + kv_size].unflatten(-1, (c.num_kv_heads, c.head_dim))
         v = qkv[:, q_size + kv_size :].unflatten(-1, (c.num_kv_heads, c.head_dim))
-        cos, sin = self._rope(start + n)
         cos, sin = cos[start : start + n].unsqueeze(1), sin[start : start + n].unsqueeze(1)  # [n, 1, head_dim]
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        offset = start - state.first  # cache index of position ``start``
-        self._reserve(state, offset + n)
         state.keys[0, :, offset : offset + n] = k.transpose(0, 1)
         state.keys[1, :, offset : offset + n] = v.transpose(0, 1)
         keys, values = state.keys[0, :, : offset + n], state.keys[1, :, : offset + n]  # [kv_heads, offset + n, d]
