@@ -528,7 +528,8 @@ def _distill_feature(args: argparse.Namespace) -> int:
     print(f"feature drafter {spec.name} (layers {list(layers)}) written to {args.out}")
     print(f"  MT-Bench agreement: {measured['mtbench_agreement']}")
     print(f"  by depth past the last feature: {measured['mtbench_agreement_by_depth']}")
-    print(f"  cost {measured['cost_ms']} ms per drafted token = {measured['cost_fraction']:.3f} of a target step")
+    print(f"  cost {measured['cost_ms']} ms for a first guess = {measured['cost_fraction']:.3f} of a target step; "
+          f"{measured['further_guess_ms']} ms = {measured['further_guess_fraction']:.3f} for each further guess")
     return 0
 
 

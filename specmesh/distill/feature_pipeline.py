@@ -4,6 +4,8 @@ drafter -> its measured agreement and cost -> a drafter directory."""
 from __future__ import annotations
 
 import random
+import statistics
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Sequence
@@ -18,6 +20,7 @@ from specmesh.distill.pipeline import MTBENCH_ANSWER_TOKENS, target_step_ms
 from specmesh.drafters.expert import round_to_stored, save_drafter, subset_for
 from specmesh.drafters.feature import FeatureDrafter, FeatureHead, FeatureSpec
 from specmesh.prompts import Prompt, mtbench_prompts
+from specmesh.runtime.features import Features
 from specmesh.runtime.loading import cache_root, tokenizer_fingerprint
 from specmesh.speculation.assembly import Assembly, eos_token_ids
 
@@ -99,12 +102,41 @@ def measure_feature_drafter(assembly: Assembly, model: FeatureHead, bench: Seque
     hits = feature_hits(model, bench, bench_features, steps=4)
     by_depth = {str(j + 1): agreement_by_category(bench, h)["all"] for j, h in enumerate(hits)}
     _, cost_ms = interface_hits(FeatureDrafter(model, "measure"), bench[:8], bench_features[:8])
+    further_ms = further_guess_ms(model, bench[:4], bench_features[:4])
     target_ms = target_step_ms(assembly, list(bench[0].prompt_ids))
     return {"mtbench_agreement": agreement_by_category(bench, hits[0]),
             "mtbench_agreement_by_depth": by_depth,
             "mtbench_expected_tokens_per_step": chained_tokens_per_step(hits),
-            "cost_ms": round(cost_ms, 3), "target_step_ms": round(target_ms, 3),
-            "cost_fraction": round(cost_ms / target_ms, 4)}
+            "cost_ms": round(cost_ms, 3), "further_guess_ms": round(further_ms, 3), "target_step_ms": round(target_ms, 3),
+            "cost_fraction": round(cost_ms / target_ms, 4), "further_guess_fraction": round(further_ms / target_ms, 4)}
+
+
+def further_guess_ms(model: FeatureHead, examples: Sequence[Example], features: Sequence[torch.Tensor],
+                     depth: int = 5) -> float:
+    """Median ms of each guess after a proposal's first (the first also feeds the newest target features):
+    a chain of ``depth`` against one guess, at each answer position."""
+    one, chain = FeatureDrafter(model, "one"), FeatureDrafter(model, "chain", max_depth=depth, branch_width=1)
+    times = []
+    for number, (example, feature) in enumerate(zip(examples, features)):
+        first = len(example.prompt_ids) - 1
+        for drafter in (one, chain):
+            drafter.start(str(number), example.prompt_ids)
+            drafter.add_features(str(number), Features(0, feature[:first], model.config.feature_layers))
+        for offset, token in enumerate(example.response_ids[: feature.shape[0] - first]):
+            spent = []
+            for drafter, budget in ((one, 1), (chain, depth)):
+                started = time.perf_counter()
+                tree = drafter.propose(str(number), budget)
+                spent.append((time.perf_counter() - started, len(tree)))
+                drafter.commit(str(number), [token])
+                drafter.add_features(str(number), Features(first + offset, feature[first + offset : first + offset + 1],
+                                                           model.config.feature_layers))
+            (single, _), (whole, guesses) = spent
+            if guesses > 1:
+                times.append((whole - single) / (guesses - 1))
+        for drafter in (one, chain):
+            drafter.end(str(number))
+    return statistics.median(times) * 1e3 if times else 0.0
 
 
 def chained_tokens_per_step(hits: Sequence[Sequence[Sequence[bool]]]) -> dict[str, float]:
