@@ -16,6 +16,7 @@ from specmesh.runtime.llama import LlamaRuntime
 from specmesh.runtime.loading import tokenizer_fingerprint
 from specmesh.runtime.tree_verifier import TreeVerifier
 from specmesh.services.drafter.server import DrafterServicer, DrafterSessions
+from specmesh.services.router.openai_api import HttpServer, openai_app
 from specmesh.services.router.server import RouterServicer, watch_cluster
 from specmesh.services.verifier.server import VerifierWorker
 from specmesh.speculation.classifier import default_classifier
@@ -63,10 +64,12 @@ class ServiceStack:
     """A router and one drafter as real gRPC servers on loopback, over an in-process verifier pool."""
 
     def __init__(self, url: str, model, tokenizer, drafter: Drafter, limits: RouterLimits | None = None,
-                 metrics: bool = False) -> None:
+                 metrics: bool = False, http: bool = False) -> None:
         """``metrics``: each service counts into its own registry, served over HTTP on a free port
-        (``metrics_urls``), as the real services do."""
+        (``metrics_urls``), as the real services do. ``http``: the router's OpenAI API too, at ``http_url``."""
         self.with_metrics = metrics
+        self.with_http = http
+        self.http = None
         self.endpoints: dict[str, MetricsEndpoint] = {}
         self.pool = InProcessPool(url, model, workers=1)
         self.model = model
@@ -102,6 +105,11 @@ class ServiceStack:
                                       lambda s: router_pb2_grpc.add_RouterServicer_to_server(router_servicer, s))
         self.router_server = await start_server([self.router_service], "127.0.0.1:0", metrics=router_metrics)
         self.address = f"127.0.0.1:{self.router_server.port}"
+        if self.with_http:
+            app = openai_app(self.router, lambda: len(self.pool.client.alive), max_body_bytes=1 << 20)
+            self.http = HttpServer(app, "127.0.0.1:0")
+            await self.http.start()
+            self.http_url = self.http.url
         self.watcher = None
         if self.with_metrics:
             self.watcher = asyncio.create_task(watch_cluster(self.router, self.pool.client, router_metrics, every_s=0.2))
@@ -120,6 +128,8 @@ class ServiceStack:
             self.watcher.cancel()
         for endpoint in self.endpoints.values():
             endpoint.close()
+        if self.http is not None:
+            await self.http.stop()
         await self.router_server.server.stop(0)
         await self.drafter_server.server.stop(0)
         await self.remote.close()

@@ -33,6 +33,7 @@ from specmesh.cluster.wire import sampling_from_pb
 from specmesh.drafters.catalog import MODEL_FREE_DRAFTERS
 from specmesh.errors import InvalidArgument, Unavailable
 from specmesh.runtime.loading import EMBEDDED_DEFAULT, configure_threads, load_target_parts, tokenizer_fingerprint
+from specmesh.services.router.openai_api import DEFAULT_MAX_BODY_BYTES, HttpServer, openai_app
 from specmesh.speculation.classifier import default_classifier
 from specmesh.speculation.expertise import GENERAL, RoutingConfig
 from specmesh.speculation.loop import LocalDrafter
@@ -182,6 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "lookup), history; they need only the tokens the router holds, so no network hop "
                              "[SPECMESH_LOCAL_DRAFTERS]")
     parser.add_argument("--listen", default=env_default("listen", "127.0.0.1:50051"), help="host:port [SPECMESH_LISTEN]")
+    parser.add_argument("--http-listen", default=env_default("http_listen", "127.0.0.1:8000"),
+                        help="host:port of the OpenAI-compatible HTTP API (/v1/chat/completions, ...); empty: off "
+                             "[SPECMESH_HTTP_LISTEN]")
+    parser.add_argument("--http-max-body", type=int, default=int(env_default("http_max_body", str(DEFAULT_MAX_BODY_BYTES))),
+                        help="largest HTTP request body in bytes (larger: 413) [SPECMESH_HTTP_MAX_BODY]")
     parser.add_argument("--metrics-address", default=env_default("metrics_address", "127.0.0.1:9400"),
                         help="serve Prometheus metrics at http://ADDRESS/metrics ('' = off) [SPECMESH_METRICS_ADDRESS]")
     parser.add_argument("--max-concurrent", type=int, default=int(env_default("max_concurrent", "64")))
@@ -263,12 +269,19 @@ async def serve(args: argparse.Namespace) -> None:
                  lambda s: router_pb2_grpc.add_RouterServicer_to_server(servicer, s))],
         args.listen, metrics=metrics,
     )
+    http = None
+    if args.http_listen:
+        http = HttpServer(openai_app(router, lambda: len(verifier.alive), args.http_max_body), args.http_listen)
+        await http.start()
     gauges = asyncio.create_task(watch_cluster(router, verifier, metrics))
     log.info("router on port %d: drafters %s (discovery %s), pool %s", server.port,
              ", ".join(d.name for d in drafters) or "none yet", args.discovery, args.pool)
     metrics_note = f", metrics at {endpoint.url}" if endpoint else ""
-    print(f"specmesh-router ready on port {server.port}{metrics_note}", flush=True)
+    http_note = f", OpenAI API at {http.url}" if http else ""
+    print(f"specmesh-router ready on port {server.port}{http_note}{metrics_note}", flush=True)
     await server.wait(grace_s=30)
+    if http is not None:
+        await http.stop()
     gauges.cancel()
     if discovery is not None:
         discovery.cancel()

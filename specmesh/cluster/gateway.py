@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import uuid
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Sequence
 
 from specmesh.cluster.metrics import MeteredRequest, RequestClock, RouterMetrics
@@ -147,9 +147,9 @@ class Router:
         internal_id = f"{request_id}:{uuid.uuid4().hex}" if request_id else uuid.uuid4().hex
         if speculation == "off":
             budget = 0
-        request = Request(tuple(int(t) for t in prompt_ids), params, internal_id,
-                          kind=self.classify(text or self.decode(prompt_ids[-256:])))
-        validate_request(request, self.card.vocab_size, self.card.max_length, budget)
+        request = Request(tuple(int(t) for t in prompt_ids), params, internal_id)
+        validate_request(request, self.card.vocab_size, self.card.max_length, budget)  # first: decoding needs valid ids
+        request = replace(request, kind=self.classify(text or self.decode(prompt_ids[-256:])))
         return Ticket(request, budget, speculation)
 
     def _unique_drafters(self) -> list[AsyncDrafter]:

@@ -22,21 +22,32 @@ from specmesh.errors import InvalidArgument, NotFound, ResourceExhausted, Specme
 
 log = logging.getLogger("specmesh.cluster.serving")
 
+# The one mapping of the domain's errors, for the gRPC API and the HTTP (OpenAI) API alike.
 STATUS_OF = {
-    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
-    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    Unavailable: grpc.StatusCode.UNAVAILABLE,
-    NotFound: grpc.StatusCode.NOT_FOUND,
+    InvalidArgument: (grpc.StatusCode.INVALID_ARGUMENT, 400),
+    ResourceExhausted: (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
+    Unavailable: (grpc.StatusCode.UNAVAILABLE, 503),
+    NotFound: (grpc.StatusCode.NOT_FOUND, 404),
 }
 
 
-def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    for kind, code in STATUS_OF.items():
+def _statuses(exc: BaseException) -> tuple[grpc.StatusCode, int, str]:
+    for kind, (code, http) in STATUS_OF.items():
         if isinstance(exc, kind):
-            return code, str(exc)
+            return code, http, str(exc)
     if isinstance(exc, SpecmeshError):
-        return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
-    return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}): {exc}"
+        return grpc.StatusCode.FAILED_PRECONDITION, 409, str(exc)
+    return grpc.StatusCode.INTERNAL, 500, f"internal error ({type(exc).__name__}): {exc}"
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    code, _, message = _statuses(exc)
+    return code, message
+
+
+def http_status_for(exc: BaseException) -> tuple[int, str]:
+    _, status, message = _statuses(exc)
+    return status, message
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
