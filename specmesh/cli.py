@@ -75,7 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a drafter service to start (ngram, history, code, math, writing, knowledge, chat, a directory, a model); "
                     "repeatable (default: ngram and every shipped expert)")
     up.add_argument("--verifiers", type=int, default=1, help="verifier processes (default 1)")
-    up.add_argument("--port", type=int, default=50051, help="the router's port (default 50051; 0 = any free)")
+    up.add_argument("--port", type=int, default=50051, help="the router's gRPC port (default 50051; 0 = any free)")
+    up.add_argument("--http-port", type=int, default=8000,
+                    help="the router's OpenAI-compatible HTTP API (default 8000: http://127.0.0.1:8000/v1; 0 = any free)")
+    up.add_argument("--no-http", action="store_true", help="serve the gRPC API only")
     up.add_argument("--tree-nodes", type=int, default=DEFAULT_TREE_NODES,
                     help=f"the most tree nodes a step (default {DEFAULT_TREE_NODES})")
     up.add_argument("--speculation", choices=("adaptive", "fixed", "off"), default="adaptive",
@@ -359,6 +362,7 @@ def _up(args: argparse.Namespace) -> int:
 
     spec = ClusterSpec(model=args.model, drafters=tuple(args.drafter or DEFAULT_DRAFTERS), verifiers=args.verifiers,
                        max_tree_nodes=args.tree_nodes, draft_ahead=args.draft_ahead, router_port=args.port,
+                       http_port=None if args.no_http else args.http_port,
                        log_dir=args.log_dir, speculation=args.speculation, speculation_margin=args.speculation_margin,
                        precision=args.precision, kv_cache_gb=args.kv_cache_gb, batch_invariant=args.batch_invariant)
     cluster = LocalCluster(spec)
@@ -371,6 +375,8 @@ def _up(args: argparse.Namespace) -> int:
         for process in cluster.processes():
             print(f"  {process.name:<18} {process.address:<18} metrics {process.metrics_url}")
         print(f"  {'redis':<18} {cluster.redis.url}")
+        if cluster.http_url:
+            print(f"  {'OpenAI API':<18} {cluster.http_url}")
         try:
             if not args.no_demo:
                 params = SamplingParams(max_tokens=args.max_tokens)
@@ -389,8 +395,9 @@ def _up(args: argparse.Namespace) -> int:
             raise SpecmeshError(f"the demo request failed: {exc.code().name}: {exc.details()}") from None
         if args.exit_after_demo:
             return 0
-        print(f"\nserving on {cluster.router_address} — try: specmesh generate --server {cluster.router_address} "
-              "\"Hello!\"  (Ctrl-C stops the cluster)", flush=True)
+        http_note = f" and {cluster.http_url} (OpenAI API)" if cluster.http_url else ""
+        print(f"\nserving on {cluster.router_address} (gRPC){http_note} — try: specmesh generate --server "
+              f"{cluster.router_address} \"Hello!\"  (Ctrl-C stops the cluster)", flush=True)
         try:
             while all(p.alive() for p in cluster.processes()):
                 time.sleep(1.0)

@@ -116,6 +116,22 @@ def test_greedy_through_the_cluster_is_plain_greedy(cluster, questions, plain_ou
     assert all(r.usage.completion_tokens == len(r.token_ids) for r in results)
 
 
+def test_the_openai_api_of_the_launched_cluster_is_plain_greedy(cluster, questions, plain_outputs):
+    from openai import OpenAI
+    from transformers import AutoTokenizer
+
+    from specmesh.runtime.loading import resolve_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(EMBEDDED_DEFAULT)[0])
+    with OpenAI(base_url=cluster.http_url, api_key="unused", max_retries=0) as client:
+        (model,) = client.models.list().data
+        answers = [client.chat.completions.create(model=model.id, messages=[{"role": "user", "content": q}],
+                                                  max_tokens=MAX_TOKENS, temperature=0) for q in questions[:2]]
+    for answer, reference in zip(answers, plain_outputs):
+        assert answer.choices[0].message.content == tokenizer.decode(reference, skip_special_tokens=True)
+        assert answer.usage.completion_tokens == len(reference)
+
+
 def stream_collect(client: Client, question: str, first_tokens: threading.Barrier | None):
     tokens = []
     for chunk in client.stream(chat=[("user", question)], max_tokens=MAX_TOKENS):

@@ -48,6 +48,7 @@ class ClusterSpec:
     speculation: str = "adaptive"  # the router's default for requests: adaptive, fixed or off
     speculation_margin: float = SPECULATION_MARGIN  # adaptive's margin in a shared pass (the router's flag)
     router_port: int = 0  # 0: a free port
+    http_port: int | None = 0  # the router's OpenAI-compatible HTTP API (0: a free port; None: not served)
     cores: int = field(default_factory=lambda: os.cpu_count() or 1)
     dtype: str | None = None
     precision: str = "shipped"  # the verifiers' (see specmesh.runtime.precision.PRECISIONS)
@@ -134,6 +135,7 @@ class LocalCluster:
         self.verifiers: list[ServiceProcess] = []
         self.drafters: list[ServiceProcess] = []
         self.router: ServiceProcess | None = None
+        self.http_url = ""  # the router's OpenAI API, once started (empty: not served)
 
     @property
     def router_address(self) -> str:
@@ -186,6 +188,9 @@ class LocalCluster:
                     "--job-timeout", str(spec.job_timeout_s), "--drafters", ",".join(d.address for d in self.drafters),
                     "--draft-ahead", "on" if spec.draft_ahead else "off", "--speculation", spec.speculation,
                     "--speculation-margin", repr(spec.speculation_margin), "--local-drafters", ",".join(local)]
+            http_port = None if spec.http_port is None else spec.http_port or free_port()
+            args += ["--http-listen", "" if http_port is None else f"127.0.0.1:{http_port}"]
+            self.http_url = "" if http_port is None else f"http://127.0.0.1:{http_port}/v1"
             self.router = self._service("router", "router", args, 1, spec.router_port)
             self.router.start()
             self.router.wait_ready(timeout_s)
