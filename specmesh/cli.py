@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also decode without speculation; report identity and the speed ratio")
     gen.add_argument("--server", metavar="HOST:PORT",
                      help="go through a running cluster's router (see `specmesh up`) instead of loading models here")
+    gen.add_argument("--api-key", default=None,
+                     help="with --server: the router's API key (default: $SPECMESH_API_KEY)")
 
     up = commands.add_parser("up", help="run the whole cluster on this machine, with a demo request")
     up.add_argument("--model", default=EMBEDDED_DEFAULT, help="the target model")
@@ -79,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--http-port", type=int, default=8000,
                     help="the router's OpenAI-compatible HTTP API (default 8000: http://127.0.0.1:8000/v1; 0 = any free)")
     up.add_argument("--no-http", action="store_true", help="serve the gRPC API only")
+    up.add_argument("--api-keys-file", default=None,
+                    help="API keys the router requires (one a line; with $SPECMESH_API_KEYS). None: loopback only, "
+                         "no authentication")
     up.add_argument("--tree-nodes", type=int, default=DEFAULT_TREE_NODES,
                     help=f"the most tree nodes a step (default {DEFAULT_TREE_NODES})")
     up.add_argument("--speculation", choices=("adaptive", "fixed", "off"), default="adaptive",
@@ -334,7 +339,7 @@ def _generate_remote(args: argparse.Namespace) -> int:
         raise InvalidArgument("prompt", "give either a PROMPT or --prompts FILE.jsonl")
     params = _sampling_params(args)
     prompts = [Prompt(args.prompt)] if args.prompt is not None else load_prompts(args.prompts)
-    with Client(args.server) as client:
+    with Client(args.server, api_key=args.api_key) as client:
         for number, prompt in enumerate(prompts, start=1):
             if len(prompts) > 1:
                 print(f"--- [{number}/{len(prompts)}] {prompt.category}")
@@ -357,12 +362,14 @@ def _up(args: argparse.Namespace) -> int:
     import grpc
 
     from specmesh.client import Client
+    from specmesh.cluster.auth import ENV_KEYS
     from specmesh.cluster.launcher import DEFAULT_DRAFTERS, ClusterSpec, LocalCluster
     from specmesh.sampling import SamplingParams
 
     spec = ClusterSpec(model=args.model, drafters=tuple(args.drafter or DEFAULT_DRAFTERS), verifiers=args.verifiers,
                        max_tree_nodes=args.tree_nodes, draft_ahead=args.draft_ahead, router_port=args.port,
                        http_port=None if args.no_http else args.http_port,
+                       api_keys_file=Path(args.api_keys_file) if args.api_keys_file else None,
                        log_dir=args.log_dir, speculation=args.speculation, speculation_margin=args.speculation_margin,
                        precision=args.precision, kv_cache_gb=args.kv_cache_gb, batch_invariant=args.batch_invariant)
     cluster = LocalCluster(spec)
@@ -377,10 +384,13 @@ def _up(args: argparse.Namespace) -> int:
         print(f"  {'redis':<18} {cluster.redis.url}")
         if cluster.http_url:
             print(f"  {'OpenAI API':<18} {cluster.http_url}")
+        keyed = spec.api_keys_file is not None or os.environ.get(ENV_KEYS)
+        print("  API keys required (authorization: Bearer <key>)" if keyed
+              else "  no API keys configured: serving on loopback only, without authentication")
         try:
             if not args.no_demo:
                 params = SamplingParams(max_tokens=args.max_tokens)
-                with Client(cluster.router_address) as client:
+                with Client(cluster.router_address, api_key=cluster.client_key) as client:
                     print(f"\ndemo: {args.demo_prompt}\n", flush=True)
                     _stream_one(client, args.demo_prompt, params, None, echo=False)  # warm-up: caches and allocators
                     tokens, elapsed, last = _stream_one(client, args.demo_prompt, params, None, echo=True)

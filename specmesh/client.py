@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 from dataclasses import dataclass
 from typing import AsyncIterator, Iterator, Sequence
@@ -27,6 +28,11 @@ from specmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 SPECULATION = {"adaptive": router_pb2.SPECULATION_ADAPTIVE, "fixed": router_pb2.SPECULATION_FIXED,
                "off": router_pb2.SPECULATION_OFF}
+
+
+def _auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    key = api_key if api_key is not None else os.environ.get("SPECMESH_API_KEY", "")
+    return (("authorization", f"Bearer {key}"),) if key else ()
 
 
 def _service_config(retries: int) -> str:
@@ -158,20 +164,25 @@ def _count_request(prompt: str | None, chat: Sequence[tuple[str, str]] | None) -
 class Client:
     """Blocking client; thread-safe; at most ``max_in_flight`` calls at once (others wait)."""
 
-    def __init__(self, address: str, timeout_s: float = 300.0, retries: int = 4, max_in_flight: int = 64) -> None:
+    def __init__(self, address: str, timeout_s: float = 300.0, retries: int = 4, max_in_flight: int = 64,
+                 api_key: str | None = None) -> None:
+        """``api_key``: sent as ``authorization: Bearer <key>`` (default: ``$SPECMESH_API_KEY``, if set)."""
         self.timeout_s = timeout_s
+        self._metadata = _auth_metadata(api_key)
         self._channel = grpc.insecure_channel(address, options=_channel_options(retries))
         self._stub = router_pb2_grpc.RouterStub(self._channel)
         self._slots = threading.BoundedSemaphore(max_in_flight)
 
     def generate(self, prompt: str | None = None, *, timeout_s: float | None = None, **kwargs) -> Generation:
         with self._slots:
-            answer = self._stub.Generate(generate_request(prompt, **kwargs), timeout=timeout_s or self.timeout_s)
+            answer = self._stub.Generate(generate_request(prompt, **kwargs), timeout=timeout_s or self.timeout_s,
+                                         metadata=self._metadata)
         return _generation(answer)
 
     def stream(self, prompt: str | None = None, *, timeout_s: float | None = None, **kwargs) -> Iterator[Chunk]:
         with self._slots:
-            call = self._stub.GenerateStream(generate_request(prompt, **kwargs), timeout=timeout_s or self.timeout_s)
+            call = self._stub.GenerateStream(generate_request(prompt, **kwargs), timeout=timeout_s or self.timeout_s,
+                                             metadata=self._metadata)
             try:
                 for message in call:
                     yield _chunk(message)
@@ -179,13 +190,15 @@ class Client:
                 call.cancel()  # a no-op when the stream ended; frees the server's state when it did not
 
     def count_tokens(self, prompt: str | None = None, *, chat: Sequence[tuple[str, str]] | None = None) -> int:
-        return self._stub.CountTokens(_count_request(prompt, chat), timeout=self.timeout_s).count
+        request = _count_request(prompt, chat)
+        return self._stub.CountTokens(request, timeout=self.timeout_s, metadata=self._metadata).count
 
     def info(self) -> router_pb2.RouterInfo:
-        return self._stub.Info(router_pb2.InfoRequest(), timeout=self.timeout_s)
+        return self._stub.Info(router_pb2.InfoRequest(), timeout=self.timeout_s, metadata=self._metadata)
 
     def list_models(self) -> list[router_pb2.ModelCard]:
-        return list(self._stub.ListModels(router_pb2.ListModelsRequest(), timeout=self.timeout_s).models)
+        answer = self._stub.ListModels(router_pb2.ListModelsRequest(), timeout=self.timeout_s, metadata=self._metadata)
+        return list(answer.models)
 
     def close(self) -> None:
         self._channel.close()
@@ -201,20 +214,24 @@ class AsyncClient:
     """asyncio client; at most ``max_in_flight`` calls at once on its channel (firing thousands of calls
     at once on one channel makes gRPC cancel some)."""
 
-    def __init__(self, address: str, timeout_s: float = 300.0, retries: int = 4, max_in_flight: int = 64) -> None:
+    def __init__(self, address: str, timeout_s: float = 300.0, retries: int = 4, max_in_flight: int = 64,
+                 api_key: str | None = None) -> None:
         self.timeout_s = timeout_s
+        self._metadata = _auth_metadata(api_key)
         self._channel = grpc.aio.insecure_channel(address, options=_channel_options(retries))
         self._stub = router_pb2_grpc.RouterStub(self._channel)
         self._slots = asyncio.Semaphore(max_in_flight)
 
     async def generate(self, prompt: str | None = None, *, timeout_s: float | None = None, **kwargs) -> Generation:
         async with self._slots:
-            answer = await self._stub.Generate(generate_request(prompt, **kwargs), timeout=timeout_s or self.timeout_s)
+            answer = await self._stub.Generate(generate_request(prompt, **kwargs), timeout=timeout_s or self.timeout_s,
+                                               metadata=self._metadata)
         return _generation(answer)
 
     async def stream(self, prompt: str | None = None, *, timeout_s: float | None = None, **kwargs) -> AsyncIterator[Chunk]:
         async with self._slots:
-            call = self._stub.GenerateStream(generate_request(prompt, **kwargs), timeout=timeout_s or self.timeout_s)
+            call = self._stub.GenerateStream(generate_request(prompt, **kwargs), timeout=timeout_s or self.timeout_s,
+                                             metadata=self._metadata)
             try:
                 async for message in call:
                     yield _chunk(message)
@@ -222,13 +239,16 @@ class AsyncClient:
                 call.cancel()
 
     async def count_tokens(self, prompt: str | None = None, *, chat: Sequence[tuple[str, str]] | None = None) -> int:
-        return (await self._stub.CountTokens(_count_request(prompt, chat), timeout=self.timeout_s)).count
+        request = _count_request(prompt, chat)
+        return (await self._stub.CountTokens(request, timeout=self.timeout_s, metadata=self._metadata)).count
 
     async def info(self) -> router_pb2.RouterInfo:
-        return await self._stub.Info(router_pb2.InfoRequest(), timeout=self.timeout_s)
+        return await self._stub.Info(router_pb2.InfoRequest(), timeout=self.timeout_s, metadata=self._metadata)
 
     async def list_models(self) -> list[router_pb2.ModelCard]:
-        return list((await self._stub.ListModels(router_pb2.ListModelsRequest(), timeout=self.timeout_s)).models)
+        answer = await self._stub.ListModels(router_pb2.ListModelsRequest(), timeout=self.timeout_s,
+                                             metadata=self._metadata)
+        return list(answer.models)
 
     async def close(self) -> None:
         await self._channel.close()

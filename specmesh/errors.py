@@ -19,6 +19,10 @@ class ResourceExhausted(SpecmeshError):
     """A limit (concurrent requests, cache capacity, queue length) is reached; retry later."""
 
 
+class Unauthenticated(SpecmeshError):
+    """The caller gave no valid credentials (an API key)."""
+
+
 class Unavailable(SpecmeshError):
     """A dependency (Redis, every verifier, a drafter) cannot be reached in time; retry later."""
 

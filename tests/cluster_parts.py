@@ -64,11 +64,12 @@ class ServiceStack:
     """A router and one drafter as real gRPC servers on loopback, over an in-process verifier pool."""
 
     def __init__(self, url: str, model, tokenizer, drafter: Drafter, limits: RouterLimits | None = None,
-                 metrics: bool = False, http: bool = False) -> None:
+                 metrics: bool = False, http: bool = False, access=None) -> None:
         """``metrics``: each service counts into its own registry, served over HTTP on a free port
         (``metrics_urls``), as the real services do. ``http``: the router's OpenAI API too, at ``http_url``."""
         self.with_metrics = metrics
         self.with_http = http
+        self.access = access  # API keys the router's client APIs require (None: none)
         self.http = None
         self.endpoints: dict[str, MetricsEndpoint] = {}
         self.pool = InProcessPool(url, model, workers=1)
@@ -103,10 +104,11 @@ class ServiceStack:
         # (a test may serve it once more, on an address of its own)
         self.router_service = Service("specmesh.v1.Router",
                                       lambda s: router_pb2_grpc.add_RouterServicer_to_server(router_servicer, s))
-        self.router_server = await start_server([self.router_service], "127.0.0.1:0", metrics=router_metrics)
+        self.router_server = await start_server([self.router_service], "127.0.0.1:0", metrics=router_metrics,
+                                                access=self.access)
         self.address = f"127.0.0.1:{self.router_server.port}"
         if self.with_http:
-            app = openai_app(self.router, lambda: len(self.pool.client.alive), max_body_bytes=1 << 20)
+            app = openai_app(self.router, lambda: len(self.pool.client.alive), max_body_bytes=1 << 20, access=self.access)
             self.http = HttpServer(app, "127.0.0.1:0")
             await self.http.start()
             self.http_url = self.http.url

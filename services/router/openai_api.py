@@ -15,18 +15,20 @@ import logging
 import socket
 import time
 import uuid
-from contextlib import aclosing, contextmanager
+from contextlib import aclosing, contextmanager, nullcontext
 from typing import AsyncIterator, Callable
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
+from fastapi.security import HTTPBearer
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specmesh import __version__
+from specmesh.cluster.auth import Access, Permit
 from specmesh.cluster.gateway import Generation, Router, TextStream
 from specmesh.cluster.serving import http_status_for
 from specmesh.cluster.stops import StopScanner, check_stops, tokens_through
@@ -63,6 +65,7 @@ ERROR_RESPONSES = {status: {"model": ErrorResponse, "description": description} 
     (400, "invalid request: the message names the field"), (404, "unknown model or route"),
     (413, "request body too large"), (429, "too many requests in flight; retry later"),
     (503, "no verifier can take the request now; retry later"))}
+UNAUTHORIZED = {"model": ErrorResponse, "description": "no valid API key"}
 STREAM = {200: {"content": {"application/json": {}, "text/event-stream": {}},
                 "description": "the completion, or with stream=true its chunks as server-sent events"}}
 ROLE_OF = {"developer": "system"}  # OpenAI's newer name for the system role
@@ -80,6 +83,10 @@ def mapped_error(exc: BaseException) -> JSONResponse:
     status, message = http_status_for(exc)
     if status == 500:
         log.error("internal error on the HTTP API", exc_info=exc)
+    if status == 401:
+        response = error_response(401, message, code="invalid_api_key")
+        response.headers["WWW-Authenticate"] = "Bearer"
+        return response
     return error_response(status, message, getattr(exc, "field", None), getattr(exc, "code", None))
 
 
@@ -264,9 +271,16 @@ class OpenAIFrontend:
                                         speculation=body.speculation)
 
 
-def openai_app(router: Router, live_verifiers: Callable[[], int], max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    """The HTTP app over ``router``; ``live_verifiers()``: how many verifiers can take work now (health)."""
+def openai_app(router: Router, live_verifiers: Callable[[], int], max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               access: Access | None = None) -> FastAPI:
+    """The HTTP app over ``router``; ``live_verifiers()``: how many verifiers can take work now (health);
+    ``access``: every route but /health needs an API key (``Authorization: Bearer <key>``) within its limits."""
     frontend = OpenAIFrontend(router)
+    guarded = [Depends(HTTPBearer(auto_error=False))] if access is not None else []  # documents it in the schema
+    errors = {**ERROR_RESPONSES, **({401: UNAUTHORIZED} if access is not None else {})}
+
+    def admit(request: Request) -> Permit | None:
+        return access.admit(request.headers.get("authorization")) if access is not None else None
     app = FastAPI(title="specmesh", version=__version__, docs_url=None, redoc_url=None,
                   description="OpenAI-compatible API of a specmesh router: lossless speculative decoding. "
                               "Extensions: top_k, speculation, max_tree_nodes; responses carry `specmesh` statistics.")
@@ -301,18 +315,28 @@ def openai_app(router: Router, live_verifiers: Callable[[], int], max_body_bytes
         status = "ok" if verifiers else "unavailable"
         return JSONResponse(Health(status=status, verifiers=verifiers).model_dump(), status_code=200 if verifiers else 503)
 
-    @app.get("/v1/models", response_model=ModelList)
-    async def models():
-        return ModelList(data=[frontend.model()])
+    @app.get("/v1/models", response_model=ModelList, dependencies=guarded,
+             responses={k: v for k, v in errors.items() if k in (401, 429)})
+    async def models(request: Request):
+        with admit(request) or nullcontext():
+            return ModelList(data=[frontend.model()])
 
-    @app.get("/v1/models/{model_id}", response_model=Model, responses={404: ERROR_RESPONSES[404]})
-    async def model(model_id: str):
-        frontend.check_model(model_id)
-        return frontend.model()
+    @app.get("/v1/models/{model_id}", response_model=Model, dependencies=guarded,
+             responses={k: v for k, v in errors.items() if k in (401, 404, 429)})
+    async def model(model_id: str, request: Request):
+        with admit(request) or nullcontext():
+            frontend.check_model(model_id)
+            return frontend.model()
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletion, responses={**ERROR_RESPONSES, **STREAM})
+    @app.post("/v1/chat/completions", response_model=ChatCompletion, dependencies=guarded,
+              responses={**errors, **STREAM})
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        ticket = frontend.chat_ticket(body)
+        permit = admit(request)
+        try:
+            ticket = frontend.chat_ticket(body)
+        except BaseException:
+            permit and permit.release()
+            raise
         answer = pieces(router, ticket, _stops(body))
         ids = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -329,16 +353,21 @@ def openai_app(router: Router, live_verifiers: Callable[[], int], max_body_bytes
                 if piece.finish_reason is not None and body.stream_options and body.stream_options.include_usage:
                     out.append(chunk([], usage=piece.usage()))
                 return out
-            return await streamed(answer, events)
-        text, last = await collected(answer, request)
+            return await streamed(answer, events, permit)
+        text, last = await collected(answer, request, permit)
         return ChatCompletion(id=ids[0], created=ids[1], model=router.card.name, usage=last.usage(),
                               choices=[ChatChoice(index=0, message=AssistantMessage(content=text),
                                                   finish_reason=last.finish_reason)],
                               system_fingerprint=frontend.fingerprint, specmesh=_stats(last.generation))
 
-    @app.post("/v1/completions", response_model=Completion, responses={**ERROR_RESPONSES, **STREAM})
+    @app.post("/v1/completions", response_model=Completion, dependencies=guarded, responses={**errors, **STREAM})
     async def completions(body: CompletionRequest, request: Request):
-        ticket = frontend.completion_ticket(body)
+        permit = admit(request)
+        try:
+            ticket = frontend.completion_ticket(body)
+        except BaseException:
+            permit and permit.release()
+            raise
         answer = pieces(router, ticket, _stops(body))
         ids = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -354,8 +383,8 @@ def openai_app(router: Router, live_verifiers: Callable[[], int], max_body_bytes
                 if piece.finish_reason is not None and body.stream_options and body.stream_options.include_usage:
                     out.append(completion([], usage=piece.usage()).model_dump_json())
                 return out
-            return await streamed(answer, events)
-        text, last = await collected(answer, request)
+            return await streamed(answer, events, permit)
+        text, last = await collected(answer, request, permit)
         return completion([CompletionChoice(index=0, text=text, finish_reason=last.finish_reason)], last, last.usage())
 
     def schema() -> dict:  # errors are 400s in OpenAI's shape: FastAPI's 422 is never sent
@@ -376,7 +405,7 @@ def openai_app(router: Router, live_verifiers: Callable[[], int], max_body_bytes
     return app
 
 
-async def streamed(answer: AsyncIterator[Piece], events: Callable[[Piece, bool], list[str]]):
+async def streamed(answer: AsyncIterator[Piece], events: Callable[[Piece, bool], list[str]], permit: Permit | None):
     """Server-sent events of ``answer``, then ``[DONE]``. The first step is awaited before the response
     starts, so that a refusal (429, 503, a bad request) is an HTTP status, not an event; an error after
     that is an ``error`` event. The answer runs in a task of its own: a client that leaves cancels it
@@ -393,6 +422,8 @@ async def streamed(answer: AsyncIterator[Piece], events: Callable[[Piece, bool],
             queue.put_nowait(exc)
 
     producer = asyncio.ensure_future(produce())
+    if permit is not None:  # held while the answer runs, however it ends (even cancelled before it began)
+        producer.add_done_callback(lambda _: permit.release())
     try:
         first = await queue.get()
     except BaseException:
@@ -420,7 +451,7 @@ async def streamed(answer: AsyncIterator[Piece], events: Callable[[Piece, bool],
     return EventSourceResponse(send(), ping=15, sep="\n")
 
 
-async def collected(answer: AsyncIterator[Piece], request: Request) -> tuple[str, Piece]:
+async def collected(answer: AsyncIterator[Piece], request: Request, permit: Permit | None) -> tuple[str, Piece]:
     """The whole answer's text and its last piece; a client that disconnects first ends the request."""
     async def whole() -> tuple[str, Piece]:
         parts, last = [], None
@@ -434,6 +465,8 @@ async def collected(answer: AsyncIterator[Piece], request: Request) -> tuple[str
             pass
 
     work, watch = asyncio.ensure_future(whole()), asyncio.ensure_future(gone())
+    if permit is not None:
+        work.add_done_callback(lambda _: permit.release())
     try:
         await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:

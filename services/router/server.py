@@ -13,6 +13,7 @@ from typing import Sequence
 import redis.asyncio as aioredis
 
 from specmesh import __version__
+from specmesh.cluster.auth import Access, ApiKeys, KeyLimits, check_exposure
 from specmesh.cluster.discovery import (
     DEFAULT_SELECTOR,
     DISCOVERY_MODES,
@@ -188,6 +189,16 @@ def build_parser() -> argparse.ArgumentParser:
                              "[SPECMESH_HTTP_LISTEN]")
     parser.add_argument("--http-max-body", type=int, default=int(env_default("http_max_body", str(DEFAULT_MAX_BODY_BYTES))),
                         help="largest HTTP request body in bytes (larger: 413) [SPECMESH_HTTP_MAX_BODY]")
+    parser.add_argument("--api-keys-file", default=env_default("api_keys_file"),
+                        help="API keys, one a line (or sha256:<hex>), each optionally followed by a name; read again "
+                             "when it changes. With SPECMESH_API_KEYS (comma-separated) the keys callers must send as "
+                             "'authorization: Bearer <key>'. No key: loopback only, no authentication "
+                             "[SPECMESH_API_KEYS_FILE]")
+    parser.add_argument("--key-max-concurrent", type=int, default=int(env_default("key_max_concurrent", "0")),
+                        help="calls in flight per API key (default 0: only --max-concurrent) [SPECMESH_KEY_MAX_CONCURRENT]")
+    parser.add_argument("--key-requests-per-minute", type=int,
+                        default=int(env_default("key_requests_per_minute", "0")),
+                        help="calls a minute per API key (default 0: no limit) [SPECMESH_KEY_REQUESTS_PER_MINUTE]")
     parser.add_argument("--metrics-address", default=env_default("metrics_address", "127.0.0.1:9400"),
                         help="serve Prometheus metrics at http://ADDRESS/metrics ('' = off) [SPECMESH_METRICS_ADDRESS]")
     parser.add_argument("--max-concurrent", type=int, default=int(env_default("max_concurrent", "64")))
@@ -238,6 +249,9 @@ async def serve(args: argparse.Namespace) -> None:
     configure_threads(1)
     policy = adaptive_policy({}, routing=RoutingConfig(max_drafters=args.max_drafters, explore=args.explore),
                              margin=args.speculation_margin)  # first: a bad flag fails before anything starts
+    access = Access(ApiKeys.from_environment(args.api_keys_file),
+                    KeyLimits(args.key_max_concurrent, args.key_requests_per_minute))
+    check_exposure(access, [args.listen, args.http_listen])  # before anything starts
     target = load_target_parts(args.model)
     card = ModelCard(
         target.name, target.vocab_size, target.max_length, tokenizer_fingerprint(target.tokenizer),
@@ -267,18 +281,21 @@ async def serve(args: argparse.Namespace) -> None:
     server = await start_server(
         [Service(router_pb2.DESCRIPTOR.services_by_name["Router"].full_name,
                  lambda s: router_pb2_grpc.add_RouterServicer_to_server(servicer, s))],
-        args.listen, metrics=metrics,
+        args.listen, metrics=metrics, access=access if access.keys.enabled else None,
     )
     http = None
     if args.http_listen:
-        http = HttpServer(openai_app(router, lambda: len(verifier.alive), args.http_max_body), args.http_listen)
+        http = HttpServer(openai_app(router, lambda: len(verifier.alive), args.http_max_body,
+                                     access if access.keys.enabled else None), args.http_listen)
         await http.start()
     gauges = asyncio.create_task(watch_cluster(router, verifier, metrics))
     log.info("router on port %d: drafters %s (discovery %s), pool %s", server.port,
              ", ".join(d.name for d in drafters) or "none yet", args.discovery, args.pool)
     metrics_note = f", metrics at {endpoint.url}" if endpoint else ""
     http_note = f", OpenAI API at {http.url}" if http else ""
-    print(f"specmesh-router ready on port {server.port}{http_note}{metrics_note}", flush=True)
+    auth_note = (f"{len(access.keys)} API key(s) required" if access.keys.enabled
+                 else "no API keys: loopback only, no authentication")
+    print(f"specmesh-router ready on port {server.port}{http_note}{metrics_note} ({auth_note})", flush=True)
     await server.wait(grace_s=30)
     if http is not None:
         await http.stop()

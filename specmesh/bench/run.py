@@ -311,7 +311,7 @@ def run_bench(args: argparse.Namespace) -> int:
         if not args.no_cluster:
             cluster = _start_cluster(args, drafter_names)
             cleanup.callback(cluster.stop)
-            client = cleanup.enter_context(Client(cluster.router_address))
+            client = cleanup.enter_context(Client(cluster.router_address, api_key=cluster.client_key))
             modes.append("cluster")
         records = {m: ModeRecord() for m in modes}
         references = mode_references(modes, quantized)
@@ -573,7 +573,7 @@ def load_sweep(cluster: LocalCluster, prompts: list[Prompt], max_tokens: int, le
                 latencies.append((time.perf_counter() - started) * 1e3 / max(len(answer.token_ids), 1))
                 tokens += len(answer.token_ids)
 
-        async with AsyncClient(cluster.router_address, max_in_flight=max(64, level)) as client:
+        async with AsyncClient(cluster.router_address, max_in_flight=max(64, level), api_key=cluster.client_key) as client:
             started = time.perf_counter()
             await asyncio.gather(*(send(client, p) for p in chosen))
             wall = time.perf_counter() - started

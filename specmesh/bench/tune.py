@@ -178,7 +178,7 @@ def cluster_sweep(args: argparse.Namespace, drafters: tuple[str, ...], prompts: 
     for name in tqdm(order, desc="cluster settings", unit="cluster"):
         spec = ClusterSpec(model=args.model, drafters=drafters, max_tree_nodes=args.tree_nodes, dtype=args.dtype,
                            precision=args.precision, **CLUSTER_SETTINGS[name])
-        with LocalCluster(spec) as cluster, Client(cluster.router_address) as client:
+        with LocalCluster(spec) as cluster, Client(cluster.router_address, api_key=cluster.client_key) as client:
             def ask(prompt: Prompt) -> list[int]:
                 return client.generate(chat=[("user", prompt.text)], max_tokens=args.max_tokens,
                                        max_tree_nodes=args.tree_nodes).token_ids
@@ -214,7 +214,7 @@ def load_margin_sweep(args: argparse.Namespace, drafters: tuple[str, ...], promp
                            precision=args.precision,
                            speculation_margin=margin)
         with LocalCluster(spec) as cluster:
-            with Client(cluster.router_address) as client:
+            with Client(cluster.router_address, api_key=cluster.client_key) as client:
                 client.generate(chat=[("user", warmup.text)], max_tokens=args.max_tokens)
             runs = load_sweep(cluster, round_robin(prompts), args.max_tokens, levels, DEFAULT_FIXED_TREE_NODES,
                               args.tree_nodes, rounds, MARGIN_LOAD_POLICIES)

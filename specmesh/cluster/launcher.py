@@ -21,6 +21,7 @@ from typing import Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specmesh.cluster.auth import ENV_KEYS
 from specmesh.cluster.redis_server import RedisServer, free_port
 from specmesh.errors import InvalidArgument, Unavailable
 from specmesh.runtime.loading import EMBEDDED_DEFAULT
@@ -49,6 +50,7 @@ class ClusterSpec:
     speculation_margin: float = SPECULATION_MARGIN  # adaptive's margin in a shared pass (the router's flag)
     router_port: int = 0  # 0: a free port
     http_port: int | None = 0  # the router's OpenAI-compatible HTTP API (0: a free port; None: not served)
+    api_keys_file: Path | None = None  # the router's API keys (besides $SPECMESH_API_KEYS; none: no authentication)
     cores: int = field(default_factory=lambda: os.cpu_count() or 1)
     dtype: str | None = None
     precision: str = "shipped"  # the verifiers' (see specmesh.runtime.precision.PRECISIONS)
@@ -141,6 +143,14 @@ class LocalCluster:
     def router_address(self) -> str:
         return self.router.address
 
+    @property
+    def client_key(self) -> str | None:
+        """The API key this machine's own clients (the demo) send: $SPECMESH_API_KEY, else the first key of
+        $SPECMESH_API_KEYS (None: the router needs none, or only hashes are known here)."""
+        explicit = os.environ.get("SPECMESH_API_KEY")
+        listed = [k.strip() for k in os.environ.get(ENV_KEYS, "").split(",") if k.strip()]
+        return explicit or (listed[0] if listed and not listed[0].startswith("sha256:") else None)
+
     def _env(self, threads: int) -> dict[str, str]:
         env = dict(os.environ)
         env.update({"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(threads),
@@ -188,6 +198,8 @@ class LocalCluster:
                     "--job-timeout", str(spec.job_timeout_s), "--drafters", ",".join(d.address for d in self.drafters),
                     "--draft-ahead", "on" if spec.draft_ahead else "off", "--speculation", spec.speculation,
                     "--speculation-margin", repr(spec.speculation_margin), "--local-drafters", ",".join(local)]
+            if spec.api_keys_file is not None:
+                args += ["--api-keys-file", str(spec.api_keys_file)]
             http_port = None if spec.http_port is None else spec.http_port or free_port()
             args += ["--http-listen", "" if http_port is None else f"127.0.0.1:{http_port}"]
             self.http_url = "" if http_port is None else f"http://127.0.0.1:{http_port}/v1"

@@ -17,10 +17,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from specmesh.cluster.auth import Access, Permit
 from specmesh.cluster.metrics import ServiceMetrics
-from specmesh.errors import InvalidArgument, NotFound, ResourceExhausted, SpecmeshError, Unavailable
+from specmesh.errors import InvalidArgument, NotFound, ResourceExhausted, SpecmeshError, Unauthenticated, Unavailable
 
 log = logging.getLogger("specmesh.cluster.serving")
+OPEN_PREFIX = "/grpc.health.v1.Health/"  # probes (Kubernetes, load balancers) carry no key
 
 # The one mapping of the domain's errors, for the gRPC API and the HTTP (OpenAI) API alike.
 STATUS_OF = {
@@ -28,6 +30,7 @@ STATUS_OF = {
     ResourceExhausted: (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
     Unavailable: (grpc.StatusCode.UNAVAILABLE, 503),
     NotFound: (grpc.StatusCode.NOT_FOUND, 404),
+    Unauthenticated: (grpc.StatusCode.UNAUTHENTICATED, 401),
 }
 
 
@@ -55,8 +58,17 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     (logged with its traceback) instead of an opaque UNKNOWN. Servicers just raise. With ``metrics``,
     every call is counted by method and status code, and timed."""
 
-    def __init__(self, metrics: ServiceMetrics | None = None) -> None:
+    def __init__(self, metrics: ServiceMetrics | None = None, access: Access | None = None) -> None:
+        """``access``: callers must present an API key (``authorization`` metadata) and stay within its
+        limits, on every method but health checking."""
         self.metrics = metrics
+        self.access = access
+
+    def _admit(self, method: str, context) -> Permit | None:
+        if self.access is None or method.startswith(OPEN_PREFIX):
+            return None
+        metadata = dict(context.invocation_metadata() or ())
+        return self.access.admit(metadata.get("authorization"))
 
     def _done(self, method: str, code: grpc.StatusCode, started: float) -> None:
         if self.metrics is not None:
@@ -71,8 +83,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             inner = handler.unary_unary
 
             async def unary(request, context):
-                started, code = time.perf_counter(), grpc.StatusCode.OK
+                started, code, permit = time.perf_counter(), grpc.StatusCode.OK, None
                 try:
+                    permit = self._admit(method, context)
                     return await inner(request, context)
                 except asyncio.CancelledError:
                     code = grpc.StatusCode.CANCELLED
@@ -84,6 +97,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     code = status_for(exc)[0]
                     await _abort(context, method, exc)
                 finally:
+                    if permit is not None:
+                        permit.release()
                     self._done(method, code, started)
 
             return grpc.unary_unary_rpc_method_handler(
@@ -93,8 +108,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             inner_stream = handler.unary_stream
 
             async def stream(request, context):
-                started, code = time.perf_counter(), grpc.StatusCode.OK
+                started, code, permit = time.perf_counter(), grpc.StatusCode.OK, None
                 try:
+                    permit = self._admit(method, context)
                     async for item in inner_stream(request, context):
                         yield item
                 except (asyncio.CancelledError, GeneratorExit):
@@ -107,6 +123,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     code = status_for(exc)[0]
                     await _abort(context, method, exc)
                 finally:
+                    if permit is not None:
+                        permit.release()
                     self._done(method, code, started)
 
             return grpc.unary_stream_rpc_method_handler(
@@ -168,15 +186,16 @@ class Server:
 
 async def start_server(
     services: Sequence[Service], address: str, max_message_mb: int = 64, metrics: ServiceMetrics | None = None,
+    access: Access | None = None,
 ) -> Server:
     """Start a gRPC server with health checking, reflection and the error interceptor on ``address``
-    (``host:port``; port 0 picks a free one); ``metrics`` counts its calls."""
+    (``host:port``; port 0 picks a free one); ``metrics`` counts its calls; ``access``: API keys required."""
     options = [
         ("grpc.max_receive_message_length", max_message_mb << 20),
         ("grpc.max_send_message_length", max_message_mb << 20),
         ("grpc.so_reuseport", 0),
     ]
-    server = grpc.aio.server(interceptors=[ErrorInterceptor(metrics)], options=options)
+    server = grpc.aio.server(interceptors=[ErrorInterceptor(metrics, access)], options=options)
     for service in services:
         service.add(server)
     health = HealthServicer()
