@@ -337,13 +337,36 @@ def test_specmesh_services_have_grpc_probes_and_metrics_ports(render, values):
     for workload in specmesh:
         (container,) = containers(workload)
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-        assert set(ports) == {"grpc", "metrics"}
+        assert set(ports) == {"grpc", "metrics", *(["http"] if component(workload) == "router" else [])}
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert container[probe]["grpc"]["port"] == ports["grpc"], f"{workload['metadata']['name']} {probe}"
         assert env_value(container, "SPECMESH_LISTEN") == f"0.0.0.0:{ports['grpc']}"
         assert env_value(container, "SPECMESH_METRICS_ADDRESS") == f"0.0.0.0:{ports['metrics']}"
         assert container["args"] == [f"specmesh.services.{component(workload)}"]
         assert workload["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= 30
+
+
+def test_the_router_requires_api_keys_from_a_secret_and_serves_http(render):
+    for extra, secret in ((), "sm-specmesh-router-api-keys"), (("--set", "router.apiKeys.existingSecret=team-keys"), "team-keys"):
+        docs = render(*extra)
+        (router,) = [w for w in workloads(docs) if component(w) == "router"]
+        (container,) = containers(router)
+        assert env_value(container, "SPECMESH_HTTP_LISTEN") == "0.0.0.0:8000"
+        path = env_value(container, "SPECMESH_API_KEYS_FILE")
+        (mount,) = [m for m in container["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+        assert "subPath" not in mount  # the kubelet updates a directory mount: keys rotate without a restart
+        (volume,) = [v for v in router["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]]
+        assert volume["secret"]["secretName"] == secret
+        generated = [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == "sm-specmesh-router-api-keys"]
+        assert len(generated) == (0 if extra else 1)
+        if generated:  # one random key
+            key = base64.b64decode(generated[0]["data"]["api-keys"]).decode().split()[0]
+            assert key.startswith("sk-") and len(key) == 43
+        (service,) = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "sm-specmesh-router"]
+        assert {p["name"]: p["port"] for p in service["spec"]["ports"]}["http"] == 8000
+    off = render("--set", "router.httpPort=0")
+    (router,) = [w for w in workloads(off) if component(w) == "router"]
+    assert env_value(containers(router)[0], "SPECMESH_HTTP_LISTEN") == ""
 
 
 def _service_flags() -> dict[str, set[str]]:
