@@ -11,6 +11,7 @@ from specmesh.cluster.metrics import DrafterMetrics, MetricsEndpoint, RouterMetr
 from specmesh.cluster.queue import QueueKeys, QueueVerifierClient, VerifierQueue
 from specmesh.cluster.remote_drafter import RemoteDrafter
 from specmesh.cluster.serving import Service, TorchThread, start_server
+from specmesh.cluster.signing import QueueSigner, new_key
 from specmesh.drafters.base import Drafter
 from specmesh.runtime.llama import LlamaRuntime
 from specmesh.runtime.loading import tokenizer_fingerprint
@@ -30,13 +31,15 @@ class InProcessPool:
         self.redis = aioredis.Redis.from_url(url)
         self.keys = QueueKeys(pool=uuid.uuid4().hex[:8])
         self.model = model
-        self.client = QueueVerifierClient(self.redis, self.keys, "router-test", liveness_every_s=0.1, **client_args)
+        self.signer = QueueSigner(new_key())  # entries tagged as in a real cluster
+        self.client = QueueVerifierClient(self.redis, self.keys, "router-test", liveness_every_s=0.1,
+                                          signer=self.signer, **client_args)
         self.workers: list[VerifierWorker] = []
         self.tasks: list[asyncio.Task] = []
         self.count = workers
 
     def worker(self, name: str) -> VerifierWorker:
-        queue = VerifierQueue(self.redis, self.keys, name, heartbeat_ttl_s=1.0, reclaim_idle_s=0.5)
+        queue = VerifierQueue(self.redis, self.keys, name, heartbeat_ttl_s=1.0, reclaim_idle_s=0.5, signer=self.signer)
         return VerifierWorker(TreeVerifier(LlamaRuntime(self.model)), queue, TorchThread(name))
 
     def add_worker(self, name: str) -> VerifierWorker:

@@ -9,9 +9,10 @@ import pytest
 from cluster_parts import InProcessPool
 from conftest import HANG_S, wait_until_async
 
-from specmesh.cluster.queue import VerifierQueue, encode_job
+from specmesh.cluster.queue import VerifierQueue, decode_job, encode_job
 from specmesh.cluster.redis_server import RedisServer
 from specmesh.cluster.scheduling import PassRhythm, plan_batch
+from specmesh.cluster.signing import JOB
 from specmesh.drafters.ngram import HistoryDrafter, NgramDrafter
 from specmesh.errors import Unavailable
 from specmesh.runtime.llama import LlamaRuntime
@@ -20,6 +21,7 @@ from specmesh.sampling import SamplingParams
 from specmesh.speculation.engine import Request, SpeculativeEngine
 from specmesh.speculation.loop import LocalDrafter, SpeculationStats, speculate
 from specmesh.tree import TokenTree
+from specmesh.v1 import verifier_pb2
 
 MAX_TOKENS = 24
 PROMPTS = [(5, 6, 7, 5, 6), (9, 10, 11, 12), (3, 4, 3, 4, 3, 4, 3), (20, 21), (7,), (30, 31, 32, 33, 30, 31)]
@@ -98,7 +100,8 @@ def test_jobs_held_by_a_dead_verifier_are_reclaimed(redis_server, tiny_model, re
             # a second job was already queued on the ghost's own stream (affinity) when it died
             own = VerifyJob("req2", 0, len(prompt) - 1, prompt[-1], TokenTree(), SamplingParams(max_tokens=MAX_TOKENS),
                             history=prompt[:-1])
-            await pool.redis.xadd(pool.keys.own_jobs("ghost"), {"job": encode_job(own, pool.client.reply_to, 0)})
+            payload = encode_job(own, pool.client.reply_to, 0)
+            await pool.redis.xadd(pool.keys.own_jobs("ghost"), {"job": payload, "tag": pool.signer.tag(JOB, payload)})
             pool.client._waiting[("req2", 0)] = asyncio.get_running_loop().create_future()
             pool.add_worker("survivor")
             # answered by reclaiming: the client would resend only after 60 s, later than these bounds
@@ -213,3 +216,53 @@ def test_the_batch_scheduler_fills_a_row_budget_in_readiness_order():
     assert big == [("d", 200)] and rest == [("a", 1)]  # an oversized job still goes, alone
     assert plan_batch([], lambda j: 1, lambda j: j, 10) == ([], [])
 
+
+
+# ---- entries that no router or verifier wrote (someone else with access to Redis) ----
+
+
+def test_a_forged_result_is_dropped_counted_and_the_output_unchanged(redis_server, tiny_model, reference):
+    """An attacker who answers a victim's job before any verifier does gets nothing to the client."""
+    async def main():
+        async with InProcessPool(redis_server.url, tiny_model, workers=0) as pool:
+            request = Request(PROMPTS[0], SamplingParams(max_tokens=MAX_TOKENS), "victim")
+            victim = asyncio.create_task(run_request(request, [LocalDrafter(NgramDrafter())], pool.client))
+            while not await pool.redis.xlen(pool.keys.jobs):  # the victim's first job, not yet taken
+                await asyncio.sleep(0.01)
+            (_, fields), = await pool.redis.xrange(pool.keys.jobs)
+            queued = decode_job(fields[b"job"])
+            forged = verifier_pb2.VerifyResult(request_id=queued.job.request_id, step=queued.job.step,
+                                               verifier_id="v0", tokens=[1, 2, 3]).SerializeToString()
+            await pool.redis.xadd(queued.reply_to, {"result": forged})  # untagged
+            await pool.redis.xadd(queued.reply_to, {"result": forged, "tag": b"\x00" * 32})  # a wrong tag
+            await wait_until_async(lambda: pool.client.forged_results == 2, what="both forgeries dropped")
+            assert not victim.done()  # still waiting for a real verifier
+            pool.add_worker("v0")
+            return await victim, pool.client.forged_results
+
+    output, forged = asyncio.run(main())
+    assert output == reference[0].token_ids and forged == 2
+
+
+def test_a_forged_job_is_never_run_and_cannot_poison_another_request(redis_server, tiny_model, reference):
+    """A job posted for a victim's request id (another prompt, so that a cached answer would derail the
+    victim) is dropped unrun by the verifier and counted."""
+    async def main():
+        async with InProcessPool(redis_server.url, tiny_model, workers=1) as pool:
+            job = VerifyJob("victim", 0, 2, 99, TokenTree(), SamplingParams(max_tokens=MAX_TOKENS), history=(98, 97))
+            for tag in ({}, {"tag": b"\x01" * 32}):
+                await pool.redis.xadd(pool.keys.jobs, {"job": encode_job(job, "specmesh:results:attacker", 0), **tag})
+            worker = pool.workers[0]
+
+            def forged() -> float:
+                return worker.metrics.registry.get_sample_value("specmesh_verify_jobs_total", {"outcome": "forged"}) or 0
+
+            await wait_until_async(lambda: forged() == 2, what="the verifier dropped both forged jobs")
+            request = Request(PROMPTS[2], SamplingParams(max_tokens=MAX_TOKENS), "victim")
+            output = await run_request(request, [LocalDrafter(NgramDrafter())], pool.client)
+            answered = await pool.redis.exists("specmesh:results:attacker")
+        return output, answered
+
+    output, answered = asyncio.run(main())
+    assert output == reference[2].token_ids
+    assert not answered  # nothing was computed for the forger either

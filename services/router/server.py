@@ -30,6 +30,7 @@ from specmesh.cluster.metrics import RouterMetrics, serve_metrics
 from specmesh.cluster.queue import QueueKeys, QueueVerifierClient
 from specmesh.cluster.remote_drafter import RemoteDrafter
 from specmesh.cluster.serving import Service, env_default, run_service, start_server
+from specmesh.cluster.signing import QueueSigner
 from specmesh.cluster.wire import sampling_from_pb
 from specmesh.drafters.catalog import MODEL_FREE_DRAFTERS
 from specmesh.errors import InvalidArgument, Unavailable
@@ -199,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--key-requests-per-minute", type=int,
                         default=int(env_default("key_requests_per_minute", "0")),
                         help="calls a minute per API key (default 0: no limit) [SPECMESH_KEY_REQUESTS_PER_MINUTE]")
+    parser.add_argument("--queue-key-file", default=env_default("queue_key_file"),
+                        help="the key shared with the verifiers: jobs are tagged with it, only results tagged with "
+                             "it are taken (else $SPECMESH_QUEUE_KEY; neither: untagged) [SPECMESH_QUEUE_KEY_FILE]")
     parser.add_argument("--metrics-address", default=env_default("metrics_address", "127.0.0.1:9400"),
                         help="serve Prometheus metrics at http://ADDRESS/metrics ('' = off) [SPECMESH_METRICS_ADDRESS]")
     parser.add_argument("--max-concurrent", type=int, default=int(env_default("max_concurrent", "64")))
@@ -258,8 +262,10 @@ async def serve(args: argparse.Namespace) -> None:
         frozenset(target.eos_token_ids),
     )
     redis = aioredis.Redis.from_url(args.redis_url, socket_timeout=5, socket_connect_timeout=2)
+    metrics = RouterMetrics()
     verifier = QueueVerifierClient(redis, QueueKeys(args.pool), f"router-{os.getpid()}-{uuid.uuid4().hex[:6]}",
-                                   job_timeout_s=args.job_timeout)
+                                   job_timeout_s=args.job_timeout, signer=QueueSigner.from_environment(args.queue_key_file),
+                                   on_forged=metrics.forged_results.inc)
     await verifier.start()
     local = [LocalDrafter(MODEL_FREE_DRAFTERS[name]()) for name in local_drafter_names(args.local_drafters)]
     drafters: list = [*local]
@@ -274,7 +280,6 @@ async def serve(args: argparse.Namespace) -> None:
         discovery = asyncio.create_task(follow_kubernetes(watcher, remote))
     limits = RouterLimits(args.max_concurrent, args.max_queue_backlog, args.default_max_tokens, args.max_tree_nodes,
                           draft_ahead=args.draft_ahead == "on", speculation=args.speculation)
-    metrics = RouterMetrics()
     endpoint = serve_metrics(metrics, args.metrics_address)
     router = Router(target.tokenizer, card, drafters, verifier, limits, policy, default_classifier(), metrics)
     servicer = RouterServicer(router, verifier)

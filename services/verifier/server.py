@@ -24,6 +24,7 @@ from specmesh.cluster.metrics import VerifierMetrics, serve_metrics
 from specmesh.cluster.queue import REDIS_DOWN, Entry, QueueKeys, VerifierQueue, encode_error, encode_result
 from specmesh.cluster.scheduling import PassRhythm, plan_batch
 from specmesh.cluster.serving import Service, TorchThread, env_default, run_service, start_server
+from specmesh.cluster.signing import QueueSigner
 from specmesh.errors import InvalidArgument
 from specmesh.runtime.loading import EMBEDDED_DEFAULT, configure_threads, load_hf_model, tokenizer_fingerprint
 from specmesh.runtime.precision import check_precision
@@ -131,6 +132,9 @@ class VerifierWorker:
             if entry.close_request is not None:
                 await self.torch_thread.run(self.verifier.close, entry.close_request)
                 self._recent.pop(entry.close_request, None)
+                answered.append((entry, None))
+            elif entry.forged:
+                self.metrics.jobs.labels("forged").inc()
                 answered.append((entry, None))
             elif entry.queued is None or 0 < entry.queued.deadline_unix_ms < now_ms:
                 self.metrics.jobs.labels("expired").inc()
@@ -258,6 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
                         default=env_default("batch_invariant", "") not in ("", "0", "false"),
                         help="CUDA: a request's logits never depend on its batch (Triton matrix products; slower for "
                         "large batches) [SPECMESH_BATCH_INVARIANT]")
+    parser.add_argument("--queue-key-file", default=env_default("queue_key_file"),
+                        help="the key shared with the routers: only jobs tagged with it run, results are tagged "
+                             "with it (else $SPECMESH_QUEUE_KEY; neither: untagged) [SPECMESH_QUEUE_KEY_FILE]")
     parser.add_argument("--log-level", default=env_default("log_level", "INFO"))
     return parser
 
@@ -276,7 +283,8 @@ async def serve(args: argparse.Namespace) -> None:
     target, runtime, verifier = await torch_thread.run(load_verifier, args)
     verifier_id = args.verifier_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     redis = aioredis.Redis.from_url(args.redis_url, socket_timeout=5, socket_connect_timeout=2)
-    queue = VerifierQueue(redis, QueueKeys(args.pool), verifier_id, heartbeat_ttl_s=args.heartbeat_ttl)
+    queue = VerifierQueue(redis, QueueKeys(args.pool), verifier_id, heartbeat_ttl_s=args.heartbeat_ttl,
+                          signer=QueueSigner.from_environment(args.queue_key_file))
     metrics = VerifierMetrics()
     endpoint = serve_metrics(metrics, args.metrics_address)
     worker = VerifierWorker(verifier, queue, torch_thread, max_batch_rows=args.max_batch_rows, metrics=metrics)

@@ -23,6 +23,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specmesh.cluster.auth import ENV_KEYS
 from specmesh.cluster.redis_server import RedisServer, free_port
+from specmesh.cluster.signing import ENV_KEY as QUEUE_KEY
+from specmesh.cluster.signing import new_key
 from specmesh.errors import InvalidArgument, Unavailable
 from specmesh.runtime.loading import EMBEDDED_DEFAULT
 from specmesh.runtime.precision import check_precision
@@ -138,6 +140,8 @@ class LocalCluster:
         self.drafters: list[ServiceProcess] = []
         self.router: ServiceProcess | None = None
         self.http_url = ""  # the router's OpenAI API, once started (empty: not served)
+        # the router and verifiers tag their queue entries with a key of this cluster's own
+        self.queue_key = os.environ.get(QUEUE_KEY) or new_key()
 
     @property
     def router_address(self) -> str:
@@ -155,6 +159,7 @@ class LocalCluster:
         env = dict(os.environ)
         env.update({"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(threads),
                     "MKL_NUM_THREADS": str(threads), "GOMP_SPINCOUNT": OPENMP_SPIN_COUNT})
+        env[QUEUE_KEY] = self.queue_key
         env.update(self.spec.extra_env)
         return env
 

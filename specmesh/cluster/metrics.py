@@ -120,6 +120,8 @@ class RouterMetrics(ServiceMetrics):
                                      buckets=LATENCY_BUCKETS, registry=r)
         self.queue_depth = Gauge("specmesh_queue_depth", "Jobs in the verifier pool's stream (waiting or held)", registry=r)
         self.verifiers_alive = Gauge("specmesh_verifiers_alive", "Verifiers of the pool with a live heartbeat", registry=r)
+        self.forged_results = Counter("specmesh_forged_results", "Results dropped for want of a valid queue tag "
+                                      "(written to Redis by something other than a verifier)", registry=r)
         self.drafter_up = Gauge("specmesh_drafter_up", "1 while the router can reach a drafter, else 0",
                                 ["drafter", "address"], registry=r)
 
@@ -204,7 +206,7 @@ class VerifierMetrics(ServiceMetrics):
     def __init__(self) -> None:
         super().__init__("verifier")
         r = self.registry
-        self.jobs = Counter("specmesh_verify_jobs", "Jobs taken from the queue, by outcome (ok, resync, refused, repeat, error, expired)",
+        self.jobs = Counter("specmesh_verify_jobs", "Jobs taken from the queue, by outcome (ok, resync, refused, repeat, error, expired, forged: no valid queue tag)",
                             ["outcome"], registry=r)
         self.batch_requests = Histogram("specmesh_verify_batch_requests", "Requests per verification pass",
                                         buckets=COUNT_BUCKETS[:10], registry=r)

@@ -22,7 +22,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -31,6 +31,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from specmesh.acceptance import Verdict
 from specmesh.cluster.backoff import redis_reconnect
+from specmesh.cluster.signing import CLOSE, JOB, RESULT, QueueSigner
 from specmesh.cluster.wire import (
     features_from_pb,
     features_to_pb,
@@ -146,10 +147,15 @@ class QueueVerifierClient:
     def __init__(
         self, redis: aioredis.Redis, keys: QueueKeys, router_id: str,
         job_timeout_s: float = 30.0, resend_after_s: float = 3.0, liveness_every_s: float = 0.5,
+        signer: QueueSigner | None = None, on_forged: Callable[[], None] | None = None,
     ) -> None:
+        """``signer``: tag jobs and take only results with a valid tag; ``on_forged`` counts each dropped one."""
         self.redis = redis
         self.keys = keys
         self.router_id = router_id
+        self.signer = signer or QueueSigner()
+        self.on_forged = on_forged
+        self.forged_results = 0
         self.reply_to = keys.results(router_id)
         self.job_timeout_s = job_timeout_s
         self.resend_after_s = resend_after_s
@@ -239,7 +245,9 @@ class QueueVerifierClient:
 
     async def _close_on(self, verifier: str, request_id: str) -> None:
         try:  # NOMKSTREAM: a dead verifier's removed stream is not created again
-            await self.redis.xadd(self.keys.own_jobs(verifier), {"close": request_id.encode()}, nomkstream=True)
+            closing = request_id.encode()
+            await self.redis.xadd(self.keys.own_jobs(verifier), {"close": closing, "tag": self.signer.tag(CLOSE, closing)},
+                                  nomkstream=True)
         except REDIS_DOWN:
             pass  # the verifier evicts it when idle
 
@@ -247,7 +255,7 @@ class QueueVerifierClient:
         backoff = redis_reconnect()
         while True:
             try:
-                await self.redis.xadd(stream, {"job": payload})
+                await self.redis.xadd(stream, {"job": payload, "tag": self.signer.tag(JOB, payload)})
                 return
             except REDIS_DOWN as exc:
                 self.redis_ok = False
@@ -270,14 +278,20 @@ class QueueVerifierClient:
             for _, entries in answer or ():
                 for entry_id, fields in entries:
                     last_id = entry_id
-                    self._deliver(fields.get(b"result"))
+                    self._deliver(fields.get(b"result"), fields.get(b"tag"))
                 try:  # what was read is no longer needed: the stream stays as short as the backlog
                     await self.redis.xtrim(self.reply_to, minid=last_id)
                 except REDIS_DOWN:
                     pass
 
-    def _deliver(self, payload: bytes | None) -> None:
+    def _deliver(self, payload: bytes | None, tag: bytes | None) -> None:
         if not payload:
+            return
+        if not self.signer.valid(RESULT, payload, tag):  # not a verifier's: never reaches a client
+            self.forged_results += 1
+            if self.on_forged is not None:
+                self.on_forged()
+            log.warning("dropping a result without a valid queue tag (%d so far)", self.forged_results)
             return
         try:
             message = verifier_pb2.VerifyResult.FromString(payload)
@@ -314,6 +328,7 @@ class Entry:
     queued: QueuedJob | None  # None: a close message or an unreadable entry
     close_request: str | None = None
     received: float = 0.0
+    forged: bool = False  # without a valid queue tag: dropped unread
 
 
 class VerifierQueue:
@@ -322,11 +337,13 @@ class VerifierQueue:
 
     def __init__(
         self, redis: aioredis.Redis, keys: QueueKeys, verifier_id: str,
-        heartbeat_ttl_s: float = 3.0, reclaim_idle_s: float = 5.0,
+        heartbeat_ttl_s: float = 3.0, reclaim_idle_s: float = 5.0, signer: QueueSigner | None = None,
     ) -> None:
+        """``signer``: run only jobs (and closes) with a valid tag, and tag the results."""
         self.redis = redis
         self.keys = keys
         self.verifier_id = verifier_id
+        self.signer = signer or QueueSigner()
         self.own = keys.own_jobs(verifier_id)
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.reclaim_idle_s = reclaim_idle_s
@@ -398,14 +415,14 @@ class VerifierQueue:
         pipe = self.redis.pipeline(transaction=False)
         for entry, payload in answered:
             if payload is not None and entry.queued is not None and entry.queued.reply_to:
-                pipe.xadd(entry.queued.reply_to, {"result": payload}, maxlen=RESULTS_MAXLEN, approximate=True)
+                pipe.xadd(entry.queued.reply_to, {"result": payload, "tag": self.signer.tag(RESULT, payload)},
+                          maxlen=RESULTS_MAXLEN, approximate=True)
                 pipe.expire(entry.queued.reply_to, RESULTS_TTL_S)
             pipe.xack(entry.stream, GROUP, entry.entry_id)
             pipe.xdel(entry.stream, entry.entry_id)
         await pipe.execute()
 
-    @staticmethod
-    def _entries(answer) -> list[Entry]:
+    def _entries(self, answer) -> list[Entry]:
         entries = []
         now = time.monotonic()
         for stream, items in answer or ():
@@ -413,8 +430,13 @@ class VerifierQueue:
             for entry_id, fields in items:
                 if fields is None:  # deleted while pending
                     continue
-                if b"close" in fields:
-                    entries.append(Entry(name, entry_id, None, fields[b"close"].decode(errors="replace"), now))
+                kind, body = (CLOSE, fields[b"close"]) if b"close" in fields else (JOB, fields.get(b"job", b""))
+                if not self.signer.valid(kind, body, fields.get(b"tag")):  # not a router's: acknowledged, not run
+                    log.warning("dropping entry %s on %s: no valid queue tag", entry_id, name)
+                    entries.append(Entry(name, entry_id, None, None, now, forged=True))
+                    continue
+                if kind == CLOSE:
+                    entries.append(Entry(name, entry_id, None, body.decode(errors="replace"), now))
                     continue
                 try:
                     queued = decode_job(fields[b"job"])
