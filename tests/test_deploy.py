@@ -369,6 +369,20 @@ def test_the_router_requires_api_keys_from_a_secret_and_serves_http(render):
     assert env_value(containers(router)[0], "SPECMESH_HTTP_LISTEN") == ""
 
 
+@pytest.mark.parametrize("values", VALUES)
+def test_routers_and_verifiers_share_the_queue_key_from_a_secret(render, values):
+    docs = render_values(render, values)
+    secrets = set()
+    for workload in [w for w in workloads(docs) if component(w) in ("router", "verifier")]:
+        (container,) = containers(workload)
+        path = env_value(container, "SPECMESH_QUEUE_KEY_FILE")
+        (mount,) = [m for m in container["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+        (volume,) = [v for v in workload["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]]
+        secrets.add(volume["secret"]["secretName"])
+    (secret,) = secrets
+    assert [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == secret]
+
+
 def _service_flags() -> dict[str, set[str]]:
     """SPECMESH_* variables each service reads: its flags' env_default names (read from the source, so as
     not to import the services)."""

@@ -280,3 +280,24 @@ podAntiAffinity:
 {{- define "specmesh.discoverySelector" -}}
 {{- default (printf "app.kubernetes.io/instance=%s,specmesh.io/role=drafter" .Release.Name) .Values.router.discovery.selector }}
 {{- end }}
+
+{{/* The Secret holding the queue key (values queueKey). */}}
+{{- define "specmesh.queueKeySecretName" -}}
+{{- default (include "specmesh.componentName" (list . "queue-key")) .Values.queueKey.existingSecret }}
+{{- end }}
+
+{{/* The queue key as a file: the env variable, the volume mount and the volume of a router or verifier. */}}
+{{- define "specmesh.queueKeyEnv" -}}
+- name: SPECMESH_QUEUE_KEY_FILE
+  value: {{ printf "/etc/specmesh/queue-key/%s" .Values.queueKey.secretKey | quote }}
+{{- end }}
+{{- define "specmesh.queueKeyVolumeMount" -}}
+- name: queue-key
+  mountPath: /etc/specmesh/queue-key
+  readOnly: true
+{{- end }}
+{{- define "specmesh.queueKeyVolume" -}}
+- name: queue-key
+  secret:
+    secretName: {{ include "specmesh.queueKeySecretName" . }}
+{{- end }}
