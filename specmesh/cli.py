@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="go through a running cluster's router (see `specmesh up`) instead of loading models here")
     gen.add_argument("--api-key", default=None,
                      help="with --server: the router's API key (default: $SPECMESH_API_KEY)")
+    gen.add_argument("--tls-ca", default=None, metavar="PEM",
+                     help="with --server: connect over TLS, trusting this CA (\"\": the system's roots)")
 
     up = commands.add_parser("up", help="run the whole cluster on this machine, with a demo request")
     up.add_argument("--model", default=EMBEDDED_DEFAULT, help="the target model")
@@ -339,7 +341,7 @@ def _generate_remote(args: argparse.Namespace) -> int:
         raise InvalidArgument("prompt", "give either a PROMPT or --prompts FILE.jsonl")
     params = _sampling_params(args)
     prompts = [Prompt(args.prompt)] if args.prompt is not None else load_prompts(args.prompts)
-    with Client(args.server, api_key=args.api_key) as client:
+    with Client(args.server, api_key=args.api_key, tls_ca=args.tls_ca) as client:
         for number, prompt in enumerate(prompts, start=1):
             if len(prompts) > 1:
                 print(f"--- [{number}/{len(prompts)}] {prompt.category}")

@@ -35,6 +35,10 @@ def _auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {key}"),) if key else ()
 
 
+def _tls(ca: str) -> grpc.ChannelCredentials:
+    return grpc.ssl_channel_credentials(root_certificates=open(ca, "rb").read() if ca else None)
+
+
 def _service_config(retries: int) -> str:
     return json.dumps({
         "methodConfig": [{
@@ -165,11 +169,14 @@ class Client:
     """Blocking client; thread-safe; at most ``max_in_flight`` calls at once (others wait)."""
 
     def __init__(self, address: str, timeout_s: float = 300.0, retries: int = 4, max_in_flight: int = 64,
-                 api_key: str | None = None) -> None:
-        """``api_key``: sent as ``authorization: Bearer <key>`` (default: ``$SPECMESH_API_KEY``, if set)."""
+                 api_key: str | None = None, tls_ca: str | None = None) -> None:
+        """``api_key``: sent as ``authorization: Bearer <key>`` (default: ``$SPECMESH_API_KEY``, if set);
+        ``tls_ca``: connect over TLS, trusting this CA (a PEM file; "" for the system's roots)."""
         self.timeout_s = timeout_s
         self._metadata = _auth_metadata(api_key)
-        self._channel = grpc.insecure_channel(address, options=_channel_options(retries))
+        options = _channel_options(retries)
+        self._channel = (grpc.secure_channel(address, _tls(tls_ca), options=options) if tls_ca is not None
+                         else grpc.insecure_channel(address, options=options))
         self._stub = router_pb2_grpc.RouterStub(self._channel)
         self._slots = threading.BoundedSemaphore(max_in_flight)
 
@@ -215,10 +222,12 @@ class AsyncClient:
     at once on one channel makes gRPC cancel some)."""
 
     def __init__(self, address: str, timeout_s: float = 300.0, retries: int = 4, max_in_flight: int = 64,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, tls_ca: str | None = None) -> None:
         self.timeout_s = timeout_s
         self._metadata = _auth_metadata(api_key)
-        self._channel = grpc.aio.insecure_channel(address, options=_channel_options(retries))
+        options = _channel_options(retries)
+        self._channel = (grpc.aio.secure_channel(address, _tls(tls_ca), options=options) if tls_ca is not None
+                         else grpc.aio.insecure_channel(address, options=options))
         self._stub = router_pb2_grpc.RouterStub(self._channel)
         self._slots = asyncio.Semaphore(max_in_flight)
 

@@ -67,12 +67,13 @@ class ServiceStack:
     """A router and one drafter as real gRPC servers on loopback, over an in-process verifier pool."""
 
     def __init__(self, url: str, model, tokenizer, drafter: Drafter, limits: RouterLimits | None = None,
-                 metrics: bool = False, http: bool = False, access=None) -> None:
+                 metrics: bool = False, http: bool = False, access=None, tls=None) -> None:
         """``metrics``: each service counts into its own registry, served over HTTP on a free port
         (``metrics_urls``), as the real services do. ``http``: the router's OpenAI API too, at ``http_url``."""
         self.with_metrics = metrics
         self.with_http = http
         self.access = access  # API keys the router's client APIs require (None: none)
+        self.tls = tls  # TlsFiles: TLS on the router's ports, mutual TLS between router and drafter
         self.http = None
         self.endpoints: dict[str, MetricsEndpoint] = {}
         self.pool = InProcessPool(url, model, workers=1)
@@ -95,9 +96,10 @@ class ServiceStack:
         servicer = DrafterServicer(self.sessions, info, TorchThread("draft"), drafter_metrics)
         self.drafter_server = await start_server(
             [Service("specmesh.v1.Drafter", lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s))],
-            "127.0.0.1:0", metrics=drafter_metrics,
+            "127.0.0.1:0", metrics=drafter_metrics, tls=self.tls, require_client_cert=self.tls is not None,
         )
-        self.remote = RemoteDrafter(f"127.0.0.1:{self.drafter_server.port}")
+        credentials = self.tls.channel_credentials() if self.tls is not None else None
+        self.remote = RemoteDrafter(f"127.0.0.1:{self.drafter_server.port}", credentials=credentials)
         await self.remote.connect(tokenizer_fingerprint(self.tokenizer), self.model.config.hidden_size)
         card = ModelCard("tiny", vocab, self.model.config.max_position_embeddings,
                          tokenizer_fingerprint(self.tokenizer), frozenset())
@@ -108,11 +110,11 @@ class ServiceStack:
         self.router_service = Service("specmesh.v1.Router",
                                       lambda s: router_pb2_grpc.add_RouterServicer_to_server(router_servicer, s))
         self.router_server = await start_server([self.router_service], "127.0.0.1:0", metrics=router_metrics,
-                                                access=self.access)
+                                                access=self.access, tls=self.tls)
         self.address = f"127.0.0.1:{self.router_server.port}"
         if self.with_http:
             app = openai_app(self.router, lambda: len(self.pool.client.alive), max_body_bytes=1 << 20, access=self.access)
-            self.http = HttpServer(app, "127.0.0.1:0")
+            self.http = HttpServer(app, "127.0.0.1:0", self.tls)
             await self.http.start()
             self.http_url = self.http.url
         self.watcher = None

@@ -16,6 +16,7 @@ import redis.asyncio as aioredis
 from specmesh.cluster.discovery import RedisRegistry
 from specmesh.cluster.metrics import DrafterMetrics, serve_metrics
 from specmesh.cluster.serving import Service, TorchThread, env_default, run_service, start_server
+from specmesh.cluster.tls import TlsFiles, add_tls_flags
 from specmesh.cluster.wire import features_from_pb, tree_to_pb
 from specmesh.drafters.base import Drafter
 from specmesh.drafters.catalog import load_drafter
@@ -154,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="where the drafter runs: cpu, cuda, cuda:N or auto (default: an expert on the CPU, "
                              "a model on CUDA when present) [SPECMESH_DEVICE]")
     parser.add_argument("--dtype", default=env_default("dtype"))
+    add_tls_flags(parser, env_default)  # with --tls-ca: mutual TLS, only the cluster's router may call
     parser.add_argument("--log-level", default=env_default("log_level", "INFO"))
     return parser
 
@@ -165,6 +167,7 @@ def load(args: argparse.Namespace):
 
 
 async def serve(args: argparse.Namespace) -> None:
+    tls = TlsFiles.from_flags(args.tls_cert, args.tls_key, args.tls_ca)  # first: a bad flag fails before loading
     torch_thread = TorchThread("draft")
     target, drafter = await torch_thread.run(load, args)
     domains = [d for d in (args.domains or getattr(drafter, "domain", "") or "general").split(",") if d]
@@ -180,7 +183,7 @@ async def serve(args: argparse.Namespace) -> None:
     server = await start_server(
         [Service(drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name,
                  lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s))],
-        args.listen, metrics=metrics,
+        args.listen, metrics=metrics, tls=tls, require_client_cert=tls is not None and tls.ca is not None,
     )
     log.info("drafter %s (%s, domains %s) serving on port %d", drafter.name, info.kind, ",".join(domains), server.port)
     announcing = redis = None

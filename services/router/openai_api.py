@@ -32,6 +32,7 @@ from specmesh.cluster.auth import Access, Permit
 from specmesh.cluster.gateway import Generation, Router, TextStream
 from specmesh.cluster.serving import http_status_for
 from specmesh.cluster.stops import StopScanner, check_stops, tokens_through
+from specmesh.cluster.tls import TlsFiles
 from specmesh.errors import InvalidArgument, NotFound, SpecmeshError
 from specmesh.sampling import SamplingParams
 from specmesh.services.router.openai_schema import (
@@ -484,7 +485,7 @@ class HttpServer:
         def capture_signals(self):  # the router's run_service handles SIGINT/SIGTERM
             yield
 
-    def __init__(self, app: FastAPI, address: str) -> None:
+    def __init__(self, app: FastAPI, address: str, tls: TlsFiles | None = None) -> None:
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit():
             raise InvalidArgument("http_listen", f"must be host:port, got {address!r}")
@@ -498,15 +499,16 @@ class HttpServer:
             self.socket.close()
             raise InvalidArgument("http_listen", f"cannot listen on {address}: {exc.strerror}") from None
         self.host, self.port = host, self.socket.getsockname()[1]
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=5)
+        self.scheme = "https" if tls is not None else "http"
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5,
+                                ssl_certfile=str(tls.cert) if tls else None, ssl_keyfile=str(tls.key) if tls else None)
         self.server = self._Server(config)
         self.task: asyncio.Task | None = None
 
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}/v1"
+        return f"{self.scheme}://{host}:{self.port}/v1"
 
     async def start(self) -> None:
         self.task = asyncio.create_task(self.server.serve(sockets=[self.socket]))

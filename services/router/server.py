@@ -31,6 +31,7 @@ from specmesh.cluster.queue import QueueKeys, QueueVerifierClient
 from specmesh.cluster.remote_drafter import RemoteDrafter
 from specmesh.cluster.serving import Service, env_default, run_service, start_server
 from specmesh.cluster.signing import QueueSigner
+from specmesh.cluster.tls import TlsFiles, add_tls_flags
 from specmesh.cluster.wire import sampling_from_pb
 from specmesh.drafters.catalog import MODEL_FREE_DRAFTERS
 from specmesh.errors import InvalidArgument, Unavailable
@@ -227,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds a verification step may take before the request fails UNAVAILABLE")
     parser.add_argument("--drafter-timeout", type=float, default=float(env_default("drafter_timeout", "2")),
                         help="deadline of each drafter call, seconds")
+    add_tls_flags(parser, env_default)  # TLS on both client APIs; with --tls-ca, mutual TLS to the drafters
     parser.add_argument("--log-level", default=env_default("log_level", "INFO"))
     return parser
 
@@ -253,6 +255,7 @@ async def serve(args: argparse.Namespace) -> None:
     configure_threads(1)
     policy = adaptive_policy({}, routing=RoutingConfig(max_drafters=args.max_drafters, explore=args.explore),
                              margin=args.speculation_margin)  # first: a bad flag fails before anything starts
+    tls = TlsFiles.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
     access = Access(ApiKeys.from_environment(args.api_keys_file),
                     KeyLimits(args.key_max_concurrent, args.key_requests_per_minute))
     check_exposure(access, [args.listen, args.http_listen])  # before anything starts
@@ -269,7 +272,9 @@ async def serve(args: argparse.Namespace) -> None:
     await verifier.start()
     local = [LocalDrafter(MODEL_FREE_DRAFTERS[name]()) for name in local_drafter_names(args.local_drafters)]
     drafters: list = [*local]
-    remote = DrafterSet(drafters, lambda address: RemoteDrafter(address, timeout_s=args.drafter_timeout), card.tokenizer_hash,
+    credentials = tls.channel_credentials() if tls is not None and tls.ca is not None else None  # mTLS to drafters
+    remote = DrafterSet(drafters, lambda address: RemoteDrafter(address, timeout_s=args.drafter_timeout,
+                                                                credentials=credentials), card.tokenizer_hash,
                         hidden_size=target.hidden_size or None, num_layers=target.num_layers or None)
     await remote.update(a.strip() for a in args.drafters.split(",") if a.strip())
     discovery = None
@@ -286,12 +291,12 @@ async def serve(args: argparse.Namespace) -> None:
     server = await start_server(
         [Service(router_pb2.DESCRIPTOR.services_by_name["Router"].full_name,
                  lambda s: router_pb2_grpc.add_RouterServicer_to_server(servicer, s))],
-        args.listen, metrics=metrics, access=access if access.keys.enabled else None,
+        args.listen, metrics=metrics, access=access if access.keys.enabled else None, tls=tls,
     )
     http = None
     if args.http_listen:
         http = HttpServer(openai_app(router, lambda: len(verifier.alive), args.http_max_body,
-                                     access if access.keys.enabled else None), args.http_listen)
+                                     access if access.keys.enabled else None), args.http_listen, tls)
         await http.start()
     gauges = asyncio.create_task(watch_cluster(router, verifier, metrics))
     log.info("router on port %d: drafters %s (discovery %s), pool %s", server.port,

@@ -25,6 +25,7 @@ from specmesh.cluster.queue import REDIS_DOWN, Entry, QueueKeys, VerifierQueue, 
 from specmesh.cluster.scheduling import PassRhythm, plan_batch
 from specmesh.cluster.serving import Service, TorchThread, env_default, run_service, start_server
 from specmesh.cluster.signing import QueueSigner
+from specmesh.cluster.tls import TlsFiles, add_tls_flags
 from specmesh.errors import InvalidArgument
 from specmesh.runtime.loading import EMBEDDED_DEFAULT, configure_threads, load_hf_model, tokenizer_fingerprint
 from specmesh.runtime.precision import check_precision
@@ -265,6 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--queue-key-file", default=env_default("queue_key_file"),
                         help="the key shared with the routers: only jobs tagged with it run, results are tagged "
                              "with it (else $SPECMESH_QUEUE_KEY; neither: untagged) [SPECMESH_QUEUE_KEY_FILE]")
+    add_tls_flags(parser, env_default)  # with --tls-ca: the control API (Drain) answers the cluster's callers only
     parser.add_argument("--log-level", default=env_default("log_level", "INFO"))
     return parser
 
@@ -279,6 +281,7 @@ def load_verifier(args: argparse.Namespace):
 
 
 async def serve(args: argparse.Namespace) -> None:
+    tls = TlsFiles.from_flags(args.tls_cert, args.tls_key, args.tls_ca)  # first: a bad flag fails before loading
     torch_thread = TorchThread("verify")
     target, runtime, verifier = await torch_thread.run(load_verifier, args)
     verifier_id = args.verifier_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -301,7 +304,7 @@ async def serve(args: argparse.Namespace) -> None:
     server = await start_server(
         [Service(verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name,
                  lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s), drain)],
-        args.listen, metrics=metrics,
+        args.listen, metrics=metrics, tls=tls, require_client_cert=tls is not None and tls.ca is not None,
     )
     worker_task = asyncio.create_task(worker.run())
     log.info("verifier %s (%s) on pool %s, control port %d", verifier_id, target.name, args.pool, server.port)

@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 
 from specmesh.cluster.auth import Access, Permit
 from specmesh.cluster.metrics import ServiceMetrics
+from specmesh.cluster.tls import TlsFiles
 from specmesh.errors import InvalidArgument, NotFound, ResourceExhausted, SpecmeshError, Unauthenticated, Unavailable
 
 log = logging.getLogger("specmesh.cluster.serving")
@@ -186,10 +187,11 @@ class Server:
 
 async def start_server(
     services: Sequence[Service], address: str, max_message_mb: int = 64, metrics: ServiceMetrics | None = None,
-    access: Access | None = None,
+    access: Access | None = None, tls: TlsFiles | None = None, require_client_cert: bool = False,
 ) -> Server:
     """Start a gRPC server with health checking, reflection and the error interceptor on ``address``
-    (``host:port``; port 0 picks a free one); ``metrics`` counts its calls; ``access``: API keys required."""
+    (``host:port``; port 0 picks a free one); ``metrics`` counts its calls; ``access``: API keys required;
+    ``tls``: serve TLS, and with ``require_client_cert`` only to callers with a certificate from its CA."""
     options = [
         ("grpc.max_receive_message_length", max_message_mb << 20),
         ("grpc.max_send_message_length", max_message_mb << 20),
@@ -204,7 +206,10 @@ async def start_server(
         [s.name for s in services] + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
         server,
     )
-    port = server.add_insecure_port(address)
+    if tls is not None:
+        port = server.add_secure_port(address, tls.server_credentials(require_client_cert))
+    else:
+        port = server.add_insecure_port(address)
     if port == 0:
         raise Unavailable(f"cannot listen on {address}")
     await server.start()
