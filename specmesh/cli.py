@@ -200,6 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
     prep = commands.add_parser("prepare", help="convert the embedded default model and build its quantized kernel once "
                                "(done by make install)")
     prep.add_argument("--model", default=EMBEDDED_DEFAULT)
+
+    acl = commands.add_parser("redis-acl", help="print Redis ACL file lines giving each role (router, verifier, "
+                              "drafter) only the commands and keys it needs (docs/security.md)")
+    acl.add_argument("--role", action="append", choices=("router", "verifier", "drafter"),
+                     help="repeatable (default: all three)")
+    acl.add_argument("--prefix", default="specmesh", help="the key prefix of the queue (default specmesh)")
     return parser
 
 
@@ -226,6 +232,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_tune(args)
         if args.command == "distill":
             return _distill(args)
+        if args.command == "redis-acl":
+            return _redis_acl(args)
         if args.command == "prepare":
             from specmesh.runtime.target import prepare_target
 
@@ -357,6 +365,19 @@ def _generate_remote(args: argparse.Namespace) -> int:
                 line += f"\n[plain through the cluster: {len(plain) / plain_elapsed:.1f} tok/s; outputs {verdict}; " \
                         f"speedup {(len(tokens) / elapsed) / (len(plain) / plain_elapsed):.2f}x]"
             print(line, flush=True)
+    return 0
+
+
+def _redis_acl(args: argparse.Namespace) -> int:
+    """One ACL line per role, each with a fresh password; the matching URLs go to stderr."""
+    import secrets
+
+    from specmesh.cluster.redis_acl import acl_line
+
+    for role in args.role or ("router", "verifier", "drafter"):
+        password = secrets.token_urlsafe(24)
+        print(acl_line(role, f"specmesh-{role}", password, args.prefix))
+        print(f"# {role}: SPECMESH_REDIS_URL=redis://specmesh-{role}:{password}@HOST:6379/0", file=sys.stderr)
     return 0
 
 

