@@ -383,6 +383,39 @@ def test_routers_and_verifiers_share_the_queue_key_from_a_secret(render, values)
     assert [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == secret]
 
 
+def test_network_policies_let_only_the_router_reach_drafters_and_verifiers(render):
+    docs = render()
+    policies = {d["metadata"]["name"].removeprefix("sm-specmesh-"): d["spec"] for d in docs if d["kind"] == "NetworkPolicy"}
+    assert set(policies) == {"router", "drafter", "verifier", "redis"}
+    pods = {name: [d for d in workloads(docs) if component(d) == name] for name in ("router", "verifier")}
+
+    def sources(rule) -> list[str]:  # the components a rule admits (by pod selector), or the namespace
+        found = []
+        for peer in rule.get("from", []):
+            if "podSelector" in peer:
+                found.append(peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"])
+            if "namespaceSelector" in peer:
+                found.append("ns:" + peer["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"])
+        return found
+
+    for name, spec in policies.items():
+        assert spec["policyTypes"] == ["Ingress"]
+        assert spec["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == name
+        rules = {tuple(p["port"] for p in rule["ports"]): sources(rule) for rule in spec["ingress"]}
+        if name != "redis":
+            assert rules[("metrics",)] == ["ns:monitoring"]
+        if name in ("drafter", "verifier"):
+            assert rules[("grpc",)] == ["router"]
+        if name == "router":
+            assert rules[("grpc", "http")] == []  # clients from anywhere, with API keys
+        if name == "redis":
+            assert rules == {(6379,): ["router", "verifier"]}
+    for name, workload in pods.items():  # the selectors match the pods' labels
+        labels = workload[0]["spec"]["template"]["metadata"]["labels"]
+        assert labels["app.kubernetes.io/component"] == name
+    assert not [d for d in render("--set", "networkPolicy.enabled=false") if d["kind"] == "NetworkPolicy"]
+
+
 def _service_flags() -> dict[str, set[str]]:
     """SPECMESH_* variables each service reads: its flags' env_default names (read from the source, so as
     not to import the services)."""

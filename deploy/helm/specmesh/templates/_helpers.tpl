@@ -301,3 +301,14 @@ podAntiAffinity:
   secret:
     secretName: {{ include "specmesh.queueKeySecretName" . }}
 {{- end }}
+
+{{/* A NetworkPolicy ingress rule: /metrics from the monitoring namespace only. */}}
+{{- define "specmesh.metricsPeer" -}}
+- from:
+    - namespaceSelector:
+        matchLabels:
+          kubernetes.io/metadata.name: {{ .Values.networkPolicy.monitoringNamespace }}
+  ports:
+    - port: metrics
+      protocol: TCP
+{{- end }}
