@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--http-port", type=int, default=8000,
                     help="the router's OpenAI-compatible HTTP API (default 8000: http://127.0.0.1:8000/v1; 0 = any free)")
     up.add_argument("--no-http", action="store_true", help="serve the gRPC API only")
+    up.add_argument("--tls", action="store_true",
+                    help="a CA of the cluster's own (in the log folder): TLS on the router's ports, mutual TLS between "
+                         "the services; clients trust <log-dir>/pki/ca.crt")
     up.add_argument("--api-keys-file", default=None,
                     help="API keys the router requires (one a line; with $SPECMESH_API_KEYS). None: loopback only, "
                          "no authentication")
@@ -117,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", dest="json_out", help="write the summary (see shared/BENCH.md) here")
     bench.add_argument("--skip-baselines", action="store_true", help="skip Hugging Face's plain and assisted decoding")
     bench.add_argument("--no-cluster", action="store_true", help="skip the runs through a local cluster")
+    bench.add_argument("--no-secure-cluster", action="store_true",
+                       help="skip the second cluster (TLS, mutual TLS, API key) that measures what security costs")
     bench.add_argument("--concurrency", default="1,4,16",
                        help="the load sweep's concurrency levels through the cluster, comma-separated; '' skips it "
                        "(default 1,4,16)")
@@ -392,7 +397,7 @@ def _up(args: argparse.Namespace) -> int:
     spec = ClusterSpec(model=args.model, drafters=tuple(args.drafter or DEFAULT_DRAFTERS), verifiers=args.verifiers,
                        max_tree_nodes=args.tree_nodes, draft_ahead=args.draft_ahead, router_port=args.port,
                        http_port=None if args.no_http else args.http_port,
-                       api_keys_file=Path(args.api_keys_file) if args.api_keys_file else None,
+                       api_keys_file=Path(args.api_keys_file) if args.api_keys_file else None, tls=args.tls,
                        log_dir=args.log_dir, speculation=args.speculation, speculation_margin=args.speculation_margin,
                        precision=args.precision, kv_cache_gb=args.kv_cache_gb, batch_invariant=args.batch_invariant)
     cluster = LocalCluster(spec)
@@ -407,13 +412,15 @@ def _up(args: argparse.Namespace) -> int:
         print(f"  {'redis':<18} {cluster.redis.url}")
         if cluster.http_url:
             print(f"  {'OpenAI API':<18} {cluster.http_url}")
+        if cluster.tls is not None:
+            print(f"  {'TLS':<18} clients trust {cluster.tls.ca}; the services call each other with mutual TLS")
         keyed = spec.api_keys_file is not None or os.environ.get(ENV_KEYS)
         print("  API keys required (authorization: Bearer <key>)" if keyed
               else "  no API keys configured: serving on loopback only, without authentication")
         try:
             if not args.no_demo:
                 params = SamplingParams(max_tokens=args.max_tokens)
-                with Client(cluster.router_address, api_key=cluster.client_key) as client:
+                with Client(cluster.router_address, api_key=cluster.client_key, tls_ca=cluster.client_tls_ca) as client:
                     print(f"\ndemo: {args.demo_prompt}\n", flush=True)
                     _stream_one(client, args.demo_prompt, params, None, echo=False)  # warm-up: caches and allocators
                     tokens, elapsed, last = _stream_one(client, args.demo_prompt, params, None, echo=True)

@@ -307,12 +307,19 @@ def run_bench(args: argparse.Namespace) -> int:
     llama_cpp = None if args.skip_baselines else llama_cpp_baseline(assembly)
     modes = list(hf) + (["llama_cpp_plain"] if llama_cpp else []) + list(engines)
     with ExitStack() as cleanup:
-        cluster = client = None
+        cluster = None
+        clients: dict[str, Client] = {}
         if not args.no_cluster:
             cluster = _start_cluster(args, drafter_names)
             cleanup.callback(cluster.stop)
-            client = cleanup.enter_context(Client(cluster.router_address, api_key=cluster.client_key))
+            clients["cluster"] = cleanup.enter_context(Client(cluster.router_address, api_key=cluster.client_key))
             modes.append("cluster")
+            if not args.no_secure_cluster:  # the same with TLS, mutual TLS inside and an API key: their cost
+                secured = _start_cluster(args, drafter_names, secure=True)
+                cleanup.callback(secured.stop)
+                clients["cluster_secure"] = cleanup.enter_context(
+                    Client(secured.router_address, api_key=secured.client_key, tls_ca=secured.client_tls_ca))
+                modes.append("cluster_secure")
         records = {m: ModeRecord() for m in modes}
         references = mode_references(modes, quantized)
 
@@ -326,8 +333,8 @@ def run_bench(args: argparse.Namespace) -> int:
             if mode == "llama_cpp_plain":
                 tokens = llama_cpp(request.prompt_ids, args.max_tokens, eos)
                 return tokens, time.perf_counter() - started, len(tokens), None
-            if mode == "cluster":
-                answer = client.generate(chat=[("user", prompt.text)], max_tokens=args.max_tokens,
+            if mode in clients:
+                answer = clients[mode].generate(chat=[("user", prompt.text)], max_tokens=args.max_tokens,
                                          max_tree_nodes=args.tree_nodes)
                 seconds, stats_ = time.perf_counter() - started, answer.stats
                 records[mode].draft_s += stats_.draft_ms / 1e3
@@ -504,6 +511,14 @@ def _summary(records: dict[str, ModeRecord], count: int, identical: int, referen
             "cluster_added_fraction": round(added_ms / one_step_ms, 3),
             "verifier_idle_fraction": round(max(0.0, 1.0 - busy_s / max(sum(cluster.seconds.values()), 1e-9)), 3),
         }
+        if "cluster_secure" in records:  # what TLS, mutual TLS and API keys cost a step
+            secure = records["cluster_secure"]
+            secure_steps = max(sum(secure.steps.values()), 1)
+            secure_ms = sum(secure.seconds.values()) / secure_steps * 1e3
+            plain_ms = sum(cluster.seconds.values()) / cluster_steps * 1e3
+            summary |= {"cluster_secure_tokens_per_s": round(speed["cluster_secure"], 2),
+                        "cluster_secure_vs_cluster": round(speed["cluster_secure"] / speed["cluster"], 3),
+                        "cluster_secure_added_ms_per_step": round(secure_ms - plain_ms, 2)}
         if "plain_tokens_per_s" in summary:
             summary |= {
                 "speedup_vs_plain": round(speed["cluster"] / speed["hf_plain"], 3),
@@ -665,14 +680,16 @@ def adaptive_verdicts(rows: list[dict]) -> list[dict]:
     return verdicts
 
 
-def _start_cluster(args: argparse.Namespace, drafters) -> LocalCluster:
-    """The cluster with the engine's drafters, so that the two differ only in transport and processes."""
+def _start_cluster(args: argparse.Namespace, drafters, secure: bool = False) -> LocalCluster:
+    """The cluster with the engine's drafters, so that the two differ only in transport and processes;
+    ``secure``: TLS on its ports, mutual TLS between its services, an API key required."""
+    from specmesh.cluster.signing import new_key
 
-    print("starting the local cluster ...", flush=True)
+    print(f"starting the local cluster{' (TLS, mutual TLS, API key)' if secure else ''} ...", flush=True)
     # the cap admits the fixed-k requests of the load sweep; adaptive ones ask for --tree-nodes
     cap = max(args.tree_nodes, args.fixed_tree_nodes)
     spec = ClusterSpec(model=args.model, drafters=tuple(drafters), max_tree_nodes=cap, dtype=args.dtype,
-                       precision=args.precision)
+                       precision=args.precision, tls=secure, api_keys=(f"sk-{new_key()}",) if secure else ())
     return LocalCluster(spec).start()
 
 

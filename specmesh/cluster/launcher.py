@@ -22,6 +22,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specmesh.cluster.auth import ENV_KEYS
+from specmesh.cluster.pki import local_pki
 from specmesh.cluster.redis_server import RedisServer, free_port
 from specmesh.cluster.signing import ENV_KEY as QUEUE_KEY
 from specmesh.cluster.signing import new_key
@@ -53,6 +54,8 @@ class ClusterSpec:
     router_port: int = 0  # 0: a free port
     http_port: int | None = 0  # the router's OpenAI-compatible HTTP API (0: a free port; None: not served)
     api_keys_file: Path | None = None  # the router's API keys (besides $SPECMESH_API_KEYS; none: no authentication)
+    api_keys: tuple[str, ...] = ()  # more keys, given to the router only (the first is the local clients')
+    tls: bool = False  # a CA of the cluster's own: TLS on the router's ports, mutual TLS inside
     cores: int = field(default_factory=lambda: os.cpu_count() or 1)
     dtype: str | None = None
     precision: str = "shipped"  # the verifiers' (see specmesh.runtime.precision.PRECISIONS)
@@ -78,6 +81,7 @@ class ServiceProcess:
     env: dict[str, str]
     metrics_port: int = 0  # where its Prometheus metrics are served (0: not served)
     popen: subprocess.Popen | None = None
+    credentials: grpc.ChannelCredentials | None = None  # to reach it when it serves TLS
 
     @property
     def address(self) -> str:
@@ -115,7 +119,9 @@ class ServiceProcess:
     def wait_ready(self, timeout_s: float) -> None:
         """Until its gRPC health check says SERVING; fails early if the process dies."""
         deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(self.address) as channel:
+        channel = (grpc.secure_channel(self.address, self.credentials) if self.credentials is not None
+                   else grpc.insecure_channel(self.address))
+        with channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
                 if not self.alive():
@@ -142,15 +148,23 @@ class LocalCluster:
         self.http_url = ""  # the router's OpenAI API, once started (empty: not served)
         # the router and verifiers tag their queue entries with a key of this cluster's own
         self.queue_key = os.environ.get(QUEUE_KEY) or new_key()
+        self.tls = local_pki(self.log_dir / "pki") if self.spec.tls else None
 
     @property
     def router_address(self) -> str:
         return self.router.address
 
     @property
+    def client_tls_ca(self) -> str | None:
+        """The CA a client of this cluster's router trusts (None: the router serves plaintext)."""
+        return str(self.tls.ca) if self.tls is not None else None
+
+    @property
     def client_key(self) -> str | None:
-        """The API key this machine's own clients (the demo) send: $SPECMESH_API_KEY, else the first key of
-        $SPECMESH_API_KEYS (None: the router needs none, or only hashes are known here)."""
+        """The API key this machine's own clients (the demo) send: the spec's first, $SPECMESH_API_KEY, else
+        the first key of $SPECMESH_API_KEYS (None: the router needs none, or only hashes are known here)."""
+        if self.spec.api_keys:
+            return self.spec.api_keys[0]
         explicit = os.environ.get("SPECMESH_API_KEY")
         listed = [k.strip() for k in os.environ.get(ENV_KEYS, "").split(",") if k.strip()]
         return explicit or (listed[0] if listed and not listed[0].startswith("sha256:") else None)
@@ -167,7 +181,14 @@ class LocalCluster:
         port, metrics_port = port or free_port(), free_port()
         command = [sys.executable, "-m", f"specmesh.services.{module}", "--listen", f"127.0.0.1:{port}",
                    "--metrics-address", f"127.0.0.1:{metrics_port}", *args]
-        return ServiceProcess(name, command, port, self.log_dir / f"{name}.log", self._env(threads), metrics_port)
+        env, credentials = self._env(threads), None
+        if self.tls is not None:
+            command += ["--tls-cert", str(self.tls.cert), "--tls-key", str(self.tls.key), "--tls-ca", str(self.tls.ca)]
+            credentials = self.tls.channel_credentials()
+        if module == "router" and self.spec.api_keys:
+            env[ENV_KEYS] = ",".join([*filter(None, [env.get(ENV_KEYS)]), *self.spec.api_keys])
+        return ServiceProcess(name, command, port, self.log_dir / f"{name}.log", env, metrics_port,
+                              credentials=credentials)
 
     def verifier_process(self, index: int) -> ServiceProcess:
         spec = self.spec
@@ -207,7 +228,8 @@ class LocalCluster:
                 args += ["--api-keys-file", str(spec.api_keys_file)]
             http_port = None if spec.http_port is None else spec.http_port or free_port()
             args += ["--http-listen", "" if http_port is None else f"127.0.0.1:{http_port}"]
-            self.http_url = "" if http_port is None else f"http://127.0.0.1:{http_port}/v1"
+            scheme = "https" if self.tls is not None else "http"
+            self.http_url = "" if http_port is None else f"{scheme}://127.0.0.1:{http_port}/v1"
             self.router = self._service("router", "router", args, 1, spec.router_port)
             self.router.start()
             self.router.wait_ready(timeout_s)
