@@ -73,7 +73,6 @@ RUN groupadd --system --gid 10001 specmesh \
  && useradd --system --uid 10001 --gid 10001 --home-dir /home/specmesh --create-home --shell /usr/sbin/nologin specmesh
 COPY --from=build /opt/venv /opt/venv
 COPY --from=build /opt/specmesh /opt/specmesh
-COPY deploy/docker/healthcheck.py /usr/local/bin/specmesh-healthcheck
 # SPECMESH_CACHE: the converted embedded model, read-only. Everything a service may write goes to
 # /tmp or ~/.cache (both emptyDir volumes in the Helm chart, whose root filesystem is read-only).
 # GOMP_SPINCOUNT: why 1000000, see OPENMP_SPIN_COUNT in specmesh/cluster/launcher.py.
@@ -89,8 +88,8 @@ ENV PATH=/opt/venv/bin:$PATH \
 USER 10001:10001
 WORKDIR /home/specmesh
 EXPOSE 50051 50061 50071 9400
-# Kubernetes ignores HEALTHCHECK (the chart uses native gRPC probes); this one is for docker/compose:
-# the standard gRPC health check against the service's own port.
-HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 CMD ["python", "/usr/local/bin/specmesh-healthcheck"]
+# Kubernetes ignores HEALTHCHECK (the chart uses native gRPC probes, or this check as an exec probe with
+# TLS); this one is for docker/compose: the standard gRPC health check against the service's own port.
+HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 CMD ["python", "-m", "specmesh.cluster.health_probe"]
 ENTRYPOINT ["python", "-m"]
 CMD ["specmesh.services.router"]

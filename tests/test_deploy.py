@@ -369,6 +369,25 @@ def test_the_router_requires_api_keys_from_a_secret_and_serves_http(render):
     assert env_value(containers(router)[0], "SPECMESH_HTTP_LISTEN") == ""
 
 
+def test_tls_from_a_secret_in_every_service_with_probes_that_speak_it(render):
+    docs = render("--set", "tls.enabled=true", "--set", "tls.secretName=specmesh-tls")
+    flags = _service_flags()
+    specmesh = [w for w in workloads(docs) if component(w) in SPECMESH_COMPONENTS]
+    assert {component(w) for w in specmesh} == set(SPECMESH_COMPONENTS)
+    for workload in specmesh:
+        (container,) = containers(workload)
+        files = {name: env_value(container, name) for name in ("SPECMESH_TLS_CERT", "SPECMESH_TLS_KEY", "SPECMESH_TLS_CA")}
+        assert set(files) <= flags[component(workload)]
+        (mount,) = [m for m in container["volumeMounts"] if files["SPECMESH_TLS_CA"].startswith(m["mountPath"] + "/")]
+        (volume,) = [v for v in workload["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]]
+        assert volume["secret"]["secretName"] == "specmesh-tls"
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert container[probe]["exec"]["command"] == ["python", "-m", "specmesh.cluster.health_probe"]
+            assert "grpc" not in container[probe]
+    with pytest.raises(AssertionError, match="tls.secretName"):
+        render("--set", "tls.enabled=true")
+
+
 @pytest.mark.parametrize("values", VALUES)
 def test_routers_and_verifiers_share_the_queue_key_from_a_secret(render, values):
     docs = render_values(render, values)
@@ -420,8 +439,9 @@ def _service_flags() -> dict[str, set[str]]:
     """SPECMESH_* variables each service reads: its flags' env_default names (read from the source, so as
     not to import the services)."""
     flags = {}
+    shared = (ROOT / "specmesh" / "cluster" / "tls.py").read_text()  # add_tls_flags: every service's
     for name in SPECMESH_COMPONENTS:
-        source = (ROOT / "services" / name / "server.py").read_text()
+        source = (ROOT / "services" / name / "server.py").read_text() + shared
         flags[name] = {f"SPECMESH_{n.upper().replace('-', '_')}" for n in re.findall(r"env_default\(\s*\"([\w-]+)\"", source)}
     return flags
 

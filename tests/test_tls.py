@@ -119,3 +119,25 @@ def test_half_a_tls_configuration_is_refused(tmp_path):
     without_ca = TlsFiles(pki.service.cert, pki.service.key)
     with pytest.raises(InvalidArgument, match="--tls-ca"):
         without_ca.server_credentials(require_client_cert=True)
+
+
+def test_the_health_probe_checks_a_mutual_tls_service(tmp_path):
+    """The image's HEALTHCHECK and the chart's exec probes under TLS: the service's own certificate gets
+    through; the service's flags are read as it reads them."""
+    from specmesh.cluster.health_probe import check, main
+
+    pki = make_pki(tmp_path)
+
+    async def serve_and_probe():
+        server = await start_server([], "127.0.0.1:0", tls=pki.service, require_client_cert=True)
+        listen = f"0.0.0.0:{server.port}"
+        try:
+            return await asyncio.to_thread(lambda: (
+                check(listen, pki.service), check(listen, pki.outsider), check(listen, None),
+                main(["python", "-m", "specmesh.services.drafter", "--listen", listen, "--tls-cert", str(pki.service.cert),
+                      f"--tls-key={pki.service.key}", "--tls-ca", str(pki.ca)])))
+        finally:
+            await server.server.stop(0)
+
+    mine, outsider, plaintext, exit_code = asyncio.run(serve_and_probe())
+    assert (mine, outsider, plaintext, exit_code) == (True, False, False, 0)

@@ -164,18 +164,43 @@ specmesh.io/pool: {{ .pool }}
 
 {{/* gRPC health probes on a port. Call with (dict "port" N "probes" map). */}}
 {{- define "specmesh.grpcProbes" -}}
+{{- $check := dict "grpc" (dict "port" .port) }}
+{{- if .tls }}{{/* the kubelet's gRPC probes speak plaintext: the service's own check over its TLS */}}
+{{- $check = dict "exec" (dict "command" (list "python" "-m" "specmesh.cluster.health_probe")) }}
+{{- end }}
 startupProbe:
-  grpc:
-    port: {{ .port }}
-  {{- toYaml .probes.startup | nindent 2 }}
+  {{- toYaml (merge (dict) $check .probes.startup) | nindent 2 }}
 readinessProbe:
-  grpc:
-    port: {{ .port }}
-  {{- toYaml .probes.readiness | nindent 2 }}
+  {{- toYaml (merge (dict) $check .probes.readiness) | nindent 2 }}
 livenessProbe:
-  grpc:
-    port: {{ .port }}
-  {{- toYaml .probes.liveness | nindent 2 }}
+  {{- toYaml (merge (dict) $check .probes.liveness) | nindent 2 }}
+{{- end }}
+
+{{/* TLS from the values' Secret: the variables, the volume mount and the volume of a specmesh pod. */}}
+{{- define "specmesh.tlsEnv" -}}
+{{- if .Values.tls.enabled }}
+{{- if not .Values.tls.secretName }}{{ fail "tls.secretName: the Secret with tls.crt, tls.key and ca.crt" }}{{ end }}
+- name: SPECMESH_TLS_CERT
+  value: /etc/specmesh/tls/tls.crt
+- name: SPECMESH_TLS_KEY
+  value: /etc/specmesh/tls/tls.key
+- name: SPECMESH_TLS_CA
+  value: /etc/specmesh/tls/ca.crt
+{{- end }}
+{{- end }}
+{{- define "specmesh.tlsVolumeMount" -}}
+{{- if .Values.tls.enabled }}
+- name: tls
+  mountPath: /etc/specmesh/tls
+  readOnly: true
+{{- end }}
+{{- end }}
+{{- define "specmesh.tlsVolume" -}}
+{{- if .Values.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ .Values.tls.secretName }}
+{{- end }}
 {{- end }}
 
 {{/* The writable volumes of a specmesh pod (the root filesystem is read-only). */}}
