@@ -211,6 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
     acl.add_argument("--role", action="append", choices=("router", "verifier", "drafter"),
                      help="repeatable (default: all three)")
     acl.add_argument("--prefix", default="specmesh", help="the key prefix of the queue (default specmesh)")
+    acl.add_argument("--passwords-from-env", action="store_true",
+                     help="each role's password from $SPECMESH_REDIS_<ROLE>_PASSWORD instead of a fresh one")
+    acl.add_argument("--admin-password-env", metavar="VAR",
+                     help="also the default user, with every right, its password from $VAR (an ACL file replaces "
+                          "requirepass)")
+    acl.add_argument("--output", help="write the ACL file here instead of printing it")
     return parser
 
 
@@ -374,16 +380,33 @@ def _generate_remote(args: argparse.Namespace) -> int:
 
 
 def _redis_acl(args: argparse.Namespace) -> int:
-    """One ACL line per role, each with a fresh password; the matching URLs go to stderr."""
+    """One ACL line per role (a fresh password each, unless given in the environment); the matching URLs of
+    fresh passwords go to stderr."""
     import secrets
 
-    from specmesh.cluster.redis_acl import acl_line
+    from specmesh.cluster.redis_acl import acl_line, admin_line
 
+    lines = []
+    if args.admin_password_env:
+        lines.append(admin_line(_env_password(args.admin_password_env)))
     for role in args.role or ("router", "verifier", "drafter"):
-        password = secrets.token_urlsafe(24)
-        print(acl_line(role, f"specmesh-{role}", password, args.prefix))
-        print(f"# {role}: SPECMESH_REDIS_URL=redis://specmesh-{role}:{password}@HOST:6379/0", file=sys.stderr)
+        password = (_env_password(f"SPECMESH_REDIS_{role.upper()}_PASSWORD") if args.passwords_from_env
+                    else secrets.token_urlsafe(24))
+        lines.append(acl_line(role, f"specmesh-{role}", password, args.prefix))
+        if not args.passwords_from_env:
+            print(f"# {role}: SPECMESH_REDIS_URL=redis://specmesh-{role}:{password}@HOST:6379/0", file=sys.stderr)
+    if args.output:
+        Path(args.output).write_text("".join(f"{line}\n" for line in lines))
+    else:
+        print("\n".join(lines))
     return 0
+
+
+def _env_password(variable: str) -> str:
+    value = os.environ.get(variable, "")
+    if not value:
+        raise InvalidArgument("password", f"${variable} is not set")
+    return value
 
 
 def _up(args: argparse.Namespace) -> int:

@@ -481,11 +481,18 @@ def test_redis_password_comes_from_a_secret(render, values):
         password = env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
         assert password["name"] in secrets and password["key"] in secrets[password["name"]]["data"]
         assert names.index("REDIS_PASSWORD") < names.index("SPECMESH_REDIS_URL"), "$(REDIS_PASSWORD) must be defined first"
-        assert re.fullmatch(r"redis://:\$\(REDIS_PASSWORD\)@sm-specmesh-redis:6379/0", env["SPECMESH_REDIS_URL"]["value"])
+        role = component(workload)  # each role connects as its own Redis user, with its own password
+        assert password["key"] == f"{role}-password"
+        assert re.fullmatch(rf"redis://specmesh-{role}:\$\(REDIS_PASSWORD\)@sm-specmesh-redis:6379/0",
+                            env["SPECMESH_REDIS_URL"]["value"])
     (redis,) = [w for w in of_kind(docs, "StatefulSet") if component(w) == "redis"]
-    (server,) = containers(redis)
-    assert server["args"][server["args"].index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
-    assert "secretKeyRef" in env_of(server)["REDIS_PASSWORD"]["valueFrom"]
+    (server,) = [c for c in containers(redis) if c["name"] == "redis"]
+    acl_file = server["args"][server["args"].index("--aclfile") + 1]
+    assert "--requirepass" not in server["args"] and "secretKeyRef" in env_of(server)["REDIS_PASSWORD"]["valueFrom"]
+    (writer,) = redis["spec"]["template"]["spec"]["initContainers"]  # specmesh redis-acl writes the users
+    assert writer["args"][:2] == ["specmesh", "redis-acl"] and writer["args"][-1] == acl_file
+    assert {e["valueFrom"]["secretKeyRef"]["key"] for e in writer["env"]} == {"redis-password", "router-password",
+                                                                               "verifier-password"}
     # no literal password anywhere in a pod spec
     for secret in secrets.values():
         for value in secret["data"].values():

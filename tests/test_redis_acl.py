@@ -12,8 +12,8 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 
+from specmesh.cli import main as cli_main
 from specmesh.cluster.queue import QueueKeys, QueueVerifierClient, VerifierQueue
-from specmesh.cluster.redis_acl import acl_line
 from specmesh.cluster.redis_server import RedisServer, redis_server_binary
 from specmesh.cluster.serving import TorchThread
 from specmesh.drafters.ngram import NgramDrafter
@@ -38,18 +38,17 @@ def _has_selectors() -> bool:
 
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory):
+    """A redis-server started from the ACL file ``specmesh redis-acl`` writes, as the chart starts its Redis."""
     if not _has_selectors():
         pytest.skip("this redis-server predates ACL selectors (Redis 7): the project installs Debian's redis-server")
-    server = RedisServer(log_path=tmp_path_factory.mktemp("redis") / "redis.log").start()
-
-    async def configure():
-        admin = aioredis.Redis.from_url(server.url)
-        for role, password in PASSWORDS.items():
-            await admin.execute_command("ACL", "SETUSER", *acl_line(role, f"specmesh-{role}", password).split()[1:])
-        await admin.execute_command("ACL", "SETUSER", "default", "resetpass", f">{ADMIN}")  # no more anonymous use
-        await admin.aclose()
-
-    asyncio.run(configure())
+    directory = tmp_path_factory.mktemp("redis")
+    env = {f"SPECMESH_REDIS_{role.upper()}_PASSWORD": password for role, password in PASSWORDS.items()}
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in {**env, "ADMIN_PASSWORD": ADMIN}.items():
+            patch.setenv(name, value)
+        assert cli_main(["redis-acl", "--passwords-from-env", "--admin-password-env", "ADMIN_PASSWORD",
+                         "--output", str(directory / "users.acl")]) == 0
+    server = RedisServer(log_path=directory / "redis.log", extra_args=["--aclfile", str(directory / "users.acl")]).start()
     yield server
     server.stop()
 

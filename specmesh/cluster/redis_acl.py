@@ -52,3 +52,10 @@ def acl_line(role: str, user: str, password: str, prefix: str = "specmesh") -> s
         raise InvalidArgument("password", "must be at least 16 characters, without spaces")
     return " ".join(["user", user, "on", f">{password}", "resetkeys", "resetchannels", "-@all", CONNECTION,
                      *role_rules(role, prefix)])
+
+
+def admin_line(password: str) -> str:
+    """The default user with every right (operators, probes), for an ACL file (which replaces requirepass)."""
+    if not password or any(c.isspace() for c in password):
+        raise InvalidArgument("password", "the admin password must be one word")
+    return f"user default on >{password} ~* &* +@all"

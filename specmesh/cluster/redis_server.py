@@ -8,6 +8,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Sequence
 
 from specmesh.errors import Unavailable
 
@@ -36,9 +37,11 @@ def free_port() -> int:
 class RedisServer:
     """``start()`` / ``stop()``; started again it keeps its port, empty (nothing is saved)."""
 
-    def __init__(self, port: int | None = None, log_path: Path | None = None) -> None:
+    def __init__(self, port: int | None = None, log_path: Path | None = None, extra_args: Sequence[str] = ()) -> None:
+        """``extra_args``: more redis-server options (e.g. ``--aclfile users.acl``)."""
         self.port = port or free_port()
         self.log_path = log_path
+        self.extra_args = list(extra_args)
         self.process: subprocess.Popen | None = None
 
     @property
@@ -47,7 +50,7 @@ class RedisServer:
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
         command = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                   "--appendonly", "no", "--daemonize", "no"]
+                   "--appendonly", "no", "--daemonize", "no", *self.extra_args]
         output = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self.process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
@@ -64,7 +67,7 @@ class RedisServer:
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
                 s.sendall(b"PING\r\n")
-                return s.recv(16).startswith(b"+PONG")
+                return s.recv(16).startswith((b"+PONG", b"-NOAUTH"))  # up (and asking for a password)
         except OSError:
             return False
 

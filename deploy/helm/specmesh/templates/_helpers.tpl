@@ -85,17 +85,19 @@ specmesh.io/pool: {{ .pool }}
 {{- default (include "specmesh.componentName" (list . "redis")) .Values.redis.auth.existingSecret }}
 {{- end }}
 
-{{/* Environment variables giving a service SPECMESH_REDIS_URL (REDIS_PASSWORD first: the URL expands it). */}}
+{{/* Environment variables giving a service SPECMESH_REDIS_URL as its role's Redis user (REDIS_PASSWORD first: the
+URL expands it). Call with (dict "root" $ "role" "router"). */}}
 {{- define "specmesh.redisEnv" -}}
-{{- $redis := .Values.redis }}
+{{- $root := .root }}
+{{- $redis := $root.Values.redis }}
 {{- if $redis.enabled }}
 - name: REDIS_PASSWORD
   valueFrom:
     secretKeyRef:
-      name: {{ include "specmesh.redisSecretName" . }}
-      key: {{ $redis.auth.secretKey }}
+      name: {{ include "specmesh.redisSecretName" $root }}
+      key: {{ index $redis.auth (printf "%sSecretKey" .role) }}
 - name: SPECMESH_REDIS_URL
-  value: {{ printf "redis://:$(REDIS_PASSWORD)@%s:%d/%d" (include "specmesh.componentName" (list . "redis")) (int $redis.port) (int $redis.database) | quote }}
+  value: {{ printf "redis://specmesh-%s:$(REDIS_PASSWORD)@%s:%d/%d" .role (include "specmesh.componentName" (list $root "redis")) (int $redis.port) (int $redis.database) | quote }}
 {{- else if $redis.externalUrlSecret.name }}
 - name: SPECMESH_REDIS_URL
   valueFrom:
