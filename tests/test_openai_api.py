@@ -278,5 +278,5 @@ def test_a_fuzzer_on_the_served_schema_finds_no_server_error(redis_server, model
             checked += 1
         health = httpx.get(f"{base}/health", timeout=10)
     assert checked == 5
-    print(sorted(__import__('collections').Counter(statuses).items()))
+    assert {200, 400, 404} <= set(statuses)  # it reached generation as well as every kind of refusal
     assert health.status_code == 200
