@@ -13,8 +13,9 @@ import grpc
 import httpx
 import pytest
 from cluster_parts import ServiceStack
-from conftest import tiny_llama
+from conftest import tiny_llama, wait_until_async
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from openai import AsyncOpenAI, AuthenticationError
 from transformers import AutoTokenizer
 
@@ -72,8 +73,10 @@ def test_each_key_has_its_own_concurrency_and_rate_limits():
     first.release()
     first.release()  # idempotent
     assert limits.active("alice") == 1
+    third = limits.admit(alice)  # the refused call above spent none of the minute's three
+    third.release()
     with pytest.raises(ResourceExhausted, match="3 calls a minute"):
-        limits.admit(alice)  # the third call of the minute was the one that failed above
+        limits.admit(alice)
     second.release()
 
 
@@ -109,6 +112,13 @@ def test_every_route_and_rpc_needs_a_valid_key(redis_server, model, tokenizer):
                                                        answer.headers.get("www-authenticate"))
                 allowed = [(await http.request(m, p, json=j, headers={"authorization": f"Bearer {KEY}"})).status_code
                            for m, p, j in routes]
+                # the key is checked before the body is read: an anonymous 10 MB body is a 401, not a 413
+                unread = (await http.post("/v1/completions", content=b"x" * (10 << 20))).status_code
+                # a request refused for its fields gives its key's slot back (the limit here is 1)
+                keyed = {"authorization": f"Bearer {KEY}"}
+                bad = [(await http.post("/v1/chat/completions", json={**body, "stop": [""]}, headers=keyed)).status_code
+                       for _ in range(3)]
+                after_bad = (await http.post("/v1/chat/completions", json=body, headers=keyed)).status_code
                 health = (await http.get("/health")).status_code
                 schema = (await http.get("/openapi.json")).json()
             rpcs = {}
@@ -125,6 +135,14 @@ def test_every_route_and_rpc_needs_a_valid_key(redis_server, model, tokenizer):
                 rpcs["GenerateStream"] = err.value.code()
             async with grpc.aio.insecure_channel(stack.address) as channel:
                 probe = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+                services = reflection_pb2.ServerReflectionRequest(list_services="")
+                with pytest.raises(grpc.aio.AioRpcError) as err:  # reflection streams requests: checked too
+                    async for _ in reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+                            iter([services])):
+                        pass
+                rpcs["ServerReflectionInfo"] = err.value.code()
+                listed = [answer async for answer in reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+                    iter([services]), metadata=(("authorization", f"Bearer {KEY}"),))]
             async with AsyncClient(stack.address, api_key=KEY) as client:
                 granted = await client.generate("hi", max_tokens=3)
                 # one call in flight per key: a second concurrent one is refused
@@ -135,14 +153,17 @@ def test_every_route_and_rpc_needs_a_valid_key(redis_server, model, tokenizer):
                 over_limit = err.value.code(), err.value.details()
                 busy = await http_status(stack, body)  # the same key over HTTP: the same limit
                 await first.aclose()
+                await wait_until_async(lambda: access.limits.active(access.keys.authenticate(f"Bearer {KEY}").name) == 0,
+                                       what="the cancelled stream gave its key's slot back")
                 async with AsyncOpenAI(base_url=stack.http_url, api_key=OTHER, max_retries=0) as openai:
                     with pytest.raises(AuthenticationError):
                         await openai.models.list()
                 async with AsyncOpenAI(base_url=stack.http_url, api_key=KEY, max_retries=0) as openai:
                     answer = await openai.chat.completions.create(model="tiny", messages=body["messages"], max_tokens=3)
-            return refused, allowed, health, schema, rpcs, probe, granted, over_limit, busy, answer
+            return refused, allowed, health, schema, rpcs, probe, granted, over_limit, busy, answer, (unread, bad, after_bad, listed)
 
-    refused, allowed, health, schema, rpcs, probe, granted, over_limit, busy, answer = asyncio.run(main())
+    refused, allowed, health, schema, rpcs, probe, granted, over_limit, busy, answer, more = asyncio.run(main())
+    unread, bad, after_bad, listed = more
     assert set(refused.values()) == {(401, "invalid_api_key", "Bearer")}, refused
     assert allowed == [200, 200, 200, 200] and health == 200
     assert schema["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
@@ -152,6 +173,8 @@ def test_every_route_and_rpc_needs_a_valid_key(redis_server, model, tokenizer):
     assert over_limit[0] == grpc.StatusCode.RESOURCE_EXHAUSTED and "in flight" in over_limit[1]
     assert busy == 429
     assert answer.usage.completion_tokens == 3
+    assert unread == 401 and bad == [400, 400, 400] and after_bad == 200
+    assert "specmesh.v1.Router" in {s.name for s in listed[0].list_services_response.service}
 
 
 async def http_status(stack, body) -> int:

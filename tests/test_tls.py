@@ -13,6 +13,7 @@ import pytest
 from certs import make_pki
 from cluster_parts import ServiceStack
 from conftest import tiny_llama
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import AutoTokenizer
 
 from specmesh.client import AsyncClient
@@ -141,3 +142,29 @@ def test_the_health_probe_checks_a_mutual_tls_service(tmp_path):
 
     mine, outsider, plaintext, exit_code = asyncio.run(serve_and_probe())
     assert (mine, outsider, plaintext, exit_code) == (True, False, False, 0)
+
+
+def test_drafters_dialled_by_address_are_checked_against_the_expected_name(tmp_path):
+    """Discovery dials pod IPs that certificates do not name: the router expects a name of its choosing."""
+    from specmesh.cluster.pki import local_pki
+    from specmesh.cluster.tls import channel_options
+
+    named = local_pki(tmp_path / "named", hosts=("drafters.specmesh.test",))  # no IP among its names
+
+    async def main():
+        server = await start_server([], "127.0.0.1:0", tls=named, require_client_cert=True)
+        address = f"127.0.0.1:{server.port}"
+        try:
+            results = {}
+            for label, options in (("by address", []), ("expecting the name", channel_options("drafters.specmesh.test"))):
+                async with grpc.aio.secure_channel(address, named.channel_credentials(), options=options) as channel:
+                    try:
+                        await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                        results[label] = "OK"
+                    except grpc.aio.AioRpcError as exc:
+                        results[label] = exc.code().name
+            return results
+        finally:
+            await server.server.stop(0)
+
+    assert asyncio.run(main()) == {"by address": "UNAVAILABLE", "expecting the name": "OK"}

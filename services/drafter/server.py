@@ -168,6 +168,8 @@ def load(args: argparse.Namespace):
 
 async def serve(args: argparse.Namespace) -> None:
     tls = TlsFiles.from_flags(args.tls_cert, args.tls_key, args.tls_ca)  # first: a bad flag fails before loading
+    if tls is not None and tls.ca is None:
+        log.warning("TLS without --tls-ca: any caller is answered; give the cluster's CA to require its certificates")
     torch_thread = TorchThread("draft")
     target, drafter = await torch_thread.run(load, args)
     domains = [d for d in (args.domains or getattr(drafter, "domain", "") or "general").split(",") if d]

@@ -22,7 +22,7 @@ import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPBearer
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -33,7 +33,7 @@ from specmesh.cluster.gateway import Generation, Router, TextStream
 from specmesh.cluster.serving import http_status_for
 from specmesh.cluster.stops import StopScanner, check_stops, tokens_through
 from specmesh.cluster.tls import TlsFiles
-from specmesh.errors import InvalidArgument, NotFound, SpecmeshError
+from specmesh.errors import InvalidArgument, NotFound, SpecmeshError, Unauthenticated
 from specmesh.sampling import SamplingParams
 from specmesh.services.router.openai_schema import (
     AssistantMessage,
@@ -59,9 +59,10 @@ log = logging.getLogger("specmesh.router.http")
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # a 4 MiB request is ~1M tokens of text: far past any context
 DRAIN_BYTES = 64 << 20
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
                409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error",
-               503: "service_unavailable"}
+               503: "service_unavailable"}  # OpenAI's own types: 401 and 404 are invalid requests too
+RETRY_AFTER_S = "1"  # a refusal for load: worth retrying soon
 ERROR_RESPONSES = {status: {"model": ErrorResponse, "description": description} for status, description in (
     (400, "invalid request: the message names the field"), (404, "unknown model or route"),
     (413, "request body too large"), (429, "too many requests in flight; retry later"),
@@ -82,13 +83,17 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 
 def mapped_error(exc: BaseException) -> JSONResponse:
     status, message = http_status_for(exc)
-    if status == 500:
+    if status == 500:  # the details go to the log, not to the client
         log.error("internal error on the HTTP API", exc_info=exc)
+        message = "internal error; the router's log has the details"
     if status == 401:
         response = error_response(401, message, code="invalid_api_key")
         response.headers["WWW-Authenticate"] = "Bearer"
         return response
-    return error_response(status, message, getattr(exc, "field", None), getattr(exc, "code", None))
+    response = error_response(status, message, getattr(exc, "field", None), getattr(exc, "code", None))
+    if status in (429, 503):
+        response.headers["Retry-After"] = RETRY_AFTER_S
+    return response
 
 
 class ModelNotFound(NotFound):
@@ -99,8 +104,9 @@ class BodyLimit:
     """ASGI middleware: a request body larger than ``max_bytes`` is answered 413 before it is read whole
     (by its Content-Length, or while it streams in)."""
 
-    class TooLarge(Exception):
-        pass
+    class TooLarge(StarletteHTTPException):  # FastAPI re-raises HTTP exceptions met while reading a body
+        def __init__(self, limit: int) -> None:
+            super().__init__(413, f"the request body exceeds {limit} bytes")
 
     def __init__(self, app, max_bytes: int) -> None:
         self.app, self.max_bytes = app, max_bytes
@@ -119,7 +125,7 @@ class BodyLimit:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
-                    raise BodyLimit.TooLarge
+                    raise BodyLimit.TooLarge(self.max_bytes)
             return message
 
         async def watched_send(message):
@@ -147,6 +153,23 @@ class BodyLimit:
         await send({"type": "http.response.body", "body": body.encode()})
 
 
+class KeyCheck:
+    """ASGI middleware: /v1 requests without a valid API key are answered 401 before anything else (the
+    body is not read); per-key limits are applied where the request is served."""
+
+    def __init__(self, app, keys) -> None:
+        self.app, self.keys = app, keys
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            authorization = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1") or None
+            try:
+                self.keys.authenticate(authorization)
+            except Unauthenticated as exc:
+                return await mapped_error(exc)(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
 def _refuse_unsupported(body: SamplingFields) -> None:
     """Fields whose meaning specmesh does not implement are refused rather than ignored."""
     if body.n not in (None, 1):
@@ -157,10 +180,14 @@ def _refuse_unsupported(body: SamplingFields) -> None:
     if body.logit_bias:
         raise InvalidArgument("logit_bias", "is not supported")
     if isinstance(body, ChatCompletionRequest):
-        if body.logprobs or body.top_logprobs is not None:
+        if body.logprobs or body.top_logprobs:
             raise InvalidArgument("logprobs", "log-probabilities are not returned by specmesh")
-        if body.tools:
-            raise InvalidArgument("tools", "tool calls are not supported")
+        for name in ("tools", "functions"):
+            if getattr(body, name):
+                raise InvalidArgument(name, "tool and function calls are not supported")
+        for name in ("tool_choice", "function_call"):
+            if getattr(body, name) not in (None, "none"):
+                raise InvalidArgument(name, "tool and function calls are not supported")
         if body.response_format is not None and body.response_format.get("type") != "text":
             raise InvalidArgument("response_format", "only {\"type\": \"text\"} is supported")
     if isinstance(body, CompletionRequest):
@@ -287,6 +314,8 @@ def openai_app(router: Router, live_verifiers: Callable[[], int], max_body_bytes
                               "Extensions: top_k, speculation, max_tree_nodes; responses carry `specmesh` statistics.")
 
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    if access is not None:  # outermost: a caller without a key is refused before its body is read
+        app.add_middleware(KeyCheck, keys=access.keys)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
@@ -301,6 +330,10 @@ def openai_app(router: Router, live_verifiers: Callable[[], int], max_body_bytes
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, exc: ClientGone):
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it
 
     @app.exception_handler(SpecmeshError)
     async def domain_error(request: Request, exc: SpecmeshError):
@@ -334,11 +367,11 @@ def openai_app(router: Router, live_verifiers: Callable[[], int], max_body_bytes
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         permit = admit(request)
         try:
-            ticket = frontend.chat_ticket(body)
-        except BaseException:
+            ticket, stops = frontend.chat_ticket(body), _stops(body)
+        except BaseException:  # refused before it began: the key's slot is free again
             permit and permit.release()
             raise
-        answer = pieces(router, ticket, _stops(body))
+        answer = pieces(router, ticket, stops)
         ids = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         def chunk(choices: list[ChatChunkChoice], piece: Piece | None = None, usage: Usage | None = None) -> str:
@@ -365,11 +398,11 @@ def openai_app(router: Router, live_verifiers: Callable[[], int], max_body_bytes
     async def completions(body: CompletionRequest, request: Request):
         permit = admit(request)
         try:
-            ticket = frontend.completion_ticket(body)
-        except BaseException:
+            ticket, stops = frontend.completion_ticket(body), _stops(body)
+        except BaseException:  # refused before it began: the key's slot is free again
             permit and permit.release()
             raise
-        answer = pieces(router, ticket, _stops(body))
+        answer = pieces(router, ticket, stops)
         ids = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         def completion(choices: list[CompletionChoice], piece: Piece | None = None, usage: Usage | None = None) -> Completion:
@@ -441,6 +474,9 @@ async def streamed(answer: AsyncIterator[Piece], events: Callable[[Piece, bool],
                 while (item := await queue.get()) is not None:
                     if isinstance(item, Exception):  # after the status was sent: say it in the stream
                         status, message = http_status_for(item)
+                        if status == 500:
+                            log.error("internal error in a stream", exc_info=item)
+                            message = "internal error; the router's log has the details"
                         yield json.dumps(error_body(status, message, getattr(item, "field", None)))
                         return
                     for data in events(item, False):
@@ -474,7 +510,13 @@ async def collected(answer: AsyncIterator[Piece], request: Request, permit: Perm
         watch.cancel()
         if not work.done():  # the client left: nobody will read the answer
             work.cancel()
-    return await work
+    if work.cancelled():
+        raise ClientGone
+    return work.result()
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was whole (the request was cancelled)."""
 
 
 class HttpServer:

@@ -70,6 +70,9 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool | None = Field(None, description="only false")
     top_logprobs: int | None = Field(None, description="unsupported")
     tools: list[dict] | None = Field(None, description="unsupported")
+    tool_choice: str | dict | None = Field(None, description="only \"none\"")
+    functions: list[dict] | None = Field(None, description="unsupported")
+    function_call: str | dict | None = Field(None, description="only \"none\"")
     response_format: dict | None = Field(None, description="only {\"type\": \"text\"}")
 
 

@@ -31,7 +31,7 @@ from specmesh.cluster.queue import QueueKeys, QueueVerifierClient
 from specmesh.cluster.remote_drafter import RemoteDrafter
 from specmesh.cluster.serving import Service, env_default, run_service, start_server
 from specmesh.cluster.signing import QueueSigner
-from specmesh.cluster.tls import TlsFiles, add_tls_flags
+from specmesh.cluster.tls import TlsFiles, add_tls_flags, channel_options
 from specmesh.cluster.wire import sampling_from_pb
 from specmesh.drafters.catalog import MODEL_FREE_DRAFTERS
 from specmesh.errors import InvalidArgument, Unavailable
@@ -273,8 +273,10 @@ async def serve(args: argparse.Namespace) -> None:
     local = [LocalDrafter(MODEL_FREE_DRAFTERS[name]()) for name in local_drafter_names(args.local_drafters)]
     drafters: list = [*local]
     credentials = tls.channel_credentials() if tls is not None and tls.ca is not None else None  # mTLS to drafters
+    options = channel_options(args.tls_server_name) if credentials is not None else []
     remote = DrafterSet(drafters, lambda address: RemoteDrafter(address, timeout_s=args.drafter_timeout,
-                                                                credentials=credentials), card.tokenizer_hash,
+                                                                credentials=credentials, options=options),
+                        card.tokenizer_hash,
                         hidden_size=target.hidden_size or None, num_layers=target.num_layers or None)
     await remote.update(a.strip() for a in args.drafters.split(",") if a.strip())
     discovery = None

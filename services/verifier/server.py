@@ -282,6 +282,8 @@ def load_verifier(args: argparse.Namespace):
 
 async def serve(args: argparse.Namespace) -> None:
     tls = TlsFiles.from_flags(args.tls_cert, args.tls_key, args.tls_ca)  # first: a bad flag fails before loading
+    if tls is not None and tls.ca is None:
+        log.warning("TLS without --tls-ca: any caller is answered; give the cluster's CA to require its certificates")
     torch_thread = TorchThread("verify")
     target, runtime, verifier = await torch_thread.run(load_verifier, args)
     verifier_id = args.verifier_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"

@@ -10,6 +10,7 @@ minute's requests); past either, a call is refused with ResourceExhausted.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import threading
 import time
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import Iterable
 
 from specmesh.errors import InvalidArgument, ResourceExhausted, Unauthenticated
+
+log = logging.getLogger("specmesh.cluster.auth")
 
 ENV_KEYS = "SPECMESH_API_KEYS"
 RELOAD_EVERY_S = 1.0  # how stale a rotated key file may be
@@ -39,8 +42,8 @@ def parse_keys(lines: Iterable[str], where: str) -> dict[str, str]:
     """Key lines -> {sha256 digest: name}. Refuses short keys and malformed digests."""
     keys: dict[str, str] = {}
     for number, raw in enumerate(lines, 1):
-        line = raw.split("#", 1)[0].strip()
-        if not line:
+        line = raw.strip()
+        if not line or line.startswith("#"):  # a comment is a line of its own: a key may hold "#"
             continue
         secret, *rest = line.split()
         if secret.startswith("sha256:"):
@@ -109,9 +112,10 @@ class ApiKeys:
             if stamp == self._stamp:
                 return
             keys = parse_keys(self.file.read_text().splitlines(), str(self.file))
-        except (OSError, InvalidArgument):
+        except (OSError, InvalidArgument) as exc:
             if self._stamp is None:
                 raise
+            log.error("API keys not reloaded, the last good ones stay in force: %s", exc)
             return
         with self._lock:
             self._file_keys, self._stamp = keys, stamp
@@ -129,6 +133,9 @@ class KeyLimits:
 
     def admit(self, caller: Caller) -> Permit:
         """A permit for one call, to release when it ends; raises ResourceExhausted past a limit."""
+        active = self._active.get(caller.name, 0)
+        if self.max_concurrent and active >= self.max_concurrent:  # first: a refused call spends no rate
+            raise ResourceExhausted(f"API key {caller.name!r} has {active} calls in flight, its limit; retry later")
         if self.per_minute:
             tokens, when = self._buckets.get(caller.name, (float(self.per_minute), time.monotonic()))
             now = time.monotonic()
@@ -139,9 +146,6 @@ class KeyLimits:
                 raise ResourceExhausted(f"API key {caller.name!r} is limited to {self.per_minute} calls a minute; "
                                         f"retry in {wait:.1f} s")
             self._buckets[caller.name] = (tokens - 1.0, now)
-        active = self._active.get(caller.name, 0)
-        if self.max_concurrent and active >= self.max_concurrent:
-            raise ResourceExhausted(f"API key {caller.name!r} has {active} calls in flight, its limit; retry later")
         self._active[caller.name] = active + 1
         return Permit(self, caller.name)
 

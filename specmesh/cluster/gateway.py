@@ -12,6 +12,8 @@ from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Sequence
 
+from jinja2 import TemplateError
+
 from specmesh.cluster.metrics import MeteredRequest, RequestClock, RouterMetrics
 from specmesh.errors import InvalidArgument, ResourceExhausted
 from specmesh.sampling import SamplingParams
@@ -117,9 +119,14 @@ class Router:
         for i, (role, _) in enumerate(messages):
             if role not in ROLES:
                 raise InvalidArgument(f"chat.messages[{i}].role", f"is {role!r}; use one of {', '.join(ROLES)}")
-        rendered = self.tokenizer.apply_chat_template(
-            [{"role": r, "content": c} for r, c in messages], add_generation_prompt=True, tokenize=True,
-        )
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidArgument("chat", "this model has no chat template: send a prompt instead")
+        try:
+            rendered = self.tokenizer.apply_chat_template(
+                [{"role": r, "content": c} for r, c in messages], add_generation_prompt=True, tokenize=True,
+            )
+        except TemplateError as exc:  # the template's own rules (roles must alternate, no system role, ...)
+            raise InvalidArgument("chat.messages", f"the model's chat template refuses them: {exc}") from None
         return list(rendered["input_ids"] if isinstance(rendered, dict) or hasattr(rendered, "keys") else rendered)
 
     def decode(self, token_ids: Sequence[int]) -> str:

@@ -31,8 +31,9 @@ LEARNS_FROM_EVERY_ANSWER = frozenset({"history"})
 
 class RemoteDrafter:
     def __init__(self, address: str, timeout_s: float = 2.0, max_backoff_s: float = 10.0,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
-        """``credentials``: call over TLS (the cluster's CA and the router's own certificate)."""
+                 credentials: grpc.ChannelCredentials | None = None, options: Sequence[tuple[str, str]] = ()) -> None:
+        """``credentials``: call over TLS (the cluster's CA and the router's own certificate); ``options``:
+        the channel's (``tls.channel_options``)."""
         self.address = address
         self.timeout_s = timeout_s
         self.max_backoff_s = max_backoff_s
@@ -41,8 +42,8 @@ class RemoteDrafter:
         self.domains: tuple[str, ...] = ()
         self.tokenizer_hash = ""
         self.feature_layers: tuple[int, ...] = ()  # a feature drafter's: the target's hidden states it reads
-        self._channel = (grpc.aio.secure_channel(address, credentials) if credentials is not None
-                         else grpc.aio.insecure_channel(address))
+        self._channel = (grpc.aio.secure_channel(address, credentials, options=list(options))
+                         if credentials is not None else grpc.aio.insecure_channel(address, options=list(options)))
         self._stub = drafter_pb2_grpc.DrafterStub(self._channel)
         self._context: dict[str, list[int]] = {}  # request -> every committed token
         self._unsent: dict[str, list[int]] = {}  # request -> committed since the drafter last heard

@@ -131,6 +131,26 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return grpc.unary_stream_rpc_method_handler(
                 stream, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
             )
+        if self.access is not None and not method.startswith(OPEN_PREFIX):  # streaming requests (reflection): the
+            inner_bidi = handler.stream_stream  # key is checked, or nothing is answered
+
+            async def bidi(requests, context):
+                try:
+                    permit = self._admit(method, context)
+                except Exception as exc:
+                    await _abort(context, method, exc)
+                try:
+                    async for item in inner_bidi(requests, context):
+                        yield item
+                finally:
+                    if permit is not None:
+                        permit.release()
+
+            if inner_bidi is not None:
+                return grpc.stream_stream_rpc_method_handler(
+                    bidi, request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer)
+            return None  # a client-streaming method without a check of its own: not served
         return handler
 
 
