@@ -11,8 +11,11 @@ import uuid
 import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from specmesh.cli import main as cli_main
+from specmesh.cluster.pki import local_pki
 from specmesh.cluster.queue import QueueKeys, QueueVerifierClient, VerifierQueue
 from specmesh.cluster.redis_server import RedisServer, redis_server_binary
 from specmesh.cluster.serving import TorchThread
@@ -36,9 +39,10 @@ def _has_selectors() -> bool:
     return int(major) >= 7
 
 
-@pytest.fixture(scope="module")
-def secured(tmp_path_factory):
-    """A redis-server started from the ACL file ``specmesh redis-acl`` writes, as the chart starts its Redis."""
+@pytest.fixture(scope="module", params=["plaintext", "tls"])
+def secured(request, tmp_path_factory):
+    """A redis-server started from the ACL file ``specmesh redis-acl`` writes, as the chart starts its Redis;
+    and the same serving TLS only (``rediss://``, client certificates from its CA)."""
     if not _has_selectors():
         pytest.skip("this redis-server predates ACL selectors (Redis 7): the project installs Debian's redis-server")
     directory = tmp_path_factory.mktemp("redis")
@@ -48,13 +52,20 @@ def secured(tmp_path_factory):
             patch.setenv(name, value)
         assert cli_main(["redis-acl", "--passwords-from-env", "--admin-password-env", "ADMIN_PASSWORD",
                          "--output", str(directory / "users.acl")]) == 0
-    server = RedisServer(log_path=directory / "redis.log", extra_args=["--aclfile", str(directory / "users.acl")]).start()
+    tls = local_pki(directory / "pki") if request.param == "tls" else None
+    server = RedisServer(log_path=directory / "redis.log", extra_args=["--aclfile", str(directory / "users.acl")],
+                         tls=tls).start()
     yield server
     server.stop()
 
 
 def url(server: RedisServer, role: str) -> str:
-    return f"redis://specmesh-{role}:{PASSWORDS[role]}@127.0.0.1:{server.port}/0"
+    """A role's URL; over TLS with redis-py's URL options (CA, client certificate and key)."""
+    address = f"specmesh-{role}:{PASSWORDS[role]}@127.0.0.1:{server.port}/0"
+    if server.tls is None:
+        return f"redis://{address}"
+    return (f"rediss://{address}?ssl_ca_certs={server.tls.ca}&ssl_certfile={server.tls.cert}"
+            f"&ssl_keyfile={server.tls.key}")
 
 
 def test_each_role_runs_the_pipeline_with_its_own_user_and_nothing_more(secured, tiny_model):
@@ -91,13 +102,20 @@ def test_each_role_runs_the_pipeline_with_its_own_user_and_nothing_more(secured,
                     refused[name] = False
                 except NoPermissionError:
                     refused[name] = True
-            anonymous = aioredis.Redis.from_url(f"redis://127.0.0.1:{secured.port}/0")
+            # no password (over TLS too), and over TLS plaintext: refused
+            anonymous = aioredis.Redis.from_url(url(secured, "router").replace(f"specmesh-router:{PASSWORDS['router']}@", ""))
             try:
                 await anonymous.xlen(keys.jobs)
                 anonymous_refused = False
             except (AuthenticationError, ResponseError) as exc:
                 anonymous_refused = "NOAUTH" in str(exc) or isinstance(exc, AuthenticationError)
             await anonymous.aclose()
+            if secured.tls is not None:
+                plaintext = aioredis.Redis.from_url(f"redis://specmesh-router:{PASSWORDS['router']}@127.0.0.1:{secured.port}/0",
+                                                    socket_timeout=5)
+                with pytest.raises((RedisConnectionError, RedisTimeoutError)):
+                    await plaintext.xlen(keys.jobs)
+                await plaintext.aclose()
             return tokens, refused, anonymous_refused
         finally:
             worker.stopped.set()

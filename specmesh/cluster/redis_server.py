@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import shutil
 import socket
+import ssl
 import subprocess
 import time
 from pathlib import Path
 from typing import Sequence
 
+from specmesh.cluster.tls import TlsFiles
 from specmesh.errors import Unavailable
 
 
@@ -37,19 +39,26 @@ def free_port() -> int:
 class RedisServer:
     """``start()`` / ``stop()``; started again it keeps its port, empty (nothing is saved)."""
 
-    def __init__(self, port: int | None = None, log_path: Path | None = None, extra_args: Sequence[str] = ()) -> None:
-        """``extra_args``: more redis-server options (e.g. ``--aclfile users.acl``)."""
+    def __init__(self, port: int | None = None, log_path: Path | None = None, extra_args: Sequence[str] = (),
+                 tls: TlsFiles | None = None) -> None:
+        """``extra_args``: more redis-server options (e.g. ``--aclfile users.acl``); ``tls``: serve TLS only
+        (clients must present a certificate from its CA), at ``rediss://``."""
         self.port = port or free_port()
         self.log_path = log_path
         self.extra_args = list(extra_args)
+        self.tls = tls
         self.process: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
-        command = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+        listen = ["--port", str(self.port)]
+        if self.tls is not None:
+            listen = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(self.tls.cert),
+                      "--tls-key-file", str(self.tls.key), "--tls-ca-cert-file", str(self.tls.ca)]
+        command = [redis_server_binary(), *listen, "--bind", "127.0.0.1", "--save", "",
                    "--appendonly", "no", "--daemonize", "no", *self.extra_args]
         output = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self.process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
@@ -65,7 +74,12 @@ class RedisServer:
 
     def _ping(self) -> bool:
         try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as plain:
+                s = plain
+                if self.tls is not None:
+                    context = ssl.create_default_context(cafile=str(self.tls.ca))
+                    context.load_cert_chain(str(self.tls.cert), str(self.tls.key))
+                    s = context.wrap_socket(plain, server_hostname="127.0.0.1")
                 s.sendall(b"PING\r\n")
                 return s.recv(16).startswith((b"+PONG", b"-NOAUTH"))  # up (and asking for a password)
         except OSError:
