@@ -55,7 +55,11 @@ def test_bench_writes_the_summary_and_plots(tmp_path):
     assert summary["own_plain_speedup_vs_fp32"] > 1.0
     assert summary["best_single_drafter"] in ("ngram", "code")
     settings = {f"hf_assisted:prompt_lookup_num_tokens={n}" for n in HF_PROMPT_LOOKUP_TOKENS}
-    assert settings | {"hf_plain", "single:ngram", "single:code", "router_fixed", "engine", "cluster"} <= set(report["modes"])
+    assert settings | {"hf_plain", "single:ngram", "single:code", "router_fixed", "engine", "cluster",
+                       "cluster_secure"} <= set(report["modes"])
+    # the secured cluster (TLS, mutual TLS, an API key) gives the same outputs; what it costs is a ratio
+    assert report["modes"]["cluster_secure"]["greedy_identical_fraction"] == 1.0
+    assert summary["cluster_secure_vs_cluster"] > 0
     assert f"hf_assisted:{summary['hf_assisted_setting']}" in settings
     assert summary["hf_assisted_tokens_per_s"] == max(report["modes"][m]["tokens_per_s"] for m in settings)
     assert report["modes"]["engine"]["per_token_p99_ms"] >= report["modes"]["engine"]["per_token_p50_ms"] > 0
