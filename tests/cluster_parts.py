@@ -16,11 +16,13 @@ from specmesh.drafters.base import Drafter
 from specmesh.runtime.llama import LlamaRuntime
 from specmesh.runtime.loading import tokenizer_fingerprint
 from specmesh.runtime.tree_verifier import TreeVerifier
+from specmesh.sampling import SamplingParams
 from specmesh.services.drafter.server import DrafterServicer, DrafterSessions
 from specmesh.services.router.openai_api import HttpServer, openai_app
 from specmesh.services.router.server import RouterServicer, watch_cluster
 from specmesh.services.verifier.server import VerifierWorker
 from specmesh.speculation.classifier import default_classifier
+from specmesh.speculation.engine import Request, SpeculativeEngine
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc, router_pb2_grpc
 
 
@@ -141,3 +143,9 @@ class ServiceStack:
         await self.drafter_server.server.stop(0)
         await self.remote.close()
         await self.pool.__aexit__(*exc)
+
+
+def plain_greedy(model, prompt_ids, max_tokens: int) -> list[int]:
+    """The model's plain greedy decoding in process: what every path through the cluster must give."""
+    engine = SpeculativeEngine(LlamaRuntime(model), [], max_tree_nodes=0)
+    return engine.generate([Request(tuple(prompt_ids), SamplingParams(max_tokens=max_tokens))])[0].token_ids

@@ -84,3 +84,19 @@ def redis_server(tmp_path_factory):
     server = RedisServer(log_path=tmp_path_factory.mktemp("redis") / "redis.log").start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The embedded model's tokenizer (chat template included)."""
+    from transformers import AutoTokenizer
+
+    from specmesh.runtime.loading import EMBEDDED_DEFAULT, resolve_model_dir
+
+    return AutoTokenizer.from_pretrained(resolve_model_dir(EMBEDDED_DEFAULT)[0])
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    """A tiny Llama over the embedded model's vocabulary: real text in, fast passes."""
+    return tiny_llama(vocab_size=len(tokenizer), layers=1, seed=5)

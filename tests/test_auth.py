@@ -13,30 +13,18 @@ import grpc
 import httpx
 import pytest
 from cluster_parts import ServiceStack
-from conftest import tiny_llama, wait_until_async
+from conftest import wait_until_async
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from openai import AsyncOpenAI, AuthenticationError
-from transformers import AutoTokenizer
 
 from specmesh.client import AsyncClient
 from specmesh.cluster import auth
 from specmesh.cluster.auth import Access, ApiKeys, Caller, KeyLimits, check_exposure, digest
 from specmesh.drafters.ngram import NgramDrafter
 from specmesh.errors import InvalidArgument, ResourceExhausted, Unauthenticated
-from specmesh.runtime.loading import EMBEDDED_DEFAULT, resolve_model_dir
 
 KEY, OTHER = "sk-test-0123456789abcdef", "sk-other-0123456789abcdef"
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(resolve_model_dir(EMBEDDED_DEFAULT)[0])
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    return tiny_llama(vocab_size=len(tokenizer), layers=1, seed=5)
 
 
 def test_keys_are_checked_hashed_and_rotate_without_a_restart(tmp_path, monkeypatch):

@@ -15,12 +15,6 @@ from specmesh.speculation.assembly import assemble
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    source, _ = resolve_model_dir(EMBEDDED_DEFAULT)
-    return AutoTokenizer.from_pretrained(source)
-
-
-@pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory, tokenizer):
     """A tiny random Llama with the embedded model's tokenizer, saved as a Hugging Face directory."""
     path = tmp_path_factory.mktemp("tiny")

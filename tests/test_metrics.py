@@ -21,7 +21,6 @@ import grpc
 import pytest
 from cluster_parts import ServiceStack
 from conftest import tiny_llama
-from transformers import AutoTokenizer
 
 from specmesh.client import AsyncClient
 from specmesh.cluster.gateway import RouterLimits
@@ -29,7 +28,6 @@ from specmesh.cluster.metrics import ALERTS, DERIVED, RouterMetrics, serve_metri
 from specmesh.cluster.redis_server import free_port
 from specmesh.drafters.ngram import HistoryDrafter
 from specmesh.errors import InvalidArgument
-from specmesh.runtime.loading import EMBEDDED_DEFAULT, resolve_model_dir
 from specmesh.speculation.policy import StepOutcome, StepPlan
 from specmesh.tree import TokenTree
 
@@ -137,11 +135,6 @@ def test_promtool_checks_and_unit_tests_the_rules():
 
 
 # ---- a real Prometheus scraping the real services ----
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(resolve_model_dir(EMBEDDED_DEFAULT)[0])
 
 
 def _prometheus_config(tmp: Path, targets: dict[str, str]) -> Path:

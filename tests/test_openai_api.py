@@ -12,38 +12,18 @@ import threading
 
 import httpx
 import pytest
-from cluster_parts import ServiceStack
-from conftest import tiny_llama, wait_until_async
+from cluster_parts import ServiceStack, plain_greedy
+from conftest import wait_until_async
 from openai import AsyncOpenAI, OpenAI, RateLimitError
-from transformers import AutoTokenizer
 
 from specmesh.client import AsyncClient
 from specmesh.cluster.gateway import RouterLimits
 from specmesh.cluster.stops import StopScanner, tokens_through
 from specmesh.drafters.ngram import NgramDrafter
-from specmesh.runtime.llama import LlamaRuntime
-from specmesh.runtime.loading import EMBEDDED_DEFAULT, resolve_model_dir
-from specmesh.sampling import SamplingParams
-from specmesh.speculation.engine import Request, SpeculativeEngine
 
 MAX_TOKENS = 20
 MESSAGES = [{"role": "system", "content": "You repeat."},
             {"role": "user", "content": "Repeat after me: one two three one two three one two three"}]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(resolve_model_dir(EMBEDDED_DEFAULT)[0])
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    return tiny_llama(vocab_size=len(tokenizer), layers=1, seed=5)
-
-
-def plain(model, prompt_ids, max_tokens=MAX_TOKENS):
-    engine = SpeculativeEngine(LlamaRuntime(model), [], max_tree_nodes=0)
-    return engine.generate([Request(tuple(prompt_ids), SamplingParams(max_tokens=max_tokens))])[0].token_ids
 
 
 def run(coroutine):
@@ -73,7 +53,7 @@ def test_the_openai_client_gets_what_plain_decoding_and_grpc_give(redis_server, 
             return chat, chunks, text, blocking, models, over_grpc, prompts
 
     chat, chunks, text, blocking, models, over_grpc, (chat_prompt, text_prompt) = run(main())
-    expected = tokenizer.decode(plain(model, chat_prompt), skip_special_tokens=True)
+    expected = tokenizer.decode(plain_greedy(model, chat_prompt, MAX_TOKENS), skip_special_tokens=True)
     assert chat.choices[0].message.content == expected == over_grpc.text == blocking
     assert chat.choices[0].finish_reason == "length" and chat.model == "tiny"
     assert (chat.usage.prompt_tokens, chat.usage.completion_tokens) == (len(chat_prompt), MAX_TOKENS)
@@ -85,7 +65,7 @@ def test_the_openai_client_gets_what_plain_decoding_and_grpc_give(redis_server, 
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == MAX_TOKENS
     assert all(c.usage is None for c in chunks[:-1])
-    assert text.choices[0].text == tokenizer.decode(plain(model, text_prompt), skip_special_tokens=True)
+    assert text.choices[0].text == tokenizer.decode(plain_greedy(model, text_prompt, MAX_TOKENS), skip_special_tokens=True)
     assert text.usage.prompt_tokens == len(text_prompt)
     assert [m.id for m in models.data] == ["tiny"]
 

@@ -9,41 +9,21 @@ import sys
 
 import grpc
 import pytest
-from cluster_parts import ServiceStack
-from conftest import tiny_llama, wait_until_async
+from cluster_parts import ServiceStack, plain_greedy
+from conftest import wait_until_async
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from transformers import AutoTokenizer
 
 from specmesh.client import AsyncClient, generate_request
 from specmesh.cluster.gateway import RouterLimits
 from specmesh.cluster.remote_drafter import RemoteDrafter
 from specmesh.cluster.serving import Service, TorchThread, start_server
 from specmesh.drafters.ngram import HistoryDrafter, NgramDrafter
-from specmesh.runtime.llama import LlamaRuntime
-from specmesh.runtime.loading import EMBEDDED_DEFAULT, resolve_model_dir
-from specmesh.sampling import SamplingParams
 from specmesh.services.drafter.server import DrafterServicer, DrafterSessions
-from specmesh.speculation.engine import Request, SpeculativeEngine
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc, router_pb2, router_pb2_grpc
 
 MAX_TOKENS = 20
 CHAT = [("user", "Repeat after me: one two three one two three one two three")]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(resolve_model_dir(EMBEDDED_DEFAULT)[0])
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    return tiny_llama(vocab_size=len(tokenizer), layers=1, seed=5)
-
-
-def plain(model, prompt_ids, max_tokens=MAX_TOKENS):
-    engine = SpeculativeEngine(LlamaRuntime(model), [], max_tree_nodes=0)
-    return engine.generate([Request(tuple(prompt_ids), SamplingParams(max_tokens=max_tokens))])[0].token_ids
 
 
 def run(coroutine):
@@ -65,7 +45,7 @@ def test_generate_and_stream_equal_plain_decoding(redis_server, model, tokenizer
             return whole, chunks, by_ids, count, models, info, blocking, stack.router.encode_chat(CHAT)
 
     whole, chunks, by_ids, count, models, info, blocking, prompt = run(main())
-    assert whole.token_ids == plain(model, prompt)
+    assert whole.token_ids == plain_greedy(model, prompt, MAX_TOKENS)
     assert whole.text == tokenizer.decode(whole.token_ids, skip_special_tokens=True)
     assert [t for c in chunks for t in c.token_ids] == whole.token_ids
     assert "".join(c.text for c in chunks) == whole.text
@@ -74,7 +54,7 @@ def test_generate_and_stream_equal_plain_decoding(redis_server, model, tokenizer
     assert last.finish_reason == "length" and last.usage.completion_tokens == MAX_TOKENS
     assert last.usage.prompt_tokens == count == len(prompt)
     assert last.stats.target_steps < MAX_TOKENS / 2  # the repeated request was drafted from history
-    assert by_ids.token_ids == plain(model, [5, 6, 7, 5, 6, 7])
+    assert by_ids.token_ids == plain_greedy(model, [5, 6, 7, 5, 6, 7], MAX_TOKENS)
     assert blocking == whole.token_ids
     assert [m.id for m in models] == ["tiny"] and info.drafters[0].healthy and info.verifiers == 1
 
@@ -95,7 +75,7 @@ def test_speculation_modes_and_routing_through_the_router(redis_server, model, t
 
     answers, info, prompt = run(main())
     for mode, answer in answers.items():
-        assert answer.token_ids == plain(model, prompt), mode
+        assert answer.token_ids == plain_greedy(model, prompt, MAX_TOKENS), mode
         assert answer.stats.request_kind == "code", mode
         assert 0 < answer.stats.verifier_ms < answer.stats.verify_ms, mode  # the rest was queue and transport
     assert answers["off"].stats.drafted_nodes == 0 and answers["off"].stats.drafter_steps == {}
@@ -272,7 +252,7 @@ def test_a_dead_drafter_costs_speculation_not_the_request(redis_server, model, t
             return tokens, after, stack.router.encode_chat(CHAT), stack.remote.failures
 
     tokens, after, prompt, failures = run(main())
-    assert tokens == plain(model, prompt) == after.token_ids
+    assert tokens == plain_greedy(model, prompt, MAX_TOKENS) == after.token_ids
     assert failures >= 1
 
 
@@ -303,7 +283,7 @@ def test_a_clients_request_id_is_echoed_and_may_repeat(redis_server, model, toke
 
     results = run(main())
     assert [r.request_id for r in results] == ["mine"] * 3
-    assert all(r.token_ids == plain(model, [5, 6, 7, 5, 6, 7]) for r in results)
+    assert all(r.token_ids == plain_greedy(model, [5, 6, 7, 5, 6, 7], MAX_TOKENS) for r in results)
 
 
 def test_the_client_retries_unavailable_until_the_router_is_up(redis_server, model, tokenizer):
@@ -330,4 +310,4 @@ def test_the_client_retries_unavailable_until_the_router_is_up(redis_server, mod
                     await late.server.stop(0)
 
     result = run(main())
-    assert result.token_ids == plain(model, [5, 6, 7], max_tokens=4)
+    assert result.token_ids == plain_greedy(model, [5, 6, 7], 4)

@@ -12,30 +12,17 @@ import openai
 import pytest
 from certs import make_pki
 from cluster_parts import ServiceStack
-from conftest import tiny_llama
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from transformers import AutoTokenizer
 
 from specmesh.client import AsyncClient
 from specmesh.cluster.serving import Service, start_server
 from specmesh.cluster.tls import TlsFiles
 from specmesh.drafters.ngram import NgramDrafter
 from specmesh.errors import InvalidArgument
-from specmesh.runtime.loading import EMBEDDED_DEFAULT, resolve_model_dir
 from specmesh.services.verifier.server import VerifierServicer
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
 CHAT = [("user", "one two three one two three")]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(resolve_model_dir(EMBEDDED_DEFAULT)[0])
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    return tiny_llama(vocab_size=len(tokenizer), layers=1, seed=5)
 
 
 async def drafter_info(address: str, credentials: grpc.ChannelCredentials | None) -> str:
