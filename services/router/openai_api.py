@@ -62,6 +62,7 @@ DRAIN_BYTES = 64 << 20
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
                409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error",
                503: "service_unavailable"}  # OpenAI's own types: 401 and 404 are invalid requests too
+CALLER = "specmesh_caller"  # where KeyCheck leaves the authenticated caller in the request's state
 RETRY_AFTER_S = "1"  # a refusal for load: worth retrying soon
 ERROR_RESPONSES = {status: {"model": ErrorResponse, "description": description} for status, description in (
     (400, "invalid request: the message names the field"), (404, "unknown model or route"),
@@ -163,8 +164,8 @@ class KeyCheck:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
             authorization = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1") or None
-            try:
-                self.keys.authenticate(authorization)
+            try:  # the caller, for the endpoint's per-key limits: authenticated once
+                scope.setdefault("state", {})[CALLER] = self.keys.authenticate(authorization)
             except Unauthenticated as exc:
                 return await mapped_error(exc)(scope, receive, send)
         return await self.app(scope, receive, send)
@@ -199,6 +200,11 @@ def _refuse_unsupported(body: SamplingFields) -> None:
             raise InvalidArgument("best_of", f"only 1 is served, got {body.best_of}")
         if body.logprobs is not None:
             raise InvalidArgument("logprobs", "log-probabilities are not returned by specmesh")
+
+
+def _usage_due(body: SamplingFields, piece: Piece) -> bool:
+    """A stream's usage chunk follows its last piece when the client asked for one."""
+    return piece.finish_reason is not None and bool(body.stream_options and body.stream_options.include_usage)
 
 
 def _stops(body: SamplingFields) -> tuple[str, ...]:
@@ -308,7 +314,17 @@ def openai_app(router: Router, live_verifiers: Callable[[], int], max_body_bytes
     errors = {**ERROR_RESPONSES, **({401: UNAUTHORIZED} if access is not None else {})}
 
     def admit(request: Request) -> Permit | None:
-        return access.admit(request.headers.get("authorization")) if access is not None else None
+        return access.limits.admit(request.scope["state"][CALLER]) if access is not None else None
+
+    def begin(request: Request, body: SamplingFields, make_ticket) -> tuple[AsyncIterator[Piece], Permit | None]:
+        """Admit the caller and validate the request: its answer, and the permit the answer holds."""
+        permit = admit(request)
+        try:
+            ticket, stops = make_ticket(body), _stops(body)
+        except BaseException:  # refused before it began: the key's slot is free again
+            permit and permit.release()
+            raise
+        return pieces(router, ticket, stops), permit
     app = FastAPI(title="specmesh", version=__version__, docs_url=None, redoc_url=None,
                   description="OpenAI-compatible API of a specmesh router: lossless speculative decoding. "
                               "Extensions: top_k, speculation, max_tree_nodes; responses carry `specmesh` statistics.")
@@ -365,13 +381,7 @@ def openai_app(router: Router, live_verifiers: Callable[[], int], max_body_bytes
     @app.post("/v1/chat/completions", response_model=ChatCompletion, dependencies=guarded,
               responses={**errors, **STREAM})
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        permit = admit(request)
-        try:
-            ticket, stops = frontend.chat_ticket(body), _stops(body)
-        except BaseException:  # refused before it began: the key's slot is free again
-            permit and permit.release()
-            raise
-        answer = pieces(router, ticket, stops)
+        answer, permit = begin(request, body, frontend.chat_ticket)
         ids = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         def chunk(choices: list[ChatChunkChoice], piece: Piece | None = None, usage: Usage | None = None) -> str:
@@ -384,7 +394,7 @@ def openai_app(router: Router, live_verifiers: Callable[[], int], max_body_bytes
             def events(piece: Piece, first: bool) -> list[str]:
                 delta = Delta(role="assistant", content=piece.text) if first else Delta(content=piece.text)
                 out = [chunk([ChatChunkChoice(index=0, delta=delta, finish_reason=piece.finish_reason)], piece)]
-                if piece.finish_reason is not None and body.stream_options and body.stream_options.include_usage:
+                if _usage_due(body, piece):
                     out.append(chunk([], usage=piece.usage()))
                 return out
             return await streamed(answer, events, permit)
@@ -396,13 +406,7 @@ def openai_app(router: Router, live_verifiers: Callable[[], int], max_body_bytes
 
     @app.post("/v1/completions", response_model=Completion, dependencies=guarded, responses={**errors, **STREAM})
     async def completions(body: CompletionRequest, request: Request):
-        permit = admit(request)
-        try:
-            ticket, stops = frontend.completion_ticket(body), _stops(body)
-        except BaseException:  # refused before it began: the key's slot is free again
-            permit and permit.release()
-            raise
-        answer = pieces(router, ticket, stops)
+        answer, permit = begin(request, body, frontend.completion_ticket)
         ids = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         def completion(choices: list[CompletionChoice], piece: Piece | None = None, usage: Usage | None = None) -> Completion:
@@ -414,7 +418,7 @@ def openai_app(router: Router, live_verifiers: Callable[[], int], max_body_bytes
             def events(piece: Piece, first: bool) -> list[str]:
                 out = [completion([CompletionChoice(index=0, text=piece.text, finish_reason=piece.finish_reason)],
                                   piece).model_dump_json()]
-                if piece.finish_reason is not None and body.stream_options and body.stream_options.include_usage:
+                if _usage_due(body, piece):
                     out.append(completion([], usage=piece.usage()).model_dump_json())
                 return out
             return await streamed(answer, events, permit)
