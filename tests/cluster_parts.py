@@ -41,7 +41,7 @@ class InProcessPool:
         self.count = workers
 
     def worker(self, name: str) -> VerifierWorker:
-        queue = VerifierQueue(self.redis, self.keys, name, heartbeat_ttl_s=1.0, reclaim_idle_s=0.5, signer=self.signer)
+        queue = VerifierQueue(self.redis, self.keys, name, heartbeat_ttl_s=1.0, signer=self.signer)
         return VerifierWorker(TreeVerifier(LlamaRuntime(self.model)), queue, TorchThread(name))
 
     def add_worker(self, name: str) -> VerifierWorker:
@@ -69,7 +69,7 @@ class ServiceStack:
     """A router and one drafter as real gRPC servers on loopback, over an in-process verifier pool."""
 
     def __init__(self, url: str, model, tokenizer, drafter: Drafter, limits: RouterLimits | None = None,
-                 metrics: bool = False, http: bool = False, access=None, tls=None) -> None:
+                 metrics: bool = False, http: bool = False, access=None, tls=None, verifiers: int = 1) -> None:
         """``metrics``: each service counts into its own registry, served over HTTP on a free port
         (``metrics_urls``), as the real services do. ``http``: the router's OpenAI API too, at ``http_url``."""
         self.with_metrics = metrics
@@ -78,7 +78,7 @@ class ServiceStack:
         self.tls = tls  # TlsFiles: TLS on the router's ports, mutual TLS between router and drafter
         self.http = None
         self.endpoints: dict[str, MetricsEndpoint] = {}
-        self.pool = InProcessPool(url, model, workers=1)
+        self.pool = InProcessPool(url, model, workers=verifiers)
         self.model = model
         self.tokenizer = tokenizer
         self.drafter = drafter
@@ -119,9 +119,10 @@ class ServiceStack:
             self.http = HttpServer(app, "127.0.0.1:0", self.tls)
             await self.http.start()
             self.http_url = self.http.url
-        self.watcher = None
+        # as the router's serve(): gauges, and the Router service's health from the live verifiers
+        self.watcher = asyncio.create_task(watch_cluster(self.router, self.pool.client, router_metrics or RouterMetrics(),
+                                                         every_s=0.2, server=self.router_server))
         if self.with_metrics:
-            self.watcher = asyncio.create_task(watch_cluster(self.router, self.pool.client, router_metrics, every_s=0.2))
             self.endpoints = {"router": serve_metrics(router_metrics, "127.0.0.1:0"),
                               "drafter": serve_metrics(drafter_metrics, "127.0.0.1:0"),
                               **{f"verifier-{i}": serve_metrics(w.metrics, "127.0.0.1:0")

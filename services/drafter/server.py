@@ -27,25 +27,29 @@ from specmesh.tree import MAX_TREE_NODES
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
 
 log = logging.getLogger("specmesh.drafter")
-MAX_PROMPT_TOKENS = 1 << 20
+DEFAULT_SESSION_TOKENS = 1 << 15  # without a target's context to go by
 
 
 class DrafterSessions:
     """The drafter's sessions, bounded: past ``max_sessions`` the least recently used is ended (its
-    router re-opens it on NOT_FOUND)."""
+    router re-opens it on NOT_FOUND), and no session grows past ``max_session_tokens`` (the target's
+    context: no request is longer), so what callers can make it hold is at most their product."""
 
-    def __init__(self, drafter: Drafter, vocab_size: int, max_sessions: int) -> None:
+    def __init__(self, drafter: Drafter, vocab_size: int, max_sessions: int,
+                 max_session_tokens: int = DEFAULT_SESSION_TOKENS) -> None:
         self.drafter = drafter
         self.vocab_size = vocab_size
         self.max_sessions = max_sessions
-        self._sessions: OrderedDict[str, float] = OrderedDict()  # request -> last use
+        self.max_session_tokens = max_session_tokens
+        self._sessions: OrderedDict[str, int] = OrderedDict()  # request -> tokens held, least recently used first
 
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def _check_tokens(self, field: str, tokens: Sequence[int]) -> None:
-        if len(tokens) > MAX_PROMPT_TOKENS:
-            raise InvalidArgument(field, f"has {len(tokens)} tokens; at most {MAX_PROMPT_TOKENS}")
+    def _check_tokens(self, field: str, tokens: Sequence[int], held: int = 0) -> None:
+        if held + len(tokens) > self.max_session_tokens:
+            raise InvalidArgument(field, f"would make the session {held + len(tokens)} tokens long; at most "
+                                         f"{self.max_session_tokens} (the target's context)")
         bad = [t for t in tokens if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidArgument(field, f"token ids {bad[:5]} are outside the vocabulary (0..{self.vocab_size - 1})")
@@ -63,7 +67,7 @@ class DrafterSessions:
             oldest, _ = self._sessions.popitem(last=False)
             self.drafter.end(oldest)
         self.drafter.start(request_id, list(prompt_ids))
-        self._sessions[request_id] = time.monotonic()
+        self._sessions[request_id] = len(prompt_ids)
 
     def propose(self, request_id: str, committed: Sequence[int], budget: int, assumed: Sequence[int] = (),
                 features: Features | None = None):
@@ -71,10 +75,11 @@ class DrafterSessions:
             raise InvalidArgument("budget", f"must be in 0..{MAX_TREE_NODES}, got {budget}")
         if request_id not in self._sessions:
             raise NotFound(f"no drafting session for request {request_id!r}; open one first")
-        self._check_tokens("committed", committed)
-        self._check_tokens("assumed", assumed)
+        held = self._sessions[request_id]
+        self._check_tokens("committed", committed, held)
+        self._check_tokens("assumed", assumed)  # guessed tokens, not held
         self._sessions.move_to_end(request_id)
-        self._sessions[request_id] = time.monotonic()
+        self._sessions[request_id] = held + len(committed)
         if committed:
             self.drafter.commit(request_id, list(committed))
         if features is not None:
@@ -86,9 +91,9 @@ class DrafterSessions:
     def close(self, request_id: str, committed: Sequence[int]) -> None:
         if request_id not in self._sessions:
             return
-        del self._sessions[request_id]
+        held = self._sessions.pop(request_id)
         try:
-            self._check_tokens("committed", committed)
+            self._check_tokens("committed", committed, held)
             if committed:
                 self.drafter.commit(request_id, list(committed))
         finally:
@@ -181,7 +186,8 @@ async def serve(args: argparse.Namespace) -> None:
     )
     metrics = DrafterMetrics()
     endpoint = serve_metrics(metrics, args.metrics_address)
-    servicer = DrafterServicer(DrafterSessions(drafter, target.vocab_size, args.max_sessions), info, torch_thread, metrics)
+    sessions = DrafterSessions(drafter, target.vocab_size, args.max_sessions, target.max_length or DEFAULT_SESSION_TOKENS)
+    servicer = DrafterServicer(sessions, info, torch_thread, metrics)
     server = await start_server(
         [Service(drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name,
                  lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s))],

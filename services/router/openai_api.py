@@ -316,11 +316,11 @@ def openai_app(router: Router, live_verifiers: Callable[[], int], max_body_bytes
     def admit(request: Request) -> Permit | None:
         return access.limits.admit(request.scope["state"][CALLER]) if access is not None else None
 
-    def begin(request: Request, body: SamplingFields, make_ticket) -> tuple[AsyncIterator[Piece], Permit | None]:
+    async def begin(request: Request, body: SamplingFields, make_ticket) -> tuple[AsyncIterator[Piece], Permit | None]:
         """Admit the caller and validate the request: its answer, and the permit the answer holds."""
         permit = admit(request)
         try:
-            ticket, stops = make_ticket(body), _stops(body)
+            ticket, stops = await router.prepare(make_ticket, body), _stops(body)
         except BaseException:  # refused before it began: the key's slot is free again
             permit and permit.release()
             raise
@@ -381,7 +381,7 @@ def openai_app(router: Router, live_verifiers: Callable[[], int], max_body_bytes
     @app.post("/v1/chat/completions", response_model=ChatCompletion, dependencies=guarded,
               responses={**errors, **STREAM})
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        answer, permit = begin(request, body, frontend.chat_ticket)
+        answer, permit = await begin(request, body, frontend.chat_ticket)
         ids = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         def chunk(choices: list[ChatChunkChoice], piece: Piece | None = None, usage: Usage | None = None) -> str:
@@ -406,7 +406,7 @@ def openai_app(router: Router, live_verifiers: Callable[[], int], max_body_bytes
 
     @app.post("/v1/completions", response_model=Completion, dependencies=guarded, responses={**errors, **STREAM})
     async def completions(body: CompletionRequest, request: Request):
-        answer, permit = begin(request, body, frontend.completion_ticket)
+        answer, permit = await begin(request, body, frontend.completion_ticket)
         ids = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         def completion(choices: list[CompletionChoice], piece: Piece | None = None, usage: Usage | None = None) -> Completion:

@@ -29,7 +29,7 @@ from specmesh.cluster.gateway import Generation, ModelCard, Router, RouterLimits
 from specmesh.cluster.metrics import RouterMetrics, serve_metrics
 from specmesh.cluster.queue import QueueKeys, QueueVerifierClient
 from specmesh.cluster.remote_drafter import RemoteDrafter
-from specmesh.cluster.serving import Service, env_default, run_service, start_server
+from specmesh.cluster.serving import Server, Service, env_default, run_service, start_server
 from specmesh.cluster.signing import QueueSigner
 from specmesh.cluster.tls import TlsFiles, add_tls_flags, channel_options
 from specmesh.cluster.wire import sampling_from_pb
@@ -101,7 +101,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                         budget, text=self._text(message), speculation=SPECULATION[message.speculation])
 
     async def Generate(self, request, context):
-        ticket = self._ticket(request)
+        ticket = await self.router.prepare(self._ticket, request)
         generation = None
         async for generation, _ in self.router.generate(ticket):
             pass
@@ -112,7 +112,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         )
 
     async def GenerateStream(self, request, context):
-        ticket = self._ticket(request)
+        ticket = await self.router.prepare(self._ticket, request)
         text = TextStream(self.router)
         async for generation, step in self.router.generate(ticket):
             final = step.finish_reason is not None
@@ -127,7 +127,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             yield chunk
 
     async def CountTokens(self, request, context):
-        ids = self._prompt_ids(request)
+        ids = await self.router.prepare(self._prompt_ids, request)
         return router_pb2.CountTokensResponse(count=len(ids), token_ids=ids)
 
     def _card(self) -> router_pb2.ModelCard:
@@ -233,8 +233,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-async def watch_cluster(router: Router, verifier: QueueVerifierClient, metrics: RouterMetrics, every_s: float = 1.0) -> None:
-    """Keep the cluster gauges current: queue depth, live verifiers, reachable drafters."""
+ROUTER_SERVICE = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
+
+
+async def watch_cluster(router: Router, verifier: QueueVerifierClient, metrics: RouterMetrics, every_s: float = 1.0,
+                        server: Server | None = None) -> None:
+    """Keep the cluster gauges current: queue depth, live verifiers, reachable drafters. With ``server``,
+    the health of the Router service says whether any verifier is live (the server's own, "", stays
+    SERVING: requests wait for a verifier within their deadline, so the router itself is not unready)."""
     shown: set[tuple[str, str]] = set()
     while True:
         try:
@@ -242,6 +248,8 @@ async def watch_cluster(router: Router, verifier: QueueVerifierClient, metrics: 
         except Unavailable:
             pass  # Redis is down: the depth is unknown, the last value stays
         metrics.verifiers_alive.set(len(verifier.alive))
+        if server is not None and not server.stopping.is_set():
+            await server.set_serving(bool(verifier.alive), [ROUTER_SERVICE])
         now = {(d.name, getattr(d, "address", IN_ROUTER)): getattr(d, "healthy", True) for d in router.drafters}
         for labels, healthy in now.items():
             metrics.drafter_up.labels(*labels).set(1 if healthy else 0)
@@ -268,7 +276,7 @@ async def serve(args: argparse.Namespace) -> None:
     metrics = RouterMetrics()
     verifier = QueueVerifierClient(redis, QueueKeys(args.pool), f"router-{os.getpid()}-{uuid.uuid4().hex[:6]}",
                                    job_timeout_s=args.job_timeout, signer=QueueSigner.from_environment(args.queue_key_file),
-                                   on_forged=metrics.forged_results.inc)
+                                   on_forged=metrics.forged_results.inc, on_resend=metrics.resent_jobs.inc)
     await verifier.start()
     local = [LocalDrafter(MODEL_FREE_DRAFTERS[name]()) for name in local_drafter_names(args.local_drafters)]
     drafters: list = [*local]
@@ -291,8 +299,7 @@ async def serve(args: argparse.Namespace) -> None:
     router = Router(target.tokenizer, card, drafters, verifier, limits, policy, default_classifier(), metrics)
     servicer = RouterServicer(router, verifier)
     server = await start_server(
-        [Service(router_pb2.DESCRIPTOR.services_by_name["Router"].full_name,
-                 lambda s: router_pb2_grpc.add_RouterServicer_to_server(servicer, s))],
+        [Service(ROUTER_SERVICE, lambda s: router_pb2_grpc.add_RouterServicer_to_server(servicer, s))],
         args.listen, metrics=metrics, access=access if access.keys.enabled else None, tls=tls,
     )
     http = None
@@ -300,7 +307,7 @@ async def serve(args: argparse.Namespace) -> None:
         http = HttpServer(openai_app(router, lambda: len(verifier.alive), args.http_max_body,
                                      access if access.keys.enabled else None), args.http_listen, tls)
         await http.start()
-    gauges = asyncio.create_task(watch_cluster(router, verifier, metrics))
+    gauges = asyncio.create_task(watch_cluster(router, verifier, metrics, server=server))
     log.info("router on port %d: drafters %s (discovery %s), pool %s", server.port,
              ", ".join(d.name for d in drafters) or "none yet", args.discovery, args.pool)
     metrics_note = f", metrics at {endpoint.url}" if endpoint else ""

@@ -23,7 +23,7 @@ from specmesh.cluster.backoff import redis_reconnect
 from specmesh.cluster.metrics import VerifierMetrics, serve_metrics
 from specmesh.cluster.queue import REDIS_DOWN, Entry, QueueKeys, VerifierQueue, encode_error, encode_result
 from specmesh.cluster.scheduling import PassRhythm, plan_batch
-from specmesh.cluster.serving import Service, TorchThread, env_default, run_service, start_server
+from specmesh.cluster.serving import Server, Service, TorchThread, env_default, run_service, start_server
 from specmesh.cluster.signing import QueueSigner
 from specmesh.cluster.tls import TlsFiles, add_tls_flags
 from specmesh.errors import InvalidArgument
@@ -57,6 +57,7 @@ class VerifierWorker:
         self.draining = False
         self.stopped = asyncio.Event()
         self.finished = asyncio.Event()
+        self.unready = asyncio.Event()  # draining, or the worker has ended: health says NOT_SERVING
         self._recent: OrderedDict[str, tuple[int, bytes]] = OrderedDict()  # request -> (step, posted result)
         self.rhythm = PassRhythm()
 
@@ -65,25 +66,43 @@ class VerifierWorker:
         return self.queue.verifier_id
 
     async def run(self) -> None:
+        beat = asyncio.create_task(self._beat())
         try:
             await self._loop()
         finally:
+            self.unready.set()
             self.finished.set()
+            beat.cancel()
+
+    async def _beat(self) -> None:
+        """The heartbeat, on its own: a pass of any length is not a death. It stops when the worker does
+        (or drains), so that the others reclaim what this verifier held."""
+        while not self.unready.is_set():
+            try:
+                await self.queue.heartbeat()
+            except REDIS_DOWN:
+                pass  # the worker's loop reconnects; the key expires meanwhile
+            except Exception:
+                log.exception("heartbeat failed")
+            try:
+                await asyncio.wait_for(self.unready.wait(), self.queue.heartbeat_ttl_s / 3)
+            except asyncio.TimeoutError:
+                pass
 
     async def _loop(self) -> None:
         backlog: list[Entry] = []
-        next_beat = next_reclaim = 0.0
-        registered = False
+        next_reclaim = 0.0
+        registered = recovered = False
         backoff = redis_reconnect()
         while not self.stopped.is_set():
             try:
                 if not registered:
                     await self.queue.register()
                     registered = True
+                if not recovered:  # restarted with the same id: what it held before is still its to answer
+                    backlog += await self.queue.held_before()
+                    recovered = True
                 now = time.monotonic()
-                if now >= next_beat and not self.draining:
-                    await self.queue.heartbeat()
-                    next_beat = now + self.queue.heartbeat_ttl_s / 3
                 if now >= next_reclaim and not self.draining:
                     reclaimed = await self.queue.reclaim()
                     self.metrics.reclaimed.inc(len(reclaimed))
@@ -102,6 +121,19 @@ class VerifierWorker:
                 registered = False
                 backlog = []
                 await asyncio.sleep(backoff.next())
+            except Exception:  # a bug or an entry nobody foresaw: logged, the jobs in hand are acknowledged
+                # unanswered (their routers post them again), the worker lives on
+                log.exception("the worker's loop failed; dropping %d job(s) in hand and carrying on", len(backlog))
+                self.metrics.worker_errors.inc()
+                backlog = await self._drop(backlog)
+                await asyncio.sleep(backoff.next())
+
+    async def _drop(self, backlog: list[Entry]) -> list[Entry]:
+        try:
+            await self.queue.post([(entry, None) for entry in backlog])
+        except Exception:  # Redis down: the entries stay pending, served again when this verifier restarts
+            log.warning("could not acknowledge the dropped jobs")
+        return []
 
     async def _gather(self, backlog: list[Entry]) -> list[Entry]:
         """With jobs waiting, wait a moment for those of the last pass's requests that are on their way
@@ -155,7 +187,7 @@ class VerifierWorker:
         if batch:
             answered += await self._verify(batch)
         if answered:
-            await self.queue.post(answered)
+            self.metrics.jobs.labels("undeliverable").inc(await self.queue.post(answered))
         return rest
 
     def _repeat(self, entry: Entry) -> bytes | None | bool:
@@ -207,6 +239,7 @@ class VerifierWorker:
     async def drain(self) -> int:
         """Stop taking pool jobs and heartbeats (routers move requests elsewhere), finish what is held."""
         self.draining = True
+        self.unready.set()
         try:
             await self.queue.unregister()
         except REDIS_DOWN:
@@ -237,6 +270,14 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     async def Drain(self, request, context):
         return verifier_pb2.DrainResponse(released_sessions=await self.worker.drain())
+
+
+async def follow_worker(worker: VerifierWorker, server: Server) -> None:
+    """Health tells the truth: a drained verifier, or one whose worker has ended, is NOT_SERVING."""
+    await worker.unready.wait()
+    await server.set_serving(False)
+    if not server.stopping.is_set() and not worker.draining:
+        log.error("the worker has stopped: health is NOT_SERVING")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -309,12 +350,14 @@ async def serve(args: argparse.Namespace) -> None:
         args.listen, metrics=metrics, tls=tls, require_client_cert=tls is not None and tls.ca is not None,
     )
     worker_task = asyncio.create_task(worker.run())
+    health_task = asyncio.create_task(follow_worker(worker, server))
     log.info("verifier %s (%s) on pool %s, control port %d", verifier_id, target.name, args.pool, server.port)
     metrics_note = f", metrics at {endpoint.url}" if endpoint else ""
     print(f"specmesh-verifier {verifier_id} ready on port {server.port}{metrics_note}", flush=True)
     await server.wait()  # SIGTERM: drains (see drain above), then stops
     worker.stopped.set()
     await worker_task
+    health_task.cancel()
     await redis.aclose()
     if endpoint:
         endpoint.close()

@@ -7,10 +7,12 @@ The servicer in ``services/router`` only converts messages; everything here is t
 
 from __future__ import annotations
 
+import asyncio
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Callable, Sequence, TypeVar
 
 from jinja2 import TemplateError
 
@@ -38,7 +40,11 @@ from specmesh.speculation.policy import (
 from specmesh.tree import MAX_TREE_NODES
 
 MAX_REQUEST_ID = 128
+# A prompt's characters per token of context, at most: a longer text cannot fit the context, so it is
+# refused before the tokenizer spends ~1 s per MB on it
+PROMPT_CHARS_PER_TOKEN = 32
 ROLES = ("system", "user", "assistant")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -105,17 +111,31 @@ class Router:
         self.classifier = classifier
         self.metrics = metrics
         self.active = 0
+        self._inputs = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inputs")  # one: the tokenizer is not shared
 
     # ---- inputs ----
+
+    async def prepare(self, fn: Callable[..., T], *args) -> T:
+        """Run ``fn`` — reading a request: tokenizing, classifying, work that grows with the prompt — on the
+        router's input thread, so that the event loop serves the others meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self._inputs, fn, *args)
+
+    def _check_length(self, field: str, characters: int) -> None:
+        limit = self.card.max_length * PROMPT_CHARS_PER_TOKEN
+        if characters > limit:
+            raise InvalidArgument(field, f"is {characters} characters; a prompt the model's context of "
+                                         f"{self.card.max_length} tokens can hold has at most {limit}")
 
     def encode_text(self, text: str) -> list[int]:
         if not text:
             raise InvalidArgument("prompt", "is empty")
+        self._check_length("prompt", len(text))
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
         if not messages:
             raise InvalidArgument("chat", "has no messages")
+        self._check_length("chat.messages", sum(len(content) for _, content in messages))
         for i, (role, _) in enumerate(messages):
             if role not in ROLES:
                 raise InvalidArgument(f"chat.messages[{i}].role", f"is {role!r}; use one of {', '.join(ROLES)}")

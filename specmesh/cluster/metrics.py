@@ -122,6 +122,8 @@ class RouterMetrics(ServiceMetrics):
         self.verifiers_alive = Gauge("specmesh_verifiers_alive", "Verifiers of the pool with a live heartbeat", registry=r)
         self.forged_results = Counter("specmesh_forged_results", "Results dropped for want of a valid queue tag "
                                       "(written to Redis by something other than a verifier)", registry=r)
+        self.resent_jobs = Counter("specmesh_resent_jobs", "Jobs posted again because they left the queue "
+                                   "unanswered (Redis lost them)", registry=r)
         self.drafter_up = Gauge("specmesh_drafter_up", "1 while the router can reach a drafter, else 0",
                                 ["drafter", "address"], registry=r)
 
@@ -206,7 +208,8 @@ class VerifierMetrics(ServiceMetrics):
     def __init__(self) -> None:
         super().__init__("verifier")
         r = self.registry
-        self.jobs = Counter("specmesh_verify_jobs", "Jobs taken from the queue, by outcome (ok, resync, refused, repeat, error, expired, forged: no valid queue tag)",
+        self.jobs = Counter("specmesh_verify_jobs", "Jobs taken from the queue, by outcome (ok, resync, refused, repeat, error, expired, forged: no valid queue tag, "
+                            "undeliverable: its reply_to cannot take a result)",
                             ["outcome"], registry=r)
         self.batch_requests = Histogram("specmesh_verify_batch_requests", "Requests per verification pass",
                                         buckets=COUNT_BUCKETS[:10], registry=r)
@@ -220,6 +223,8 @@ class VerifierMetrics(ServiceMetrics):
         self.pending = Gauge("specmesh_queue_pending_jobs", "Jobs read from the queue and not yet answered", registry=r)
         self.kv_sessions = Gauge("specmesh_kv_sessions", "Requests whose KV cache this verifier holds", registry=r)
         self.kv_bytes = Gauge("specmesh_kv_cache_bytes", "Memory held by the KV caches", registry=r)
+        self.worker_errors = Counter("specmesh_verifier_worker_errors", "Unexpected errors the worker survived "
+                                     "(logged with their traceback)", registry=r)
 
 
 class DrafterMetrics(ServiceMetrics):

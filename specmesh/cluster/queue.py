@@ -8,9 +8,10 @@ Keys, for a verifier pool ``P`` (prefix ``specmesh``):
 - ``specmesh:results:<router>`` — a router's results stream.
 
 Delivery is at least once. A verifier acknowledges (and deletes) an entry only after its result is
-posted; entries held by a verifier that died are reclaimed by the others (XAUTOCLAIM on the pool
-stream, adoption of a dead verifier's own stream); a router that hears nothing re-sends the job to the
-pool. Results are idempotent: (request, step) names a job, and a router takes the first result of a
+posted; entries held by a verifier whose heartbeat stopped are reclaimed by the others (its pending
+pool entries claimed, its own stream adopted), and a restarted verifier serves what it held before. A
+router whose job is no longer in its stream without an answer (Redis lost it) posts it again; a job
+still queued, or held by a live verifier however long its pass, is waited for. Results are idempotent: (request, step) names a job, and a router takes the first result of a
 step and ignores the rest. Every stream is bounded: jobs are deleted once answered, result streams are
 trimmed to what was read (and capped), and the router refuses new requests when the pool's backlog is
 too long.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -51,6 +53,7 @@ GROUP = "verifiers"
 RESULTS_MAXLEN = 10_000  # a results stream nobody reads stops growing here
 RESULTS_TTL_S = 600  # ... and disappears when its router is gone
 LISTEN_BLOCK_MS = 500  # a router's blocking read of its results: also how soon it notices a stop
+CLOSED_REMEMBERED = 4096  # recently closed requests a router remembers, to close what late results opened
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
 
 
@@ -139,23 +142,28 @@ class QueueVerifierClient:
     """The loop's verifier client in the cluster: posts jobs to the pool (or to the verifier that holds
     the request's cache) and waits for results on this router's own stream.
 
-    A job unanswered for ``resend_after_s`` goes again to the pool stream (its verifier may have died
-    after taking it); a job unanswered by ``job_timeout_s`` — Redis down, no verifier alive — fails
-    with ``Unavailable``.
+    Every ``resend_after_s`` without an answer the job is looked up in its stream: still there, it waits
+    (queued, or held by a verifier: the live one's pass ends, a dead one's jobs are reclaimed by the
+    others); gone unanswered (Redis restarted empty), it is posted to the pool again. A job unanswered by
+    ``job_timeout_s`` — Redis down, no verifier alive — fails with ``Unavailable``.
     """
 
     def __init__(
         self, redis: aioredis.Redis, keys: QueueKeys, router_id: str,
         job_timeout_s: float = 30.0, resend_after_s: float = 3.0, liveness_every_s: float = 0.5,
         signer: QueueSigner | None = None, on_forged: Callable[[], None] | None = None,
+        on_resend: Callable[[], None] | None = None,
     ) -> None:
-        """``signer``: tag jobs and take only results with a valid tag; ``on_forged`` counts each dropped one."""
+        """``signer``: tag jobs and take only results with a valid tag; ``on_forged`` counts each dropped
+        one, ``on_resend`` each job posted again."""
         self.redis = redis
         self.keys = keys
         self.router_id = router_id
         self.signer = signer or QueueSigner()
         self.on_forged = on_forged
+        self.on_resend = on_resend
         self.forged_results = 0
+        self.resent_jobs = 0
         self.reply_to = keys.results(router_id)
         self.job_timeout_s = job_timeout_s
         self.resend_after_s = resend_after_s
@@ -164,6 +172,9 @@ class QueueVerifierClient:
         self.alive: set[str] = set()
         self.redis_ok = True
         self._waiting: dict[tuple[str, int], asyncio.Future] = {}
+        # requests closed here: a late result opened a session on its verifier, which is closed at once
+        self._closed: OrderedDict[str, None] = OrderedDict()
+        self._closing: set[asyncio.Task] = set()
         self._tasks: list[asyncio.Task] = []
         self._stopping = asyncio.Event()
 
@@ -198,9 +209,10 @@ class QueueVerifierClient:
         deadline_unix_ms = int((time.time() + self.job_timeout_s) * 1000)
         verifier = self.affinity.get(job.request_id)
         stream = self.keys.own_jobs(verifier) if verifier in self.alive else self.keys.jobs
+        payload = encode_job(job, self.reply_to, deadline_unix_ms)
         try:
+            entry_id = await self._post(stream, payload, deadline)
             while True:
-                await self._post(stream, encode_job(job, self.reply_to, deadline_unix_ms), deadline)
                 left = deadline - time.monotonic()
                 try:
                     message = await asyncio.wait_for(asyncio.shield(future), min(self.resend_after_s, max(left, 0.0)))
@@ -211,8 +223,15 @@ class QueueVerifierClient:
                             f"no verifier answered step {job.step} of request {job.request_id} within "
                             f"{self.job_timeout_s:.0f} s ({'Redis unreachable' if not self.redis_ok else f'{len(self.alive)} verifiers alive'})"
                         ) from None
-                    log.info("request %s step %d: no answer yet, re-sending to the pool", job.request_id, job.step)
+                    if await self._still_queued(stream, entry_id) or future.done():
+                        continue
+                    log.info("request %s step %d: the job left the queue unanswered; posting it again",
+                             job.request_id, job.step)
+                    self.resent_jobs += 1
+                    if self.on_resend is not None:
+                        self.on_resend()
                     stream = self.keys.jobs
+                    entry_id = await self._post(stream, payload, deadline)
         finally:
             self._waiting.pop(key, None)
         if message.status == verifier_pb2.VerifyResult.EXHAUSTED:
@@ -238,10 +257,22 @@ class QueueVerifierClient:
                             features=features)
 
     async def close(self, request_id: str) -> None:
-        """Free the request's cache on its verifier now (idle sessions are also evicted there)."""
+        """Free the request's cache on its verifier now (idle sessions are also evicted there); a result
+        still on its way (the request was abandoned mid-step) closes the session it opened when it comes."""
+        self._closed[request_id] = None
+        while len(self._closed) > CLOSED_REMEMBERED:
+            self._closed.popitem(last=False)
         verifier = self.affinity.pop(request_id, None)
         if verifier is not None:
             await self._close_on(verifier, request_id)
+
+    async def _still_queued(self, stream: str, entry_id: bytes) -> bool:
+        """Whether the job is still in its stream (waiting, or held by a verifier); unknown (Redis
+        unreachable) counts as yes: the next look decides."""
+        try:
+            return bool(await self.redis.xrange(stream, entry_id, entry_id))
+        except REDIS_DOWN:
+            return True
 
     async def _close_on(self, verifier: str, request_id: str) -> None:
         try:  # NOMKSTREAM: a dead verifier's removed stream is not created again
@@ -251,12 +282,12 @@ class QueueVerifierClient:
         except REDIS_DOWN:
             pass  # the verifier evicts it when idle
 
-    async def _post(self, stream: str, payload: bytes, deadline: float) -> None:
+    async def _post(self, stream: str, payload: bytes, deadline: float) -> bytes:
+        """Post a job; returns its entry id."""
         backoff = redis_reconnect()
         while True:
             try:
-                await self.redis.xadd(stream, {"job": payload, "tag": self.signer.tag(JOB, payload)})
-                return
+                return await self.redis.xadd(stream, {"job": payload, "tag": self.signer.tag(JOB, payload)})
             except REDIS_DOWN as exc:
                 self.redis_ok = False
                 if time.monotonic() + backoff.delay_s >= deadline:
@@ -301,6 +332,10 @@ class QueueVerifierClient:
         future = self._waiting.get((message.request_id, message.step))
         if future is not None and not future.done():  # duplicates and late answers are ignored
             future.set_result(message)
+        elif message.request_id in self._closed and message.status == verifier_pb2.VerifyResult.OK:
+            task = asyncio.get_running_loop().create_task(self._close_on(message.verifier_id, message.request_id))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
 
     async def _watch_verifiers(self) -> None:
         while not self._stopping.is_set():
@@ -337,7 +372,7 @@ class VerifierQueue:
 
     def __init__(
         self, redis: aioredis.Redis, keys: QueueKeys, verifier_id: str,
-        heartbeat_ttl_s: float = 3.0, reclaim_idle_s: float = 5.0, signer: QueueSigner | None = None,
+        heartbeat_ttl_s: float = 3.0, signer: QueueSigner | None = None,
     ) -> None:
         """``signer``: run only jobs (and closes) with a valid tag, and tag the results."""
         self.redis = redis
@@ -346,7 +381,6 @@ class VerifierQueue:
         self.signer = signer or QueueSigner()
         self.own = keys.own_jobs(verifier_id)
         self.heartbeat_ttl_s = heartbeat_ttl_s
-        self.reclaim_idle_s = reclaim_idle_s
 
     async def register(self) -> None:
         for stream in (self.keys.jobs, self.own):
@@ -355,11 +389,24 @@ class VerifierQueue:
             except ResponseError as exc:
                 if "BUSYGROUP" not in str(exc):
                     raise
-        await self.redis.sadd(self.keys.members, self.verifier_id)
         await self.heartbeat()
 
     async def heartbeat(self) -> None:
-        await self.redis.set(self.keys.alive(self.verifier_id), b"1", px=int(self.heartbeat_ttl_s * 1000))
+        """I am alive (and a member: Redis may have restarted empty since registering)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.sadd(self.keys.members, self.verifier_id)
+        pipe.set(self.keys.alive(self.verifier_id), b"1", px=int(self.heartbeat_ttl_s * 1000))
+        await pipe.execute()
+
+    async def held_before(self) -> list[Entry]:
+        """Entries this verifier had taken and not answered before it restarted (same id): served again."""
+        entries: list[Entry] = []
+        for stream in (self.keys.jobs, self.own):
+            try:
+                entries += self._entries(await self.redis.xreadgroup(GROUP, self.verifier_id, {stream: "0"}, count=256))
+            except ResponseError:  # no group yet
+                pass
+        return entries
 
     async def unregister(self) -> None:
         """Stop being routed to; whatever is left in the own stream is adopted by the others."""
@@ -388,11 +435,27 @@ class VerifierQueue:
         answer = await self.redis.xautoclaim(stream, GROUP, self.verifier_id, min_idle_time=min_idle_ms, count=64)
         return answer[1]
 
+    async def _dead_consumers_entries(self) -> list[Entry]:
+        """Pool jobs held by verifiers whose heartbeat stopped (a live one's are its to finish, however long)."""
+        summary = await self.redis.xpending(self.keys.jobs, GROUP)
+        entries: list[Entry] = []
+        for consumer in summary.get("consumers") or ():
+            name = consumer["name"].decode() if isinstance(consumer["name"], bytes) else consumer["name"]
+            if name == self.verifier_id or await self.redis.exists(self.keys.alive(name)):
+                continue
+            held = await self.redis.xpending_range(self.keys.jobs, GROUP, "-", "+", 64, consumername=name)
+            if held:
+                claimed = await self.redis.xclaim(self.keys.jobs, GROUP, self.verifier_id, 0,
+                                                  [h["message_id"] for h in held])
+                entries += self._entries([(self.keys.jobs.encode(), claimed)])
+        return entries
+
     async def reclaim(self) -> list[Entry]:
         """Jobs a dead verifier had taken from the pool, and the own streams of dead verifiers."""
-        entries: list[Entry] = []
-        claimed = await self._autoclaim(self.keys.jobs, min_idle_ms=int(self.reclaim_idle_s * 1000))
-        entries += self._entries([(self.keys.jobs.encode(), claimed)])
+        try:
+            entries = await self._dead_consumers_entries()
+        except ResponseError:  # no group yet (Redis restarted empty): nothing is held
+            entries = []
         members = [m.decode() for m in await self.redis.smembers(self.keys.members)]
         for member in members:
             if member == self.verifier_id or await self.redis.exists(self.keys.alive(member)):
@@ -410,8 +473,10 @@ class VerifierQueue:
             entries += adopted
         return entries
 
-    async def post(self, answered: Iterable[tuple[Entry, bytes | None]]) -> None:
-        """Post each result to its router, then acknowledge and delete the job (in that order)."""
+    async def post(self, answered: Iterable[tuple[Entry, bytes | None]]) -> int:
+        """Post each result to its router, then acknowledge and delete the job (in that order). Returns how
+        many results could not be posted (a ``reply_to`` naming a key that is not a stream): those jobs are
+        acknowledged all the same, so one bad entry cannot stop the verifier."""
         pipe = self.redis.pipeline(transaction=False)
         for entry, payload in answered:
             if payload is not None and entry.queued is not None and entry.queued.reply_to:
@@ -420,7 +485,13 @@ class VerifierQueue:
                 pipe.expire(entry.queued.reply_to, RESULTS_TTL_S)
             pipe.xack(entry.stream, GROUP, entry.entry_id)
             pipe.xdel(entry.stream, entry.entry_id)
-        await pipe.execute()
+        failed = [outcome for outcome in await pipe.execute(raise_on_error=False) if isinstance(outcome, Exception)]
+        for outcome in failed:
+            if isinstance(outcome, REDIS_DOWN):
+                raise outcome
+        if failed:
+            log.warning("%d result(s) could not be posted (%s); their jobs are acknowledged", len(failed), failed[0])
+        return len(failed)
 
     def _entries(self, answer) -> list[Entry]:
         entries = []

@@ -1,7 +1,7 @@
 """Redis users per role: each may run only the commands its side of the pipeline needs, on its own keys
 (Redis 7 ACL selectors: a command allowed on one key pattern only).
 
-- router: posts jobs and closes, reads results (and trims and drops the streams it read), reads the
+- router: posts jobs and closes (and looks whether one is still queued), reads results (and trims and drops the streams it read), reads the
   verifiers' liveness and the drafters' registry. It cannot write a result.
 - verifier: takes jobs (consumer group reads, acknowledgements, reclaiming), posts results, beats its
   heartbeat and keeps the member set. It cannot post a job or read a result.
@@ -25,14 +25,14 @@ def role_rules(role: str, prefix: str = "specmesh") -> list[str]:
     members, drafters = f"{prefix}:*:verifiers", f"{prefix}:drafters:*"
     rules = {
         "router": [
-            f"(+xadd +xlen %RW~{jobs})",
+            f"(+xadd +xlen +xrange %RW~{jobs})",
             f"(+xread +xtrim +del %RW~{results})",
             f"(+smembers %R~{members})",
             f"(+exists %R~{alive})",
             f"(+scan %R~{drafters})",
         ],
         "verifier": [
-            f"(+xgroup|create +xreadgroup +xautoclaim +xack +xdel +xlen +del %RW~{jobs})",
+            f"(+xgroup|create +xreadgroup +xautoclaim +xpending +xclaim +xack +xdel +xlen +del %RW~{jobs})",
             f"(+xadd +expire %W~{results})",
             f"(+set +del +exists %RW~{alive})",
             f"(+sadd +srem +smembers %RW~{members})",

@@ -54,6 +54,33 @@ def http_status_for(exc: BaseException) -> tuple[int, str]:
     return status, message
 
 
+class Malformed:
+    """A request whose bytes are no valid message (truncated, wrong wire types, invalid UTF-8 in a string):
+    the servicer never sees it, the caller gets INVALID_ARGUMENT."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+
+def tolerant(deserializer: Callable[[bytes], object] | None) -> Callable[[bytes], object] | None:
+    """``deserializer`` that returns ``Malformed`` instead of raising (gRPC would answer UNKNOWN)."""
+    if deserializer is None:
+        return None
+
+    def parse(data: bytes) -> object:
+        try:
+            return deserializer(data)
+        except Exception as exc:
+            return Malformed(str(exc) or type(exc).__name__)
+
+    return parse
+
+
+def check_wellformed(method: str, request: object) -> None:
+    if isinstance(request, Malformed):
+        raise InvalidArgument("request", f"is not a valid {method.rsplit('/', 1)[-1]} message ({request.why})")
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Maps the domain's exceptions to status codes in one place; any other exception becomes INTERNAL
     (logged with its traceback) instead of an opaque UNKNOWN. Servicers just raise. With ``metrics``,
@@ -87,6 +114,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 started, code, permit = time.perf_counter(), grpc.StatusCode.OK, None
                 try:
                     permit = self._admit(method, context)
+                    check_wellformed(method, request)
                     return await inner(request, context)
                 except asyncio.CancelledError:
                     code = grpc.StatusCode.CANCELLED
@@ -103,8 +131,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     self._done(method, code, started)
 
             return grpc.unary_unary_rpc_method_handler(
-                unary, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
-            )
+                unary, request_deserializer=tolerant(handler.request_deserializer),
+                response_serializer=handler.response_serializer)
         if handler.unary_stream is not None:
             inner_stream = handler.unary_stream
 
@@ -112,6 +140,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 started, code, permit = time.perf_counter(), grpc.StatusCode.OK, None
                 try:
                     permit = self._admit(method, context)
+                    check_wellformed(method, request)
                     async for item in inner_stream(request, context):
                         yield item
                 except (asyncio.CancelledError, GeneratorExit):
@@ -129,8 +158,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     self._done(method, code, started)
 
             return grpc.unary_stream_rpc_method_handler(
-                stream, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
-            )
+                stream, request_deserializer=tolerant(handler.request_deserializer),
+                response_serializer=handler.response_serializer)
         if self.access is not None and not method.startswith(OPEN_PREFIX):  # streaming requests (reflection): the
             inner_bidi = handler.stream_stream  # key is checked, or nothing is answered
 
@@ -178,9 +207,10 @@ class Server:
     services: Sequence[Service]
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
 
-    async def set_serving(self, serving: bool) -> None:
+    async def set_serving(self, serving: bool, names: Sequence[str] | None = None) -> None:
+        """The health of ``names`` (default: the server's, "", and every service's)."""
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", *(s.name for s in self.services)):
+        for name in ("", *(s.name for s in self.services)) if names is None else names:
             await self.health.set(name, status)
 
     async def shutdown(self, grace_s: float) -> None:

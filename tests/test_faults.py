@@ -1,0 +1,269 @@
+"""Faults one at a time, on a real redis-server with in-process verifier workers (tiny model) and the
+services over loopback: a poisoned queue entry, a pass longer than the heartbeat, a verifier restarted
+under the same id, a request abandoned mid-step, health that tells the truth, malformed wire input,
+oversized prompts and drafter sessions."""
+
+import asyncio
+import time
+
+import grpc
+import pytest
+from cluster_parts import InProcessPool, ServiceStack, plain_greedy
+from conftest import HANG_S, wait_until_async
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specmesh.client import AsyncClient
+from specmesh.cluster.queue import VerifierQueue, encode_job
+from specmesh.cluster.serving import Service, TorchThread, start_server
+from specmesh.cluster.signing import JOB
+from specmesh.drafters.ngram import NgramDrafter
+from specmesh.errors import InvalidArgument
+from specmesh.runtime.llama import LlamaRuntime
+from specmesh.runtime.tree_verifier import TreeVerifier, VerifyJob
+from specmesh.sampling import SamplingParams
+from specmesh.services.drafter.server import DrafterSessions
+from specmesh.services.router.server import ROUTER_SERVICE
+from specmesh.services.verifier.server import VerifierWorker, follow_worker
+from specmesh.tree import TokenTree
+from specmesh.v1 import router_pb2
+
+PROMPT = (5, 6, 7, 5, 6)
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def first_job(request_id: str, prompt=PROMPT) -> VerifyJob:
+    return VerifyJob(request_id, 0, len(prompt) - 1, prompt[-1], TokenTree(), SamplingParams(max_tokens=8),
+                     history=prompt[:-1])
+
+
+def outcome(worker: VerifierWorker, name: str) -> float:
+    return worker.metrics.registry.get_sample_value("specmesh_verify_jobs_total", {"outcome": name}) or 0
+
+
+class SlowVerifier(TreeVerifier):
+    """The real verifier, each pass ``pass_s`` longer: a long prefill, as far as timing goes."""
+
+    def __init__(self, runtime, pass_s: float) -> None:
+        super().__init__(runtime)
+        self.pass_s = pass_s
+
+    def verify(self, jobs):
+        time.sleep(self.pass_s)
+        return super().verify(jobs)
+
+
+def test_a_poisoned_entry_is_acknowledged_and_the_worker_lives_on(redis_server, tiny_model):
+    """A tagged job whose reply_to names a key of another type: Redis refuses the result (WRONGTYPE); the
+    job is acknowledged and counted, the worker serves the next one."""
+    async def main():
+        async with InProcessPool(redis_server.url, tiny_model, workers=1) as pool:
+            poison = f"specmesh:results:poison-{pool.keys.pool}"
+            await pool.redis.set(poison, b"a string, not a stream")
+            payload = encode_job(first_job("poisoned"), poison, 0)
+            await pool.redis.xadd(pool.keys.jobs, {"job": payload, "tag": pool.signer.tag(JOB, payload)})
+            worker = pool.workers[0]
+            await wait_until_async(lambda: outcome(worker, "undeliverable") == 1, what="the poisoned job was counted")
+            after = await asyncio.wait_for(pool.client.verify(first_job("next")), HANG_S)
+            return after, pool.tasks[0].done(), worker.unready.is_set(), await pool.redis.xlen(pool.keys.jobs)
+
+    after, ended, unready, left = asyncio.run(main())
+    assert after.verdict is not None and not ended and not unready
+    assert left == 0  # the poisoned entry is gone from the stream too
+
+
+async def held(pool: InProcessPool) -> int:
+    """Pool jobs a verifier has taken and not answered yet."""
+    return (await pool.redis.xpending(pool.keys.jobs, "verifiers"))["pending"]
+
+
+def test_a_pass_longer_than_the_heartbeat_is_neither_resent_nor_reclaimed(redis_server, tiny_model):
+    async def main():
+        async with InProcessPool(redis_server.url, tiny_model, workers=0, resend_after_s=0.3) as pool:
+            slow = VerifierWorker(SlowVerifier(LlamaRuntime(tiny_model), pass_s=3.0),
+                                  VerifierQueue(pool.redis, pool.keys, "slow", heartbeat_ttl_s=1.0, signer=pool.signer),
+                                  TorchThread("slow"))
+            pool.workers.append(slow)
+            pool.tasks.append(asyncio.create_task(slow.run()))
+            await wait_until_async(lambda: pool.redis.exists(pool.keys.alive("slow")), what="the slow worker beats")
+            answer = asyncio.create_task(pool.client.verify(first_job("long")))
+            await wait_until_async(lambda: held(pool), what="the slow worker took the job")
+            other = pool.add_worker("other")  # idle beside it: it must not take the live one's job
+            result = await asyncio.wait_for(answer, HANG_S)
+            return (result, pool.client.affinity["long"], pool.client.resent_jobs, other.metrics.reclaimed._value.get(),
+                    slow.verifier.stats.batches, other.verifier.stats.batches)
+
+    result, verifier, resent, reclaimed, slow_passes, other_passes = asyncio.run(main())
+    assert result.verdict is not None and verifier == "slow"
+    assert resent == 0 and reclaimed == 0  # 3 s pass, 1 s heartbeat TTL, 0.3 s re-send check
+    assert slow_passes == 1 and other_passes == 0
+
+
+def test_a_verifier_restarted_under_its_id_answers_what_it_held(redis_server, tiny_model):
+    async def main():
+        async with InProcessPool(redis_server.url, tiny_model, workers=0, resend_after_s=60) as pool:
+            before = VerifierQueue(pool.redis, pool.keys, "v0", heartbeat_ttl_s=60, signer=pool.signer)
+            await before.register()
+            answer = asyncio.create_task(pool.client.verify(first_job("held")))
+            await wait_until_async(lambda: pool.redis.xlen(pool.keys.jobs), what="the job is queued")
+            assert len(await before.read(count=10, block_ms=100, include_pool=True)) == 1  # taken, then it "dies"
+            pool.add_worker("v0")  # the same id again, as a supervisor restarts it; its heartbeat never lapsed
+            return await asyncio.wait_for(answer, HANG_S), pool.client.affinity["held"], pool.client.resent_jobs
+
+    result, verifier, resent = asyncio.run(main())
+    assert result.verdict is not None and verifier == "v0" and resent == 0
+
+
+def test_an_abandoned_request_frees_its_kv_cache_when_its_late_result_comes(redis_server, tiny_model):
+    """Abandoned before its first result, the router does not know which verifier holds the request; the
+    late result names it, and the router closes the session there (not 300 s later)."""
+    async def main():
+        async with InProcessPool(redis_server.url, tiny_model, workers=0) as pool:
+            answer = asyncio.create_task(pool.client.verify(first_job("abandoned")))
+            await wait_until_async(lambda: pool.redis.xlen(pool.keys.jobs), what="the job is queued")
+            answer.cancel()  # the client left ...
+            await asyncio.gather(answer, return_exceptions=True)
+            await pool.client.close("abandoned")  # ... and the loop's clean-up closed the request
+            worker = pool.add_worker("v0")
+            await wait_until_async(lambda: worker.verifier.stats.jobs == 1, what="the job was verified")
+            started = time.monotonic()
+            await wait_until_async(lambda: worker.verifier.num_sessions == 0, timeout_s=10,
+                                   what="the abandoned request's session was closed")
+            return time.monotonic() - started
+
+    assert asyncio.run(main()) < 10
+
+
+async def health_of(address: str, service: str = "") -> int:
+    async with grpc.aio.insecure_channel(address) as channel:
+        answer = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                                 timeout=10)
+        return answer.status
+
+
+def test_a_drained_or_stopped_verifier_is_not_serving(redis_server, tiny_model):
+    async def main():
+        statuses = []
+        async with InProcessPool(redis_server.url, tiny_model, workers=2) as pool:
+            for worker, end in zip(pool.workers, ("drain", "stop")):
+                server = await start_server([Service("specmesh.v1.Verifier", lambda s: None)], "127.0.0.1:0")
+                following = asyncio.create_task(follow_worker(worker, server))
+                address = f"127.0.0.1:{server.port}"
+                before = await health_of(address)
+                if end == "drain":
+                    await worker.drain()
+                else:  # the worker's loop ended with the server still up
+                    worker.stopped.set()
+                await asyncio.wait_for(following, HANG_S)
+                statuses.append((before, await health_of(address), await health_of(address, "specmesh.v1.Verifier")))
+                await server.server.stop(0)
+        return statuses
+
+    assert asyncio.run(main()) == [(SERVING, NOT_SERVING, NOT_SERVING)] * 2
+
+
+async def router_serving(address: str) -> bool:
+    return await health_of(address, ROUTER_SERVICE) == SERVING
+
+
+def test_the_router_says_when_no_verifier_is_live_and_its_requests_wait_for_one(redis_server, model, tokenizer):
+    """With no live verifier the Router service is NOT_SERVING (the server itself stays SERVING: requests
+    are taken and wait, within their deadline, for a verifier to come back)."""
+    async def main():
+        async with ServiceStack(redis_server.url, model, tokenizer, NgramDrafter(), verifiers=0) as stack:
+            await asyncio.sleep(0.5)  # a watch round
+            without = (await health_of(stack.address), await health_of(stack.address, ROUTER_SERVICE))
+            async with AsyncClient(stack.address) as client:
+                waiting = asyncio.create_task(client.generate(prompt_ids=list(PROMPT), max_tokens=8))
+                await asyncio.sleep(1.0)
+                assert not waiting.done()
+                stack.pool.add_worker("late")
+                answer = await asyncio.wait_for(waiting, HANG_S)
+            await wait_until_async(lambda: router_serving(stack.address), what="the Router service is SERVING again")
+            return without, answer.token_ids
+
+    without, tokens = asyncio.run(main())
+    assert without == (SERVING, NOT_SERVING)
+    assert tokens == plain_greedy(model, PROMPT, 8)
+
+
+def raw_string_field(number: int, data: bytes) -> bytes:
+    """A length-delimited field as on the wire: tag, length, bytes (here: not UTF-8)."""
+    return bytes([number << 3 | 2, len(data)]) + data
+
+
+def test_malformed_wire_input_is_invalid_argument(redis_server, model, tokenizer):
+    prompt_field = router_pb2.GenerateRequest.DESCRIPTOR.fields_by_name["prompt"].number
+    bad = {
+        "truncated": b"\x0a\xff\x01",  # a length past the end
+        "invalid UTF-8": raw_string_field(prompt_field, b"\xff\xfe\xfd"),
+    }
+
+    async def main():
+        codes = {}
+        async with ServiceStack(redis_server.url, model, tokenizer, NgramDrafter()) as stack:
+            async with grpc.aio.insecure_channel(stack.address) as channel:
+                for method in ("/specmesh.v1.Router/Generate", "/specmesh.v1.Router/GenerateStream",
+                               "/specmesh.v1.Router/CountTokens", "/grpc.health.v1.Health/Check"):
+                    for name, payload in bad.items():
+                        call = (channel.unary_stream if method.endswith("Stream") else channel.unary_unary)(method)
+                        try:
+                            answer = call(payload, timeout=10)
+                            if method.endswith("Stream"):
+                                [_ async for _ in answer]
+                            else:
+                                await answer
+                            codes[method, name] = ("OK", "")
+                        except grpc.aio.AioRpcError as exc:
+                            codes[method, name] = (exc.code(), exc.details())
+            async with AsyncClient(stack.address) as client:
+                with pytest.raises(grpc.aio.AioRpcError) as negative:
+                    await client.generate(prompt_ids=[5, -3, 7], max_tokens=2)
+                ok = await client.generate(prompt_ids=list(PROMPT), max_tokens=3)  # nothing crashed
+        return codes, (negative.value.code(), negative.value.details()), ok
+
+    codes, negative, ok = asyncio.run(main())
+    for (method, name), (code, details) in codes.items():
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (method, name, code, details)
+        assert "request" in details and "Error" not in details.split(":")[0], details
+    assert negative[0] == grpc.StatusCode.INVALID_ARGUMENT and "vocabulary" in negative[1]
+    assert len(ok.token_ids) == 3
+
+
+def test_a_16_mb_prompt_is_refused_at_once_and_the_router_answers_meanwhile(redis_server, model, tokenizer):
+    async def main():
+        async with ServiceStack(redis_server.url, model, tokenizer, NgramDrafter()) as stack:
+            async with AsyncClient(stack.address) as client:
+                started = time.monotonic()
+                huge = asyncio.create_task(client.generate(prompt="word " * ((16 << 20) // 5), max_tokens=2))
+                health = []
+                while not huge.done():  # the event loop answers probes while the prompt is read
+                    at = time.monotonic()
+                    health.append((await health_of(stack.address), time.monotonic() - at))
+                    await asyncio.sleep(0.05)
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await huge
+                refused_after = time.monotonic() - started
+                # a long prompt that fits: tokenized on the router's input thread
+                long = await client.count_tokens(prompt="word " * 3_000)
+        return err.value, refused_after, health, long
+
+    err, refused_after, health, long = asyncio.run(main())
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt" in err.details() and "characters" in err.details()
+    assert refused_after < 10  # sending 16 MB over loopback, then one length check
+    assert all(status == SERVING and seconds < 1.0 for status, seconds in health)
+    assert 3_000 <= long <= 3_001  # "word" and " word" tokens (and a trailing space)
+
+
+def test_drafter_sessions_stay_within_the_targets_context(tiny_model):
+    sessions = DrafterSessions(NgramDrafter(), vocab_size=100, max_sessions=2, max_session_tokens=10)
+    with pytest.raises(InvalidArgument, match="prompt_ids"):
+        sessions.open("long", list(range(11)))
+    sessions.open("a", list(range(8)))
+    sessions.propose("a", [1, 2], budget=4)  # 10 tokens: the limit
+    with pytest.raises(InvalidArgument, match="committed"):
+        sessions.propose("a", [3], budget=4)
+    for request in ("b", "c"):  # past max_sessions the least recently used ends
+        sessions.open(request, [1, 2, 3])
+    assert len(sessions) == 2
+    sessions.close("c", [4, 5])
+    assert len(sessions) == 1
