@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -410,12 +411,7 @@ def _env_password(variable: str) -> str:
 
 
 def _up(args: argparse.Namespace) -> int:
-    import grpc
-
-    from specmesh.client import Client
-    from specmesh.cluster.auth import ENV_KEYS
     from specmesh.cluster.launcher import DEFAULT_DRAFTERS, ClusterSpec, LocalCluster
-    from specmesh.sampling import SamplingParams
 
     spec = ClusterSpec(model=args.model, drafters=tuple(args.drafter or DEFAULT_DRAFTERS), verifiers=args.verifiers,
                        max_tree_nodes=args.tree_nodes, draft_ahead=args.draft_ahead, router_port=args.port,
@@ -428,6 +424,30 @@ def _up(args: argparse.Namespace) -> int:
           "inside the router) and the router "
           f"(logs: {cluster.log_dir}) ...", flush=True)
     started = time.perf_counter()
+    signal.signal(signal.SIGTERM, _interrupted)  # as Ctrl-C: drain the cluster, then exit 0
+    signal.signal(signal.SIGINT, _interrupted)
+    try:
+        return _serve_cluster(cluster, args, started)
+    except KeyboardInterrupt:
+        print("\nstopped", flush=True)
+        return 0
+
+
+def _interrupted(signum, frame) -> None:
+    """Ctrl-C or SIGTERM: stop, once (a second signal while the cluster drains is ignored)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
+def _serve_cluster(cluster, args: argparse.Namespace, started: float) -> int:
+    import grpc
+
+    from specmesh.client import Client
+    from specmesh.cluster.auth import ENV_KEYS
+    from specmesh.sampling import SamplingParams
+
+    spec = cluster.spec
     with cluster:
         print(f"cluster up in {time.perf_counter() - started:.0f} s", flush=True)
         for process in cluster.processes():
@@ -462,14 +482,13 @@ def _up(args: argparse.Namespace) -> int:
         print(f"\nserving on {cluster.router_address} (gRPC){http_note} — try: specmesh generate --server "
               f"{cluster.router_address} \"Hello!\"  (Ctrl-C stops the cluster)", flush=True)
         try:
-            while all(p.alive() for p in cluster.processes()):
-                time.sleep(1.0)
-            dead = [p.name for p in cluster.processes() if not p.alive()]
-            print(f"specmesh: {', '.join(dead)} stopped; shutting the cluster down", flush=True)
+            while not cluster.supervisor.failed.wait(1.0):  # what dies is restarted; a vital part's crash loop ends it
+                pass
+            print(f"specmesh: shutting the cluster down (logs: {cluster.log_dir})", flush=True)
             return 1
         except KeyboardInterrupt:
-            print("\nstopping ...", flush=True)
-    return 0
+            print("\nstopping: draining the services ...", flush=True)
+            raise
 
 
 def boost_directory(spec: str, target_name: str) -> Path:

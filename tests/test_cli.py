@@ -1,8 +1,10 @@
 """The command line on the embedded model: bad input gets one clear line naming the argument, never a traceback."""
 
 import json
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -154,3 +156,52 @@ def test_up_rejects_a_kv_cache_budget_that_is_not_positive():
 
     with pytest.raises(InvalidArgument, match="kv_cache_gb"):
         ClusterSpec(model="m", kv_cache_gb=0)
+
+
+def read_until(process: subprocess.Popen, marker: str, lines: list[str], timeout_s: float = 600) -> None:
+    """Read the process's output into ``lines`` until one holds ``marker`` (fails if it ends first)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            raise AssertionError("the process ended before '" + marker + "':\n" + "".join(lines))
+        lines.append(line)
+        if marker in line:
+            return
+    raise AssertionError(f"no '{marker}' within {timeout_s:.0f} s:\n" + "".join(lines))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+def test_up_restarts_a_killed_verifier_and_stops_cleanly(stop, tmp_path):
+    """`specmesh up` starts again what dies; Ctrl-C (SIGINT) or SIGTERM drains it all: exit 0, no service
+    process and no temporary file left behind."""
+    import psutil
+
+    env = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", **_passthrough(), "TMPDIR": str(tmp_path)}
+    up = subprocess.Popen([sys.executable, "-m", "specmesh", "up", "--no-demo", "--drafter", "ngram", "--port", "0",
+                           "--http-port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines: list[str] = []
+    try:
+        read_until(up, "serving on", lines)
+        services = psutil.Process(up.pid).children()
+        verifier = next(p for p in services if "specmesh.services.verifier" in " ".join(p.cmdline()))
+        verifier.kill()
+        read_until(up, "verifier-0 stopped; restarting", lines, timeout_s=30)
+        wait_until_restarted = time.monotonic() + 120
+        while time.monotonic() < wait_until_restarted and not any(
+                "specmesh.services.verifier" in " ".join(p.cmdline()) for p in psutil.Process(up.pid).children()):
+            time.sleep(0.2)
+        services = psutil.Process(up.pid).children()
+        assert len([p for p in services if "specmesh.services.verifier" in " ".join(p.cmdline())]) == 1
+        up.send_signal(stop)
+        rest, _ = up.communicate(timeout=120)
+    finally:
+        if up.poll() is None:
+            up.kill()
+    output = "".join(lines) + rest
+    assert up.returncode == 0, output
+    assert "Traceback" not in output
+    gone = psutil.wait_procs(services, timeout=10)[1]
+    assert not gone, f"left running: {gone}"
+    assert list(tmp_path.iterdir()) == []  # the temporary log directory (and the cluster's files) went too

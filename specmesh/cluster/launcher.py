@@ -1,6 +1,9 @@
 """The whole cluster on one machine: Redis, verifiers, drafters and the router, each its own process
 started by its command line (as Kubernetes would start it; nothing here imports the services).
 
+A process that dies is started again (``specmesh.cluster.supervisor``): same flags, same port, same
+verifier id, so that the others find it where it was and it answers what it held.
+
 Threads are divided so that together the processes never oversubscribe the cores: the verifiers share
 the cores, drafters and the router take one thread each (at concurrency 1 drafting and verification
 alternate, so the verifier has the cores while it verifies).
@@ -9,6 +12,7 @@ alternate, so the verifier has the cores while it verifies).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,10 +28,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specmesh.cluster.auth import ENV_KEYS
 from specmesh.cluster.pki import local_pki
 from specmesh.cluster.redis_server import RedisServer, free_port
+from specmesh.cluster.serving import PARENT_PID
 from specmesh.cluster.signing import ENV_KEY as QUEUE_KEY
 from specmesh.cluster.signing import new_key
+from specmesh.cluster.supervisor import Supervisor
 from specmesh.errors import InvalidArgument, Unavailable
-from specmesh.runtime.loading import EMBEDDED_DEFAULT
+from specmesh.runtime.loading import EMBEDDED_DEFAULT, cache_root
 from specmesh.runtime.precision import check_precision
 from specmesh.speculation.expertise import MODEL_FREE_KINDS
 from specmesh.speculation.policy import DEFAULT_TREE_NODES, SPECULATION_MARGIN, check_margin
@@ -62,7 +68,8 @@ class ClusterSpec:
     kv_cache_gb: float | None = None  # each verifier's KV cache budget (None: its default)
     batch_invariant: bool = False  # the verifiers' matrix products (CUDA; see PagedLlamaRuntime)
     job_timeout_s: float = 30.0
-    log_dir: Path | None = None
+    log_dir: Path | None = None  # None: a temporary directory, removed by ``stop(clean=True)``
+    supervise: bool = True  # start again what dies (see specmesh.cluster.supervisor)
     extra_env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -93,8 +100,9 @@ class ServiceProcess:
 
     def start(self) -> None:
         log = open(self.log_path, "ab")
+        # a session of its own: a terminal's Ctrl-C reaches the launcher only, which drains them in order
         self.popen = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                      stdin=subprocess.DEVNULL)
+                                      stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
 
     def alive(self) -> bool:
@@ -139,12 +147,15 @@ class ServiceProcess:
 class LocalCluster:
     def __init__(self, spec: ClusterSpec | None = None) -> None:
         self.spec = spec or ClusterSpec()
+        self.temporary = self.spec.log_dir is None
         self.log_dir = Path(self.spec.log_dir or tempfile.mkdtemp(prefix="specmesh-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.redis = RedisServer(log_path=self.log_dir / "redis.log")
         self.verifiers: list[ServiceProcess] = []
         self.drafters: list[ServiceProcess] = []
         self.router: ServiceProcess | None = None
+        self.supervisor: Supervisor | None = None
+        self.events: list[str] = []  # what the supervisor did, in order
         self.http_url = ""  # the router's OpenAI API, once started (empty: not served)
         # the router and verifiers tag their queue entries with a key of this cluster's own
         self.queue_key = os.environ.get(QUEUE_KEY) or new_key()
@@ -174,6 +185,9 @@ class LocalCluster:
         env.update({"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(threads),
                     "MKL_NUM_THREADS": str(threads), "GOMP_SPINCOUNT": OPENMP_SPIN_COUNT})
         env[QUEUE_KEY] = self.queue_key
+        env[PARENT_PID] = str(os.getpid())  # the services end themselves if the launcher is killed
+        # compiled kernels are kept with the converted models, not in a temporary folder: a restart reuses them
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
         env.update(self.spec.extra_env)
         return env
 
@@ -234,16 +248,33 @@ class LocalCluster:
             self.router.start()
             self.router.wait_ready(timeout_s)
         except BaseException:
-            self.stop()
+            self.stop(clean=False)
             raise
+        if spec.supervise:
+            self.supervisor = Supervisor(lambda: [self.redis, *self.processes()], self._essential, self._report).start()
         return self
+
+    def _essential(self, part) -> bool:
+        """Whether the cluster can serve without ``part`` (it crash-loops)."""
+        if part in self.verifiers:
+            return all(self.supervisor.records.get(v.name) and self.supervisor.records[v.name].given_up
+                       for v in self.verifiers)
+        return part is self.redis or part is self.router
+
+    def _report(self, message: str) -> None:
+        self.events.append(message)
+        print(f"specmesh: {message}", flush=True)
 
     def processes(self) -> list[ServiceProcess]:
         return [p for p in [self.router, *self.drafters, *self.verifiers] if p is not None]
 
-    def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM (graceful: each drains) from the router down, then SIGKILL what is left."""
+    def stop(self, grace_s: float = 15.0, clean: bool = True) -> None:
+        """SIGTERM (graceful: each drains) from the router down, then SIGKILL what is left. ``clean``: a
+        temporary log directory goes too (kept after a failure, for its logs)."""
+        if self.supervisor is not None:
+            self.supervisor.stop()
         for process in self.processes():
+            process.signal(signal.SIGCONT)  # a stopped process cannot drain
             process.signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for process in self.processes():
@@ -251,9 +282,11 @@ class LocalCluster:
                 process.signal(signal.SIGKILL)
                 process.wait(5)
         self.redis.stop()
+        if clean and self.temporary:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
 
     def __enter__(self) -> LocalCluster:
         return self.start()
 
-    def __exit__(self, *exc) -> None:
-        self.stop()
+    def __exit__(self, kind, value, traceback) -> None:
+        self.stop(clean=kind is None or issubclass(kind, KeyboardInterrupt))

@@ -49,6 +49,11 @@ class RedisServer:
         self.tls = tls
         self.process: subprocess.Popen | None = None
 
+    name = "redis"
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
     @property
     def url(self) -> str:
         return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}/0"

@@ -4,9 +4,11 @@ reflection, and graceful shutdown on SIGTERM (stop taking work, drain, then exit
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import os
 import signal
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -295,10 +297,25 @@ class TorchThread:
         self._executor.shutdown(wait=True)
 
 
+PARENT_PID = "SPECMESH_PARENT_PID"  # set by a launcher: the service ends (SIGTERM) when that process is gone
+
+
+def die_with_parent() -> None:
+    """Linux: SIGTERM this process when the launcher that started it dies, even by SIGKILL."""
+    parent = os.environ.get(PARENT_PID)
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != int(parent):  # it died before the call
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def run_service(prog: str, parser, serve: Callable[..., Awaitable[None]], argv: Sequence[str] | None) -> int:
     """A service's command line: parse flags, log, serve until SIGTERM; a bad flag exits 2 with its reason."""
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
+    die_with_parent()
     try:
         asyncio.run(serve(args))
     except InvalidArgument as exc:

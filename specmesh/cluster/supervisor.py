@@ -1,0 +1,102 @@
+"""Supervision of a one-machine cluster's processes: what dies is started again, with back-off.
+
+A process that crashes is restarted after a wait that doubles with each crash in the last ``window_s``
+(0.5 s, 1 s, 2 s ... at most ``max_delay_s``); more than ``max_restarts`` crashes in the window is a
+crash loop: it is reported and left down. If that process is one the cluster cannot serve without
+(``essential``), ``failed`` is set and the launcher shuts the cluster down. In Kubernetes the kubelet
+does this job (restartPolicy, CrashLoopBackOff) and the chart's probes decide when a pod is restarted.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+
+class Supervised(Protocol):
+    name: str
+
+    def alive(self) -> bool: ...
+
+    def start(self) -> object: ...
+
+
+@dataclass
+class Record:
+    crashes: deque = field(default_factory=deque)  # monotonic times of the crashes in the window
+    restart_at: float | None = None  # when the next start is due (None: running, or given up)
+    restarts: int = 0
+    given_up: bool = False
+
+
+class Supervisor:
+    def __init__(self, parts: Callable[[], Sequence[Supervised]], essential: Callable[[Supervised], bool],
+                 report: Callable[[str], None] = print, max_restarts: int = 5, window_s: float = 60.0,
+                 first_delay_s: float = 0.5, max_delay_s: float = 10.0, every_s: float = 0.2) -> None:
+        """``parts()``: the processes to watch (asked each round: the cluster may change); ``essential(p)``:
+        whether the cluster can serve without ``p``; ``report``: where restarts and crash loops are said."""
+        self.parts = parts
+        self.essential = essential
+        self.report = report
+        self.max_restarts = max_restarts
+        self.window_s = window_s
+        self.first_delay_s = first_delay_s
+        self.max_delay_s = max_delay_s
+        self.every_s = every_s
+        self.records: dict[str, Record] = {}
+        self.failed = threading.Event()  # an essential process crash-loops: the cluster cannot serve
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def restarts(self) -> dict[str, int]:
+        return {name: r.restarts for name, r in self.records.items()}
+
+    def start(self) -> Supervisor:
+        self._thread = threading.Thread(target=self._run, name="supervisor", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Restart nothing more (before the cluster is shut down)."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.check(time.monotonic())
+
+    def check(self, now: float) -> None:
+        """One round: note the crashes, start what is due."""
+        for part in self.parts():
+            record = self.records.setdefault(part.name, Record())
+            if record.given_up or self._stop.is_set():
+                continue
+            if record.restart_at is None:
+                if part.alive():
+                    continue
+                record.crashes.append(now)
+                while record.crashes and record.crashes[0] < now - self.window_s:
+                    record.crashes.popleft()
+                if len(record.crashes) > self.max_restarts:
+                    record.given_up = True
+                    essential = self.essential(part)
+                    self.report(f"{part.name} crashed {len(record.crashes)} times in {self.window_s:.0f} s: a crash "
+                                f"loop, left down{'; the cluster cannot serve without it' if essential else ''}")
+                    if essential:
+                        self.failed.set()
+                    continue
+                delay = min(self.first_delay_s * 2 ** (len(record.crashes) - 1), self.max_delay_s)
+                record.restart_at = now + delay
+                self.report(f"{part.name} stopped; restarting it in {delay:.1f} s")
+            if now >= record.restart_at:
+                record.restart_at = None
+                record.restarts += 1
+                try:
+                    part.start()
+                except Exception as exc:  # it counts as the next crash at the next round
+                    self.report(f"{part.name} could not be started again: {exc}")
