@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install model run test test-fast gpu-check bench tune proto dashboards classifier-data tuning-prompts clean
+.PHONY: install model run test test-fast soak gpu-check bench tune proto dashboards classifier-data tuning-prompts clean
 
 install: $(STAMP) model
 
@@ -34,6 +34,13 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
+
+# The cluster under mixed traffic (locust) with faults at random: JSON report in out/soak.json, exit 1
+# unless nothing hung, every output was right and every failure is one a fault explains (docs/soak.md).
+SOAK_DURATION ?= 180
+soak: install
+	mkdir -p out
+	$(PY) tests/soak/run.py --duration $(SOAK_DURATION) --out out/soak.json --log-dir out/soak-logs
 
 # On a CUDA machine: the paged kernels and CUDA graphs compiled, and the runtime on random weights of real
 # architectures against its weight-streaming limit (no install, no model download; JSON in gpu-results/).

@@ -5,6 +5,7 @@ import asyncio
 import uuid
 
 import redis.asyncio as aioredis
+from conftest import wait_until_async
 
 from specmesh.cluster.gateway import ModelCard, Router, RouterLimits
 from specmesh.cluster.metrics import DrafterMetrics, MetricsEndpoint, RouterMetrics, serve_metrics
@@ -54,6 +55,7 @@ class InProcessPool:
         for i in range(self.count):
             self.add_worker(f"v{i}")
         await self.client.start()
+        await wait_until_async(lambda: len(self.client.alive) >= self.count, what="the client sees every worker")
         return self
 
     async def __aexit__(self, *exc):

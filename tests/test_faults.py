@@ -47,9 +47,9 @@ class SlowVerifier(TreeVerifier):
         super().__init__(runtime)
         self.pass_s = pass_s
 
-    def verify(self, jobs):
+    def verify(self, jobs, prefill_ms=None):
         time.sleep(self.pass_s)
-        return super().verify(jobs)
+        return super().verify(jobs, prefill_ms)
 
 
 def test_a_poisoned_entry_is_acknowledged_and_the_worker_lives_on(redis_server, tiny_model):
@@ -267,3 +267,29 @@ def test_drafter_sessions_stay_within_the_targets_context(tiny_model):
     assert len(sessions) == 2
     sessions.close("c", [4, 5])
     assert len(sessions) == 1
+
+
+def test_a_long_prefill_is_chunked_between_other_requests_steps(redis_server, tiny_model):
+    """The worker caches a long history a chunk per pass; a short request's steps are verified in those
+    passes (not after the whole prefill), and nothing is re-sent."""
+    history = tuple(3 + (i * 7) % 90 for i in range(480))
+    long = VerifyJob("long", 0, len(history), 5, TokenTree.chain([6, 7]), SamplingParams(max_tokens=8), history)
+    whole = TreeVerifier(LlamaRuntime(tiny_model)).verify([long])[0]
+
+    async def main():
+        async with InProcessPool(redis_server.url, tiny_model, workers=1, resend_after_s=0.3) as pool:
+            worker = pool.workers[0]
+            worker.tree_pass_ms = 0.1  # as after passes of a tiny model: the prefill's share is MIN_PREFILL_MS
+            answer = asyncio.create_task(pool.client.verify(long))
+            short_steps, step = 0, first_job("short")
+            while not answer.done():
+                result = await asyncio.wait_for(pool.client.verify(step), HANG_S)
+                short_steps += 1
+                position = step.position + 1 + len(result.verdict.accepted_nodes)
+                step = VerifyJob("short", step.step + 1, position, result.verdict.tokens[-1], TokenTree(),
+                                 SamplingParams(max_tokens=8))
+            return await answer, short_steps, pool.client.resent_jobs
+
+    result, short_steps, resent = asyncio.run(main())
+    assert result.verdict == whole.verdict and result.prefilled_tokens == len(history)
+    assert short_steps >= 2 and resent == 0

@@ -117,3 +117,33 @@ def test_a_session_dropped_without_free_gives_its_budget_back(tiny_model):
     assert runtime.pool.used_bytes > 0
     del session
     assert runtime.pool.used_bytes == 0
+
+
+def test_a_budgeted_prefill_goes_a_chunk_per_call_and_ends_as_the_whole_one(tiny_model):
+    """Chunked prefill: with a prefill time budget a long history is cached over several calls (the job
+    comes back ``prefilling``, the other job of the batch is verified every time) and the step's verdict
+    and features equal those of one whole prefill."""
+    from specmesh.runtime.tree_verifier import TreeVerifier, VerifyJob
+    from specmesh.sampling import SamplingParams
+
+    history = tuple(3 + (i * 7) % 90 for i in range(400))
+    long = VerifyJob("long", 0, len(history), 5, TokenTree.chain([6, 7, 8]), SamplingParams(), history,
+                     feature_layers=(1, 2), max_prompt_features=100)
+    short = lambda step, position: VerifyJob("short", step, position, 9, TokenTree.chain([10]), SamplingParams(),  # noqa: E731
+                                             history=tuple(range(1, position + 1)) if step == 0 else None)
+    whole = TreeVerifier(LlamaRuntime(tiny_model)).verify([long])[0]
+    chunked = TreeVerifier(LlamaRuntime(tiny_model))
+    calls, position, result = 0, 4, None
+    while result is None or result.prefilling:
+        result, beside = chunked.verify([long, short(calls, position)], prefill_ms=0.5)
+        assert beside.verdict is not None  # the short request's step is never held back
+        position += len(beside.verdict.tokens)
+        calls += 1
+        assert calls < 400, "the prefill made no progress"
+    assert calls > 2 and not result.resync
+    assert result.verdict == whole.verdict and result.prefilled_tokens == len(history)
+    assert result.features.start == whole.features.start and result.features.layers == whole.features.layers
+    torch.testing.assert_close(result.features.values, whole.features.values, rtol=0, atol=2e-3)
+    # another step of the request (its router re-sent it elsewhere and came back) starts over, cleanly
+    again = chunked.verify([VerifyJob("long", 7, len(history), 5, TokenTree(), SamplingParams(), history)])[0]
+    assert again.verdict is not None

@@ -248,7 +248,7 @@ async def watch_cluster(router: Router, verifier: QueueVerifierClient, metrics: 
         except Unavailable:
             pass  # Redis is down: the depth is unknown, the last value stays
         metrics.verifiers_alive.set(len(verifier.alive))
-        if server is not None and not server.stopping.is_set():
+        if server is not None and not server.stopping.is_set() and verifier.looked.is_set():
             await server.set_serving(bool(verifier.alive), [ROUTER_SERVICE])
         now = {(d.name, getattr(d, "address", IN_ROUTER)): getattr(d, "healthy", True) for d in router.drafters}
         for labels, healthy in now.items():

@@ -38,9 +38,11 @@ log = logging.getLogger("specmesh.verifier")
 RECENT_RESULTS = 4096  # per-request last results kept to answer re-sent jobs without a second pass
 
 
-def job_rows(entry: Entry) -> int:
-    job = entry.queued.job
-    return 1 + len(job.tree) + (len(job.history) if job.history is not None else 0)
+# A prefill's share of a pass: half the pass's tree verification (others' steps stay well within 2x their
+# time), at least MIN (progress under any load), and ALONE when it has the verifier to itself
+PREFILL_SHARE = 0.5
+MIN_PREFILL_MS = 20.0
+ALONE_PREFILL_MS = 250.0
 
 
 class VerifierWorker:
@@ -60,6 +62,16 @@ class VerifierWorker:
         self.unready = asyncio.Event()  # draining, or the worker has ended: health says NOT_SERVING
         self._recent: OrderedDict[str, tuple[int, bytes]] = OrderedDict()  # request -> (step, posted result)
         self.rhythm = PassRhythm()
+        self.tree_pass_ms = 0.0  # moving average of a pass's tree verification (prefill excluded)
+
+    def job_rows(self, entry: Entry) -> int:
+        """Target rows the job adds to the next pass: root, tree, and its next prefill chunk."""
+        job = entry.queued.job
+        return 1 + len(job.tree) + self.verifier.next_prefill(job)
+
+    def prefill_budget_ms(self, batch: list[Entry]) -> float:
+        alone = all(self.verifier.next_prefill(e.queued.job) for e in batch)
+        return ALONE_PREFILL_MS if alone else max(PREFILL_SHARE * self.tree_pass_ms, MIN_PREFILL_MS)
 
     @property
     def verifier_id(self) -> str:
@@ -183,12 +195,14 @@ class VerifierWorker:
                     self.metrics.jobs.labels("error").inc()
                     job = entry.queued.job
                     answered.append((entry, encode_error(job.request_id, job.step, self.verifier_id, str(exc))))
-        batch, rest = plan_batch(runnable, job_rows, lambda e: e.queued.job.request_id, self.max_batch_rows)
+        batch, rest = plan_batch(runnable, self.job_rows, lambda e: e.queued.job.request_id, self.max_batch_rows)
+        prefilling: list[Entry] = []
         if batch:
-            answered += await self._verify(batch)
+            done, prefilling = await self._verify(batch)
+            answered += done
         if answered:
             self.metrics.jobs.labels("undeliverable").inc(await self.queue.post(answered))
-        return rest
+        return prefilling + rest  # a prefill under way goes on first
 
     def _repeat(self, entry: Entry) -> bytes | None | bool:
         """A job already answered: its result again (a re-send), None (stale), or False (new)."""
@@ -198,19 +212,27 @@ class VerifierWorker:
             return False
         return recent[1] if job.step == recent[0] else None
 
-    async def _verify(self, batch: list[Entry]) -> list[tuple[Entry, bytes]]:
+    async def _verify(self, batch: list[Entry]) -> tuple[list[tuple[Entry, bytes]], list[Entry]]:
+        """(answered jobs, jobs whose prefill goes on in the next pass)."""
         jobs = [e.queued.job for e in batch]
+        rows = sum(self.job_rows(e) for e in batch)
         started = time.monotonic()
         try:
-            results = await self.torch_thread.run(self.verifier.verify, jobs)
+            results = await self.torch_thread.run(self.verifier.verify, jobs, self.prefill_budget_ms(batch))
         except Exception as exc:  # a failing pass fails its jobs, not the service
             log.exception("verification pass failed")
             self.metrics.jobs.labels("error").inc(len(batch))
             return [(e, encode_error(j.request_id, j.step, self.verifier_id, f"verification failed: {exc}"))
-                    for e, j in zip(batch, jobs)]
+                    for e, j in zip(batch, jobs)], []
         verify_ms = (time.monotonic() - started) * 1e3
-        self._count_pass(batch, results, started, verify_ms)
+        prefilling = [e for e, r in zip(batch, results) if r.prefilling]
+        done = [i for i, r in enumerate(results) if not r.prefilling]
+        batch, jobs, results = [batch[i] for i in done], [jobs[i] for i in done], [results[i] for i in done]
+        self._count_pass(batch, results, started, verify_ms, rows)
         self.rhythm.passed([j.request_id for j, r in zip(jobs, results) if r.verdict is not None], verify_ms)
+        trees = [r.pass_ms for r in results if r.verdict is not None]
+        if trees:
+            self.tree_pass_ms = trees[0] if not self.tree_pass_ms else 0.8 * self.tree_pass_ms + 0.2 * trees[0]
         answered = []
         for entry, job, result in zip(batch, jobs, results):
             payload = encode_result(
@@ -223,12 +245,12 @@ class VerifierWorker:
                 while len(self._recent) > RECENT_RESULTS:
                     self._recent.popitem(last=False)
             answered.append((entry, payload))
-        return answered
+        return answered, prefilling
 
-    def _count_pass(self, batch: list[Entry], results, started: float, verify_ms: float) -> None:
+    def _count_pass(self, batch: list[Entry], results, started: float, verify_ms: float, rows: int) -> None:
         m = self.metrics
         m.batch_requests.observe(len(batch))
-        m.batch_rows.observe(sum(job_rows(e) for e in batch))
+        m.batch_rows.observe(rows)
         m.pass_seconds.observe(verify_ms / 1e3)
         for entry, result in zip(batch, results):
             m.queue_wait.observe(max(started - entry.received, 0.0))

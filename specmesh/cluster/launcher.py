@@ -70,6 +70,7 @@ class ClusterSpec:
     job_timeout_s: float = 30.0
     log_dir: Path | None = None  # None: a temporary directory, removed by ``stop(clean=True)``
     supervise: bool = True  # start again what dies (see specmesh.cluster.supervisor)
+    redis_url: str | None = None  # a Redis of the caller's (not started, stopped or supervised here)
     extra_env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -150,7 +151,8 @@ class LocalCluster:
         self.temporary = self.spec.log_dir is None
         self.log_dir = Path(self.spec.log_dir or tempfile.mkdtemp(prefix="specmesh-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.redis = RedisServer(log_path=self.log_dir / "redis.log")
+        self.redis = None if self.spec.redis_url else RedisServer(log_path=self.log_dir / "redis.log")
+        self.redis_url = self.spec.redis_url or self.redis.url
         self.verifiers: list[ServiceProcess] = []
         self.drafters: list[ServiceProcess] = []
         self.router: ServiceProcess | None = None
@@ -207,7 +209,7 @@ class LocalCluster:
     def verifier_process(self, index: int) -> ServiceProcess:
         spec = self.spec
         threads = max(1, spec.cores // max(1, spec.verifiers))
-        args = ["--model", spec.model, "--redis-url", self.redis.url, "--threads", str(threads),
+        args = ["--model", spec.model, "--redis-url", self.redis_url, "--threads", str(threads),
                 "--verifier-id", f"verifier-{index}"]
         if spec.dtype:
             args += ["--dtype", spec.dtype]
@@ -227,14 +229,15 @@ class LocalCluster:
         # model-free drafters need only the tokens the router holds: they run inside it, no network hop
         local = [d for d in spec.drafters if d in MODEL_FREE_KINDS]
         try:
-            self.redis.start()
+            if self.redis is not None:
+                self.redis.start()
             self.verifiers = [self.verifier_process(i) for i in range(spec.verifiers)]
             self.drafters = [self.drafter_process(d) for d in spec.drafters if d not in local]
             for process in [*self.verifiers, *self.drafters]:
                 process.start()
             for process in [*self.verifiers, *self.drafters]:
                 process.wait_ready(timeout_s)
-            args = ["--model", spec.model, "--redis-url", self.redis.url, "--max-tree-nodes", str(spec.max_tree_nodes),
+            args = ["--model", spec.model, "--redis-url", self.redis_url, "--max-tree-nodes", str(spec.max_tree_nodes),
                     "--job-timeout", str(spec.job_timeout_s), "--drafters", ",".join(d.address for d in self.drafters),
                     "--draft-ahead", "on" if spec.draft_ahead else "off", "--speculation", spec.speculation,
                     "--speculation-margin", repr(spec.speculation_margin), "--local-drafters", ",".join(local)]
@@ -251,7 +254,8 @@ class LocalCluster:
             self.stop(clean=False)
             raise
         if spec.supervise:
-            self.supervisor = Supervisor(lambda: [self.redis, *self.processes()], self._essential, self._report).start()
+            self.supervisor = Supervisor(lambda: [*filter(None, [self.redis]), *self.processes()], self._essential,
+                                         self._report).start()
         return self
 
     def _essential(self, part) -> bool:
@@ -281,7 +285,8 @@ class LocalCluster:
             if process.wait(max(0.0, deadline - time.monotonic())) is None:
                 process.signal(signal.SIGKILL)
                 process.wait(5)
-        self.redis.stop()
+        if self.redis is not None:
+            self.redis.stop()
         if clean and self.temporary:
             shutil.rmtree(self.log_dir, ignore_errors=True)
 

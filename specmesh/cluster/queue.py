@@ -170,6 +170,7 @@ class QueueVerifierClient:
         self.liveness_every_s = liveness_every_s
         self.affinity: dict[str, str] = {}  # request -> the verifier that holds its cache
         self.alive: set[str] = set()
+        self.looked = asyncio.Event()  # ``alive`` has been read from Redis at least once
         self.redis_ok = True
         self._waiting: dict[tuple[str, int], asyncio.Future] = {}
         # requests closed here: a late result opened a session on its verifier, which is closed at once
@@ -344,6 +345,7 @@ class QueueVerifierClient:
                 flags = await asyncio.gather(*(self.redis.exists(self.keys.alive(m)) for m in members))
                 self.alive = {m for m, up in zip(members, flags) if up}
                 self.redis_ok = True
+                self.looked.set()
             except REDIS_DOWN:
                 self.redis_ok = False
                 self.alive = set()

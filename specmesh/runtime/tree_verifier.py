@@ -63,10 +63,21 @@ class VerifyResult:
     refused: str = ""  # why the job was not verified (its KV cache does not fit now); verdict None
     features: Features | None = None  # the job's feature_layers at the root and accepted nodes (after a
     # prefill, the prefilled positions' last ones first), fp16 on the CPU
+    prefilling: bool = False  # its history is only partly cached: verify the same job again (verdict None)
 
     @property
     def resync(self) -> bool:
-        return self.verdict is None and not self.refused
+        return self.verdict is None and not self.refused and not self.prefilling
+
+
+@dataclass
+class Prefill:
+    """A history being cached over several passes (chunked prefill), and the chunk its next pass takes:
+    sized by feedback so that the chunk's time stays near the pass's prefill budget."""
+
+    step: int  # of the job whose history it is: another step of the request starts over
+    chunk: int
+    tail: torch.Tensor | None = None  # feature rows of the positions cached so far (the last ones kept)
 
 
 @dataclass
@@ -95,8 +106,15 @@ def step_generator(params: SamplingParams, position: int, device: torch.device, 
     return generator
 
 
+FIRST_CHUNK = 64  # tokens of a budgeted prefill's first pass, before its time per token is known
+
+
 class TreeVerifier:
-    """Verifies batches of jobs with one target forward per batch; keeps at most ``max_sessions`` sessions."""
+    """Verifies batches of jobs with one target forward per batch; keeps at most ``max_sessions`` sessions.
+
+    A job whose history must be cached is verified in the same call, unless the call gives a prefill time
+    budget (``verify(..., prefill_ms=)``): then a long history is cached a chunk per call, the job coming
+    back ``prefilling`` until its tree can be verified, so that other requests' steps go on between."""
 
     def __init__(self, runtime: TargetRuntime, max_sessions: int = 256, max_tree_nodes: int = 64) -> None:
         if max_sessions < 1:
@@ -110,6 +128,7 @@ class TreeVerifier:
         self._random.manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
         self.stats = VerifierStats()
         self._warned: set[str] = set()  # each reason features cannot be given is logged once
+        self._prefilling: dict[str, Prefill] = {}  # requests whose history is partly cached
 
     @property
     def num_sessions(self) -> int:
@@ -146,8 +165,23 @@ class TreeVerifier:
             return str(exc)
         return None
 
-    def verify(self, jobs: Sequence[VerifyJob]) -> list[VerifyResult]:
-        """One verification pass for every job whose session is (or can be made) current."""
+    def _resuming(self, job: VerifyJob) -> bool:
+        """Whether the job continues a prefill an earlier call began."""
+        state, session = self._prefilling.get(job.request_id), self._sessions.get(job.request_id)
+        return state is not None and state.step == job.step and session is not None and session.length < job.position
+
+    def next_prefill(self, job: VerifyJob) -> int:
+        """History tokens the job's next budgeted call will cache (0: its session holds them already)."""
+        session = self._sessions.get(job.request_id)
+        if job.history is None or (session is not None and session.length == job.position):
+            return 0
+        if self._resuming(job):
+            return min(job.position - session.length, self._prefilling[job.request_id].chunk)
+        return min(job.position, FIRST_CHUNK)
+
+    def verify(self, jobs: Sequence[VerifyJob], prefill_ms: float | None = None) -> list[VerifyResult]:
+        """One verification pass for every job whose session is (or can be made) current. ``prefill_ms``:
+        cache at most about this long of the histories this call (None: all of them)."""
         if len({j.request_id for j in jobs}) != len(jobs):
             raise InvalidArgument("jobs", "two jobs of one batch belong to the same request")
         for job in jobs:
@@ -164,8 +198,12 @@ class TreeVerifier:
                 self._last_used[job.request_id] = time.monotonic()
                 ready.append(i)
             elif job.history is not None:
-                self.close(job.request_id)
-                self._open(job.request_id)
+                if not self._resuming(job):
+                    self.close(job.request_id)
+                    self._open(job.request_id)
+                    self._prefilling[job.request_id] = Prefill(job.step, FIRST_CHUNK)
+                self._sessions.move_to_end(job.request_id)
+                self._last_used[job.request_id] = time.monotonic()
                 prefills.append(i)
                 ready.append(i)
             else:
@@ -177,7 +215,14 @@ class TreeVerifier:
             ready.remove(i)
             if i in prefills:
                 prefills.remove(i)
-        prompt_features = self._prefill([jobs[i] for i in prefills])
+        prompt_features = self._prefill([jobs[i] for i in prefills], prefill_ms)
+        for i in prefills:
+            job = jobs[i]
+            if self._sessions[job.request_id].length < job.position:  # more chunks to come
+                ready.remove(i)
+                results[i] = VerifyResult(job.request_id, job.step, None, prefilling=True)
+            else:
+                self._prefilling.pop(job.request_id, None)
         prefill_ms = (time.perf_counter() - started) * 1e3
         if ready:
             passed_at = time.perf_counter()
@@ -211,6 +256,7 @@ class TreeVerifier:
     def close(self, request_id: str) -> None:
         session = self._sessions.pop(request_id, None)
         self._last_used.pop(request_id, None)
+        self._prefilling.pop(request_id, None)
         if session is not None:
             session.free()
 
@@ -255,18 +301,38 @@ class TreeVerifier:
             self.close(request_id)
         return refused
 
-    def _prefill(self, jobs: Sequence[VerifyJob]) -> dict[str, Features]:
-        """Cache each job's history, in chunks so attention memory stays bounded. Returns, for the jobs that
-        ask for features, the hidden states of their last ``max_prompt_features`` prefilled positions."""
+    def _prefill(self, jobs: Sequence[VerifyJob], budget_ms: float | None) -> dict[str, Features]:
+        """Cache each job's history (all of it, or with ``budget_ms`` each one's next chunk), in chunks so
+        attention memory stays bounded. Returns, for the jobs whose history is now cached and that ask for
+        features, the hidden states of their last ``max_prompt_features`` positions."""
+        if not jobs:
+            return {}
+        sessions = [self._sessions[j.request_id] for j in jobs]
+        before = [s.length for s in sessions]
+        ends = [j.position if budget_ms is None else s.length + self.next_prefill(j) for j, s in zip(jobs, sessions)]
         layers = _union([j.feature_layers for j in jobs])
-        hidden = prefill_sessions(self.runtime, [self._sessions[j.request_id] for j in jobs],
-                                  [j.history[: j.position] for j in jobs], layers)
+        started = time.perf_counter()
+        hidden = prefill_sessions(self.runtime, sessions, [j.history[:end] for j, end in zip(jobs, ends)], layers)
+        if budget_ms is not None:  # each chunk's share of the time, against its share of the budget
+            elapsed_ms, total = (time.perf_counter() - started) * 1e3, sum(e - b for e, b in zip(ends, before))
+            for job, start, end in zip(jobs, before, ends):
+                state = self._prefilling.get(job.request_id)
+                if state is not None and end > start and elapsed_ms > 0:
+                    ratio = (budget_ms / len(jobs)) / (elapsed_ms * (end - start) / total)
+                    state.chunk = max(1, round((end - start) * min(max(ratio, 0.5), 2.0)))  # at most x2 a pass
         tails = {}
         for job, values in zip(jobs, hidden):
-            if job.feature_layers and values is not None:
-                keep = min(job.max_prompt_features, values.shape[0])
-                block = Features(job.position - keep, values[values.shape[0] - keep :].half().cpu(), layers)
-                tails[job.request_id] = block.of_layers(job.feature_layers)
+            if not job.feature_layers or values is None:
+                continue
+            values = values[:, [layers.index(n) for n in job.feature_layers]]  # [positions, job's layers, hidden]
+            state = self._prefilling.get(job.request_id)
+            if state is not None and state.tail is not None:  # the chunks before this one
+                values = torch.cat([state.tail, values])
+            values = values[max(0, values.shape[0] - job.max_prompt_features):]
+            if self._sessions[job.request_id].length < job.position:
+                state.tail = values
+                continue
+            tails[job.request_id] = Features(job.position - values.shape[0], values.half().cpu(), job.feature_layers)
         return tails
 
     def _verify_trees(self, jobs: Sequence[VerifyJob]) -> tuple[list[Verdict], list[Features | None]]:

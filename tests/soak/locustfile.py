@@ -1,0 +1,185 @@
+"""The soak's traffic, for locust: mixed requests through the router's gRPC API (the SDK) and its
+OpenAI-compatible HTTP API — unary and streaming, greedy and seeded sampling, cancellations and
+invalid requests. Every answer is checked against the references the driver computed (greedy: plain
+decoding; seeded sampling without speculation: the same seed's undisturbed answer) and written, one JSON
+line a request, to $SOAK_RESULTS; the driver (tests/soak/run.py) makes the report from those lines.
+
+Started by the driver: locust -f tests/soak/locustfile.py --headless ... with SOAK_* variables set.
+"""
+
+import json
+import os
+import random
+import time
+
+from grpc.experimental import gevent as grpc_gevent
+
+grpc_gevent.init_gevent()  # before any channel: gRPC's completion queue cooperates with locust's greenlets
+
+import grpc  # noqa: E402
+from locust import HttpUser, User, between, events, task  # noqa: E402
+
+from specmesh.client import Client  # noqa: E402
+
+REFERENCES = json.loads(open(os.environ["SOAK_REFERENCES"]).read())
+RESULTS = open(os.environ["SOAK_RESULTS"], "a", buffering=1)
+ROUTER = os.environ["SOAK_ROUTER"]
+DEADLINE_S = float(os.environ.get("SOAK_DEADLINE_S", "120"))  # past this a request counts as hung
+GREEDY, SAMPLED = REFERENCES["greedy"], REFERENCES["sampled"]
+MAX_TOKENS, TEMPERATURE = REFERENCES["max_tokens"], REFERENCES["temperature"]
+
+
+def record(kind: str, started: float, status: str, check: str = "none", api: str = "grpc") -> None:
+    """One request's outcome: its status (OK, a gRPC status name, HTTP_<code>), whether its output was
+    right (ok / wrong / none: not checkable), when it ran."""
+    ended = time.time()
+    RESULTS.write(json.dumps({"kind": kind, "api": api, "start": started, "end": ended, "status": status,
+                              "check": check}) + "\n")
+    failed = status not in ("OK", "EXPECTED", "CANCELLED_BY_CLIENT")
+    events.request.fire(request_type=api, name=kind, response_time=(ended - started) * 1e3, response_length=0,
+                        exception=RuntimeError(status) if failed else None, context={})
+
+
+def status_of(exc: grpc.RpcError) -> str:
+    return "HUNG" if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else exc.code().name
+
+
+class GrpcUser(User):
+    """A client of the router's gRPC API through the SDK."""
+
+    wait_time = between(0.1, 0.5)
+    weight = 3
+
+    def on_start(self) -> None:
+        self.client = Client(ROUTER, timeout_s=DEADLINE_S, retries=0)
+
+    def on_stop(self) -> None:
+        self.client.close()
+
+    @task(4)
+    def unary_greedy(self) -> None:
+        case = random.choice(GREEDY)
+        started = time.time()
+        try:
+            answer = self.client.generate(chat=[("user", case["prompt"])], max_tokens=MAX_TOKENS, temperature=0)
+            record("grpc_unary_greedy", started, "OK", "ok" if list(answer.token_ids) == case["tokens"] else "wrong")
+        except grpc.RpcError as exc:
+            record("grpc_unary_greedy", started, status_of(exc))
+
+    @task(4)
+    def stream_greedy(self) -> None:
+        case = random.choice(GREEDY)
+        started, tokens = time.time(), []
+        try:
+            for chunk in self.client.stream(chat=[("user", case["prompt"])], max_tokens=MAX_TOKENS, temperature=0):
+                tokens += chunk.token_ids
+            record("grpc_stream_greedy", started, "OK", "ok" if tokens == case["tokens"] else "wrong")
+        except grpc.RpcError as exc:
+            record("grpc_stream_greedy", started, status_of(exc))
+
+    @task(2)
+    def seeded_sampling(self) -> None:
+        case = random.choice(SAMPLED)
+        started = time.time()
+        try:
+            answer = self.client.generate(chat=[("user", case["prompt"])], max_tokens=MAX_TOKENS,
+                                          temperature=TEMPERATURE, seed=case["seed"], speculation="off")
+            record("grpc_seeded_sampling", started, "OK", "ok" if list(answer.token_ids) == case["tokens"] else "wrong")
+        except grpc.RpcError as exc:
+            record("grpc_seeded_sampling", started, status_of(exc))
+
+    @task(1)
+    def sampling(self) -> None:  # speculative sampling: the output is a draw, only its status is checked
+        started = time.time()
+        try:
+            self.client.generate(chat=[("user", random.choice(GREEDY)["prompt"])], max_tokens=MAX_TOKENS,
+                                 temperature=TEMPERATURE)
+            record("grpc_sampling", started, "OK")
+        except grpc.RpcError as exc:
+            record("grpc_sampling", started, status_of(exc))
+
+    @task(1)
+    def cancelled_stream(self) -> None:
+        started = time.time()
+        stream = self.client.stream(chat=[("user", random.choice(GREEDY)["prompt"])], max_tokens=MAX_TOKENS)
+        try:
+            next(stream)  # the first chunk, then the client leaves
+            stream.close()  # the SDK cancels the call
+            record("grpc_cancelled_stream", started, "CANCELLED_BY_CLIENT")
+        except StopIteration:
+            record("grpc_cancelled_stream", started, "OK")
+        except grpc.RpcError as exc:
+            record("grpc_cancelled_stream", started, status_of(exc))
+
+    @task(1)
+    def invalid(self) -> None:
+        started = time.time()
+        try:
+            self.client.generate(prompt_ids=[5, -1, 7], max_tokens=4)
+            record("grpc_invalid", started, "OK_BUT_INVALID")
+        except grpc.RpcError as exc:
+            record("grpc_invalid", started, "EXPECTED" if exc.code() == grpc.StatusCode.INVALID_ARGUMENT
+                   else status_of(exc))
+
+
+class OpenAIUser(HttpUser):
+    """A client of the OpenAI-compatible HTTP API (locust's HTTP client)."""
+
+    wait_time = between(0.1, 0.5)
+    weight = 2
+    host = os.environ.get("SOAK_HTTP", "http://127.0.0.1:8000")
+
+    def _post(self, body: dict, stream: bool = False):
+        return self.client.post("/v1/chat/completions", json=body, stream=stream, timeout=DEADLINE_S,
+                                name="chat" + ("-stream" if stream else ""), catch_response=True)
+
+    def _fail(self, kind: str, started: float, response) -> None:
+        record(kind, started, f"HTTP_{response.status_code}" if response.status_code else "HUNG", api="http")
+
+    @task(3)
+    def chat_greedy(self) -> None:
+        case = random.choice(GREEDY)
+        started = time.time()
+        with self._post({"model": REFERENCES["model"], "messages": [{"role": "user", "content": case["prompt"]}],
+                         "max_tokens": MAX_TOKENS, "temperature": 0}) as response:
+            response.success()  # judged here, not by locust
+            if response.status_code == 200:
+                text = response.json()["choices"][0]["message"]["content"]
+                record("http_chat_greedy", started, "OK", "ok" if text == case["text"] else "wrong", api="http")
+            else:
+                self._fail("http_chat_greedy", started, response)
+
+    @task(3)
+    def chat_stream_greedy(self) -> None:
+        case = random.choice(GREEDY)
+        started = time.time()
+        with self._post({"model": REFERENCES["model"], "messages": [{"role": "user", "content": case["prompt"]}],
+                         "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}, stream=True) as response:
+            response.success()
+            if response.status_code != 200:
+                self._fail("http_stream_greedy", started, response)
+                return
+            text, error = [], None
+            for line in response.iter_lines():
+                line = line.decode() if isinstance(line, bytes) else line
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    error = event["error"].get("code") or event["error"].get("type") or "error"
+                    break
+                text += [c["delta"].get("content") or "" for c in event.get("choices", [])]
+            if error:
+                record("http_stream_greedy", started, f"STREAM_{error}", api="http")
+            else:
+                record("http_stream_greedy", started, "OK", "ok" if "".join(text) == case["text"] else "wrong",
+                       api="http")
+
+    @task(1)
+    def invalid(self) -> None:
+        started = time.time()
+        with self._post({"model": REFERENCES["model"], "messages": [{"role": "user", "content": "hi"}],
+                         "n": 2}) as response:
+            response.success()
+            record("http_invalid", started, "EXPECTED" if response.status_code == 400
+                   else f"HTTP_{response.status_code}", api="http")

@@ -1,0 +1,238 @@
+"""`make soak`: the whole cluster on one machine (Redis behind a delaying proxy, two verifiers, a drafter
+process, the router; supervised as `specmesh up` does) under sustained mixed traffic from locust, while
+faults arrive at random: kill -9 and SIGSTOP of verifiers and drafters, Redis restarted, the network
+to Redis slowed down. Writes a JSON report (default out/soak.json) and exits 1 unless nothing hung, no
+output was wrong, every failure is one a fault explains, memory grew < 10 % and the streams stayed short.
+
+    python tests/soak/run.py --duration 180          # what CI runs (make soak)
+    python tests/soak/run.py --duration 1800         # the 30-minute run (docs/soak.md)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import redis
+
+sys.path.insert(0, str(Path(__file__).parent))
+from proxy import DelayProxy  # noqa: E402
+from report import UNAVAILABLE, Fault, Sample, summarize  # noqa: E402
+
+from specmesh.client import Client  # noqa: E402
+from specmesh.cluster.launcher import ClusterSpec, LocalCluster, ServiceProcess  # noqa: E402
+from specmesh.cluster.redis_server import RedisServer  # noqa: E402
+from specmesh.prompts import encode_chat, mtbench_prompts  # noqa: E402
+
+JOB_TIMEOUT_S = 20.0  # the router's per-step limit: a failure up to this long after a fault is the fault's
+FAULT_KINDS = ("kill_verifier", "kill_drafter", "stop_verifier", "stop_drafter", "restart_redis", "delay_redis")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duration", type=float, default=180.0, help="seconds of load (default 180)")
+    parser.add_argument("--users", type=int, default=6, help="concurrent clients (default 6)")
+    parser.add_argument("--verifiers", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--fault-every", type=float, default=20.0, help="mean seconds between faults (default 20)")
+    parser.add_argument("--seed", type=int, default=0, help="the faults' random order and timing")
+    parser.add_argument("--out", default="out/soak.json")
+    parser.add_argument("--log-dir", default="out/soak-logs")
+    return parser
+
+
+def references(cluster: LocalCluster, count: int, max_tokens: int, temperature: float) -> dict:
+    """Greedy: plain decoding in this process (what every greedy answer must be). Seeded sampling without
+    speculation: the cluster's own answer before any fault (what every later answer must be)."""
+    from specmesh.runtime.loading import EMBEDDED_DEFAULT, load_hf_model
+    from specmesh.runtime.target import target_runtime
+    from specmesh.sampling import SamplingParams
+    from specmesh.speculation.assembly import eos_token_ids
+    from specmesh.speculation.engine import Request, SpeculativeEngine
+
+    every = mtbench_prompts()
+    prompts = [q.text for q in every[3 :: len(every) // count][:count]]
+    target = load_hf_model(EMBEDDED_DEFAULT, dtype="float32", device="cpu")
+    engine = SpeculativeEngine(target_runtime(target), [], max_tree_nodes=0, eos_token_ids=eos_token_ids(target))
+    greedy = []
+    for text in prompts:
+        (out,) = engine.generate([Request(tuple(encode_chat(target.tokenizer, text)), SamplingParams(max_tokens=max_tokens))])
+        greedy.append({"prompt": text, "tokens": out.token_ids,
+                       "text": target.tokenizer.decode(out.token_ids, skip_special_tokens=True)})
+    sampled = []
+    with Client(cluster.router_address) as client:
+        for i, text in enumerate(prompts):
+            answer = client.generate(chat=[("user", text)], max_tokens=max_tokens, temperature=temperature,
+                                     seed=1000 + i, speculation="off")
+            sampled.append({"prompt": text, "seed": 1000 + i, "tokens": list(answer.token_ids)})
+    return {"model": target.name, "max_tokens": max_tokens, "temperature": temperature, "greedy": greedy,
+            "sampled": sampled}
+
+
+class Injector(threading.Thread):
+    """Faults at random times (exponential gaps around ``every_s``), every kind in turn in a shuffled order,
+    none in the last ``quiet_s`` of the load (the run ends on a calm cluster)."""
+
+    def __init__(self, cluster: LocalCluster, redis_server: RedisServer, proxy: DelayProxy, rng: random.Random,
+                 until: float, every_s: float) -> None:
+        super().__init__(name="faults", daemon=True)
+        self.cluster, self.redis_server, self.proxy, self.rng = cluster, redis_server, proxy, rng
+        self.until, self.every_s = until, every_s
+        self.faults: list[Fault] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        order: list[str] = []
+        while not self.stop.wait(min(max(self.rng.expovariate(1 / self.every_s), 5.0), 3 * self.every_s)):
+            if time.time() >= self.until:
+                return
+            if not order:
+                order = self.rng.sample(FAULT_KINDS, len(FAULT_KINDS))
+            kind = order.pop()
+            try:
+                fault = getattr(self, kind)()
+            except Exception as exc:  # the harness's own trouble: said, and the run goes on
+                print(f"soak: fault {kind} could not be made: {exc}", flush=True)
+                continue
+            self.faults.append(fault)
+            print(f"soak: {fault.kind} {fault.target} ({fault.end - fault.start:.1f} s)", flush=True)
+
+    def _victim(self, processes: list[ServiceProcess]) -> ServiceProcess:
+        return self.rng.choice([p for p in processes if p.alive()])
+
+    def _kill(self, kind: str, victim: ServiceProcess) -> Fault:
+        started, killed = time.time(), victim.popen
+        victim.signal(signal.SIGKILL)
+        deadline = time.monotonic() + 300
+        while victim.popen is killed and time.monotonic() < deadline:  # the supervisor starts it again
+            time.sleep(0.1)
+        victim.wait_ready(300)
+        return Fault(kind, victim.name, started, time.time())
+
+    def kill_verifier(self) -> Fault:
+        return self._kill("kill_verifier", self._victim(self.cluster.verifiers))
+
+    def kill_drafter(self) -> Fault:
+        return self._kill("kill_drafter", self._victim(self.cluster.drafters))
+
+    def _pause(self, kind: str, victim: ServiceProcess, seconds: float) -> Fault:
+        started = time.time()
+        victim.signal(signal.SIGSTOP)
+        time.sleep(seconds)
+        victim.signal(signal.SIGCONT)
+        return Fault(kind, victim.name, started, time.time())
+
+    def stop_verifier(self) -> Fault:  # past the heartbeat's 3 s: the other verifier takes its jobs over
+        return self._pause("stop_verifier", self._victim(self.cluster.verifiers), 5.0)
+
+    def stop_drafter(self) -> Fault:  # past the drafter timeout: steps go on without it
+        return self._pause("stop_drafter", self._victim(self.cluster.drafters), 4.0)
+
+    def restart_redis(self) -> Fault:  # empty when back: what was queued is posted again by the routers
+        started = time.time()
+        self.redis_server.process.kill()
+        self.redis_server.process.wait()
+        time.sleep(2.0)
+        self.redis_server.start()
+        return Fault("restart_redis", "redis", started, time.time(), UNAVAILABLE)
+
+    def delay_redis(self) -> Fault:
+        started = time.time()
+        self.proxy.delay_s = self.rng.choice((0.02, 0.05, 0.1))
+        time.sleep(8.0)
+        delay, self.proxy.delay_s = self.proxy.delay_s, 0.0
+        return Fault("delay_redis", f"{delay * 1e3:.0f} ms", started, time.time())
+
+
+class Sampler(threading.Thread):
+    """Every few seconds: each process's RSS, Redis's memory, and the length of every stream."""
+
+    def __init__(self, cluster: LocalCluster, redis_server: RedisServer, every_s: float = 3.0) -> None:
+        super().__init__(name="sampler", daemon=True)
+        self.cluster, self.redis_server, self.every_s = cluster, redis_server, every_s
+        self.samples: list[Sample] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        client = redis.Redis(port=self.redis_server.port, socket_timeout=2)
+        while not self.stop.wait(self.every_s):
+            rss = {}
+            for process in self.cluster.processes():
+                try:
+                    rss[process.name] = psutil.Process(process.popen.pid).memory_info().rss
+                except (psutil.Error, AttributeError):
+                    pass
+            try:
+                used = int(client.info("memory")["used_memory"])
+                streams = {key.decode(): client.xlen(key) for key in client.scan_iter("specmesh:*", _type="stream")}
+            except redis.RedisError:
+                continue  # Redis is being restarted: no sample
+            self.samples.append(Sample(time.time(), rss, used, streams))
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    rng = random.Random(args.seed)
+    log_dir, out = Path(args.log_dir), Path(args.out)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    redis_server = RedisServer(log_path=log_dir / "redis.log").start()
+    proxy = DelayProxy(redis_server.port).start()
+    spec = ClusterSpec(drafters=("ngram", "code"), verifiers=args.verifiers, job_timeout_s=JOB_TIMEOUT_S,
+                       redis_url=f"redis://127.0.0.1:{proxy.port}/0", log_dir=log_dir)
+    cluster = LocalCluster(spec)
+    try:
+        print("soak: starting the cluster ...", flush=True)
+        cluster.start()
+        print("soak: references (plain greedy in process, seeded sampling through the calm cluster) ...", flush=True)
+        refs = references(cluster, count=8, max_tokens=args.max_tokens, temperature=0.8)
+        (log_dir / "references.json").write_text(json.dumps(refs))
+        results = log_dir / "requests.jsonl"
+        results.write_text("")
+        env = {**os.environ, "SOAK_REFERENCES": str(log_dir / "references.json"), "SOAK_RESULTS": str(results),
+               "SOAK_ROUTER": cluster.router_address, "SOAK_HTTP": cluster.http_url.removesuffix("/v1")}
+        started = time.time()
+        sampler = Sampler(cluster, redis_server)
+        injector = Injector(cluster, redis_server, proxy, rng, until=started + args.duration - 30, every_s=args.fault_every)
+        with open(log_dir / "locust.log", "w") as locust_log:
+            locust = subprocess.Popen(
+                [sys.executable, "-m", "locust", "-f", str(Path(__file__).parent / "locustfile.py"), "--headless",
+                 "--users", str(args.users), "--spawn-rate", str(args.users), "--run-time", f"{args.duration:.0f}s",
+                 "--stop-timeout", "150", "--only-summary", "--exit-code-on-error", "0", "--loglevel", "WARNING"],
+                env=env, stdout=locust_log, stderr=subprocess.STDOUT)
+            sampler.start()
+            injector.start()
+            print(f"soak: {args.users} clients for {args.duration:.0f} s, a fault every ~{args.fault_every:.0f} s "
+                  f"(logs: {log_dir})", flush=True)
+            locust.wait(timeout=args.duration + 300)
+        ended = time.time()
+        injector.stop.set()
+        injector.join()
+        sampler.stop.set()
+        sampler.join()
+        requests = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
+        report = summarize(requests, injector.faults, sampler.samples, started, ended, grace_s=JOB_TIMEOUT_S + 5)
+        report["restarts"] = cluster.supervisor.restarts if cluster.supervisor else {}
+        out.write_text(json.dumps(report, indent=2))
+    finally:
+        cluster.stop()
+        proxy.stop()
+        redis_server.stop()
+    print(json.dumps({k: report[k] for k in ("sent", "completed", "failed", "hung", "wrong_outputs",
+                                              "unexplained_failures", "memory_growth_fraction", "longest_stream",
+                                              "latency_s", "restarts", "passed")}, indent=1))
+    print(f"soak: {'passed' if report['passed'] else 'FAILED'}; the report is {out}", flush=True)
+    return 0 if report["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
