@@ -10,6 +10,7 @@ process started by its command line, as `specmesh up` does.
 
 import signal
 import threading
+import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -213,4 +214,38 @@ def test_sigterm_drains_a_verifier_without_losing_requests(cluster, questions, p
         leaving.signal(signal.SIGTERM)
         outputs = [f.result(timeout=300) for f in futures]
     assert drained.wait(30) == 0  # drained and exited cleanly (and then started again by the supervisor)
+    assert outputs == [plain_outputs[i] for i in chosen]
+
+
+def per_token_latency(client: Client, question: str) -> float:
+    """Seconds a token after the first, streaming one short request."""
+    arrived, count = [], 0
+    for chunk in client.stream(chat=[("user", question)], max_tokens=MAX_TOKENS):
+        arrived.append(time.perf_counter())
+        count += len(chunk.token_ids)
+    return (arrived[-1] - arrived[0]) / max(count - 1, 1)
+
+
+def test_a_long_prompt_is_prefilled_between_short_requests_steps(tmp_path, questions, plain_outputs):
+    """One verifier: short requests beside the prefill of a ~1,400-token prompt keep their per-token
+    latency within 2x of what it is without it; nothing is re-sent; every output is plain greedy's."""
+    spec = ClusterSpec(drafters=("ngram",), verifiers=1, job_timeout_s=120, log_dir=tmp_path)
+    long_text = " ".join(questions)  # ~1,400 tokens
+    chosen = list(range(4))
+    with LocalCluster(spec) as cluster, Client(cluster.router_address) as client:
+        client.generate(chat=[("user", questions[5])], max_tokens=8)  # warm-up
+        with ThreadPoolExecutor(len(chosen)) as pool:
+            alone = list(pool.map(lambda i: per_token_latency(client, questions[i]), chosen))
+        with ThreadPoolExecutor(len(chosen) + 1) as pool:
+            long = pool.submit(lambda: client.generate(prompt=long_text, max_tokens=4))
+            time.sleep(1.0)  # its prefill is under way (it takes several seconds)
+            beside = list(pool.map(lambda i: per_token_latency(client, questions[i]), chosen))
+            assert not long.done()
+            answer = long.result(timeout=300)
+        resent = metric_total(cluster.router.metrics_url, "specmesh_resent_jobs_total")
+        outputs = [client.generate(chat=[("user", questions[i])], max_tokens=MAX_TOKENS).token_ids for i in chosen]
+    assert answer.usage.prompt_tokens > 1000 and len(answer.token_ids) == 4
+    ratio = sorted(beside)[len(beside) // 2] / sorted(alone)[len(alone) // 2]
+    assert ratio < 2.0, f"median per-token latency {ratio:.2f}x beside the long prefill ({beside} vs {alone})"
+    assert resent == 0
     assert outputs == [plain_outputs[i] for i in chosen]

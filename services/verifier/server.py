@@ -184,6 +184,8 @@ class VerifierWorker:
             elif entry.queued is None or 0 < entry.queued.deadline_unix_ms < now_ms:
                 self.metrics.jobs.labels("expired").inc()
                 answered.append((entry, None))  # unreadable, or its router has given up on it
+                if entry.queued is not None:  # a prefill under way for it is dropped too
+                    await self.torch_thread.run(self.verifier.abandon, entry.queued.job)
             elif (repeat := self._repeat(entry)) is not False:
                 self.metrics.jobs.labels("repeat").inc()
                 answered.append((entry, repeat))

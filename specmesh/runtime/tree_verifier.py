@@ -253,6 +253,11 @@ class TreeVerifier:
             log.warning("jobs ask for hidden states this verifier cannot give (%s): verified without them", why)
         return dataclasses.replace(job, feature_layers=())
 
+    def abandon(self, job: VerifyJob) -> None:
+        """The job will not be verified (its router gave up): free the history cached for it so far."""
+        if self._resuming(job):
+            self.close(job.request_id)
+
     def close(self, request_id: str) -> None:
         session = self._sessions.pop(request_id, None)
         self._last_used.pop(request_id, None)

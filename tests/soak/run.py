@@ -19,10 +19,12 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import psutil
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).parent))
 from proxy import DelayProxy  # noqa: E402
@@ -43,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--users", type=int, default=6, help="concurrent clients (default 6)")
     parser.add_argument("--verifiers", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=24)
-    parser.add_argument("--fault-every", type=float, default=20.0, help="mean seconds between faults (default 20)")
+    parser.add_argument("--fault-every", type=float, default=None,
+                        help="mean seconds between faults (default: every kind once in a 3-minute run, at most 30)")
     parser.add_argument("--seed", type=int, default=0, help="the faults' random order and timing")
     parser.add_argument("--out", default="out/soak.json")
     parser.add_argument("--log-dir", default="out/soak-logs")
@@ -79,8 +82,8 @@ def references(cluster: LocalCluster, count: int, max_tokens: int, temperature: 
 
 
 class Injector(threading.Thread):
-    """Faults at random times (exponential gaps around ``every_s``), every kind in turn in a shuffled order,
-    none in the last ``quiet_s`` of the load (the run ends on a calm cluster)."""
+    """Faults at random times (gaps of 0.5 to 1.5 ``every_s`` after the last one is over), every kind in
+    turn in a shuffled order, none after ``until`` (the run ends on a calm cluster)."""
 
     def __init__(self, cluster: LocalCluster, redis_server: RedisServer, proxy: DelayProxy, rng: random.Random,
                  until: float, every_s: float) -> None:
@@ -92,7 +95,7 @@ class Injector(threading.Thread):
 
     def run(self) -> None:
         order: list[str] = []
-        while not self.stop.wait(min(max(self.rng.expovariate(1 / self.every_s), 5.0), 3 * self.every_s)):
+        while not self.stop.wait(self.rng.uniform(0.5, 1.5) * self.every_s):
             if time.time() >= self.until:
                 return
             if not order:
@@ -179,6 +182,28 @@ class Sampler(threading.Thread):
             self.samples.append(Sample(time.time(), rss, used, streams))
 
 
+def counters(cluster: LocalCluster) -> dict[str, float]:
+    """What the services counted (since each last started): jobs re-sent by the router, and the
+    verifiers' jobs by outcome (repeat: a re-sent job answered again)."""
+    totals: dict[str, float] = {}
+    for process in cluster.processes():
+        try:
+            with urllib.request.urlopen(process.metrics_url, timeout=5) as answer:
+                text = answer.read().decode()
+        except OSError:
+            continue
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "specmesh_resent_jobs_total":
+                    totals["resent_jobs"] = totals.get("resent_jobs", 0) + sample.value
+                elif sample.name == "specmesh_verify_jobs_total":
+                    key = f"verifier_jobs_{sample.labels['outcome']}"
+                    totals[key] = totals.get(key, 0) + sample.value
+                elif sample.name == "specmesh_verifier_worker_errors_total":
+                    totals["worker_errors"] = totals.get("worker_errors", 0) + sample.value
+    return totals
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     rng = random.Random(args.seed)
@@ -202,7 +227,9 @@ def main(argv=None) -> int:
                "SOAK_ROUTER": cluster.router_address, "SOAK_HTTP": cluster.http_url.removesuffix("/v1")}
         started = time.time()
         sampler = Sampler(cluster, redis_server)
-        injector = Injector(cluster, redis_server, proxy, rng, until=started + args.duration - 30, every_s=args.fault_every)
+        # the faults themselves take ~90 s a round (two restarts of a model process among them)
+        every_s = args.fault_every or min(30.0, max(5.0, (args.duration - 90) / len(FAULT_KINDS)))
+        injector = Injector(cluster, redis_server, proxy, rng, until=started + args.duration - 30, every_s=every_s)
         with open(log_dir / "locust.log", "w") as locust_log:
             locust = subprocess.Popen(
                 [sys.executable, "-m", "locust", "-f", str(Path(__file__).parent / "locustfile.py"), "--headless",
@@ -211,7 +238,7 @@ def main(argv=None) -> int:
                 env=env, stdout=locust_log, stderr=subprocess.STDOUT)
             sampler.start()
             injector.start()
-            print(f"soak: {args.users} clients for {args.duration:.0f} s, a fault every ~{args.fault_every:.0f} s "
+            print(f"soak: {args.users} clients for {args.duration:.0f} s, a fault every ~{every_s:.0f} s "
                   f"(logs: {log_dir})", flush=True)
             locust.wait(timeout=args.duration + 300)
         ended = time.time()
@@ -222,6 +249,7 @@ def main(argv=None) -> int:
         requests = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
         report = summarize(requests, injector.faults, sampler.samples, started, ended, grace_s=JOB_TIMEOUT_S + 5)
         report["restarts"] = cluster.supervisor.restarts if cluster.supervisor else {}
+        report["counters"] = counters(cluster)
         out.write_text(json.dumps(report, indent=2))
     finally:
         cluster.stop()
@@ -229,7 +257,7 @@ def main(argv=None) -> int:
         redis_server.stop()
     print(json.dumps({k: report[k] for k in ("sent", "completed", "failed", "hung", "wrong_outputs",
                                               "unexplained_failures", "memory_growth_fraction", "longest_stream",
-                                              "latency_s", "restarts", "passed")}, indent=1))
+                                              "latency_s", "restarts", "counters", "passed")}, indent=1))
     print(f"soak: {'passed' if report['passed'] else 'FAILED'}; the report is {out}", flush=True)
     return 0 if report["passed"] else 1
 
