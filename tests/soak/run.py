@@ -37,6 +37,8 @@ from specmesh.prompts import encode_chat, mtbench_prompts  # noqa: E402
 
 JOB_TIMEOUT_S = 20.0  # the router's per-step limit: a failure up to this long after a fault is the fault's
 FAULT_KINDS = ("kill_verifier", "kill_drafter", "stop_verifier", "stop_drafter", "restart_redis", "delay_redis")
+FAULT_S = 20.0  # about how long a fault lasts, a restarted model process's loading included
+QUIET_S = 20.0  # the load's last seconds are fault-free: the run ends on a calm cluster
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,11 +97,15 @@ class Injector(threading.Thread):
 
     def run(self) -> None:
         order: list[str] = []
-        while not self.stop.wait(self.rng.uniform(0.5, 1.5) * self.every_s):
-            if time.time() >= self.until:
-                return
+        while True:
             if not order:
                 order = self.rng.sample(FAULT_KINDS, len(FAULT_KINDS))
+            # the round's faults must fit before ``until``: the gaps shrink when time is short
+            room = self.until - time.time() - FAULT_S * len(order)
+            if self.stop.wait(min(self.rng.uniform(0.5, 1.5) * self.every_s, max(room / len(order), 2.0))):
+                return
+            if time.time() >= self.until:
+                return
             kind = order.pop()
             try:
                 fault = getattr(self, kind)()
@@ -229,7 +235,7 @@ def main(argv=None) -> int:
         sampler = Sampler(cluster, redis_server)
         # the faults themselves take ~90 s a round (two restarts of a model process among them)
         every_s = args.fault_every or min(30.0, max(5.0, (args.duration - 90) / len(FAULT_KINDS)))
-        injector = Injector(cluster, redis_server, proxy, rng, until=started + args.duration - 30, every_s=every_s)
+        injector = Injector(cluster, redis_server, proxy, rng, until=started + args.duration - QUIET_S, every_s=every_s)
         with open(log_dir / "locust.log", "w") as locust_log:
             locust = subprocess.Popen(
                 [sys.executable, "-m", "locust", "-f", str(Path(__file__).parent / "locustfile.py"), "--headless",
