@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import logging
 import time
 from collections import OrderedDict
@@ -28,20 +29,35 @@ from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
 
 log = logging.getLogger("specmesh.drafter")
 DEFAULT_SESSION_TOKENS = 1 << 15  # without a target's context to go by
+DEFAULT_TOTAL_TOKENS = 1 << 20  # all sessions together (prompt lookup's index: ~0.8 KB a token)
+TRIM_EVERY_S = 5.0  # how often freed memory may be handed back to the system
+
+
+def trim_heap() -> None:
+    """Give the C heap's free memory back to the system (glibc keeps freed small blocks otherwise)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 class DrafterSessions:
-    """The drafter's sessions, bounded: past ``max_sessions`` the least recently used is ended (its
-    router re-opens it on NOT_FOUND), and no session grows past ``max_session_tokens`` (the target's
-    context: no request is longer), so what callers can make it hold is at most their product."""
+    """The drafter's sessions, bounded three ways: no session grows past ``max_session_tokens`` (the
+    target's context: no request is longer); past ``max_sessions`` sessions, or ``max_total_tokens``
+    tokens in all, the least recently used are ended (their routers re-open them on NOT_FOUND). Memory
+    freed by ended sessions goes back to the system (``trim``)."""
 
     def __init__(self, drafter: Drafter, vocab_size: int, max_sessions: int,
-                 max_session_tokens: int = DEFAULT_SESSION_TOKENS) -> None:
+                 max_session_tokens: int = DEFAULT_SESSION_TOKENS, max_total_tokens: int = DEFAULT_TOTAL_TOKENS) -> None:
         self.drafter = drafter
         self.vocab_size = vocab_size
         self.max_sessions = max_sessions
         self.max_session_tokens = max_session_tokens
+        self.max_total_tokens = max(max_total_tokens, max_session_tokens)
         self._sessions: OrderedDict[str, int] = OrderedDict()  # request -> tokens held, least recently used first
+        self.total_tokens = 0
+        self._ended = 0  # sessions ended since the heap was last trimmed
+        self._trimmed_at = 0.0
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -54,6 +70,20 @@ class DrafterSessions:
         if bad:
             raise InvalidArgument(field, f"token ids {bad[:5]} are outside the vocabulary (0..{self.vocab_size - 1})")
 
+    def _hold(self, request_id: str, tokens: int) -> None:
+        """The session now holds ``tokens`` more; end the least recently used others past the bounds."""
+        self._sessions[request_id] = self._sessions.get(request_id, 0) + tokens
+        self._sessions.move_to_end(request_id)
+        self.total_tokens += tokens
+        while len(self._sessions) > 1 and (len(self._sessions) > self.max_sessions
+                                           or self.total_tokens > self.max_total_tokens):
+            self._end(next(iter(self._sessions)))
+
+    def _end(self, request_id: str) -> None:
+        self.total_tokens -= self._sessions.pop(request_id)
+        self._ended += 1
+        self.drafter.end(request_id)
+
     def open(self, request_id: str, prompt_ids: Sequence[int]) -> None:
         if not request_id:
             raise InvalidArgument("request_id", "is empty")
@@ -61,13 +91,9 @@ class DrafterSessions:
             raise InvalidArgument("prompt_ids", "is empty; a session starts from at least one token")
         self._check_tokens("prompt_ids", prompt_ids)
         if request_id in self._sessions:
-            self.drafter.end(request_id)
-            del self._sessions[request_id]
-        while len(self._sessions) >= self.max_sessions:
-            oldest, _ = self._sessions.popitem(last=False)
-            self.drafter.end(oldest)
+            self._end(request_id)
         self.drafter.start(request_id, list(prompt_ids))
-        self._sessions[request_id] = len(prompt_ids)
+        self._hold(request_id, len(prompt_ids))
 
     def propose(self, request_id: str, committed: Sequence[int], budget: int, assumed: Sequence[int] = (),
                 features: Features | None = None):
@@ -75,13 +101,11 @@ class DrafterSessions:
             raise InvalidArgument("budget", f"must be in 0..{MAX_TREE_NODES}, got {budget}")
         if request_id not in self._sessions:
             raise NotFound(f"no drafting session for request {request_id!r}; open one first")
-        held = self._sessions[request_id]
-        self._check_tokens("committed", committed, held)
+        self._check_tokens("committed", committed, self._sessions[request_id])
         self._check_tokens("assumed", assumed)  # guessed tokens, not held
-        self._sessions.move_to_end(request_id)
-        self._sessions[request_id] = held + len(committed)
         if committed:
             self.drafter.commit(request_id, list(committed))
+        self._hold(request_id, len(committed))
         if features is not None:
             if not hasattr(self.drafter, "add_features"):
                 raise InvalidArgument("features", f"drafter {self.drafter.name!r} reads no features; send none")
@@ -91,13 +115,20 @@ class DrafterSessions:
     def close(self, request_id: str, committed: Sequence[int]) -> None:
         if request_id not in self._sessions:
             return
-        held = self._sessions.pop(request_id)
         try:
-            self._check_tokens("committed", committed, held)
+            self._check_tokens("committed", committed, self._sessions[request_id])
             if committed:
                 self.drafter.commit(request_id, list(committed))
         finally:
-            self.drafter.end(request_id)
+            self._end(request_id)
+
+    def trim(self, now: float) -> bool:
+        """Hand freed memory back to the system when sessions ended, at most every ``TRIM_EVERY_S``."""
+        if not self._ended or now - self._trimmed_at < TRIM_EVERY_S:
+            return False
+        trim_heap()
+        self._ended, self._trimmed_at = 0, now
+        return True
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
@@ -111,7 +142,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     async def OpenSession(self, request, context):
         await self._run(self.sessions.open, request.request_id, tuple(request.prompt_ids))
         self.metrics.sessions.labels(self.info.name).set(len(self.sessions))
+        await self._trim()  # it may have ended the least recently used
         return drafter_pb2.OpenSessionResponse()
+
+    async def _trim(self) -> None:
+        await self._run(self.sessions.trim, time.monotonic())
 
     async def Propose(self, request, context):
         started = time.perf_counter()
@@ -127,6 +162,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     async def CloseSession(self, request, context):
         await self._run(self.sessions.close, request.request_id, tuple(request.committed))
         self.metrics.sessions.labels(self.info.name).set(len(self.sessions))
+        await self._trim()
         return drafter_pb2.CloseSessionResponse()
 
     async def Info(self, request, context):
@@ -156,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the registry for --announce [SPECMESH_REDIS_URL]")
     parser.add_argument("--threads", type=int, default=int(env_default("threads", "1")), help="torch threads")
     parser.add_argument("--max-sessions", type=int, default=int(env_default("max_sessions", "1024")))
+    parser.add_argument("--max-tokens", type=int, default=int(env_default("max_tokens", str(DEFAULT_TOTAL_TOKENS))),
+                        help="tokens all sessions may hold together; past it the least recently used end (each "
+                             "session holds at most the target's context) [SPECMESH_MAX_TOKENS]")
     parser.add_argument("--device", default=env_default("device"),
                         help="where the drafter runs: cpu, cuda, cuda:N or auto (default: an expert on the CPU, "
                              "a model on CUDA when present) [SPECMESH_DEVICE]")
@@ -186,7 +225,8 @@ async def serve(args: argparse.Namespace) -> None:
     )
     metrics = DrafterMetrics()
     endpoint = serve_metrics(metrics, args.metrics_address)
-    sessions = DrafterSessions(drafter, target.vocab_size, args.max_sessions, target.max_length or DEFAULT_SESSION_TOKENS)
+    sessions = DrafterSessions(drafter, target.vocab_size, args.max_sessions, target.max_length or DEFAULT_SESSION_TOKENS,
+                               args.max_tokens)
     servicer = DrafterServicer(sessions, info, torch_thread, metrics)
     server = await start_server(
         [Service(drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name,

@@ -2,7 +2,8 @@
 process, the router; supervised as `specmesh up` does) under sustained mixed traffic from locust, while
 faults arrive at random: kill -9 and SIGSTOP of verifiers and drafters, Redis restarted, the network
 to Redis slowed down. Writes a JSON report (default out/soak.json) and exits 1 unless nothing hung, no
-output was wrong, every failure is one a fault explains, memory grew < 10 % and the streams stayed short.
+output was wrong, every failure is one a fault explains, memory grew < 10 %, the streams stayed short
+and, once the load is over, no request, KV cache or drafter session is held any more.
 
     python tests/soak/run.py --duration 180          # what CI runs (make soak)
     python tests/soak/run.py --duration 1800         # the 30-minute run (docs/soak.md)
@@ -188,10 +189,14 @@ class Sampler(threading.Thread):
             self.samples.append(Sample(time.time(), rss, used, streams))
 
 
+HELD = {"specmesh_requests_in_flight": "requests_in_flight", "specmesh_kv_sessions": "kv_sessions",
+        "specmesh_drafter_sessions": "drafter_sessions"}  # what must be back to 0 once the load is over
+
+
 def counters(cluster: LocalCluster) -> dict[str, float]:
-    """What the services counted (since each last started): jobs re-sent by the router, and the
-    verifiers' jobs by outcome (repeat: a re-sent job answered again)."""
-    totals: dict[str, float] = {}
+    """What the services counted (since each last started): jobs re-sent by the router, the verifiers' jobs
+    by outcome (repeat: a re-sent job answered again), worker errors; and what they hold now (``HELD``)."""
+    totals: dict[str, float] = dict.fromkeys(HELD.values(), 0.0)
     for process in cluster.processes():
         try:
             with urllib.request.urlopen(process.metrics_url, timeout=5) as answer:
@@ -201,13 +206,27 @@ def counters(cluster: LocalCluster) -> dict[str, float]:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 if sample.name == "specmesh_resent_jobs_total":
-                    totals["resent_jobs"] = totals.get("resent_jobs", 0) + sample.value
+                    key = "resent_jobs"
                 elif sample.name == "specmesh_verify_jobs_total":
                     key = f"verifier_jobs_{sample.labels['outcome']}"
-                    totals[key] = totals.get(key, 0) + sample.value
                 elif sample.name == "specmesh_verifier_worker_errors_total":
-                    totals["worker_errors"] = totals.get("worker_errors", 0) + sample.value
+                    key = "worker_errors"
+                elif sample.name in HELD:
+                    key = HELD[sample.name]
+                else:
+                    continue
+                totals[key] = totals.get(key, 0) + sample.value
     return totals
+
+
+def settled(cluster: LocalCluster, timeout_s: float = 30.0) -> dict[str, float]:
+    """``counters`` once nothing is held any more (closes are served within a second or so), or at the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = counters(cluster)
+        if not any(found[key] for key in HELD.values()) or time.monotonic() >= deadline:
+            return found
+        time.sleep(1.0)
 
 
 def main(argv=None) -> int:
@@ -255,7 +274,9 @@ def main(argv=None) -> int:
         requests = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
         report = summarize(requests, injector.faults, sampler.samples, started, ended, grace_s=JOB_TIMEOUT_S + 5)
         report["restarts"] = cluster.supervisor.restarts if cluster.supervisor else {}
-        report["counters"] = counters(cluster)
+        report["counters"] = settled(cluster)
+        report["held_at_end"] = {key: report["counters"][key] for key in HELD.values()}
+        report["passed"] = report["passed"] and not any(report["held_at_end"].values())
         out.write_text(json.dumps(report, indent=2))
     finally:
         cluster.stop()
@@ -263,7 +284,7 @@ def main(argv=None) -> int:
         redis_server.stop()
     print(json.dumps({k: report[k] for k in ("sent", "completed", "failed", "hung", "wrong_outputs",
                                               "unexplained_failures", "memory_growth_fraction", "longest_stream",
-                                              "latency_s", "restarts", "counters", "passed")}, indent=1))
+                                              "latency_s", "restarts", "counters", "held_at_end", "passed")}, indent=1))
     print(f"soak: {'passed' if report['passed'] else 'FAILED'}; the report is {out}", flush=True)
     return 0 if report["passed"] else 1
 
