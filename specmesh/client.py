@@ -44,7 +44,7 @@ def _service_config(retries: int) -> str:
         "methodConfig": [{
             "name": [{"service": "specmesh.v1.Router"}],
             "retryPolicy": {
-                "maxAttempts": max(2, retries + 1),
+                "maxAttempts": retries + 1,
                 "initialBackoff": "0.2s",
                 "maxBackoff": "5s",
                 "backoffMultiplier": 2,
@@ -55,8 +55,10 @@ def _service_config(retries: int) -> str:
 
 
 def _channel_options(retries: int) -> list[tuple[str, object]]:
-    return [("grpc.enable_retries", 1), ("grpc.service_config", _service_config(retries)),
-            ("grpc.max_receive_message_length", 64 << 20)]
+    options: list[tuple[str, object]] = [("grpc.max_receive_message_length", 64 << 20)]
+    if retries < 1:  # gRPC's retry policies try at least twice: none at all means retries off
+        return [*options, ("grpc.enable_retries", 0)]
+    return [*options, ("grpc.enable_retries", 1), ("grpc.service_config", _service_config(retries))]
 
 
 @dataclass(frozen=True)

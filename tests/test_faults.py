@@ -15,6 +15,7 @@ from conftest import HANG_S, wait_until_async
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specmesh.client import AsyncClient
+from specmesh.cluster.gateway import RouterLimits
 from specmesh.cluster.queue import VerifierQueue, encode_job
 from specmesh.cluster.serving import Service, TorchThread, start_server
 from specmesh.cluster.signing import JOB
@@ -324,3 +325,37 @@ def test_a_long_prefill_is_chunked_between_other_requests_steps(redis_server, ti
     result, short_steps, resent = asyncio.run(main())
     assert result.verdict == whole.verdict and result.prefilled_tokens == len(history)
     assert short_steps >= 2 and resent == 0
+
+
+def test_without_a_verifier_requests_wait_in_a_bounded_queue_then_fail_cleanly(redis_server, model, tokenizer):
+    """No verifier: requests are taken and wait for one; past the pool's backlog limit new ones are refused
+    RESOURCE_EXHAUSTED; one that waits past the job timeout fails UNAVAILABLE (never hangs); when a
+    verifier comes the waiting ones complete."""
+    limits = RouterLimits(max_tree_nodes=0, max_queue_backlog=2, speculation="off")
+
+    async def main():
+        async with ServiceStack(redis_server.url, model, tokenizer, NgramDrafter(), limits, verifiers=0) as stack:
+            async with AsyncClient(stack.address, retries=0) as client:
+                waiting = [asyncio.create_task(client.generate(prompt_ids=[5 + i, 6, 7], max_tokens=4)) for i in range(2)]
+                await wait_until_async(lambda: backlog_is(stack, 2), what="two jobs wait")
+                stack.pool.client.job_timeout_s = 1.0  # for the next request only (the others posted theirs)
+                started = time.monotonic()
+                with pytest.raises(grpc.aio.AioRpcError) as late:
+                    await asyncio.wait_for(client.generate(prompt_ids=[8, 8], max_tokens=4), HANG_S)
+                waited = time.monotonic() - started
+                stack.pool.client.job_timeout_s = 30.0
+                # its job is still queued (a verifier drops it as expired): 3 > 2, the queue is full
+                with pytest.raises(grpc.aio.AioRpcError) as full:
+                    await client.generate(prompt_ids=[9, 9, 9], max_tokens=4)
+                stack.pool.add_worker("late")
+                answers = await asyncio.wait_for(asyncio.gather(*waiting), HANG_S)
+        return full.value, late.value, waited, answers
+
+    full, late, waited, answers = asyncio.run(main())
+    assert full.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue" in full.details()
+    assert late.code() == grpc.StatusCode.UNAVAILABLE and "no verifier answered" in late.details() and waited < 30
+    assert [a.token_ids for a in answers] == [plain_greedy(model, [5 + i, 6, 7], 4) for i in range(2)]
+
+
+async def backlog_is(stack: ServiceStack, count: int) -> bool:
+    return await stack.pool.redis.xlen(stack.pool.keys.jobs) == count
