@@ -444,11 +444,10 @@ def test_a_second_answer_from_another_verifier_has_its_session_closed(redis_serv
     async def main():
         async with InProcessPool(redis_server.url, tiny_model, workers=2) as pool:
             job = first_job("twice")
-            waiting = asyncio.create_task(pool.client.verify(job))
-            await wait_until_async(lambda: pool.redis.xlen(pool.keys.jobs), what="the job is queued")
+            pool.client.affinity["twice"] = "v0"  # posted to v0's own stream, a copy to v1's
             payload = encode_job(job, pool.client.reply_to, 0)
-            await pool.redis.xadd(pool.keys.jobs, {"job": payload, "tag": pool.signer.tag(JOB, payload)})
-            await asyncio.wait_for(waiting, HANG_S)
+            await pool.redis.xadd(pool.keys.own_jobs("v1"), {"job": payload, "tag": pool.signer.tag(JOB, payload)})
+            await asyncio.wait_for(pool.client.verify(job), HANG_S)
             await wait_until_async(lambda: sum(w.verifier.stats.jobs for w in pool.workers) == 2,
                                    what="both copies were verified")
             await wait_until_async(lambda: sum(w.verifier.num_sessions for w in pool.workers) == 1,
