@@ -485,6 +485,7 @@ def _serve_cluster(cluster, args: argparse.Namespace, started: float) -> int:
             while not cluster.supervisor.failed.wait(1.0):  # what dies is restarted; a vital part's crash loop ends it
                 pass
             print(f"specmesh: shutting the cluster down (logs: {cluster.log_dir})", flush=True)
+            cluster.keep_logs = True
             return 1
         except KeyboardInterrupt:
             print("\nstopping: draining the services ...", flush=True)

@@ -1,6 +1,7 @@
 """The command line on the embedded model: bad input gets one clear line naming the argument, never a traceback."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -180,7 +181,8 @@ def test_up_restarts_a_killed_verifier_and_stops_cleanly(stop, tmp_path):
 
     env = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", **_passthrough(), "TMPDIR": str(tmp_path)}
     up = subprocess.Popen([sys.executable, "-m", "specmesh", "up", "--no-demo", "--drafter", "ngram", "--port", "0",
-                           "--http-port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+                           "--http-port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                          start_new_session=True)  # its own process group, as in a terminal
     lines: list[str] = []
     try:
         read_until(up, "serving on", lines)
@@ -194,7 +196,7 @@ def test_up_restarts_a_killed_verifier_and_stops_cleanly(stop, tmp_path):
             time.sleep(0.2)
         services = psutil.Process(up.pid).children()
         assert len([p for p in services if "specmesh.services.verifier" in " ".join(p.cmdline())]) == 1
-        up.send_signal(stop)
+        os.killpg(up.pid, stop)  # a terminal's Ctrl-C goes to the whole foreground group
         rest, _ = up.communicate(timeout=120)
     finally:
         if up.poll() is None:

@@ -4,8 +4,9 @@ under the same id, a request abandoned mid-step, health that tells the truth, ma
 oversized prompts and drafter sessions."""
 
 import asyncio
-import gc
-import random
+import json
+import subprocess
+import sys
 import time
 
 import grpc
@@ -168,12 +169,16 @@ async def router_serving(address: str) -> bool:
     return await health_of(address, ROUTER_SERVICE) == SERVING
 
 
+async def router_not_serving(address: str) -> bool:
+    return await health_of(address, ROUTER_SERVICE) == NOT_SERVING
+
+
 def test_the_router_says_when_no_verifier_is_live_and_its_requests_wait_for_one(redis_server, model, tokenizer):
     """With no live verifier the Router service is NOT_SERVING (the server itself stays SERVING: requests
     are taken and wait, within their deadline, for a verifier to come back)."""
     async def main():
         async with ServiceStack(redis_server.url, model, tokenizer, NgramDrafter(), verifiers=0) as stack:
-            await asyncio.sleep(0.5)  # a watch round
+            await wait_until_async(lambda: router_not_serving(stack.address), what="the watch saw no verifier")
             without = (await health_of(stack.address), await health_of(stack.address, ROUTER_SERVICE))
             async with AsyncClient(stack.address) as client:
                 waiting = asyncio.create_task(client.generate(prompt_ids=list(PROMPT), max_tokens=8))
@@ -253,7 +258,7 @@ def test_a_16_mb_prompt_is_refused_at_once_and_the_router_answers_meanwhile(redi
     err, refused_after, health, long = asyncio.run(main())
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt" in err.details() and "characters" in err.details()
     assert refused_after < 10  # sending 16 MB over loopback, then one length check
-    assert all(status == SERVING and seconds < 1.0 for status, seconds in health)
+    assert all(status == SERVING and seconds < 5.0 for status, seconds in health)  # (none, if refused at once)
     assert 3_000 <= long <= 3_001  # "word" and " word" tokens (and a trailing space)
 
 
@@ -280,23 +285,32 @@ def test_drafter_sessions_stay_within_the_context_the_count_and_the_token_budget
     assert sessions.trim(now=100.0) and not sessions.trim(now=101.0)  # sessions ended: once, then not so soon
 
 
+MEMORY_PROBE = """
+import gc, json, random, time, psutil
+from specmesh.drafters.ngram import NgramDrafter
+from specmesh.services.drafter.server import DrafterSessions
+process, rng = psutil.Process(), random.Random(0)
+sessions = DrafterSessions(NgramDrafter(), vocab_size=49152, max_sessions=1000, max_session_tokens=2000,
+                           max_total_tokens=2_000_000)
+before = process.memory_info().rss
+for i in range(1000):
+    sessions.open(f"r{i}", [rng.randrange(49152) for _ in range(2000)])
+held = process.memory_info().rss
+for i in range(1000):
+    sessions.close(f"r{i}", [])
+gc.collect()
+sessions.trim(time.monotonic() + 3600)
+print(json.dumps([before, held, process.memory_info().rss]))
+"""
+
+
 def test_memory_of_closed_drafter_sessions_goes_back_to_the_system():
     """1,000 sessions of 2,000 tokens in prompt lookup's index, then closed: the process's RSS comes back
-    to within 100 MB of where it was (it kept ~700 MB of freed blocks before the heap was trimmed)."""
-    import psutil
-
-    process, rng = psutil.Process(), random.Random(0)
-    sessions = DrafterSessions(NgramDrafter(), vocab_size=49152, max_sessions=1000, max_session_tokens=2000,
-                               max_total_tokens=2_000_000)
-    before = process.memory_info().rss
-    for i in range(1000):
-        sessions.open(f"r{i}", [rng.randrange(49152) for _ in range(2000)])
-    held = process.memory_info().rss
-    for i in range(1000):
-        sessions.close(f"r{i}", [])
-    gc.collect()
-    sessions.trim(time.monotonic() + 3600)
-    after = process.memory_info().rss
+    to within 100 MB of where it was (it kept ~700 MB of freed blocks before the heap was trimmed). In a
+    process of its own: what this one freed before would blur it."""
+    answer = subprocess.run([sys.executable, "-c", MEMORY_PROBE], capture_output=True, text=True, timeout=300)
+    assert answer.returncode == 0, answer.stderr
+    before, held, after = json.loads(answer.stdout.strip().splitlines()[-1])
     assert held - before > 500 << 20  # the sessions did hold memory
     assert after - before < 100 << 20, f"{(after - before) >> 20} MB not given back"
 
@@ -359,3 +373,101 @@ def test_without_a_verifier_requests_wait_in_a_bounded_queue_then_fail_cleanly(r
 
 async def backlog_is(stack: ServiceStack, count: int) -> bool:
     return await stack.pool.redis.xlen(stack.pool.keys.jobs) == count
+
+
+def test_a_verifier_reads_all_it_holds_again_a_page_at_a_time(redis_server):
+    async def main():
+        import redis.asyncio as aioredis
+
+        from specmesh.cluster.queue import QueueKeys
+        from specmesh.cluster.signing import QueueSigner, new_key
+
+        client = aioredis.Redis.from_url(redis_server.url)
+        signer = QueueSigner(new_key())
+        queue = VerifierQueue(client, QueueKeys(pool="paged"), "v0", signer=signer)
+        await queue.register()
+        payload = encode_job(first_job("x"), "specmesh:results:r", 0)
+        for _ in range(300):
+            await client.xadd(queue.keys.jobs, {"job": payload, "tag": signer.tag(JOB, payload)})
+        taken = 0
+        while read := await queue.read(count=100, block_ms=10, include_pool=True):  # taken, not answered
+            taken += len(read)
+        again = await queue.held_before()
+        await client.aclose()
+        return taken, len(again), len({e.entry_id for e in again})
+
+    assert asyncio.run(main()) == (300, 300, 300)
+
+
+def test_only_one_verifier_claims_a_dead_ones_job(redis_server):
+    async def main():
+        import redis.asyncio as aioredis
+
+        from specmesh.cluster.queue import QueueKeys
+        from specmesh.cluster.signing import QueueSigner, new_key
+
+        client, keys, signer = aioredis.Redis.from_url(redis_server.url), QueueKeys(pool="claims"), QueueSigner(new_key())
+        ghost, a, b = (VerifierQueue(client, keys, name, heartbeat_ttl_s=0.3, signer=signer) for name in ("ghost", "a", "b"))
+        for queue in (ghost, a, b):
+            await queue.register()
+        payload = encode_job(first_job("x"), "specmesh:results:r", 0)
+        await client.xadd(keys.jobs, {"job": payload, "tag": signer.tag(JOB, payload)})
+        assert len(await ghost.read(count=10, block_ms=10, include_pool=True)) == 1
+        await wait_until_async(lambda: dead(client, keys.alive("ghost")), what="the ghost's heartbeat expired")
+        await asyncio.sleep(0.2)  # idle past a third of the TTL
+        first, second = await a.reclaim(), await b.reclaim()
+        await client.aclose()
+        return len(first), len(second)
+
+    assert asyncio.run(main()) == (1, 0)
+
+
+async def dead(client, key: str) -> bool:
+    return not await client.exists(key)
+
+
+def test_a_job_for_a_verifier_whose_stream_is_gone_goes_to_the_pool(redis_server, tiny_model):
+    async def main():
+        async with InProcessPool(redis_server.url, tiny_model, workers=1) as pool:
+            pool.client.affinity["moved"] = "gone"  # its verifier died and another adopted (deleted) its stream
+            pool.client.alive.add("gone")  # the router has not noticed yet
+            result = await asyncio.wait_for(pool.client.verify(first_job("moved")), HANG_S)
+            return result, await pool.redis.exists(pool.keys.own_jobs("gone"))
+
+    result, recreated = asyncio.run(main())
+    assert result.verdict is not None and not recreated
+
+
+def test_a_second_answer_from_another_verifier_has_its_session_closed(redis_server, tiny_model):
+    """The same job taken by two verifiers (a claim while its first holder was still at it): the router
+    takes the first answer and closes the session the second opened."""
+    async def main():
+        async with InProcessPool(redis_server.url, tiny_model, workers=2) as pool:
+            job = first_job("twice")
+            pool.client.affinity["twice"] = "v0"  # posted to v0's own stream, a copy to v1's
+            payload = encode_job(job, pool.client.reply_to, 0)
+            await pool.redis.xadd(pool.keys.own_jobs("v1"), {"job": payload, "tag": pool.signer.tag(JOB, payload)})
+            await asyncio.wait_for(pool.client.verify(job), HANG_S)
+            await wait_until_async(lambda: sum(w.verifier.stats.jobs for w in pool.workers) == 2,
+                                   what="both copies were verified")
+            await wait_until_async(lambda: sum(w.verifier.num_sessions for w in pool.workers) == 1,
+                                   timeout_s=10, what="the second session was closed")
+            return [w.verifier.num_sessions for w in pool.workers], pool.client.affinity["twice"]
+
+    sessions, holder = asyncio.run(main())
+    assert sorted(sessions) == [0, 1] and holder in ("v0", "v1")
+
+
+def test_a_verifier_that_stood_still_past_its_heartbeat_drops_its_stale_sessions(redis_server, tiny_model):
+    async def main():
+        async with InProcessPool(redis_server.url, tiny_model, workers=1) as pool:
+            worker = pool.workers[0]
+            await asyncio.wait_for(pool.client.verify(first_job("stale")), HANG_S)
+            assert worker.verifier.num_sessions == 1
+            time.sleep(1.5)  # the whole process stands still (a SIGSTOP, a stall) past the 1 s TTL
+            await wait_until_async(lambda: worker.verifier.num_sessions == 0, timeout_s=10,
+                                   what="the stale session was dropped")
+            after = await asyncio.wait_for(pool.client.verify(first_job("after")), HANG_S)
+            return after
+
+    assert asyncio.run(main()).verdict is not None

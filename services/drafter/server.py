@@ -122,9 +122,13 @@ class DrafterSessions:
         finally:
             self._end(request_id)
 
+    def trim_due(self, now: float) -> bool:
+        """Sessions ended, and the last trim is ``TRIM_EVERY_S`` ago."""
+        return bool(self._ended) and now - self._trimmed_at >= TRIM_EVERY_S
+
     def trim(self, now: float) -> bool:
-        """Hand freed memory back to the system when sessions ended, at most every ``TRIM_EVERY_S``."""
-        if not self._ended or now - self._trimmed_at < TRIM_EVERY_S:
+        """Hand freed memory back to the system when it is due."""
+        if not self.trim_due(now):
             return False
         trim_heap()
         self._ended, self._trimmed_at = 0, now
@@ -146,7 +150,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         return drafter_pb2.OpenSessionResponse()
 
     async def _trim(self) -> None:
-        await self._run(self.sessions.trim, time.monotonic())
+        if self.sessions.trim_due(time.monotonic()):  # on the drafting thread: it frees what that thread holds
+            await self._run(self.sessions.trim, time.monotonic())
 
     async def Propose(self, request, context):
         started = time.perf_counter()
@@ -154,6 +159,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         tree = await self._run(self.sessions.propose, request.request_id, tuple(request.committed), request.budget,
                                tuple(request.assumed), features)
         seconds = time.perf_counter() - started
+        self.metrics.sessions.labels(self.info.name).set(len(self.sessions))  # growing, it may have ended others
+        await self._trim()
         self.metrics.proposals.labels(self.info.name).inc()
         self.metrics.proposed_nodes.labels(self.info.name).inc(len(tree))
         self.metrics.propose_seconds.labels(self.info.name).observe(seconds)

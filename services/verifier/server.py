@@ -63,6 +63,7 @@ class VerifierWorker:
         self._recent: OrderedDict[str, tuple[int, bytes]] = OrderedDict()  # request -> (step, posted result)
         self.rhythm = PassRhythm()
         self.tree_pass_ms = 0.0  # moving average of a pass's tree verification (prefill excluded)
+        self.lapsed = False  # the process stood still past the heartbeat's TTL: the others took its work over
 
     def job_rows(self, entry: Entry) -> int:
         """Target rows the job adds to the next pass: root, tree, and its next prefill chunk."""
@@ -89,7 +90,12 @@ class VerifierWorker:
     async def _beat(self) -> None:
         """The heartbeat, on its own: a pass of any length is not a death. It stops when the worker does
         (or drains), so that the others reclaim what this verifier held."""
+        last = time.monotonic()
         while not self.unready.is_set():
+            now = time.monotonic()
+            if now - last > self.queue.heartbeat_ttl_s:  # stopped (SIGSTOP) or starved: presumed dead meanwhile
+                self.lapsed = True
+            last = now
             try:
                 await self.queue.heartbeat()
             except REDIS_DOWN:
@@ -108,6 +114,12 @@ class VerifierWorker:
         backoff = redis_reconnect()
         while not self.stopped.is_set():
             try:
+                if self.lapsed:  # its requests went to the others: its sessions and jobs in hand are stale
+                    log.warning("this verifier stood still past its heartbeat; dropping %d session(s) and %d "
+                                "job(s) in hand", self.verifier.num_sessions, len(backlog))
+                    self.lapsed, backlog, recovered = False, [], False  # what is still its own is read again
+                    self._recent.clear()
+                    await self.torch_thread.run(self.verifier.close_all)
                 if not registered:
                     await self.queue.register()
                     registered = True
@@ -130,14 +142,14 @@ class VerifierWorker:
             except REDIS_DOWN as exc:  # keep the KV sessions; routers re-send what was lost
                 if registered:
                     log.warning("Redis unreachable (%s); retrying", exc)
-                registered = False
+                registered = recovered = False  # the jobs in hand are still pending here: read again
                 backlog = []
                 await asyncio.sleep(backoff.next())
             except Exception:  # a bug or an entry nobody foresaw: logged, the jobs in hand are acknowledged
                 # unanswered (their routers post them again), the worker lives on
                 log.exception("the worker's loop failed; dropping %d job(s) in hand and carrying on", len(backlog))
                 self.metrics.worker_errors.inc()
-                backlog = await self._drop(backlog)
+                backlog, recovered = await self._drop(backlog), False
                 await asyncio.sleep(backoff.next())
 
     async def _drop(self, backlog: list[Entry]) -> list[Entry]:

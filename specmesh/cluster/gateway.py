@@ -111,7 +111,8 @@ class Router:
         self.classifier = classifier
         self.metrics = metrics
         self.active = 0
-        self._inputs = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inputs")  # one: the tokenizer is not shared
+        # one thread: encodings run one at a time (a fast tokenizer's encode may change its settings)
+        self._inputs = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inputs")
 
     # ---- inputs ----
 

@@ -149,6 +149,7 @@ class LocalCluster:
     def __init__(self, spec: ClusterSpec | None = None) -> None:
         self.spec = spec or ClusterSpec()
         self.temporary = self.spec.log_dir is None
+        self.keep_logs = False  # set after a failure: a temporary log directory stays, for its logs
         self.log_dir = Path(self.spec.log_dir or tempfile.mkdtemp(prefix="specmesh-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.redis = None if self.spec.redis_url else RedisServer(log_path=self.log_dir / "redis.log")
@@ -276,7 +277,7 @@ class LocalCluster:
         """SIGTERM (graceful: each drains) from the router down, then SIGKILL what is left. ``clean``: a
         temporary log directory goes too (kept after a failure, for its logs)."""
         if self.supervisor is not None:
-            self.supervisor.stop()
+            self.supervisor.hold()
         for process in self.processes():
             process.signal(signal.SIGCONT)  # a stopped process cannot drain
             process.signal(signal.SIGTERM)
@@ -285,9 +286,11 @@ class LocalCluster:
             if process.wait(max(0.0, deadline - time.monotonic())) is None:
                 process.signal(signal.SIGKILL)
                 process.wait(5)
+        if self.supervisor is not None:
+            self.supervisor.stop()
         if self.redis is not None:
             self.redis.stop()
-        if clean and self.temporary:
+        if clean and self.temporary and not self.keep_logs:
             shutil.rmtree(self.log_dir, ignore_errors=True)
 
     def __enter__(self) -> LocalCluster:

@@ -190,6 +190,7 @@ class QueueVerifierClient:
         for task in late:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._closing, return_exceptions=True)
         try:
             await self.redis.delete(self.reply_to)
         except REDIS_DOWN:
@@ -213,6 +214,9 @@ class QueueVerifierClient:
         payload = encode_job(job, self.reply_to, deadline_unix_ms)
         try:
             entry_id = await self._post(stream, payload, deadline)
+            if entry_id is None:  # that verifier's stream is gone (it died, another adopted it): the pool
+                stream = self.keys.jobs
+                entry_id = await self._post(stream, payload, deadline)
             while True:
                 left = deadline - time.monotonic()
                 try:
@@ -226,6 +230,11 @@ class QueueVerifierClient:
                         ) from None
                     if await self._still_queued(stream, entry_id) or future.done():
                         continue
+                    try:  # answered and deleted a moment ago: its result may still be on its way
+                        await asyncio.wait_for(asyncio.shield(future), LISTEN_BLOCK_MS / 1000 + 0.5)
+                        continue
+                    except asyncio.TimeoutError:
+                        pass
                     log.info("request %s step %d: the job left the queue unanswered; posting it again",
                              job.request_id, job.step)
                     self.resent_jobs += 1
@@ -283,12 +292,14 @@ class QueueVerifierClient:
         except REDIS_DOWN:
             pass  # the verifier evicts it when idle
 
-    async def _post(self, stream: str, payload: bytes, deadline: float) -> bytes:
-        """Post a job; returns its entry id."""
+    async def _post(self, stream: str, payload: bytes, deadline: float) -> bytes | None:
+        """Post a job; returns its entry id (None: a verifier's own stream that no longer exists; only the
+        pool's stream is created here, so that no job lands where no verifier reads)."""
         backoff = redis_reconnect()
         while True:
             try:
-                return await self.redis.xadd(stream, {"job": payload, "tag": self.signer.tag(JOB, payload)})
+                return await self.redis.xadd(stream, {"job": payload, "tag": self.signer.tag(JOB, payload)},
+                                             nomkstream=stream != self.keys.jobs)
             except REDIS_DOWN as exc:
                 self.redis_ok = False
                 if time.monotonic() + backoff.delay_s >= deadline:
@@ -333,7 +344,14 @@ class QueueVerifierClient:
         future = self._waiting.get((message.request_id, message.step))
         if future is not None and not future.done():  # duplicates and late answers are ignored
             future.set_result(message)
-        elif message.request_id in self._closed and message.status == verifier_pb2.VerifyResult.OK:
+            return
+        if message.status != verifier_pb2.VerifyResult.OK:
+            return
+        # a late or second answer opened a session no one will use: the request was closed, or another
+        # verifier's answer was taken
+        taken = (future.result().verifier_id if future is not None and not future.cancelled()
+                 else self.affinity.get(message.request_id))
+        if message.request_id in self._closed or (taken is not None and taken != message.verifier_id):
             task = asyncio.get_running_loop().create_task(self._close_on(message.verifier_id, message.request_id))
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
@@ -401,13 +419,21 @@ class VerifierQueue:
         await pipe.execute()
 
     async def held_before(self) -> list[Entry]:
-        """Entries this verifier had taken and not answered before it restarted (same id): served again."""
+        """Entries this verifier had taken and not answered (before it restarted under the same id, or lost
+        Redis for a moment): served again."""
         entries: list[Entry] = []
         for stream in (self.keys.jobs, self.own):
-            try:
-                entries += self._entries(await self.redis.xreadgroup(GROUP, self.verifier_id, {stream: "0"}, count=256))
-            except ResponseError:  # no group yet
-                pass
+            after = "0"
+            while True:  # its pending entries, a page at a time
+                try:
+                    answer = await self.redis.xreadgroup(GROUP, self.verifier_id, {stream: after}, count=256)
+                except ResponseError:  # no group yet
+                    break
+                page = [item for _, items in answer or () for item in items]
+                if not page:
+                    break
+                entries += self._entries(answer)
+                after = page[-1][0]
         return entries
 
     async def unregister(self) -> None:
@@ -446,9 +472,9 @@ class VerifierQueue:
             if name == self.verifier_id or await self.redis.exists(self.keys.alive(name)):
                 continue
             held = await self.redis.xpending_range(self.keys.jobs, GROUP, "-", "+", 64, consumername=name)
-            if held:
-                claimed = await self.redis.xclaim(self.keys.jobs, GROUP, self.verifier_id, 0,
-                                                  [h["message_id"] for h in held])
+            if held:  # a claim resets an entry's idle time: a second verifier claiming at once gets nothing
+                claimed = await self.redis.xclaim(self.keys.jobs, GROUP, self.verifier_id,
+                                                  int(self.heartbeat_ttl_s * 1000 / 3), [h["message_id"] for h in held])
                 entries += self._entries([(self.keys.jobs.encode(), claimed)])
         return entries
 
@@ -501,7 +527,8 @@ class VerifierQueue:
         for stream, items in answer or ():
             name = stream.decode() if isinstance(stream, bytes) else stream
             for entry_id, fields in items:
-                if fields is None:  # deleted while pending
+                if not fields:  # deleted while pending: acknowledged, nothing to run
+                    entries.append(Entry(name, entry_id, None, None, now))
                     continue
                 kind, body = (CLOSE, fields[b"close"]) if b"close" in fields else (JOB, fields.get(b"job", b""))
                 if not self.signer.valid(kind, body, fields.get(b"tag")):  # not a router's: acknowledged, not run

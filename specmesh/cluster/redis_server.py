@@ -66,7 +66,8 @@ class RedisServer:
         command = [redis_server_binary(), *listen, "--bind", "127.0.0.1", "--save", "",
                    "--appendonly", "no", "--daemonize", "no", *self.extra_args]
         output = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
+        # a session of its own: a terminal's Ctrl-C reaches the launcher, which stops Redis last
+        self.process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

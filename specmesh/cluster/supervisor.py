@@ -48,7 +48,8 @@ class Supervisor:
         self.every_s = every_s
         self.records: dict[str, Record] = {}
         self.failed = threading.Event()  # an essential process crash-loops: the cluster cannot serve
-        self._stop = threading.Event()
+        self._hold = threading.Event()  # restart nothing more
+        self._stop = threading.Event()  # and end the thread
         self._thread: threading.Thread | None = None
 
     @property
@@ -60,21 +61,27 @@ class Supervisor:
         self._thread.start()
         return self
 
+    def hold(self) -> None:
+        """Restart nothing more (before the cluster is shut down). The thread lives on until ``stop``: a
+        process it started gets SIGTERM when it ends (``die_with_parent`` is per thread, PR_SET_PDEATHSIG)."""
+        self._hold.set()
+
     def stop(self) -> None:
-        """Restart nothing more (before the cluster is shut down)."""
+        self._hold.set()
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
 
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
-            self.check(time.monotonic())
+            if not self._hold.is_set():
+                self.check(time.monotonic())
 
     def check(self, now: float) -> None:
         """One round: note the crashes, start what is due."""
         for part in self.parts():
             record = self.records.setdefault(part.name, Record())
-            if record.given_up or self._stop.is_set():
+            if record.given_up or self._hold.is_set():
                 continue
             if record.restart_at is None:
                 if part.alive():

@@ -293,7 +293,8 @@ class TreeVerifier:
             return {}
         needed = {job.request_id: pool.extra_bytes(self._sessions[job.request_id], job.position + 1 + len(job.tree))
                   for job in jobs}
-        for request_id in [rid for rid in self._sessions if rid not in needed]:  # least recently used first
+        others = [rid for rid in self._sessions if rid not in needed]  # least recently used first, prefills
+        for request_id in sorted(others, key=lambda rid: rid in self._prefilling):  # under way last (sorted is stable)
             if pool.free_bytes >= sum(needed.values()):
                 return {}
             self.close(request_id)
