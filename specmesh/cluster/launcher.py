@@ -262,8 +262,7 @@ class LocalCluster:
     def _essential(self, part) -> bool:
         """Whether the cluster can serve without ``part`` (it crash-loops)."""
         if part in self.verifiers:
-            return all(self.supervisor.records.get(v.name) and self.supervisor.records[v.name].given_up
-                       for v in self.verifiers)
+            return all(self.supervisor.given_up(v.name) for v in self.verifiers)
         return part is self.redis or part is self.router
 
     def _report(self, message: str) -> None:

@@ -52,6 +52,11 @@ class Supervisor:
         self._stop = threading.Event()  # and end the thread
         self._thread: threading.Thread | None = None
 
+    def given_up(self, name: str) -> bool:
+        """Whether ``name`` crash-looped and is left down."""
+        record = self.records.get(name)
+        return record is not None and record.given_up
+
     @property
     def restarts(self) -> dict[str, int]:
         return {name: r.restarts for name, r in self.records.items()}

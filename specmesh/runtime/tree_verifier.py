@@ -193,18 +193,16 @@ class TreeVerifier:
         prefills: list[int] = []
         for i, job in enumerate(jobs):
             session = self._sessions.get(job.request_id)
-            if session is not None and session.length == job.position:
-                self._sessions.move_to_end(job.request_id)
-                self._last_used[job.request_id] = time.monotonic()
-                ready.append(i)
-            elif job.history is not None:
-                if not self._resuming(job):
+            current = session is not None and session.length == job.position
+            if current or job.history is not None:
+                if not current and not self._resuming(job):
                     self.close(job.request_id)
                     self._open(job.request_id)
                     self._prefilling[job.request_id] = Prefill(job.step, FIRST_CHUNK)
                 self._sessions.move_to_end(job.request_id)
                 self._last_used[job.request_id] = time.monotonic()
-                prefills.append(i)
+                if not current:
+                    prefills.append(i)
                 ready.append(i)
             else:
                 self.stats.resyncs += 1

@@ -56,47 +56,56 @@ class GrpcUser(User):
     def on_stop(self) -> None:
         self.client.close()
 
+    def _call(self, kind: str, call) -> None:
+        """Time ``call()`` (returns the output's check: ok, wrong or none) and record its outcome."""
+        started = time.time()
+        try:
+            check = call()
+            record(kind, started, "OK", check)
+        except grpc.RpcError as exc:
+            record(kind, started, status_of(exc))
+
     @task(4)
     def unary_greedy(self) -> None:
         case = random.choice(GREEDY)
-        started = time.time()
-        try:
+
+        def call() -> str:
             answer = self.client.generate(chat=[("user", case["prompt"])], max_tokens=MAX_TOKENS, temperature=0)
-            record("grpc_unary_greedy", started, "OK", "ok" if list(answer.token_ids) == case["tokens"] else "wrong")
-        except grpc.RpcError as exc:
-            record("grpc_unary_greedy", started, status_of(exc))
+            return "ok" if list(answer.token_ids) == case["tokens"] else "wrong"
+
+        self._call("grpc_unary_greedy", call)
 
     @task(4)
     def stream_greedy(self) -> None:
         case = random.choice(GREEDY)
-        started, tokens = time.time(), []
-        try:
+
+        def call() -> str:
+            tokens = []
             for chunk in self.client.stream(chat=[("user", case["prompt"])], max_tokens=MAX_TOKENS, temperature=0):
                 tokens += chunk.token_ids
-            record("grpc_stream_greedy", started, "OK", "ok" if tokens == case["tokens"] else "wrong")
-        except grpc.RpcError as exc:
-            record("grpc_stream_greedy", started, status_of(exc))
+            return "ok" if tokens == case["tokens"] else "wrong"
+
+        self._call("grpc_stream_greedy", call)
 
     @task(2)
     def seeded_sampling(self) -> None:
         case = random.choice(SAMPLED)
-        started = time.time()
-        try:
+
+        def call() -> str:
             answer = self.client.generate(chat=[("user", case["prompt"])], max_tokens=MAX_TOKENS,
                                           temperature=TEMPERATURE, seed=case["seed"], speculation="off")
-            record("grpc_seeded_sampling", started, "OK", "ok" if list(answer.token_ids) == case["tokens"] else "wrong")
-        except grpc.RpcError as exc:
-            record("grpc_seeded_sampling", started, status_of(exc))
+            return "ok" if list(answer.token_ids) == case["tokens"] else "wrong"
+
+        self._call("grpc_seeded_sampling", call)
 
     @task(1)
     def sampling(self) -> None:  # speculative sampling: the output is a draw, only its status is checked
-        started = time.time()
-        try:
+        def call() -> str:
             self.client.generate(chat=[("user", random.choice(GREEDY)["prompt"])], max_tokens=MAX_TOKENS,
                                  temperature=TEMPERATURE)
-            record("grpc_sampling", started, "OK")
-        except grpc.RpcError as exc:
-            record("grpc_sampling", started, status_of(exc))
+            return "none"
+
+        self._call("grpc_sampling", call)
 
     @task(1)
     def cancelled_stream(self) -> None:
