@@ -25,7 +25,7 @@ from conftest import tiny_llama
 from specmesh.client import AsyncClient
 from specmesh.cluster.gateway import RouterLimits
 from specmesh.cluster.metrics import ALERTS, DERIVED, RouterMetrics, serve_metrics
-from specmesh.cluster.redis_server import free_port
+from specmesh.cluster.ports import free_port
 from specmesh.drafters.ngram import HistoryDrafter
 from specmesh.errors import InvalidArgument
 from specmesh.speculation.policy import StepOutcome, StepPlan

@@ -288,7 +288,7 @@ def test_a_clients_request_id_is_echoed_and_may_repeat(redis_server, model, toke
 
 def test_the_client_retries_unavailable_until_the_router_is_up(redis_server, model, tokenizer):
     """A call made while the router is still starting succeeds once it is up (the channel's retry policy)."""
-    from specmesh.cluster.redis_server import free_port
+    from specmesh.cluster.ports import free_port
 
     port = free_port()
 

@@ -27,7 +27,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specmesh.cluster.auth import ENV_KEYS
 from specmesh.cluster.pki import local_pki
-from specmesh.cluster.redis_server import RedisServer, free_port
+from specmesh.cluster.ports import free_port
+from specmesh.cluster.redis_server import RedisServer
 from specmesh.cluster.serving import PARENT_PID
 from specmesh.cluster.signing import ENV_KEY as QUEUE_KEY
 from specmesh.cluster.signing import new_key

