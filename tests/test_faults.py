@@ -471,3 +471,47 @@ def test_a_verifier_that_stood_still_past_its_heartbeat_drops_its_stale_sessions
             return after
 
     assert asyncio.run(main()).verdict is not None
+
+
+def test_a_close_redis_could_not_take_is_sent_again_once_it_is_back(tmp_path, tiny_model):
+    """A request ends while Redis is down (or restarted empty, before its verifier registered again): the
+    close is owed, and sent when the verifier is alive again, so the KV cache is freed in seconds, not at
+    the 300 s idle eviction."""
+    from specmesh.cluster.redis_server import RedisServer
+
+    server = RedisServer(log_path=tmp_path / "redis.log").start()
+
+    async def main():
+        async with InProcessPool(server.url, tiny_model, workers=1) as pool:
+            worker = pool.workers[0]
+            await asyncio.wait_for(pool.client.verify(first_job("ended")), HANG_S)
+            assert worker.verifier.num_sessions == 1
+            server.stop()
+            await pool.client.close("ended")  # Redis cannot take it
+            server.start()  # empty: the worker registers again, its heartbeat makes it alive to the router
+            await wait_until_async(lambda: worker.verifier.num_sessions == 0, timeout_s=15,
+                                   what="the owed close reached the verifier")
+            return len(pool.client._owed)
+
+    try:
+        assert asyncio.run(main()) == 0
+    finally:
+        server.stop()
+
+
+def test_a_step_no_one_answers_fails_naming_where_its_job_is(redis_server, tiny_model):
+    from specmesh.errors import Unavailable
+
+    async def main():
+        async with InProcessPool(redis_server.url, tiny_model, workers=0, job_timeout_s=2.0) as pool:
+            holder = VerifierQueue(pool.redis, pool.keys, "v0", heartbeat_ttl_s=60, signer=pool.signer)
+            await holder.register()  # alive for a minute, and it never answers
+            answer = asyncio.create_task(pool.client.verify(first_job("stuck")))
+            await wait_until_async(lambda: pool.redis.xlen(pool.keys.jobs), what="the job is queued")
+            await holder.read(count=10, block_ms=100, include_pool=True)
+            with pytest.raises(Unavailable) as caught:
+                await asyncio.wait_for(answer, HANG_S)
+            return str(caught.value)
+
+    message = asyncio.run(main())
+    assert "held by v0 for" in message and "delivered 1 time(s)" in message

@@ -239,6 +239,8 @@ class VerifierWorker:
             return [(e, encode_error(j.request_id, j.step, self.verifier_id, f"verification failed: {exc}"))
                     for e, j in zip(batch, jobs)], []
         verify_ms = (time.monotonic() - started) * 1e3
+        if verify_ms > 1e3 * self.queue.heartbeat_ttl_s:  # routers see their steps late; worth knowing why
+            log.warning("a pass took %.1f s (%d jobs, %d target rows)", verify_ms / 1e3, len(batch), rows)
         prefilling = [e for e, r in zip(batch, results) if r.prefilling]
         done = [i for i, r in enumerate(results) if not r.prefilling]
         batch, jobs, results = [batch[i] for i in done], [jobs[i] for i in done], [results[i] for i in done]

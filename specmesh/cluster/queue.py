@@ -54,6 +54,7 @@ RESULTS_MAXLEN = 10_000  # a results stream nobody reads stops growing here
 RESULTS_TTL_S = 600  # ... and disappears when its router is gone
 LISTEN_BLOCK_MS = 500  # a router's blocking read of its results: also how soon it notices a stop
 CLOSED_REMEMBERED = 4096  # recently closed requests a router remembers, to close what late results opened
+OWED_CLOSE_S = 60.0  # a close Redis could not take is tried again this long (then the verifier's idle eviction frees it)
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
 
 
@@ -176,6 +177,9 @@ class QueueVerifierClient:
         # requests closed here: a late result opened a session on its verifier, which is closed at once
         self._closed: OrderedDict[str, None] = OrderedDict()
         self._closing: set[asyncio.Task] = set()
+        # closes not delivered (Redis down, or restarted before the verifier registered again): request ->
+        # (verifier, since); sent again while that verifier is alive
+        self._owed: OrderedDict[str, tuple[str, float]] = OrderedDict()
         self._tasks: list[asyncio.Task] = []
         self._stopping = asyncio.Event()
 
@@ -224,9 +228,12 @@ class QueueVerifierClient:
                     break
                 except asyncio.TimeoutError:
                     if time.monotonic() >= deadline:
+                        where = await self._whereabouts(stream, entry_id)
+                        log.warning("request %s step %d: no answer within %.0f s; the job: %s", job.request_id,
+                                    job.step, self.job_timeout_s, where)
                         raise Unavailable(
                             f"no verifier answered step {job.step} of request {job.request_id} within "
-                            f"{self.job_timeout_s:.0f} s ({'Redis unreachable' if not self.redis_ok else f'{len(self.alive)} verifiers alive'})"
+                            f"{self.job_timeout_s:.0f} s ({len(self.alive)} verifiers alive; the job: {where})"
                         ) from None
                     if await self._still_queued(stream, entry_id) or future.done():
                         continue
@@ -284,13 +291,44 @@ class QueueVerifierClient:
         except REDIS_DOWN:
             return True
 
+    async def _whereabouts(self, stream: str, entry_id: bytes) -> str:
+        """Where an unanswered job is, for the error and the log."""
+        try:
+            held = await asyncio.wait_for(self.redis.xpending_range(stream, GROUP, entry_id, entry_id, 1), 1.0)
+            if held:
+                consumer = held[0]["consumer"]
+                return (f"held by {consumer.decode() if isinstance(consumer, bytes) else consumer} for "
+                        f"{held[0]['time_since_delivered'] / 1e3:.1f} s, delivered {held[0]['times_delivered']} time(s)")
+            if await asyncio.wait_for(self.redis.xrange(stream, entry_id, entry_id), 1.0):
+                return f"waiting in {stream}, taken by no verifier"
+            return "taken and acknowledged, its result not received"
+        except ResponseError:
+            return f"waiting in {stream}, which no verifier reads (no consumer group)"
+        except (asyncio.TimeoutError, *REDIS_DOWN):
+            return "unknown (Redis unreachable)"
+
     async def _close_on(self, verifier: str, request_id: str) -> None:
+        closing = request_id.encode()
         try:  # NOMKSTREAM: a dead verifier's removed stream is not created again
-            closing = request_id.encode()
-            await self.redis.xadd(self.keys.own_jobs(verifier), {"close": closing, "tag": self.signer.tag(CLOSE, closing)},
-                                  nomkstream=True)
+            posted = await self.redis.xadd(self.keys.own_jobs(verifier),
+                                           {"close": closing, "tag": self.signer.tag(CLOSE, closing)}, nomkstream=True)
         except REDIS_DOWN:
-            pass  # the verifier evicts it when idle
+            posted = None
+        if posted is None:
+            self._owed.setdefault(request_id, (verifier, time.monotonic()))
+            while len(self._owed) > CLOSED_REMEMBERED:
+                self._owed.popitem(last=False)
+        else:
+            self._owed.pop(request_id, None)
+
+    async def _pay_owed_closes(self) -> None:
+        """Closes Redis could not take, sent again to the verifiers alive now; a dead one's cache went with it."""
+        now = time.monotonic()
+        for request_id, (verifier, since) in list(self._owed.items()):
+            if now - since > OWED_CLOSE_S:
+                self._owed.pop(request_id, None)
+            elif verifier in self.alive:
+                await self._close_on(verifier, request_id)
 
     async def _post(self, stream: str, payload: bytes, deadline: float) -> bytes | None:
         """Post a job; returns its entry id (None: a verifier's own stream that no longer exists; only the
@@ -364,6 +402,7 @@ class QueueVerifierClient:
                 self.alive = {m for m, up in zip(members, flags) if up}
                 self.redis_ok = True
                 self.looked.set()
+                await self._pay_owed_closes()
             except REDIS_DOWN:
                 self.redis_ok = False
                 self.alive = set()
@@ -434,6 +473,8 @@ class VerifierQueue:
                     break
                 entries += self._entries(answer)
                 after = page[-1][0]
+        if entries:
+            log.info("serving again %d queue entries this verifier had taken before", len(entries))
         return entries
 
     async def unregister(self) -> None:
@@ -475,6 +516,8 @@ class VerifierQueue:
             if held:  # a claim resets an entry's idle time: a second verifier claiming at once gets nothing
                 claimed = await self.redis.xclaim(self.keys.jobs, GROUP, self.verifier_id,
                                                   int(self.heartbeat_ttl_s * 1000 / 3), [h["message_id"] for h in held])
+                if claimed:
+                    log.info("took over %d job(s) %s held (its heartbeat stopped)", len(claimed), name)
                 entries += self._entries([(self.keys.jobs.encode(), claimed)])
         return entries
 

@@ -25,7 +25,7 @@ def role_rules(role: str, prefix: str = "specmesh") -> list[str]:
     members, drafters = f"{prefix}:*:verifiers", f"{prefix}:drafters:*"
     rules = {
         "router": [
-            f"(+xadd +xlen +xrange %RW~{jobs})",
+            f"(+xadd +xlen +xrange +xpending %RW~{jobs})",
             f"(+xread +xtrim +del %RW~{results})",
             f"(+smembers %R~{members})",
             f"(+exists %R~{alive})",
