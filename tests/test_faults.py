@@ -341,6 +341,37 @@ def test_a_long_prefill_is_chunked_between_other_requests_steps(redis_server, ti
     assert short_steps >= 2 and resent == 0
 
 
+def test_a_prefill_longer_than_the_job_timeout_goes_on_while_it_reports_progress(redis_server, tiny_model):
+    """A prefill of ~3 s under a 2 s job timeout is answered (its verifier reports progress, and the
+    router waits); the same prefill abandoned halfway is stopped there and its session freed."""
+    history = tuple(3 + (i * 7) % 90 for i in range(480))
+
+    def long(request_id: str) -> VerifyJob:
+        return VerifyJob(request_id, 0, len(history), 5, TokenTree.chain([6, 7]), SamplingParams(max_tokens=8), history)
+
+    whole = TreeVerifier(LlamaRuntime(tiny_model)).verify([long("whole")])[0]
+
+    async def main():
+        async with InProcessPool(redis_server.url, tiny_model, workers=1, job_timeout_s=2.0, resend_after_s=0.3) as pool:
+            worker = pool.workers[0]
+            worker.verifier = SlowVerifier(LlamaRuntime(tiny_model), pass_s=0.8)  # 4 chunks, 0.8 s each
+            started = time.monotonic()
+            result = await asyncio.wait_for(pool.client.verify(long("kept")), HANG_S)
+            took = time.monotonic() - started
+
+            left = asyncio.create_task(pool.client.verify(long("left")))
+            await asyncio.sleep(1.2)  # two passes of its prefill are done or under way
+            left.cancel()
+            await pool.client.close("left")
+            await wait_until_async(lambda: outcome(worker, "closed") == 1, what="the abandoned prefill stopped")
+            await wait_until_async(lambda: worker.verifier.num_sessions == 1, what="its session freed")
+            return result, took, outcome(worker, "ok"), pool.client.resent_jobs
+
+    result, took, ok, resent = asyncio.run(main())
+    assert took > 2.0 and result.verdict == whole.verdict and result.prefilled_tokens == len(history)
+    assert ok == 1 and resent == 0  # the abandoned one was never verified
+
+
 def test_without_a_verifier_requests_wait_in_a_bounded_queue_then_fail_cleanly(redis_server, model, tokenizer):
     """No verifier: requests are taken and wait for one; past the pool's backlog limit new ones are refused
     RESOURCE_EXHAUSTED; one that waits past the job timeout fails UNAVAILABLE (never hangs); when a

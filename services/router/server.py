@@ -225,7 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--explore", type=float, default=float(env_default("explore", "0.1")),
                         help="chance per step of also asking a drafter outside the best (default 0.1) [SPECMESH_EXPLORE]")
     parser.add_argument("--job-timeout", type=float, default=float(env_default("job_timeout", "30")),
-                        help="seconds a verification step may take before the request fails UNAVAILABLE")
+                        help="seconds a verification step may take before the request fails UNAVAILABLE (a long "
+                             "prefill counts from its verifier's last progress report)")
     parser.add_argument("--drafter-timeout", type=float, default=float(env_default("drafter_timeout", "2")),
                         help="deadline of each drafter call, seconds")
     add_tls_flags(parser, env_default)  # TLS on both client APIs; with --tls-ca, mutual TLS to the drafters

@@ -15,6 +15,7 @@ import socket
 import time
 import uuid
 from collections import OrderedDict
+from dataclasses import replace
 from typing import Sequence
 
 import redis.asyncio as aioredis
@@ -36,6 +37,7 @@ from specmesh.v1 import verifier_pb2, verifier_pb2_grpc
 
 log = logging.getLogger("specmesh.verifier")
 RECENT_RESULTS = 4096  # per-request last results kept to answer re-sent jobs without a second pass
+PROGRESS_EVERY_S = 1.0  # a prefill under way tells its router so this often (well inside a job timeout)
 
 
 # A prefill's share of a pass: half the pass's tree verification (others' steps stay well within 2x their
@@ -185,8 +187,12 @@ class VerifierWorker:
         answered: list[tuple[Entry, bytes | None]] = []
         runnable: list[Entry] = []
         now_ms = time.time() * 1000
+        closed = {entry.close_request for entry in backlog if entry.close_request is not None}
         for entry in backlog:
-            if entry.close_request is not None:
+            if entry.queued is not None and entry.queued.job.request_id in closed:
+                self.metrics.jobs.labels("closed").inc()  # its router has let the request go: a prefill stops
+                answered.append((entry, None))
+            elif entry.close_request is not None:
                 await self.torch_thread.run(self.verifier.close, entry.close_request)
                 self._recent.pop(entry.close_request, None)
                 answered.append((entry, None))
@@ -216,7 +222,22 @@ class VerifierWorker:
             answered += done
         if answered:
             self.metrics.jobs.labels("undeliverable").inc(await self.queue.post(answered))
+        await self._report_progress(prefilling)
         return prefilling + rest  # a prefill under way goes on first
+
+    async def _report_progress(self, prefilling: list[Entry]) -> None:
+        """A prefill longer than the job timeout is not a lost job: its router hears that it goes on, and the
+        time spent on it since the last report does not count against the job's deadline here either."""
+        now = time.monotonic()
+        due = [e for e in prefilling if e.queued.reply_to and now - (e.reported or e.received) >= PROGRESS_EVERY_S]
+        if not due:
+            return
+        await self.queue.report_progress(due)
+        for entry in due:
+            queued = entry.queued
+            entry.queued = replace(queued, deadline_unix_ms=queued.deadline_unix_ms
+                                   + int((now - (entry.reported or entry.received)) * 1000))
+            entry.reported = now
 
     def _repeat(self, entry: Entry) -> bytes | None | bool:
         """A job already answered: its result again (a re-send), None (stale), or False (new)."""

@@ -11,7 +11,8 @@ Delivery is at least once. A verifier acknowledges (and deletes) an entry only a
 posted; entries held by a verifier whose heartbeat stopped are reclaimed by the others (its pending
 pool entries claimed, its own stream adopted), and a restarted verifier serves what it held before. A
 router whose job is no longer in its stream without an answer (Redis lost it) posts it again; a job
-still queued, or held by a live verifier however long its pass, is waited for. Results are idempotent: (request, step) names a job, and a router takes the first result of a
+still queued, or held by a live verifier however long its pass, is waited for; a prefill longer than the
+job timeout is too, while its verifier reports progress on the results stream. Results are idempotent: (request, step) names a job, and a router takes the first result of a
 step and ignores the rest. Every stream is bounded: jobs are deleted once answered, result streams are
 trimmed to what was read (and capped), and the router refuses new requests when the pool's backlog is
 too long.
@@ -33,7 +34,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from specmesh.acceptance import Verdict
 from specmesh.cluster.backoff import redis_reconnect
-from specmesh.cluster.signing import CLOSE, JOB, RESULT, QueueSigner
+from specmesh.cluster.signing import CLOSE, JOB, PROGRESS, RESULT, QueueSigner
 from specmesh.cluster.wire import (
     features_from_pb,
     features_to_pb,
@@ -130,6 +131,11 @@ def encode_result(result: VerifyResult, verifier_id: str, **timings) -> bytes:
     return message.SerializeToString()
 
 
+def encode_progress(job: VerifyJob, verifier_id: str) -> bytes:
+    """A prefill under way: the job is alive (a VerifyResult with no status, never taken for a result)."""
+    return verifier_pb2.VerifyResult(request_id=job.request_id, step=job.step, verifier_id=verifier_id).SerializeToString()
+
+
 def encode_error(request_id: str, step: int, verifier_id: str, text: str) -> bytes:
     return verifier_pb2.VerifyResult(
         request_id=request_id, step=step, status=verifier_pb2.VerifyResult.ERROR, verifier_id=verifier_id, message=text
@@ -174,6 +180,7 @@ class QueueVerifierClient:
         self.looked = asyncio.Event()  # ``alive`` has been read from Redis at least once
         self.redis_ok = True
         self._waiting: dict[tuple[str, int], asyncio.Future] = {}
+        self._progressed: dict[tuple[str, int], float] = {}  # job -> when its verifier last reported progress
         # requests closed here: a late result opened a session on its verifier, which is closed at once
         self._closed: OrderedDict[str, None] = OrderedDict()
         self._closing: set[asyncio.Task] = set()
@@ -227,6 +234,8 @@ class QueueVerifierClient:
                     message = await asyncio.wait_for(asyncio.shield(future), min(self.resend_after_s, max(left, 0.0)))
                     break
                 except asyncio.TimeoutError:
+                    if time.monotonic() >= deadline and key in self._progressed:  # a long prefill going on
+                        deadline = max(deadline, self._progressed[key] + self.job_timeout_s)
                     if time.monotonic() >= deadline:
                         where = await self._whereabouts(stream, entry_id)
                         log.warning("request %s step %d: no answer within %.0f s; the job: %s", job.request_id,
@@ -247,10 +256,12 @@ class QueueVerifierClient:
                     self.resent_jobs += 1
                     if self.on_resend is not None:
                         self.on_resend()
-                    stream = self.keys.jobs
+                    stream = self.keys.jobs  # with the deadline as it stands now (progress may have moved it)
+                    payload = encode_job(job, self.reply_to, int((time.time() + deadline - time.monotonic()) * 1000))
                     entry_id = await self._post(stream, payload, deadline)
         finally:
             self._waiting.pop(key, None)
+            self._progressed.pop(key, None)
         if message.status == verifier_pb2.VerifyResult.EXHAUSTED:
             raise ResourceExhausted(f"verifier {message.verifier_id}: {message.message}")
         if message.status == verifier_pb2.VerifyResult.ERROR:
@@ -359,25 +370,46 @@ class QueueVerifierClient:
             for _, entries in answer or ():
                 for entry_id, fields in entries:
                     last_id = entry_id
-                    self._deliver(fields.get(b"result"), fields.get(b"tag"))
+                    if b"progress" in fields:
+                        self._progress(fields[b"progress"], fields.get(b"tag"))
+                    else:
+                        self._deliver(fields.get(b"result"), fields.get(b"tag"))
                 try:  # what was read is no longer needed: the stream stays as short as the backlog
                     await self.redis.xtrim(self.reply_to, minid=last_id)
                 except REDIS_DOWN:
                     pass
 
-    def _deliver(self, payload: bytes | None, tag: bytes | None) -> None:
+    def _read_result(self, kind: bytes, payload: bytes | None, tag: bytes | None):
+        """The VerifyResult in an entry of the results stream, or None (empty, forged or unreadable)."""
         if not payload:
-            return
-        if not self.signer.valid(RESULT, payload, tag):  # not a verifier's: never reaches a client
+            return None
+        if not self.signer.valid(kind, payload, tag):  # not a verifier's: never reaches a client
             self.forged_results += 1
             if self.on_forged is not None:
                 self.on_forged()
-            log.warning("dropping a result without a valid queue tag (%d so far)", self.forged_results)
-            return
+            log.warning("dropping a %s without a valid queue tag (%d so far)", kind.decode(), self.forged_results)
+            return None
         try:
-            message = verifier_pb2.VerifyResult.FromString(payload)
+            return verifier_pb2.VerifyResult.FromString(payload)
         except Exception:
-            log.warning("dropping an unreadable result")
+            log.warning("dropping an unreadable %s", kind.decode())
+            return None
+
+    def _progress(self, payload: bytes | None, tag: bytes | None) -> None:
+        """A verifier is still prefilling a job: its timeout starts again; a request closed here meanwhile
+        gets its prefill stopped."""
+        message = self._read_result(PROGRESS, payload, tag)
+        if message is None:
+            return
+        key = (message.request_id, message.step)
+        if key in self._waiting:
+            self._progressed[key] = time.monotonic()
+        elif message.request_id in self._closed:
+            self._close_soon(message.verifier_id, message.request_id)
+
+    def _deliver(self, payload: bytes | None, tag: bytes | None) -> None:
+        message = self._read_result(RESULT, payload, tag)
+        if message is None:
             return
         future = self._waiting.get((message.request_id, message.step))
         if future is not None and not future.done():  # duplicates and late answers are ignored
@@ -390,9 +422,12 @@ class QueueVerifierClient:
         taken = (future.result().verifier_id if future is not None and not future.cancelled()
                  else self.affinity.get(message.request_id))
         if message.request_id in self._closed or (taken is not None and taken != message.verifier_id):
-            task = asyncio.get_running_loop().create_task(self._close_on(message.verifier_id, message.request_id))
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
+            self._close_soon(message.verifier_id, message.request_id)
+
+    def _close_soon(self, verifier: str, request_id: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._close_on(verifier, request_id))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     async def _watch_verifiers(self) -> None:
         while not self._stopping.is_set():
@@ -423,6 +458,7 @@ class Entry:
     close_request: str | None = None
     received: float = 0.0
     forged: bool = False  # without a valid queue tag: dropped unread
+    reported: float = 0.0  # when a prefill under way for it last reported progress (0: not yet)
 
 
 class VerifierQueue:
@@ -564,6 +600,19 @@ class VerifierQueue:
             log.warning("%d result(s) could not be posted (%s); their jobs are acknowledged", len(failed), failed[0])
         return len(failed)
 
+    async def report_progress(self, entries: Iterable[Entry]) -> None:
+        """Tell the routers of these jobs that their prefill goes on; a ``reply_to`` that cannot take it is
+        skipped (the job's own result will say the same)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for entry in entries:
+            payload = encode_progress(entry.queued.job, self.verifier_id)
+            pipe.xadd(entry.queued.reply_to, {"progress": payload, "tag": self.signer.tag(PROGRESS, payload)},
+                      maxlen=RESULTS_MAXLEN, approximate=True)
+            pipe.expire(entry.queued.reply_to, RESULTS_TTL_S)
+        for outcome in await pipe.execute(raise_on_error=False):
+            if isinstance(outcome, REDIS_DOWN):
+                raise outcome
+
     def _entries(self, answer) -> list[Entry]:
         entries = []
         now = time.monotonic()
@@ -592,5 +641,5 @@ class VerifierQueue:
 
 __all__ = [
     "GROUP", "QueueKeys", "QueueVerifierClient", "VerifierQueue", "Entry", "QueuedJob", "encode_job", "decode_job",
-    "encode_result", "encode_error", "REDIS_DOWN", "RedisError",
+    "encode_result", "encode_error", "encode_progress", "REDIS_DOWN", "RedisError",
 ]

@@ -20,7 +20,8 @@ from specmesh.errors import InvalidArgument
 
 ENV_KEY = "SPECMESH_QUEUE_KEY"
 MIN_KEY_CHARS = 16
-JOB, CLOSE, RESULT = b"job", b"close", b"result"  # what a tag vouches for: a result is never a valid job
+# what a tag vouches for: a result is never a valid job, nor a progress note a result
+JOB, CLOSE, RESULT, PROGRESS = b"job", b"close", b"result", b"progress"
 
 
 def new_key() -> str:
