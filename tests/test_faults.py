@@ -1,7 +1,7 @@
 """Faults one at a time, on a real redis-server with in-process verifier workers (tiny model) and the
 services over loopback: a poisoned queue entry, a pass longer than the heartbeat, a verifier restarted
-under the same id, a request abandoned mid-step, health that tells the truth, malformed wire input,
-oversized prompts and drafter sessions."""
+under the same id, a request abandoned mid-step, a prefill longer than the job timeout, health that tells
+the truth, malformed wire input, oversized prompts and drafter sessions."""
 
 import asyncio
 import json
