@@ -325,7 +325,7 @@ def test_a_long_prefill_is_chunked_between_other_requests_steps(redis_server, ti
     async def main():
         async with InProcessPool(redis_server.url, tiny_model, workers=1, resend_after_s=0.3) as pool:
             worker = pool.workers[0]
-            worker.tree_pass_ms = 0.1  # as after passes of a tiny model: the prefill's share is MIN_PREFILL_MS
+            worker.tree_pass_ms = 4.0  # as after passes of a larger model: the prefill's share is 2 ms a pass
             answer = asyncio.create_task(pool.client.verify(long))
             short_steps, step = 0, first_job("short")
             while not answer.done():
@@ -354,7 +354,7 @@ def test_a_prefill_longer_than_the_job_timeout_goes_on_while_it_reports_progress
     async def main():
         async with InProcessPool(redis_server.url, tiny_model, workers=1, job_timeout_s=2.0, resend_after_s=0.3) as pool:
             worker = pool.workers[0]
-            worker.verifier = SlowVerifier(LlamaRuntime(tiny_model), pass_s=0.8)  # 4 chunks, 0.8 s each
+            worker.verifier = SlowVerifier(LlamaRuntime(tiny_model), pass_s=0.8)  # 5 chunks (16 to 256 tokens), 0.8 s each
             started = time.monotonic()
             result = await asyncio.wait_for(pool.client.verify(long("kept")), HANG_S)
             took = time.monotonic() - started

@@ -41,9 +41,10 @@ PROGRESS_EVERY_S = 1.0  # a prefill under way tells its router so this often (we
 
 
 # A prefill's share of a pass: half the pass's tree verification (others' steps stay well within 2x their
-# time), at least MIN (progress under any load), and ALONE when it has the verifier to itself
+# time, however fast the passes: a fixed floor above half a pass would break that), and ALONE when it has
+# the verifier to itself. A chunk is at least one token, so a prefill always progresses.
 PREFILL_SHARE = 0.5
-MIN_PREFILL_MS = 20.0
+MIN_PREFILL_MS = 2.0
 ALONE_PREFILL_MS = 250.0
 
 

@@ -106,7 +106,7 @@ def step_generator(params: SamplingParams, position: int, device: torch.device, 
     return generator
 
 
-FIRST_CHUNK = 64  # tokens of a budgeted prefill's first pass, before its time per token is known
+FIRST_CHUNK = 16  # tokens of a budgeted prefill's first pass, before its time per token is known (x2 a pass after)
 
 
 class TreeVerifier:
