@@ -324,8 +324,6 @@ def test_a_long_prefill_is_chunked_between_other_requests_steps(redis_server, ti
 
     async def main():
         async with InProcessPool(redis_server.url, tiny_model, workers=1, resend_after_s=0.3) as pool:
-            worker = pool.workers[0]
-            worker.tree_pass_ms = 4.0  # as after passes of a larger model: the prefill's share is 2 ms a pass
             answer = asyncio.create_task(pool.client.verify(long))
             short_steps, step = 0, first_job("short")
             while not answer.done():

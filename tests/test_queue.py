@@ -3,6 +3,7 @@ workers (in-process, tiny model) gives the engine's outputs; jobs of a dead veri
 re-sent jobs are answered once; Redis going away fails requests with UNAVAILABLE, not hangs."""
 
 import asyncio
+import time
 from contextlib import aclosing
 
 import pytest
@@ -205,6 +206,13 @@ def test_the_next_pass_waits_briefly_only_for_the_last_pass_requests_still_on_th
     rhythm.passed(["a", "c"], pass_ms=1000.0)
     assert rhythm.pass_ms == 550.0 and rhythm.wait_ms() == 50.0  # a moving average, capped
     assert rhythm.missing(["a", "c"]) == set()
+    assert rhythm.busy(within_s=60)  # a and c are going: a pass of prefills alone is not alone
+    rhythm.ended("a")
+    rhythm.ended("c")
+    assert not rhythm.busy(within_s=60)
+    rhythm.passed(["d"], pass_ms=10.0)
+    time.sleep(0.02)
+    assert rhythm.busy(within_s=60) and not rhythm.busy(within_s=0.01)  # d is quiet: gone, as far as it knows
 
 
 def test_the_batch_scheduler_fills_a_row_budget_in_readiness_order():

@@ -40,12 +40,13 @@ RECENT_RESULTS = 4096  # per-request last results kept to answer re-sent jobs wi
 PROGRESS_EVERY_S = 1.0  # a prefill under way tells its router so this often (well inside a job timeout)
 
 
-# A prefill's share of a pass: half the pass's tree verification (others' steps stay well within 2x their
-# time, however fast the passes: a fixed floor above half a pass would break that), and ALONE when it has
-# the verifier to itself. A chunk is at least one token, so a prefill always progresses.
+# A prefill beside other requests earns SHARE of each of their tree passes as credit and runs a chunk when
+# the credit reaches CHUNK_MS: their steps slow down by about SHARE on average (within 2x, however fast the
+# passes), and no chunk is so small that the forward's fixed cost (the weights read once more) outweighs
+# its tokens. ALONE: a chunk's time when the prefill has the verifier to itself.
 PREFILL_SHARE = 0.5
-MIN_PREFILL_MS = 2.0
-ALONE_PREFILL_MS = 250.0
+PREFILL_CHUNK_MS = 25.0
+ALONE_PREFILL_MS = 100.0
 
 
 class VerifierWorker:
@@ -65,7 +66,7 @@ class VerifierWorker:
         self.unready = asyncio.Event()  # draining, or the worker has ended: health says NOT_SERVING
         self._recent: OrderedDict[str, tuple[int, bytes]] = OrderedDict()  # request -> (step, posted result)
         self.rhythm = PassRhythm()
-        self.tree_pass_ms = 0.0  # moving average of a pass's tree verification (prefill excluded)
+        self.prefill_credit_ms = 0.0  # prefill time earned beside other requests' passes, not yet spent
         self.lapsed = False  # the process stood still past the heartbeat's TTL: the others took its work over
 
     def job_rows(self, entry: Entry) -> int:
@@ -73,9 +74,16 @@ class VerifierWorker:
         job = entry.queued.job
         return 1 + len(job.tree) + self.verifier.next_prefill(job)
 
-    def prefill_budget_ms(self, batch: list[Entry]) -> float:
-        alone = all(self.verifier.next_prefill(e.queued.job) for e in batch)
-        return ALONE_PREFILL_MS if alone else max(PREFILL_SHARE * self.tree_pass_ms, MIN_PREFILL_MS)
+    def _prefill_turn(self, runnable: list[Entry]) -> tuple[list[Entry], list[Entry], float | None]:
+        """(this pass's jobs, prefills held back for a later pass, the pass's prefill budget in ms)."""
+        prefills = [e for e in runnable if self.verifier.next_prefill(e.queued.job)]
+        if not prefills:
+            return runnable, [], None
+        if len(prefills) == len(runnable) and not self.rhythm.busy():
+            return runnable, [], ALONE_PREFILL_MS
+        if self.prefill_credit_ms < PREFILL_CHUNK_MS:
+            return [e for e in runnable if e not in prefills], prefills, None
+        return runnable, [], PREFILL_CHUNK_MS
 
     @property
     def verifier_id(self) -> str:
@@ -216,15 +224,16 @@ class VerifierWorker:
                     self.metrics.jobs.labels("error").inc()
                     job = entry.queued.job
                     answered.append((entry, encode_error(job.request_id, job.step, self.verifier_id, str(exc))))
+        runnable, held, budget_ms = self._prefill_turn(runnable)
         batch, rest = plan_batch(runnable, self.job_rows, lambda e: e.queued.job.request_id, self.max_batch_rows)
         prefilling: list[Entry] = []
         if batch:
-            done, prefilling = await self._verify(batch)
+            done, prefilling = await self._verify(batch, budget_ms)
             answered += done
         if answered:
             self.metrics.jobs.labels("undeliverable").inc(await self.queue.post(answered))
-        await self._report_progress(prefilling)
-        return prefilling + rest  # a prefill under way goes on first
+        await self._report_progress(prefilling + held)
+        return prefilling + held + rest  # a prefill under way goes on first
 
     async def _report_progress(self, prefilling: list[Entry]) -> None:
         """A prefill longer than the job timeout is not a lost job: its router hears that it goes on, and the
@@ -248,13 +257,14 @@ class VerifierWorker:
             return False
         return recent[1] if job.step == recent[0] else None
 
-    async def _verify(self, batch: list[Entry]) -> tuple[list[tuple[Entry, bytes]], list[Entry]]:
-        """(answered jobs, jobs whose prefill goes on in the next pass)."""
+    async def _verify(self, batch: list[Entry], prefill_ms: float | None) -> tuple[list[tuple[Entry, bytes]], list[Entry]]:
+        """(answered jobs, jobs whose prefill goes on in the next pass). ``prefill_ms``: the pass's budget
+        for prefills (None: no prefill under way in it)."""
         jobs = [e.queued.job for e in batch]
         rows = sum(self.job_rows(e) for e in batch)
         started = time.monotonic()
         try:
-            results = await self.torch_thread.run(self.verifier.verify, jobs, self.prefill_budget_ms(batch))
+            results = await self.torch_thread.run(self.verifier.verify, jobs, prefill_ms)
         except Exception as exc:  # a failing pass fails its jobs, not the service
             log.exception("verification pass failed")
             self.metrics.jobs.labels("error").inc(len(batch))
@@ -268,9 +278,10 @@ class VerifierWorker:
         batch, jobs, results = [batch[i] for i in done], [jobs[i] for i in done], [results[i] for i in done]
         self._count_pass(batch, results, started, verify_ms, rows)
         self.rhythm.passed([j.request_id for j, r in zip(jobs, results) if r.verdict is not None], verify_ms)
-        trees = [r.pass_ms for r in results if r.verdict is not None]
-        if trees:
-            self.tree_pass_ms = trees[0] if not self.tree_pass_ms else 0.8 * self.tree_pass_ms + 0.2 * trees[0]
+        tree_ms = next((r.pass_ms for r in results if r.verdict is not None), 0.0)
+        if prefill_ms == PREFILL_CHUNK_MS:  # a chunk beside others, paid from the credit: the pass's time beyond its trees
+            self.prefill_credit_ms -= max(verify_ms - tree_ms, 0.0)
+        self.prefill_credit_ms = min(self.prefill_credit_ms + PREFILL_SHARE * tree_ms, PREFILL_CHUNK_MS)
         answered = []
         for entry, job, result in zip(batch, jobs, results):
             payload = encode_result(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Sequence, TypeVar
 
 Job = TypeVar("Job")
@@ -51,15 +52,26 @@ class PassRhythm:
         self.average = average  # weight of the past in the pass time's moving average
         self.pass_ms = 0.0
         self.expected: set[str] = set()  # requests of the last pass, until their next job arrives
+        self.answered_at: dict[str, float] = {}  # request -> when a pass last answered it (until it ends)
 
     def passed(self, request_ids: Sequence[str], pass_ms: float) -> None:
         """A pass answered these requests in ``pass_ms``."""
         self.expected = set(request_ids)
+        now = time.monotonic()
+        self.answered_at.update((request_id, now) for request_id in request_ids)
         self.pass_ms = pass_ms if not self.pass_ms else self.average * self.pass_ms + (1 - self.average) * pass_ms
 
     def ended(self, request_id: str) -> None:
         """The request is over: nothing more will come from it."""
         self.expected.discard(request_id)
+        self.answered_at.pop(request_id, None)
+
+    def busy(self, within_s: float = 1.0) -> bool:
+        """Whether a request answered within ``within_s`` is still going: a pass that holds only a prefill
+        (the others' next jobs not there yet) does not have the verifier to itself."""
+        cutoff = time.monotonic() - within_s
+        self.answered_at = {r: at for r, at in self.answered_at.items() if at >= cutoff}
+        return bool(self.answered_at)
 
     def missing(self, ready_request_ids: Sequence[str]) -> set[str]:
         """Requests of the last pass whose next job is not among the ready ones."""
