@@ -352,7 +352,7 @@ def test_a_prefill_longer_than_the_job_timeout_goes_on_while_it_reports_progress
     async def main():
         async with InProcessPool(redis_server.url, tiny_model, workers=1, job_timeout_s=2.0, resend_after_s=0.3) as pool:
             worker = pool.workers[0]
-            worker.verifier = SlowVerifier(LlamaRuntime(tiny_model), pass_s=0.8)  # 5 chunks (16 to 256 tokens), 0.8 s each
+            worker.verifier = SlowVerifier(LlamaRuntime(tiny_model), pass_s=0.8)  # 4 chunks (64 to 256 tokens), 0.8 s each
             started = time.monotonic()
             result = await asyncio.wait_for(pool.client.verify(long("kept")), HANG_S)
             took = time.monotonic() - started

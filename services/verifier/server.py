@@ -46,7 +46,7 @@ PROGRESS_EVERY_S = 1.0  # a prefill under way tells its router so this often (we
 # its tokens. ALONE: a chunk's time when the prefill has the verifier to itself.
 PREFILL_SHARE = 0.5
 PREFILL_CHUNK_MS = 25.0
-ALONE_PREFILL_MS = 100.0
+ALONE_PREFILL_MS = 250.0
 
 
 class VerifierWorker:
@@ -74,16 +74,19 @@ class VerifierWorker:
         job = entry.queued.job
         return 1 + len(job.tree) + self.verifier.next_prefill(job)
 
-    def _prefill_turn(self, runnable: list[Entry]) -> tuple[list[Entry], list[Entry], float | None]:
-        """(this pass's jobs, prefills held back for a later pass, the pass's prefill budget in ms)."""
+    def _prefill_turn(self, runnable: list[Entry]) -> tuple[list[Entry], list[Entry], float | None, bool]:
+        """(this pass's jobs, prefills held back for a later pass, the pass's prefill budget in ms, whether
+        its prefill time is paid from the credit)."""
         prefills = [e for e in runnable if self.verifier.next_prefill(e.queued.job)]
         if not prefills:
-            return runnable, [], None
+            return runnable, [], None, False
         if len(prefills) == len(runnable) and not self.rhythm.busy():
-            return runnable, [], ALONE_PREFILL_MS
+            return runnable, [], ALONE_PREFILL_MS, False
+        if any(not self.verifier.resuming(e.queued.job) for e in prefills):  # a new request's first chunk is
+            return runnable, [], PREFILL_CHUNK_MS, False  # part of its traffic: it waits for no credit
         if self.prefill_credit_ms < PREFILL_CHUNK_MS:
-            return [e for e in runnable if e not in prefills], prefills, None
-        return runnable, [], PREFILL_CHUNK_MS
+            return [e for e in runnable if e not in prefills], prefills, None, False
+        return runnable, [], PREFILL_CHUNK_MS, True
 
     @property
     def verifier_id(self) -> str:
@@ -224,11 +227,11 @@ class VerifierWorker:
                     self.metrics.jobs.labels("error").inc()
                     job = entry.queued.job
                     answered.append((entry, encode_error(job.request_id, job.step, self.verifier_id, str(exc))))
-        runnable, held, budget_ms = self._prefill_turn(runnable)
+        runnable, held, budget_ms, paid = self._prefill_turn(runnable)
         batch, rest = plan_batch(runnable, self.job_rows, lambda e: e.queued.job.request_id, self.max_batch_rows)
         prefilling: list[Entry] = []
         if batch:
-            done, prefilling = await self._verify(batch, budget_ms)
+            done, prefilling = await self._verify(batch, budget_ms, paid)
             answered += done
         if answered:
             self.metrics.jobs.labels("undeliverable").inc(await self.queue.post(answered))
@@ -257,9 +260,10 @@ class VerifierWorker:
             return False
         return recent[1] if job.step == recent[0] else None
 
-    async def _verify(self, batch: list[Entry], prefill_ms: float | None) -> tuple[list[tuple[Entry, bytes]], list[Entry]]:
+    async def _verify(self, batch: list[Entry], prefill_ms: float | None,
+                      paid: bool = False) -> tuple[list[tuple[Entry, bytes]], list[Entry]]:
         """(answered jobs, jobs whose prefill goes on in the next pass). ``prefill_ms``: the pass's budget
-        for prefills (None: no prefill under way in it)."""
+        for prefills (None: no prefill under way in it); ``paid``: its prefill time is taken from the credit."""
         jobs = [e.queued.job for e in batch]
         rows = sum(self.job_rows(e) for e in batch)
         started = time.monotonic()
@@ -279,7 +283,7 @@ class VerifierWorker:
         self._count_pass(batch, results, started, verify_ms, rows)
         self.rhythm.passed([j.request_id for j, r in zip(jobs, results) if r.verdict is not None], verify_ms)
         tree_ms = next((r.pass_ms for r in results if r.verdict is not None), 0.0)
-        if prefill_ms == PREFILL_CHUNK_MS:  # a chunk beside others, paid from the credit: the pass's time beyond its trees
+        if paid:  # the pass's time beyond its trees
             self.prefill_credit_ms -= max(verify_ms - tree_ms, 0.0)
         self.prefill_credit_ms = min(self.prefill_credit_ms + PREFILL_SHARE * tree_ms, PREFILL_CHUNK_MS)
         answered = []

@@ -78,6 +78,7 @@ class Prefill:
     step: int  # of the job whose history it is: another step of the request starts over
     chunk: int
     tail: torch.Tensor | None = None  # feature rows of the positions cached so far (the last ones kept)
+    ms_per_token: float = 0.0  # of its last chunk: a smaller budget than that chunk's shrinks the next one at once
 
 
 @dataclass
@@ -106,7 +107,7 @@ def step_generator(params: SamplingParams, position: int, device: torch.device, 
     return generator
 
 
-FIRST_CHUNK = 16  # tokens of a budgeted prefill's first pass, before its time per token is known (x2 a pass after)
+FIRST_CHUNK = 64  # tokens of a budgeted prefill's first pass, before its time per token is known
 
 
 class TreeVerifier:
@@ -165,7 +166,7 @@ class TreeVerifier:
             return str(exc)
         return None
 
-    def _resuming(self, job: VerifyJob) -> bool:
+    def resuming(self, job: VerifyJob) -> bool:
         """Whether the job continues a prefill an earlier call began."""
         state, session = self._prefilling.get(job.request_id), self._sessions.get(job.request_id)
         return state is not None and state.step == job.step and session is not None and session.length < job.position
@@ -175,7 +176,7 @@ class TreeVerifier:
         session = self._sessions.get(job.request_id)
         if job.history is None or (session is not None and session.length == job.position):
             return 0
-        if self._resuming(job):
+        if self.resuming(job):
             return min(job.position - session.length, self._prefilling[job.request_id].chunk)
         return min(job.position, FIRST_CHUNK)
 
@@ -195,7 +196,7 @@ class TreeVerifier:
             session = self._sessions.get(job.request_id)
             current = session is not None and session.length == job.position
             if current or job.history is not None:
-                if not current and not self._resuming(job):
+                if not current and not self.resuming(job):
                     self.close(job.request_id)
                     self._open(job.request_id)
                     self._prefilling[job.request_id] = Prefill(job.step, FIRST_CHUNK)
@@ -253,7 +254,7 @@ class TreeVerifier:
 
     def abandon(self, job: VerifyJob) -> None:
         """The job will not be verified (its router gave up): free the history cached for it so far."""
-        if self._resuming(job):
+        if self.resuming(job):
             self.close(job.request_id)
 
     def close(self, request_id: str) -> None:
@@ -305,6 +306,15 @@ class TreeVerifier:
             self.close(request_id)
         return refused
 
+    def _chunk_within(self, job: VerifyJob, budget_ms: float) -> int:
+        """The job's next chunk, cut to ``budget_ms`` at its last time per token (a budget can drop from one
+        pass to the next: the prefill had the verifier to itself, and now shares it)."""
+        chunk = self.next_prefill(job)
+        state = self._prefilling.get(job.request_id)
+        if state is None or not state.ms_per_token or not self.resuming(job):
+            return chunk
+        return min(chunk, max(1, int(budget_ms / state.ms_per_token)))
+
     def _prefill(self, jobs: Sequence[VerifyJob], budget_ms: float | None) -> dict[str, Features]:
         """Cache each job's history (all of it, or with ``budget_ms`` each one's next chunk), in chunks so
         attention memory stays bounded. Returns, for the jobs whose history is now cached and that ask for
@@ -313,7 +323,8 @@ class TreeVerifier:
             return {}
         sessions = [self._sessions[j.request_id] for j in jobs]
         before = [s.length for s in sessions]
-        ends = [j.position if budget_ms is None else s.length + self.next_prefill(j) for j, s in zip(jobs, sessions)]
+        ends = [j.position if budget_ms is None else s.length + self._chunk_within(j, budget_ms / len(jobs))
+                for j, s in zip(jobs, sessions)]
         layers = _union([j.feature_layers for j in jobs])
         started = time.perf_counter()
         hidden = prefill_sessions(self.runtime, sessions, [j.history[:end] for j, end in zip(jobs, ends)], layers)
@@ -322,7 +333,8 @@ class TreeVerifier:
             for job, start, end in zip(jobs, before, ends):
                 state = self._prefilling.get(job.request_id)
                 if state is not None and end > start and elapsed_ms > 0:
-                    ratio = (budget_ms / len(jobs)) / (elapsed_ms * (end - start) / total)
+                    state.ms_per_token = elapsed_ms / total
+                    ratio = (budget_ms / len(jobs)) / (state.ms_per_token * (end - start))
                     state.chunk = max(1, round((end - start) * min(max(ratio, 0.5), 2.0)))  # at most x2 a pass
         tails = {}
         for job, values in zip(jobs, hidden):
