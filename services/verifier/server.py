@@ -261,7 +261,7 @@ class VerifierWorker:
         return recent[1] if job.step == recent[0] else None
 
     async def _verify(self, batch: list[Entry], prefill_ms: float | None,
-                      paid: bool = False) -> tuple[list[tuple[Entry, bytes]], list[Entry]]:
+                      paid: bool) -> tuple[list[tuple[Entry, bytes]], list[Entry]]:
         """(answered jobs, jobs whose prefill goes on in the next pass). ``prefill_ms``: the pass's budget
         for prefills (None: no prefill under way in it); ``paid``: its prefill time is taken from the credit."""
         jobs = [e.queued.job for e in batch]

@@ -587,9 +587,7 @@ class VerifierQueue:
         pipe = self.redis.pipeline(transaction=False)
         for entry, payload in answered:
             if payload is not None and entry.queued is not None and entry.queued.reply_to:
-                pipe.xadd(entry.queued.reply_to, {"result": payload, "tag": self.signer.tag(RESULT, payload)},
-                          maxlen=RESULTS_MAXLEN, approximate=True)
-                pipe.expire(entry.queued.reply_to, RESULTS_TTL_S)
+                self._reply(pipe, entry.queued.reply_to, RESULT, payload)
             pipe.xack(entry.stream, GROUP, entry.entry_id)
             pipe.xdel(entry.stream, entry.entry_id)
         failed = [outcome for outcome in await pipe.execute(raise_on_error=False) if isinstance(outcome, Exception)]
@@ -605,13 +603,16 @@ class VerifierQueue:
         skipped (the job's own result will say the same)."""
         pipe = self.redis.pipeline(transaction=False)
         for entry in entries:
-            payload = encode_progress(entry.queued.job, self.verifier_id)
-            pipe.xadd(entry.queued.reply_to, {"progress": payload, "tag": self.signer.tag(PROGRESS, payload)},
-                      maxlen=RESULTS_MAXLEN, approximate=True)
-            pipe.expire(entry.queued.reply_to, RESULTS_TTL_S)
+            self._reply(pipe, entry.queued.reply_to, PROGRESS, encode_progress(entry.queued.job, self.verifier_id))
         for outcome in await pipe.execute(raise_on_error=False):
             if isinstance(outcome, REDIS_DOWN):
                 raise outcome
+
+    def _reply(self, pipe, reply_to: str, kind: bytes, payload: bytes) -> None:
+        """Queue an entry for a router's results stream (field named by its kind: result or progress)."""
+        pipe.xadd(reply_to, {kind.decode(): payload, "tag": self.signer.tag(kind, payload)},
+                  maxlen=RESULTS_MAXLEN, approximate=True)
+        pipe.expire(reply_to, RESULTS_TTL_S)
 
     def _entries(self, answer) -> list[Entry]:
         entries = []

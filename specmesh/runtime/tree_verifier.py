@@ -171,14 +171,20 @@ class TreeVerifier:
         state, session = self._prefilling.get(job.request_id), self._sessions.get(job.request_id)
         return state is not None and state.step == job.step and session is not None and session.length < job.position
 
-    def next_prefill(self, job: VerifyJob) -> int:
-        """History tokens the job's next budgeted call will cache (0: its session holds them already)."""
+    def next_prefill(self, job: VerifyJob, budget_ms: float | None = None) -> int:
+        """History tokens the job's next budgeted call will cache (0: its session holds them already). With
+        ``budget_ms`` (its share of a pass's), a prefill under way is cut to it at its last time per token:
+        a budget can drop from one pass to the next (the prefill had the verifier to itself, now shares it)."""
         session = self._sessions.get(job.request_id)
         if job.history is None or (session is not None and session.length == job.position):
             return 0
-        if self.resuming(job):
-            return min(job.position - session.length, self._prefilling[job.request_id].chunk)
-        return min(job.position, FIRST_CHUNK)
+        if not self.resuming(job):
+            return min(job.position, FIRST_CHUNK)
+        state = self._prefilling[job.request_id]
+        chunk = min(job.position - session.length, state.chunk)
+        if budget_ms is not None and state.ms_per_token:
+            chunk = min(chunk, max(1, int(budget_ms / state.ms_per_token)))
+        return chunk
 
     def verify(self, jobs: Sequence[VerifyJob], prefill_ms: float | None = None) -> list[VerifyResult]:
         """One verification pass for every job whose session is (or can be made) current. ``prefill_ms``:
@@ -306,15 +312,6 @@ class TreeVerifier:
             self.close(request_id)
         return refused
 
-    def _chunk_within(self, job: VerifyJob, budget_ms: float) -> int:
-        """The job's next chunk, cut to ``budget_ms`` at its last time per token (a budget can drop from one
-        pass to the next: the prefill had the verifier to itself, and now shares it)."""
-        chunk = self.next_prefill(job)
-        state = self._prefilling.get(job.request_id)
-        if state is None or not state.ms_per_token or not self.resuming(job):
-            return chunk
-        return min(chunk, max(1, int(budget_ms / state.ms_per_token)))
-
     def _prefill(self, jobs: Sequence[VerifyJob], budget_ms: float | None) -> dict[str, Features]:
         """Cache each job's history (all of it, or with ``budget_ms`` each one's next chunk), in chunks so
         attention memory stays bounded. Returns, for the jobs whose history is now cached and that ask for
@@ -323,7 +320,7 @@ class TreeVerifier:
             return {}
         sessions = [self._sessions[j.request_id] for j in jobs]
         before = [s.length for s in sessions]
-        ends = [j.position if budget_ms is None else s.length + self._chunk_within(j, budget_ms / len(jobs))
+        ends = [j.position if budget_ms is None else s.length + self.next_prefill(j, budget_ms / len(jobs))
                 for j, s in zip(jobs, sessions)]
         layers = _union([j.feature_layers for j in jobs])
         started = time.perf_counter()
