@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specmesh.client import AsyncClient
 from specmesh.cluster.gateway import RouterLimits
-from specmesh.cluster.queue import VerifierQueue, encode_job
+from specmesh.cluster.queue import VerifierQueue, decode_job, encode_job
 from specmesh.cluster.serving import Service, TorchThread, start_server
 from specmesh.cluster.signing import JOB
 from specmesh.drafters.ngram import NgramDrafter
@@ -526,6 +526,74 @@ def test_a_close_redis_could_not_take_is_sent_again_once_it_is_back(tmp_path, ti
         assert asyncio.run(main()) == 0
     finally:
         server.stop()
+
+
+def test_a_close_redis_lost_unread_is_sent_again(tmp_path, tiny_model):
+    """A request ends, its close is posted, and Redis restarts empty before its verifier (busy with a
+    pass) read it: the router posts the close again once Redis is back."""
+    from specmesh.cluster.redis_server import RedisServer
+
+    server = RedisServer(log_path=tmp_path / "redis.log").start()
+
+    async def main():
+        async with InProcessPool(server.url, tiny_model, workers=1) as pool:
+            worker = pool.workers[0]
+            worker.verifier = SlowVerifier(LlamaRuntime(tiny_model), pass_s=0.0)
+            await asyncio.wait_for(pool.client.verify(first_job("ended")), HANG_S)
+            worker.verifier.pass_s = 1.5
+            busy = asyncio.create_task(pool.client.verify(first_job("busy")))
+            await wait_until_async(lambda: held(pool), what="the busy job's pass began")
+            await pool.client.close("ended")  # posted; read only after that pass
+            server.stop()
+            server.start()
+            await wait_until_async(lambda: "ended" not in worker.verifier._sessions, timeout_s=15,
+                                   what="the close posted again reached the verifier")
+            busy.cancel()
+            await asyncio.gather(busy, return_exceptions=True)
+
+    try:
+        asyncio.run(main())
+    finally:
+        server.stop()
+
+
+def test_sessions_that_lost_copies_opened_are_closed_once_the_request_is_answered_or_let_go(redis_server, tiny_model):
+    """A verifier verified a copy of a pool job and Redis then lost the entry (restarted empty): the router
+    never hears of that session. Once the job is answered elsewhere, or its request let go, every other
+    live verifier is told to close it (not 300 s later at the idle eviction)."""
+    async def lose(pool: InProcessPool, job: VerifyJob, orphaned: VerifierWorker) -> asyncio.Task:
+        async def queued() -> list[bytes]:
+            return [entry_id for entry_id, fields in await pool.redis.xrange(pool.keys.jobs)
+                    if decode_job(fields[b"job"]).job.request_id == job.request_id]
+
+        answer = asyncio.create_task(pool.client.verify(job))
+        await wait_until_async(queued, what="the job is queued")
+        orphaned.verifier.verify([job])  # taken and verified there; then the entry and the answer are gone
+        await pool.redis.xdel(pool.keys.jobs, *await queued())
+        return answer
+
+    async def main():
+        async with InProcessPool(redis_server.url, tiny_model, workers=0, resend_after_s=0.3) as pool:
+            orphaned = pool.worker("v0")  # not reading yet: it cannot take the copies posted again
+            let_go = await lose(pool, first_job("let go"), orphaned)
+            let_go.cancel()  # unanswered
+            await asyncio.gather(let_go, return_exceptions=True)
+            await pool.client.close("let go")
+            answered = await lose(pool, first_job("answered"), orphaned)
+            await wait_until_async(lambda: pool.redis.xlen(pool.keys.jobs), what="the lost job was posted again")
+            other = pool.add_worker("v1")
+            result = await asyncio.wait_for(answered, HANG_S)
+            assert orphaned.verifier.num_sessions == 2
+            pool.workers.append(orphaned)
+            pool.tasks.append(asyncio.create_task(orphaned.run()))
+            await wait_until_async(lambda: orphaned.verifier.num_sessions == 0, timeout_s=10,
+                                   what="the closes reached the verifier that held the lost copies")
+            await wait_until_async(lambda: list(other.verifier._sessions) == ["answered"], timeout_s=10,
+                                   what="the answering verifier holds the request, and only it")
+            return result, pool.client.affinity["answered"]
+
+    result, holder = asyncio.run(main())
+    assert result.verdict is not None and holder == "v1"
 
 
 def test_a_step_no_one_answers_fails_naming_where_its_job_is(redis_server, tiny_model):

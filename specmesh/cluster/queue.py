@@ -55,6 +55,7 @@ RESULTS_MAXLEN = 10_000  # a results stream nobody reads stops growing here
 RESULTS_TTL_S = 600  # ... and disappears when its router is gone
 LISTEN_BLOCK_MS = 500  # a router's blocking read of its results: also how soon it notices a stop
 CLOSED_REMEMBERED = 4096  # recently closed requests a router remembers, to close what late results opened
+CLOSE_RECALL_S = 10.0  # a close posted this long before Redis went away may be lost with it: posted again
 OWED_CLOSE_S = 60.0  # a close Redis could not take is tried again this long (then the verifier's idle eviction frees it)
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
 
@@ -187,6 +188,12 @@ class QueueVerifierClient:
         # closes not delivered (Redis down, or restarted before the verifier registered again): request ->
         # (verifier, since); sent again while that verifier is alive
         self._owed: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._posted_closes: OrderedDict[str, tuple[str, float]] = OrderedDict()  # request -> (verifier, when)
+        # requests whose pool job was posted again, or let go unanswered: a verifier this router never heard
+        # from may hold a session for a copy of it (its answer lost with a restarted Redis)
+        self._strays: OrderedDict[str, None] = OrderedDict()
+        # ... closed on every live verifier but the request's holder, for a while: request -> (since, closed on)
+        self._everywhere: OrderedDict[str, tuple[float, set[str]]] = OrderedDict()
         self._tasks: list[asyncio.Task] = []
         self._stopping = asyncio.Event()
 
@@ -223,11 +230,14 @@ class QueueVerifierClient:
         verifier = self.affinity.get(job.request_id)
         stream = self.keys.own_jobs(verifier) if verifier in self.alive else self.keys.jobs
         payload = encode_job(job, self.reply_to, deadline_unix_ms)
+        pooled = stream == self.keys.jobs
         try:
             entry_id = await self._post(stream, payload, deadline)
             if entry_id is None:  # that verifier's stream is gone (it died, another adopted it): the pool
-                stream = self.keys.jobs
+                stream, pooled = self.keys.jobs, True
                 entry_id = await self._post(stream, payload, deadline)
+            if pooled:  # wherever it lands holds the request now; a close to every other verifier would race it
+                self._everywhere.pop(job.request_id, None)
             while True:
                 left = deadline - time.monotonic()
                 try:
@@ -256,12 +266,18 @@ class QueueVerifierClient:
                     self.resent_jobs += 1
                     if self.on_resend is not None:
                         self.on_resend()
-                    stream = self.keys.jobs  # with the deadline as it stands now (progress may have moved it)
+                    self._remember(self._strays, job.request_id, None)
+                    stream, pooled = self.keys.jobs, True  # with the deadline as it stands now (progress may have moved it)
                     payload = encode_job(job, self.reply_to, int((time.time() + deadline - time.monotonic()) * 1000))
                     entry_id = await self._post(stream, payload, deadline)
         finally:
             self._waiting.pop(key, None)
             self._progressed.pop(key, None)
+            if pooled and not future.done():
+                self._remember(self._strays, job.request_id, None)
+        if job.request_id in self._strays:  # its holder is known now; the others close what a copy opened
+            self._strays.pop(job.request_id)
+            self._remember(self._everywhere, job.request_id, (time.monotonic(), set()))
         if message.status == verifier_pb2.VerifyResult.EXHAUSTED:
             raise ResourceExhausted(f"verifier {message.verifier_id}: {message.message}")
         if message.status == verifier_pb2.VerifyResult.ERROR:
@@ -287,12 +303,20 @@ class QueueVerifierClient:
     async def close(self, request_id: str) -> None:
         """Free the request's cache on its verifier now (idle sessions are also evicted there); a result
         still on its way (the request was abandoned mid-step) closes the session it opened when it comes."""
-        self._closed[request_id] = None
-        while len(self._closed) > CLOSED_REMEMBERED:
-            self._closed.popitem(last=False)
+        self._remember(self._closed, request_id, None)
         verifier = self.affinity.pop(request_id, None)
         if verifier is not None:
             await self._close_on(verifier, request_id)
+        if request_id in self._strays:
+            del self._strays[request_id]
+            self._remember(self._everywhere, request_id, (time.monotonic(), {verifier} - {None}))
+            await self._close_everywhere(request_id)
+
+    @staticmethod
+    def _remember(memory: OrderedDict, request_id: str, value) -> None:
+        memory[request_id] = value
+        while len(memory) > CLOSED_REMEMBERED:
+            memory.popitem(last=False)
 
     async def _still_queued(self, stream: str, entry_id: bytes) -> bool:
         """Whether the job is still in its stream (waiting, or held by a verifier); unknown (Redis
@@ -318,28 +342,47 @@ class QueueVerifierClient:
         except (asyncio.TimeoutError, *REDIS_DOWN):
             return "unknown (Redis unreachable)"
 
-    async def _close_on(self, verifier: str, request_id: str) -> None:
+    async def _post_close(self, verifier: str, request_id: str) -> bool:
         closing = request_id.encode()
         try:  # NOMKSTREAM: a dead verifier's removed stream is not created again
-            posted = await self.redis.xadd(self.keys.own_jobs(verifier),
-                                           {"close": closing, "tag": self.signer.tag(CLOSE, closing)}, nomkstream=True)
+            return await self.redis.xadd(self.keys.own_jobs(verifier),
+                                         {"close": closing, "tag": self.signer.tag(CLOSE, closing)},
+                                         nomkstream=True) is not None
         except REDIS_DOWN:
-            posted = None
-        if posted is None:
-            self._owed.setdefault(request_id, (verifier, time.monotonic()))
-            while len(self._owed) > CLOSED_REMEMBERED:
-                self._owed.popitem(last=False)
-        else:
+            return False
+
+    async def _close_on(self, verifier: str, request_id: str) -> None:
+        if await self._post_close(verifier, request_id):
             self._owed.pop(request_id, None)
+            self._remember(self._posted_closes, request_id, (verifier, time.monotonic()))
+        elif request_id not in self._owed:
+            self._remember(self._owed, request_id, (verifier, time.monotonic()))
 
     async def _pay_owed_closes(self) -> None:
-        """Closes Redis could not take, sent again to the verifiers alive now; a dead one's cache went with it."""
+        """Closes Redis could not take, sent again to the verifiers alive now (a dead one's cache went with
+        it); and those of requests a stray copy may have opened a session for, sent to each live verifier
+        but the request's holder."""
         now = time.monotonic()
         for request_id, (verifier, since) in list(self._owed.items()):
             if now - since > OWED_CLOSE_S:
                 self._owed.pop(request_id, None)
             elif verifier in self.alive:
                 await self._close_on(verifier, request_id)
+        for request_id, (since, _) in list(self._everywhere.items()):
+            if now - since > OWED_CLOSE_S:
+                self._everywhere.pop(request_id, None)
+            else:
+                await self._close_everywhere(request_id)
+
+    async def _close_everywhere(self, request_id: str) -> None:
+        """Close the request on each live verifier but its holder, once each (one not alive now, once it is)."""
+        remembered = self._everywhere.get(request_id)
+        if remembered is None:
+            return
+        closed_on = remembered[1]
+        for verifier in self.alive - closed_on - {self.affinity.get(request_id)}:
+            if await self._post_close(verifier, request_id):
+                closed_on.add(verifier)
 
     async def _post(self, stream: str, payload: bytes, deadline: float) -> bytes | None:
         """Post a job; returns its entry id (None: a verifier's own stream that no longer exists; only the
@@ -429,7 +472,18 @@ class QueueVerifierClient:
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
+    def _recall_closes(self, down_since: float) -> None:
+        """Redis was away (restarted empty, perhaps): the closes of ended requests posted shortly before may
+        never have been read. They are owed again (a second close of a request is a no-op)."""
+        for request_id, (verifier, when) in self._posted_closes.items():
+            if when >= down_since - CLOSE_RECALL_S and request_id in self._closed and request_id not in self._owed:
+                self._remember(self._owed, request_id, (verifier, time.monotonic()))
+        self._posted_closes.clear()
+        for _, closed_on in self._everywhere.values():
+            closed_on.clear()
+
     async def _watch_verifiers(self) -> None:
+        down_since = None
         while not self._stopping.is_set():
             try:
                 members = [m.decode() for m in await self.redis.smembers(self.keys.members)]
@@ -437,10 +491,14 @@ class QueueVerifierClient:
                 self.alive = {m for m, up in zip(members, flags) if up}
                 self.redis_ok = True
                 self.looked.set()
+                if down_since is not None:
+                    self._recall_closes(down_since)
+                    down_since = None
                 await self._pay_owed_closes()
             except REDIS_DOWN:
                 self.redis_ok = False
                 self.alive = set()
+                down_since = down_since or time.monotonic()
             try:
                 await asyncio.wait_for(self._stopping.wait(), self.liveness_every_s)
             except asyncio.TimeoutError:
