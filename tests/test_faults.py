@@ -528,6 +528,25 @@ def test_a_close_redis_could_not_take_is_sent_again_once_it_is_back(tmp_path, ti
         server.stop()
 
 
+def test_a_job_posted_after_a_close_of_its_request_is_verified_even_when_read_together(redis_server, tiny_model):
+    """A close (the request left this verifier) and a later job of the same request (it came back) in one
+    read: only jobs posted before the close are dropped."""
+    async def main():
+        async with InProcessPool(redis_server.url, tiny_model, workers=0, resend_after_s=60) as pool:
+            worker = pool.worker("v0")
+            await worker.queue.register()
+            await pool.client._close_on("v0", "back")
+            answer = asyncio.create_task(pool.client.verify(first_job("back")))
+            await wait_until_async(lambda: pool.redis.xlen(pool.keys.jobs), what="the job is queued")
+            pool.workers.append(worker)
+            pool.tasks.append(asyncio.create_task(worker.run()))
+            result = await asyncio.wait_for(answer, 10)
+            return result, outcome(worker, "closed"), pool.client.resent_jobs
+
+    result, dropped, resent = asyncio.run(main())
+    assert result.verdict is not None and dropped == 0 and resent == 0
+
+
 def test_a_close_redis_lost_unread_is_sent_again(tmp_path, tiny_model):
     """A request ends, its close is posted, and Redis restarts empty before its verifier (busy with a
     pass) read it: the router posts the close again once Redis is back."""

@@ -47,6 +47,7 @@ PROGRESS_EVERY_S = 1.0  # a prefill under way tells its router so this often (we
 PREFILL_SHARE = 0.5
 PREFILL_CHUNK_MS = 25.0
 ALONE_PREFILL_MS = 250.0
+HELD_READ_MS = 20  # a held prefill waits on a blocking read for the jobs that earn its credit, not a spin
 
 
 class VerifierWorker:
@@ -68,6 +69,7 @@ class VerifierWorker:
         self.rhythm = PassRhythm()
         self.prefill_credit_ms = 0.0  # prefill time earned beside other requests' passes, not yet spent
         self.lapsed = False  # the process stood still past the heartbeat's TTL: the others took its work over
+        self.held_only = False  # the last turn ran nothing: all it has are prefills waiting for credit
 
     def job_rows(self, entry: Entry) -> int:
         """Target rows the job adds to the next pass: root, tree, and its next prefill chunk."""
@@ -149,7 +151,8 @@ class VerifierWorker:
                     self.metrics.kv_sessions.set(self.verifier.num_sessions)
                     self.metrics.kv_bytes.set(self.verifier.cache_bytes)
                     next_reclaim = now + 1.0
-                backlog += await self.queue.read(self.max_jobs_per_read, 1 if backlog else 100, not self.draining)
+                block_ms = 100 if not backlog else HELD_READ_MS if self.held_only else 1
+                backlog += await self.queue.read(self.max_jobs_per_read, block_ms, not self.draining)
                 backlog = await self._serve(await self._gather(backlog))
                 self.metrics.pending.set(len(backlog))
                 backoff.reset()
@@ -199,9 +202,12 @@ class VerifierWorker:
         answered: list[tuple[Entry, bytes | None]] = []
         runnable: list[Entry] = []
         now_ms = time.time() * 1000
-        closed = {entry.close_request for entry in backlog if entry.close_request is not None}
+        closed: dict[str, tuple[int, int]] = {}  # request -> its last close here (a job posted after it is new)
         for entry in backlog:
-            if entry.queued is not None and entry.queued.job.request_id in closed:
+            if entry.close_request is not None:
+                closed[entry.close_request] = max(closed.get(entry.close_request, (0, 0)), entry.order)
+        for entry in backlog:
+            if entry.queued is not None and entry.order < closed.get(entry.queued.job.request_id, (0, 0)):
                 self.metrics.jobs.labels("closed").inc()  # its router has let the request go: a prefill stops
                 answered.append((entry, None))
             elif entry.close_request is not None:
@@ -233,6 +239,7 @@ class VerifierWorker:
         if batch:
             done, prefilling = await self._verify(batch, budget_ms, paid)
             answered += done
+        self.held_only = not batch and not answered
         if answered:
             self.metrics.jobs.labels("undeliverable").inc(await self.queue.post(answered))
         await self._report_progress(prefilling + held)

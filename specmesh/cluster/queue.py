@@ -516,6 +516,13 @@ class Entry:
     close_request: str | None = None
     received: float = 0.0
     forged: bool = False  # without a valid queue tag: dropped unread
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """When Redis took the entry: ids of one server's streams are (ms, sequence), in the order posted."""
+        text = self.entry_id.decode() if isinstance(self.entry_id, bytes) else self.entry_id
+        ms, _, sequence = text.partition("-")
+        return int(ms), int(sequence or 0)
     reported: float = 0.0  # when a prefill under way for it last reported progress (0: not yet)
 
 
