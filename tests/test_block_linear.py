@@ -103,6 +103,35 @@ def test_the_portable_path_repeats_the_avx2_path_bit_for_bit():
         assert torch.equal(got, expected), format
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("rows, heads, kv_heads, dim, cached", [
+    (1, 9, 3, 64, 0), (1, 9, 3, 64, 131), (6, 9, 3, 64, 200), (33, 4, 4, 128, 70), (5, 4, 1, 16, 9),
+])
+def test_tree_attention_is_the_portable_path_bit_for_bit_and_exact_per_row(rows, heads, kv_heads, dim, cached):
+    """The AVX2 path shares key blocks between a task's queries; each query's numbers stay the portable
+    path's, and a row's output is the same scored alone (its ancestors cached) as inside its tree. Shapes
+    cross the tiling's edges: partial row blocks, runs of keys not a multiple of 8 or of a key block,
+    one or two lane-block passes per head."""
+    ops = load_cpu_ops(cache_root() / "extensions")
+    portable = load_cpu_ops(cache_root() / "extensions", portable=True)
+    generator = torch.Generator().manual_seed(rows * 1000 + cached)
+    query = torch.randn(rows, heads, dim, generator=generator)
+    key, value = (torch.randn(kv_heads, cached + rows, dim, generator=generator) for _ in range(2))
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=generator)) for i in range(1, rows)]
+    mask = torch.eye(rows, dtype=torch.bool)
+    for i, parent in enumerate(parents):
+        if parent >= 0:
+            mask[i] |= mask[parent]
+    out = ops.tree_attention(query, key, value, cached, mask, 0.125)
+    assert torch.equal(out, portable.tree_attention(query, key, value, cached, mask, 0.125))
+    last = rows - 1  # alone: its ancestors moved into the cache, in order, then itself
+    path = [j for j in range(rows) if mask[last, j]]
+    order = list(range(cached)) + [cached + j for j in path]
+    alone = ops.tree_attention(query[last:], key[:, order], value[:, order], len(order) - 1,
+                               torch.ones(1, 1, dtype=torch.bool), 0.125)
+    assert torch.equal(alone[0], out[last])
+
+
 # ---- the runtime on quantized weights: a tiny Llama whose every projection is Q4_1 / Q8_0 blocks ----
 
 
