@@ -135,12 +135,13 @@ inline void accumulate(const float* weights, const float* value, int64_t dim, in
 struct Scratch {
   std::vector<float> scores;                // [queries, cached + rows]
   std::vector<float> acc;                   // [queries, dim]
+  std::vector<float> inverse;               // [queries]: 1 / each query's sum of weights
   std::vector<std::vector<int64_t>> tree;   // [rows of the task]: each one's visible tree positions
 };
 
 // One task: the query heads of kv head `kv` for tree rows [first, last). Their lists share the cache's
 // positions, taken a block at a time by every query (K and V read once per block, not once per query);
-// each query's arithmetic is `attend`'s, in the same order.
+// each query's arithmetic is the portable `attend`'s, in the same order.
 void attend_tile(const float* qp, const float* key, const float* value, const bool* mask, int64_t heads,
                  int64_t group, int64_t kv, int64_t dim, int64_t cached, int64_t rows, int64_t first, int64_t last,
                  float scale, Scratch& scratch, float* op) {
@@ -158,7 +159,8 @@ void attend_tile(const float* qp, const float* key, const float* value, const bo
   for (int64_t p = 0; p < cached; p += kKeyBlock)
     for (int64_t i = 0; i < queries; ++i)
       score_run(qp + index(i), key, dim, p, std::min(kKeyBlock, cached - p), scale, scores + i * width + p);
-  std::vector<float> inverse(queries);
+  std::vector<float>& inverse = scratch.inverse;
+  inverse.resize(queries);
   for (int64_t i = 0; i < queries; ++i) {
     const std::vector<int64_t>& tree = scratch.tree[i / group];
     float* s = scores + i * width;
