@@ -86,6 +86,16 @@ def redis_server(tmp_path_factory):
     server.stop()
 
 
+@pytest.fixture
+def restartable_redis(tmp_path):
+    """A redis-server of the test's own, which it may stop and start again (empty, on the same port)."""
+    from specmesh.cluster.redis_server import RedisServer
+
+    server = RedisServer(log_path=tmp_path / "redis.log").start()
+    yield server
+    server.stop()
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     """The embedded model's tokenizer (chat template included)."""

@@ -502,13 +502,11 @@ def test_a_verifier_that_stood_still_past_its_heartbeat_drops_its_stale_sessions
     assert asyncio.run(main()).verdict is not None
 
 
-def test_a_close_redis_could_not_take_is_sent_again_once_it_is_back(tmp_path, tiny_model):
+def test_a_close_redis_could_not_take_is_sent_again_once_it_is_back(restartable_redis, tiny_model):
     """A request ends while Redis is down (or restarted empty, before its verifier registered again): the
     close is owed, and sent when the verifier is alive again, so the KV cache is freed in seconds, not at
     the 300 s idle eviction."""
-    from specmesh.cluster.redis_server import RedisServer
-
-    server = RedisServer(log_path=tmp_path / "redis.log").start()
+    server = restartable_redis
 
     async def main():
         async with InProcessPool(server.url, tiny_model, workers=1) as pool:
@@ -522,10 +520,7 @@ def test_a_close_redis_could_not_take_is_sent_again_once_it_is_back(tmp_path, ti
                                    what="the owed close reached the verifier")
             return len(pool.client._owed)
 
-    try:
-        assert asyncio.run(main()) == 0
-    finally:
-        server.stop()
+    assert asyncio.run(main()) == 0
 
 
 def test_a_job_posted_after_a_close_of_its_request_is_verified_even_when_read_together(redis_server, tiny_model):
@@ -547,12 +542,10 @@ def test_a_job_posted_after_a_close_of_its_request_is_verified_even_when_read_to
     assert result.verdict is not None and dropped == 0 and resent == 0
 
 
-def test_a_close_redis_lost_unread_is_sent_again(tmp_path, tiny_model):
+def test_a_close_redis_lost_unread_is_sent_again(restartable_redis, tiny_model):
     """A request ends, its close is posted, and Redis restarts empty before its verifier (busy with a
     pass) read it: the router posts the close again once Redis is back."""
-    from specmesh.cluster.redis_server import RedisServer
-
-    server = RedisServer(log_path=tmp_path / "redis.log").start()
+    server = restartable_redis
 
     async def main():
         async with InProcessPool(server.url, tiny_model, workers=1) as pool:
@@ -570,10 +563,7 @@ def test_a_close_redis_lost_unread_is_sent_again(tmp_path, tiny_model):
             busy.cancel()
             await asyncio.gather(busy, return_exceptions=True)
 
-    try:
-        asyncio.run(main())
-    finally:
-        server.stop()
+    asyncio.run(main())
 
 
 def test_sessions_that_lost_copies_opened_are_closed_once_the_request_is_answered_or_let_go(redis_server, tiny_model):

@@ -11,7 +11,6 @@ from cluster_parts import InProcessPool
 from conftest import HANG_S, wait_until_async
 
 from specmesh.cluster.queue import VerifierQueue, decode_job, encode_job
-from specmesh.cluster.redis_server import RedisServer
 from specmesh.cluster.scheduling import PassRhythm, plan_batch
 from specmesh.cluster.signing import JOB
 from specmesh.drafters.ngram import HistoryDrafter, NgramDrafter
@@ -171,8 +170,8 @@ def test_a_resent_job_is_answered_from_the_first_result(redis_server, tiny_model
     assert batches == 1  # the second answer came from the posted result, not a second pass
 
 
-def test_redis_down_fails_with_unavailable_then_recovers(tiny_model, tmp_path):
-    server = RedisServer(log_path=tmp_path / "redis.log").start()
+def test_redis_down_fails_with_unavailable_then_recovers(tiny_model, restartable_redis):
+    server = restartable_redis
 
     async def main():
         async with InProcessPool(server.url, tiny_model, workers=1, job_timeout_s=2.0, resend_after_s=0.5) as pool:
@@ -188,10 +187,7 @@ def test_redis_down_fails_with_unavailable_then_recovers(tiny_model, tmp_path):
             after = await run_request(Request(PROMPTS[2], SamplingParams(max_tokens=MAX_TOKENS)), [], pool.client)
             return before, after
 
-    try:
-        before, after = asyncio.run(main())
-    finally:
-        server.stop()
+    before, after = asyncio.run(main())
     assert before == after
 
 
