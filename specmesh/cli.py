@@ -41,11 +41,11 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="the target's KV cache: every request's in one budget (on CUDA a paged pool); a request "
                         "that does not fit is refused with RESOURCE_EXHAUSTED (default: half the GPU memory free "
                         "after loading; a quarter of the machine's memory on CPU)")
-    parser.add_argument("--batch-invariant", action="store_true",
-                        help="CUDA: matrix products in Triton with tiles fixed by the weights, so that a request's "
-                        "logits never depend on the batch it is verified in (on an H100 about as fast as cuBLAS for "
-                        "one request, slower for large batches); CPU targets on their shipped blocks are "
-                        "batch-invariant already")
+    parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                        help="CUDA (the default there): matrix products in Triton whose reduction is fixed by the "
+                        "weights, so that a request's logits never depend on the batch it is verified in; "
+                        "--no-batch-invariant puts cuBLAS under them (faster for large batches, exact only within "
+                        "a row bucket). CPU targets on their shipped blocks are batch-invariant always")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,8 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--kv-cache-gb", type=float, default=None,
                     help="each verifier's KV cache budget (default: half the GPU memory free after loading; a "
                     "quarter of the machine's memory on CPU)")
-    up.add_argument("--batch-invariant", action="store_true",
-                    help="CUDA verifiers: a request's logits never depend on its batch (slower for large batches)")
+    up.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                    help="CUDA verifiers: a request's logits never depend on its batch (the default there; "
+                    "--no-batch-invariant: cuBLAS, exact only within a row bucket)")
     up.add_argument("--draft-ahead", action="store_true",
                     help="draft the next tree while one verifies (pays when drafters have cores of their own)")
     up.add_argument("--demo-prompt", default=DEMO_PROMPT)

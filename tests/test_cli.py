@@ -207,3 +207,17 @@ def test_up_restarts_a_killed_verifier_and_stops_cleanly(stop, tmp_path):
     gone = psutil.wait_procs(services, timeout=10)[1]
     assert not gone, f"left running: {gone}"
     assert list(tmp_path.iterdir()) == []  # the temporary log directory (and the cluster's files) went too
+
+
+def test_batch_invariant_products_are_the_default_and_can_be_turned_off(monkeypatch):
+    from specmesh.services.verifier.server import build_parser
+
+    required = ["--model", "m"]
+    monkeypatch.delenv("SPECMESH_BATCH_INVARIANT", raising=False)
+    assert build_parser().parse_args(required).batch_invariant is None  # the runtime's default: on for CUDA
+    assert build_parser().parse_args([*required, "--no-batch-invariant"]).batch_invariant is False
+    monkeypatch.setenv("SPECMESH_BATCH_INVARIANT", "false")  # the chart's verifier.config.batchInvariant
+    assert build_parser().parse_args(required).batch_invariant is False
+    assert build_parser().parse_args([*required, "--batch-invariant"]).batch_invariant is True
+    monkeypatch.setenv("SPECMESH_BATCH_INVARIANT", "true")
+    assert build_parser().parse_args(required).batch_invariant is True

@@ -153,7 +153,7 @@ def test_keep_rows_moves_the_accepted_rows_into_place():
 
 
 def test_buckets():
-    assert [bucket_rows(n) for n in (1, 16, 17, 200, 257, 600)] == [16, 16, 32, 256, 512, 768]
+    assert [bucket_rows(n) for n in (1, 16, 17, 200, 257, 320, 321, 600)] == [16, 16, 32, 256, 320, 320, 384, 1024]
     assert [bucket_pow2(n) for n in (1, 2, 3, 9)] == [1, 2, 4, 16]
     assert bucket_pow2(3, least=16) == 16
 
@@ -221,10 +221,11 @@ def test_the_fused_runtime_scores_as_the_lean_runtime(model):
                                lean.forward(TreeBatch.build(sessions[1:], trees)), atol=1e-4, rtol=1e-4)
 
 
-def test_a_tree_gets_exactly_the_logits_of_plain_steps(model):
-    """Lossless by construction: a tree's rows (same row bucket) equal the one-row steps bit for bit."""
+@pytest.mark.parametrize("length", [27, 60, 90])  # 60: the path crosses a key block; 90: one block shared
+def test_a_tree_gets_exactly_the_logits_of_plain_steps(model, length):
+    """Lossless by construction: a tree's rows equal the one-row steps bit for bit."""
     runtime = PagedLlamaRuntime(model, kv_cache_gb=0.01, attention="triton")  # the batch-invariant kernel
-    prompt = list(range(3, 30))
+    prompt = [3 + i % 90 for i in range(length)]
     path = plain_greedy(runtime, prompt, 6)
     session = runtime.new_session()
     prefill_sessions(runtime, [session], [prompt[:-1]])
@@ -291,7 +292,7 @@ def test_a_verifier_frees_idle_sessions_when_the_pool_is_full(model):
 
 
 def test_the_batch_invariant_matmul_gives_a_row_the_same_bits_in_any_batch():
-    from specmesh.kernels.matmul_triton import invariant_linear
+    from specmesh.kernels.matmul_triton import invariant_linear, tile_for
 
     generator = torch.Generator().manual_seed(5)
     weight = torch.randn(200, 192, generator=generator).to(DEVICE)  # a partial column tile; K = 3 x 64
@@ -299,11 +300,34 @@ def test_the_batch_invariant_matmul_gives_a_row_the_same_bits_in_any_batch():
     x = torch.randn(80, 192, generator=generator).to(DEVICE)
     everything = invariant_linear(x, weight, bias)
     torch.testing.assert_close(everything, torch.nn.functional.linear(x, weight, bias), atol=1e-4, rtol=1e-4)
-    slices = [(0, 1), (0, 17), (64, 80)]  # other row counts, the same places in the 64-row tiles
-    if DEVICE.type == "cuda":  # other places in a tile too (the interpreter's numpy dot sums by place in the tile)
+    slices = [(0, 1), (0, 17), (64, 80)]  # other row counts, the same places in a tile
+    # the interpreter's numpy dot sums by place in the tile and by tile shape: there, one tile for all
+    tile = None if DEVICE.type == "cuda" else tile_for(len(x))
+    if DEVICE.type == "cuda":
         slices += [(5, 9), (20, 37), (60, 70)]
     for start, end in slices:
-        assert torch.equal(invariant_linear(x[start:end].contiguous(), weight, bias), everything[start:end])
+        assert torch.equal(invariant_linear(x[start:end].contiguous(), weight, bias, tile=tile), everything[start:end])
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the ladder's tiles agree on the GPU's matrix instructions; the "
+                    "interpreter's numpy dot sums by tile shape")
+def test_every_tile_of_the_ladder_gives_a_row_the_same_bits():
+    from specmesh.kernels.matmul_triton import TILES, invariant_linear
+
+    generator = torch.Generator().manual_seed(6)
+    weight = (torch.randn(1000, 2048, generator=generator) * 0.02).to(DEVICE, torch.bfloat16)  # a partial column tile
+    x = torch.randn(520, 2048, generator=generator).to(DEVICE, torch.bfloat16)
+    first = invariant_linear(x, weight, tile=TILES[0][1])
+    for _, tile in TILES:
+        for rows in (1, 16, 130, 520):
+            assert torch.equal(invariant_linear(x[:rows].contiguous(), weight, tile=tile), first[:rows]), (tile, rows)
+    for rows in (1, 40, 100, 300):  # the ladder's own choice at each row count
+        assert torch.equal(invariant_linear(x[:rows].contiguous(), weight), first[:rows]), rows
+
+
+def test_the_paged_runtime_is_batch_invariant_by_default_on_cuda_only(model):
+    assert PagedLlamaRuntime(model, kv_cache_gb=0.01).batch_invariant == (DEVICE.type == "cuda")
+    assert not PagedLlamaRuntime(model, kv_cache_gb=0.01, batch_invariant=False).batch_invariant
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="rows land anywhere in a tile: the interpreter's numpy dot sums by "
@@ -318,3 +342,20 @@ def test_a_batch_invariant_runtime_scores_a_request_alike_in_any_batch(model):
     together = runtime.forward(TreeBatch.build(sessions, trees))  # 30 rows: another row bucket than each alone
     alone = torch.cat([runtime.forward(TreeBatch.build([s], [t])) for s, t in zip(sessions, trees)])
     assert torch.equal(together, alone)
+
+
+def test_the_runtime_bench_lossless_check_holds_and_catches_a_batch_dependent_runtime(model):
+    from specmesh.bench.runtime_speed import lossless_check
+
+    class BatchDependent(PagedLlamaRuntime):  # a decoy: a request's logits change when others share its pass
+        def forward(self, batch, logits_rows=None):
+            logits = super().forward(batch, logits_rows)
+            if len(batch.sessions) > 1:
+                logits[:, 7] += 50.0
+            return logits
+
+    prompts = [[3 + (i * 7 + j) % 90 for j in range(length)] for i, length in enumerate((60, 63, 20))]
+    honest = lossless_check(PagedLlamaRuntime(model, kv_cache_gb=0.01), prompts, [1, 3], steps=8)
+    assert honest["identical"] and honest["batch3"]["identical_requests"] == 3
+    decoy = lossless_check(BatchDependent(model, kv_cache_gb=0.01), prompts, [1, 3], steps=8)
+    assert not decoy["identical"] and decoy["batch1"]["identical_requests"] == 1

@@ -382,10 +382,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-cache-gb", type=float, default=float(env_default("kv_cache_gb", "0")) or None,
                         help="the target's KV cache budget (default: half the GPU memory free after loading; a "
                         "quarter of the machine's memory on CPU) [SPECMESH_KV_CACHE_GB]")
-    parser.add_argument("--batch-invariant", action="store_true",
-                        default=env_default("batch_invariant", "") not in ("", "0", "false"),
-                        help="CUDA: a request's logits never depend on its batch (Triton matrix products; slower for "
-                        "large batches) [SPECMESH_BATCH_INVARIANT]")
+    invariant = env_default("batch_invariant", "")
+    parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,
+                        default=None if invariant == "" else invariant not in ("0", "false"),
+                        help="CUDA: a request's logits never depend on its batch (the default; "
+                        "--no-batch-invariant puts cuBLAS under the matrix products: faster for large batches, "
+                        "exact only within a row bucket) [SPECMESH_BATCH_INVARIANT]")
     parser.add_argument("--queue-key-file", default=env_default("queue_key_file"),
                         help="the key shared with the routers: only jobs tagged with it run, results are tagged "
                              "with it (else $SPECMESH_QUEUE_KEY; neither: untagged) [SPECMESH_QUEUE_KEY_FILE]")

@@ -281,7 +281,7 @@ def run_bench(args: argparse.Namespace) -> int:
     drafter_names = args.drafter or DEFAULT_DRAFTERS
     assembly = assemble(args.model, drafter_names, device=args.device, dtype=args.dtype, precision=args.precision,
                         kv_cache_gb=getattr(args, "kv_cache_gb", None),
-                        batch_invariant=getattr(args, "batch_invariant", False))
+                        batch_invariant=getattr(args, "batch_invariant", None))
     quantized = assembly.runtime.precision != str(assembly.runtime.dtype).removeprefix("torch.")
     classifier = default_classifier()
     params = SamplingParams(max_tokens=args.max_tokens)

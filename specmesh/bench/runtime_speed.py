@@ -15,7 +15,7 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -29,10 +29,10 @@ from specmesh.tree import TokenTree, compile_tree
 
 CONTEXT = 512  # committed tokens of every request while steps are timed
 CURVE_NODES = (0, 1, 3, 7, 15, 31, 63)  # tree nodes below the root
-BATCH = 16
-BATCH_TREE_NODES = 8
+BATCHES = ((16, 0), (16, 8), (64, 4))  # timed batched passes: (requests, tree nodes each)
 LOSSLESS_STEPS = 24
-
+LOSSLESS_GUESSES = (1, 4, 16, 31)  # true tokens guessed a step, in turn: trees of 2 to 62 nodes with the siblings
+MIXED_NODES = (0, 1, 3, 7, 15, 31, 48, 63)  # tree sizes mixed in one batch by the invariance check
 
 def copy_bandwidth(device: torch.device, megabytes: int) -> float:
     """Bytes per second of a device-to-device copy, counting bytes read and written (median of 10)."""
@@ -96,44 +96,78 @@ def plain_greedy(runtime, prompt: list[int], steps: int) -> list[int]:
     return tokens[1:]
 
 
-def lossless_check(runtime: PagedLlamaRuntime, prompt: list[int]) -> dict:
-    """Plain greedy steps, then the same tokens verified as trees (the true continuation with a wrong
-    sibling at every depth): every step must accept exactly what plain decoding produced."""
-    plain = [prompt[-1]] + plain_greedy(runtime, prompt, LOSSLESS_STEPS)
-
-    session = runtime.new_session()
-    prefill_sessions(runtime, [session], [prompt[:-1]])
-    spoken, steps = [prompt[-1]], 0
-    while len(spoken) < len(plain):
-        guess = plain[len(spoken) : len(spoken) + 4]
-        paths = [guess] + [guess[:d] + [(guess[d] + 1) % runtime.vocab_size] for d in range(len(guess))]
-        tree = TokenTree.from_paths(paths)
-        compiled = compile_tree(spoken[-1], tree)
-        logits = runtime.forward(TreeBatch.build([session], [compiled]))
-        node, kept = -1, [0]
-        while True:  # greedy walk: follow the child whose token is the target's argmax
-            row = 0 if node == -1 else node + 1
-            best = int(logits[row].argmax())
-            spoken.append(best)
-            child = next((c for c in range(len(tree)) if tree.parents[c] == node and tree.tokens[c] == best), None)
-            if child is None:
-                break
-            node = child
-            kept.append(child + 1)
-        session.keep_rows(kept)
-        steps += 1
-    session.free()
-    return {"identical": spoken[: len(plain)] == plain, "tokens": len(plain) - 1, "speculative_steps": steps}
+def guessed_tree(truth: list[int], vocab: int) -> TokenTree:
+    """The true continuation ``truth`` with a wrong sibling at every depth, each followed by one more token:
+    a tree of 3 x len(truth) - 1 nodes whose greedy walk must accept exactly ``truth``."""
+    paths = [truth] + [truth[:d] + [(truth[d] + 1) % vocab, truth[d]] for d in range(len(truth))]
+    return TokenTree.from_paths(paths)
 
 
-def batch_invariance(runtime: PagedLlamaRuntime, sessions: list, trees: list) -> dict:
-    """Each request's rows scored in one batch against the same tree scored alone: how many rows have
-    the same logits bit for bit, and the same argmax (a batch's row bucket may use other matrix kernels)."""
-    together = runtime.forward(TreeBatch.build(sessions, trees))
-    alone = torch.cat([runtime.forward(TreeBatch.build([s], [t])) for s, t in zip(sessions, trees)])
-    rows = together.shape[0]
-    return {"rows": rows, "bitwise_equal": int((together == alone).all(dim=1).sum()),
-            "same_argmax": int((together.argmax(1) == alone.argmax(1)).sum())}
+def greedy_walk(tree: TokenTree, logits: torch.Tensor) -> tuple[list[int], list[int]]:
+    """(tokens the target speaks, tree rows kept) for one scored tree (row 0: the root)."""
+    node, kept, spoken = -1, [0], []
+    while True:  # follow the child whose token is the target's argmax
+        best = int(logits[0 if node == -1 else node + 1].argmax())
+        spoken.append(best)
+        child = next((c for c in range(len(tree)) if tree.parents[c] == node and tree.tokens[c] == best), None)
+        if child is None:
+            return spoken, kept
+        node = child
+        kept.append(child + 1)
+
+
+def lossless_check(runtime: PagedLlamaRuntime, prompts: list[list[int]], batch_sizes: Sequence[int],
+                   steps: int = LOSSLESS_STEPS) -> dict:
+    """``steps`` plain greedy steps of each prompt alone, then the same tokens verified as trees (the true
+    continuation, ``LOSSLESS_GUESSES`` tokens long in turn, with wrong siblings) for the first ``b`` prompts
+    together in one batch, for each ``b`` in ``batch_sizes``: every request must speak exactly what plain
+    decoding produced. Trees of 2 to 62 nodes in batches of 1 to 64 cross every row bucket up to 512."""
+    plains = [[p[-1]] + plain_greedy(runtime, p, steps) for p in prompts[: max(batch_sizes)]]
+    report = {"tokens": steps, "identical": True}
+    for size in batch_sizes:
+        sessions = [runtime.new_session() for _ in range(size)]
+        prefill_sessions(runtime, sessions, [p[:-1] for p in prompts[:size]])
+        spoken = [[p[-1]] for p in prompts[:size]]
+        passes = 0
+        while any(len(s) < len(plain) for s, plain in zip(spoken, plains)):
+            trees = []
+            for b, (said, plain) in enumerate(zip(spoken, plains)):
+                guess = LOSSLESS_GUESSES[(passes + b) % len(LOSSLESS_GUESSES)]
+                trees.append(guessed_tree(plain[len(said) : len(said) + guess] or [0], runtime.vocab_size))
+            compiled = [compile_tree(said[-1], tree) for said, tree in zip(spoken, trees)]
+            batch = TreeBatch.build(sessions, compiled)
+            logits = runtime.forward(batch)
+            for b, (session, tree, said) in enumerate(zip(sessions, trees, spoken)):
+                tokens, kept = greedy_walk(tree, logits[batch.cu_rows[b] : batch.cu_rows[b + 1]])
+                said.extend(tokens)
+                session.keep_rows(kept)
+            passes += 1
+        same = sum(said[: len(plain)] == plain for said, plain in zip(spoken, plains))
+        report[f"batch{size}"] = {"identical_requests": same, "requests": size, "speculative_steps": passes}
+        report["identical"] &= same == size
+        for session in sessions:
+            session.free()
+    return report
+
+
+def batch_invariance(runtime: PagedLlamaRuntime, sessions: list, lasts: list[int], drafted: list[list[int]]) -> dict:
+    """Each request's rows scored in a batch against its tree scored alone, for the timed batches and one
+    batch mixing every tree size: rows with the same logits bit for bit, and the same argmax."""
+    mixes = {f"batch{r}_tree{n}": [n] * r for r, n in BATCHES if n}
+    mixes["batch16_mixed"] = [MIXED_NODES[i % len(MIXED_NODES)] for i in range(16)]
+    report = {"rows": 0, "bitwise_equal": 0, "same_argmax": 0}
+    alone_logits: dict[tuple[int, int], torch.Tensor] = {}
+    for name, nodes in mixes.items():
+        trees = [compile_tree(last, binary_tree(d[:n])) for last, d, n in zip(lasts, drafted, nodes)]
+        together = runtime.forward(TreeBatch.build(sessions[: len(trees)], trees))
+        alone = torch.cat([alone_logits.setdefault((i, n), runtime.forward(TreeBatch.build([sessions[i]], [t])))
+                           for i, (t, n) in enumerate(zip(trees, nodes))])
+        equal = int((together == alone).all(dim=1).sum())
+        report[name] = f"{equal}/{together.shape[0]}"
+        report["rows"] += together.shape[0]
+        report["bitwise_equal"] += equal
+        report["same_argmax"] += int((together.argmax(1) == alone.argmax(1)).sum())
+    return report
 
 
 def measure(runtime: PagedLlamaRuntime, contexts: list[torch.Tensor], device: torch.device, repeats: int,
@@ -141,12 +175,12 @@ def measure(runtime: PagedLlamaRuntime, contexts: list[torch.Tensor], device: to
     """Every timed pass of the report on ``runtime``, then its batch invariance and lossless checks."""
     report: dict = {}
     context_len = contexts[0].shape[0]
-    sessions = [runtime.new_session() for _ in range(BATCH)]
+    sessions = [runtime.new_session() for _ in contexts]
     started = time.perf_counter()
     prefill_sessions(runtime, sessions, [c.tolist()[:-1] for c in contexts])
     if device.type == "cuda":
         torch.cuda.synchronize()
-    report["prefill_tokens_per_s"] = round(BATCH * (context_len - 1) / (time.perf_counter() - started))
+    report["prefill_tokens_per_s"] = round(len(contexts) * (context_len - 1) / (time.perf_counter() - started))
     lasts = [int(c[-1]) for c in contexts]
     drafted = [c.tolist()[:63] for c in contexts]
 
@@ -165,19 +199,23 @@ def measure(runtime: PagedLlamaRuntime, contexts: list[torch.Tensor], device: to
     prepare = TreeBatch.build([sessions[0]], [compile_tree(lasts[0], TokenTree())])
     report["host_prepare_ms"] = round(statistics.median(timed(lambda: runtime.prepare(prepare), device, repeats)), 3)
 
-    print(f"batched passes ({BATCH} requests) ...", flush=True)
-    for name, nodes in (("batch16_plain", 0), (f"batch16_tree{BATCH_TREE_NODES}", BATCH_TREE_NODES)):
-        trees = [compile_tree(last, binary_tree(d[:nodes])) for last, d in zip(lasts, drafted)]
-        batch = TreeBatch.build(sessions, trees)
+    print(f"batched passes {BATCHES} (requests, tree nodes) ...", flush=True)
+    for requests, nodes in BATCHES:
+        trees = [compile_tree(last, binary_tree(d[:nodes])) for last, d in zip(lasts[:requests], drafted)]
+        batch = TreeBatch.build(sessions[:requests], trees)
         ms = statistics.median(timed(lambda: runtime.forward(batch), device, repeats))
+        name = f"batch{requests}_" + (f"tree{nodes}" if nodes else "plain")
         report[f"{name}_ms"] = round(ms, 3)
         report[f"{name}_vs_step"] = round(ms / step_ms, 3)
-    report["batch_invariance"] = batch_invariance(runtime, sessions, trees)
+    print("batch invariance ...", flush=True)
+    report["batch_invariance"] = batch_invariance(runtime, sessions, lasts, drafted)
     for session in sessions:
         session.free()
 
     print("lossless check ...", flush=True)
-    report["lossless"] = lossless_check(runtime, contexts[0].tolist()[:64])
+    # 48 to 143 tokens: trees straddle key blocks that plain decoding reads whole, at 64 and at 128
+    prompts = [c.tolist()[: 48 + (i * 13) % 96] for i, c in enumerate(contexts)]
+    report["lossless"] = lossless_check(runtime, prompts, sorted({1, min(16, len(prompts)), len(prompts)}))
     report["kv_pool_free_after"] = runtime.pool.free_pages == runtime.pool.capacity_pages
     return report
 
@@ -201,30 +239,46 @@ def run_runtime_bench(args: argparse.Namespace) -> int:
     }
     generator = torch.Generator().manual_seed(0)
     vocab = hf_model.config.vocab_size
-    contexts = [torch.randint(0, vocab, (context_len,), generator=generator) for _ in range(BATCH)]
+    requests = max(r for r, _ in BATCHES)
+    contexts = [torch.randint(0, vocab, (context_len,), generator=generator) for _ in range(requests)]
     repeats = args.repeats
     if not args.skip_baselines:
         print("hf eager step ...", flush=True)
         report["hf_step_ms"] = round(hf_step_ms(hf_model, contexts[0], device, repeats), 3)
 
-    runtime = PagedLlamaRuntime(hf_model, kv_cache_gb=args.kv_cache_gb, graphs=None if device.type == "cuda" else False)
+    graphs = None if device.type == "cuda" else False
+    runtime = PagedLlamaRuntime(hf_model, kv_cache_gb=args.kv_cache_gb, graphs=graphs)
+    report["batch_invariant_products"] = runtime.batch_invariant
     report["kv_pool_pages"] = runtime.pool.capacity_pages
     report.update(measure(runtime, contexts, device, repeats, limit_ms))
-    if device.type == "cuda":  # the same passes with batch-invariant matrix products (Triton, not cuBLAS)
+    exact = runtime.batch_invariant and runtime.attention == "triton"  # what promises rows exact in any batch
+    if device.type == "cuda":  # the same passes with the opt-out: cuBLAS under the matrix products
         del runtime
         torch.cuda.empty_cache()
-        print("batch-invariant matrix products ...", flush=True)
-        invariant = PagedLlamaRuntime(hf_model, kv_cache_gb=args.kv_cache_gb, batch_invariant=True)
-        report["batch_invariant"] = measure(invariant, contexts, device, repeats, limit_ms, curve=False)
+        print("cuBLAS matrix products (--no-batch-invariant) ...", flush=True)
+        cublas = PagedLlamaRuntime(hf_model, kv_cache_gb=args.kv_cache_gb, batch_invariant=False)
+        report["cublas"] = measure(cublas, contexts, device, repeats, limit_ms, curve=False)
     _print(report)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.json_out}")
-    return 0
+    invariance = report["batch_invariance"]
+    failed = not report["lossless"]["identical"] or (exact and invariance["bitwise_equal"] < invariance["rows"])
+    if failed:
+        print("FAILED: speculative != plain, or a row's logits depend on its batch")
+    return 1 if failed else 0
+
+
+def _batches(report: dict) -> str:
+    return ", ".join(f"{r} x {n}-node trees {report[f'batch{r}_' + (f'tree{n}' if n else 'plain') + '_ms']} ms "
+                     f"({report[f'batch{r}_' + (f'tree{n}' if n else 'plain') + '_vs_step']}x)" for r, n in BATCHES)
 
 
 def _print(report: dict) -> None:
-    print(f"\n{report['model']} on {report['device']} ({report['dtype']}), context {report['context']}")
+    library = "PyTorch" if report["device"] == "cpu" else "cuBLAS"
+    products = "batch-invariant Triton" if report["batch_invariant_products"] else library
+    print(f"\n{report['model']} on {report['device']} ({report['dtype']}), context {report['context']}, "
+          f"matrix products: {products}")
     print(f"  weights {report['weight_bytes'] / 1e9:.2f} GB, copy bandwidth {report['copy_bandwidth_gbps']} GB/s: "
           f"streaming limit {report['streaming_limit_ms']} ms")
     hf = f" (Hugging Face eager {report['hf_step_ms']} ms)" if "hf_step_ms" in report else ""
@@ -233,19 +287,17 @@ def _print(report: dict) -> None:
     print("  verify cost over a one-token step, by tree nodes: "
           + ", ".join(f"{k}: {v}" for k, v in report["cost_curve"].items())
           + f"; a 16-node tree {report['tree16_vs_step']}")
-    print(f"  {BATCH} requests, one row each: {report['batch16_plain_ms']} ms ({report['batch16_plain_vs_step']}x a step); "
-          f"{BATCH_TREE_NODES}-node trees: {report[f'batch16_tree{BATCH_TREE_NODES}_ms']} ms "
-          f"({report[f'batch16_tree{BATCH_TREE_NODES}_vs_step']}x)")
-    invariance = report["batch_invariance"]
-    print(f"  batch invariance: of {invariance['rows']} rows scored in one batch and alone, "
-          f"{invariance['bitwise_equal']} bitwise equal, {invariance['same_argmax']} with the same argmax")
-    lossless = report["lossless"]
-    print(f"  lossless: speculative == plain over {lossless['tokens']} tokens: {lossless['identical']} "
-          f"({lossless['speculative_steps']} speculative steps); KV pool empty after: {report['kv_pool_free_after']}")
-    invariant = report.get("batch_invariant")
-    if invariant:
-        rows = invariant["batch_invariance"]
-        print(f"  batch-invariant matrix products: step {invariant['step_ms']} ms ({invariant['step_vs_limit']}x the "
-              f"limit), 16-node tree {invariant['tree16_vs_step']}x, {BATCH} requests x {BATCH_TREE_NODES}-node trees "
-              f"{invariant[f'batch16_tree{BATCH_TREE_NODES}_ms']} ms; rows equal in a batch and alone: "
-              f"{rows['bitwise_equal']}/{rows['rows']}; lossless {invariant['lossless']['identical']}")
+    print(f"  batched passes (requests x tree): {_batches(report)}")
+    for name, part in (("", report), ("cuBLAS: ", report.get("cublas"))):
+        if part is None:
+            continue
+        rows, lossless = part["batch_invariance"], part["lossless"]
+        if name:
+            print(f"  {name}step {part['step_ms']} ms ({part['step_vs_limit']}x the limit), 16-node tree "
+                  f"{part['tree16_vs_step']}x; {_batches(part)}")
+        print(f"  {name}batch invariance: of {rows['rows']} rows scored in batches and alone, {rows['bitwise_equal']} "
+              f"bitwise equal, {rows['same_argmax']} with the same argmax")
+        print(f"  {name}lossless: speculative == plain over {lossless['tokens']} tokens: {lossless['identical']} "
+              + ", ".join(f"{k}: {v['identical_requests']}/{v['requests']}" for k, v in lossless.items()
+                          if k.startswith("batch"))
+              + f"; KV pool empty after: {part['kv_pool_free_after']}")

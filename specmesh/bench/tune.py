@@ -261,7 +261,7 @@ def run_tune(args: argparse.Namespace) -> int:
     if "budget" in sweeps or "margin" in sweeps:
         assembly = assemble(args.model, drafters, device=args.device, dtype=args.dtype, precision=args.precision,
                             kv_cache_gb=getattr(args, "kv_cache_gb", None),
-                            batch_invariant=getattr(args, "batch_invariant", False))
+                            batch_invariant=getattr(args, "batch_invariant", None))
         classifier, params = default_classifier(), SamplingParams(max_tokens=args.max_tokens)
         requests = [assembly.request(p.text, params, classifier) for p in prompts]
         warmup_request = assembly.request(warmup.text, params, classifier)

@@ -67,7 +67,7 @@ class ClusterSpec:
     dtype: str | None = None
     precision: str = "shipped"  # the verifiers' (see specmesh.runtime.precision.PRECISIONS)
     kv_cache_gb: float | None = None  # each verifier's KV cache budget (None: its default)
-    batch_invariant: bool = False  # the verifiers' matrix products (CUDA; see PagedLlamaRuntime)
+    batch_invariant: bool | None = None  # the verifiers' matrix products (CUDA; see PagedLlamaRuntime)
     job_timeout_s: float = 30.0
     log_dir: Path | None = None  # None: a temporary directory, removed by ``stop(clean=True)``
     supervise: bool = True  # start again what dies (see specmesh.cluster.supervisor)
@@ -218,8 +218,8 @@ class LocalCluster:
         args += ["--precision", spec.precision]
         if spec.kv_cache_gb is not None:
             args += ["--kv-cache-gb", str(spec.kv_cache_gb)]
-        if spec.batch_invariant:
-            args.append("--batch-invariant")
+        if spec.batch_invariant is not None:
+            args.append("--batch-invariant" if spec.batch_invariant else "--no-batch-invariant")
         return self._service(f"verifier-{index}", "verifier", args, threads)
 
     def drafter_process(self, drafter: str) -> ServiceProcess:

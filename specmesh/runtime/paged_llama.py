@@ -6,11 +6,12 @@ batch that fits the bucket, with no per-op Python dispatch and one attention lau
 whole batch (``kernels/paged_tree_attention.py``). Padded rows write their K/V into the pool's trash page
 and belong to no request.
 
-Lossless by construction within a row bucket: every op computes a row the same way whatever the other
-rows hold (matrix products of one shape, row-wise norms, an attention kernel that walks each row's keys
-in plain decoding's order), so a tree's rows get exactly the logits plain decoding gets for the same
-tokens while both fall in one row bucket (``ROW_BUCKETS[0]`` rows: a one-token step and trees of up to
-15 nodes). Across buckets the matrix library may pick other kernels: last-bit differences are possible.
+Lossless by construction: every op computes a row the same way whatever the other rows hold (matrix
+products whose reduction order is fixed by the weights, ``kernels/matmul_triton.py``; row-wise norms; an
+attention kernel that walks each row's keys in plain decoding's order), so a tree's rows get exactly the
+logits plain decoding gets for the same tokens, in any batch, bucket and tree size. ``batch_invariant=False``
+puts cuBLAS under the products instead: faster for large batches, exact only within one row bucket (the
+library picks other kernels per shape, so a near tie can flip a greedy token across buckets).
 """
 
 from __future__ import annotations
@@ -23,15 +24,15 @@ import numpy as np
 import torch
 
 from specmesh.errors import InvalidArgument
-from specmesh.kernels.paged_tree_attention import ancestor_table
+from specmesh.kernels.paged_tree_attention import ancestor_table, group_bound, row_groups, rows_per_group
 from specmesh.runtime.kv_pool import PAGE_SIZE, TRASH_PAGE, KVPool, PagedSession
 from specmesh.runtime.linear import InvariantLinear
 from specmesh.runtime.llama import LlamaRuntime, Scores, TreeBatch, check_feature_layers
 
 log = logging.getLogger(__name__)
 
-ROW_BUCKETS = (16, 32, 48, 64, 96, 128, 160, 192, 256)  # rows of a pass; beyond the last, multiples of it
-GRAPH_MAX_ROWS = 256  # passes up to this many rows replay a CUDA graph; longer ones (prefill) run eagerly
+ROW_BUCKETS = (16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512)  # rows of a pass; beyond, multiples of 512
+GRAPH_MAX_ROWS = 512  # passes up to this many rows replay a CUDA graph; longer ones (prefill) run eagerly
 DEFAULT_KV_FRACTION = 0.5  # of the device memory free after loading, when no --kv-cache-gb is given
 DEFAULT_CPU_KV_GB = 2.0
 
@@ -59,10 +60,11 @@ class PassInputs:
     row_request: torch.Tensor  # [rows]: each row's request, -1 for padding
     ancestors: torch.Tensor  # [rows, depth]: the tree rows each row sees, root first, itself last
     seen: torch.Tensor  # [rows]: valid entries of ``ancestors``
+    groups: torch.Tensor  # [groups, 2]: (first row, rows) of the row groups that share their committed keys
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.input_ids, self.positions, self.slots, self.block_tables, self.cached, self.row_request,
-                self.ancestors, self.seen)
+                self.ancestors, self.seen, self.groups)
 
     @property
     def key(self) -> tuple[int, int, int, int]:
@@ -115,13 +117,15 @@ class PagedLlamaRuntime(LlamaRuntime):
     ``ResourceExhausted`` from ``forward`` before anything is written."""
 
     def __init__(self, hf_model: torch.nn.Module, kv_cache_gb: float | None = None, graphs: bool | None = None,
-                 page_size: int = PAGE_SIZE, attention: str | None = None, batch_invariant: bool = False) -> None:
+                 page_size: int = PAGE_SIZE, attention: str | None = None, batch_invariant: bool | None = None) -> None:
         """``attention``: "triton" (the default on CUDA; on a CPU only under ``TRITON_INTERPRET=1``, for tests:
         attention and the fused elementwise kernels) or "reference" (PyTorch ops, the default elsewhere; its
-        attention is not batch-invariant). ``batch_invariant``: the matrix products in Triton with tiles
-        fixed by the weights' shapes, so that a request's logits never depend on the rest of its batch
-        (else cuBLAS, faster, exact only within a row bucket)."""
-        self.batch_invariant = batch_invariant  # read by _linear, which the base class calls
+        attention is not batch-invariant). ``batch_invariant`` (default: on CUDA): the matrix products in
+        Triton with a reduction fixed by the weights' shapes, so that a request's logits never depend on the
+        rest of its batch; off, cuBLAS (exact only within a row bucket)."""
+        cuda = next(hf_model.parameters()).device.type == "cuda"
+        # read by _linear, which the base class calls
+        self.batch_invariant = cuda if batch_invariant is None else batch_invariant
         super().__init__(hf_model)
         self.attention = attention or ("triton" if self.device.type == "cuda" else "reference")
         if self.attention not in ("triton", "reference"):
@@ -186,10 +190,12 @@ class PagedLlamaRuntime(LlamaRuntime):
             deepest = max(deepest, int(row_positions[start:end].max()) - session.length + 1)
         depth = bucket_pow2(deepest, least=ROW_BUCKETS[0])
         row_request, ancestors, seen = ancestor_table(list(batch.masks), padded_rows, depth)
+        per_group = rows_per_group(self.num_heads, self.num_kv_heads)
+        groups = row_groups(row_request.numpy(), per_group, group_bound(padded_rows, padded_size, per_group))
         ids, positions = (torch.zeros(padded_rows, dtype=torch.long) for _ in range(2))
         ids[:rows], positions[:rows] = batch.input_ids, batch.positions
         return PassInputs(ids, positions, torch.from_numpy(slots), torch.from_numpy(block_tables),
-                          torch.from_numpy(cached), row_request, ancestors, seen)
+                          torch.from_numpy(cached), row_request, ancestors, seen, torch.from_numpy(groups))
 
     @torch.no_grad()
     def forward(self, batch: TreeBatch, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -276,7 +282,7 @@ class PagedLlamaRuntime(LlamaRuntime):
         if self.attention == "triton":
             from specmesh.kernels.paged_tree_attention import paged_tree_attention_triton
 
-            return paged_tree_attention_triton(*args)
+            return paged_tree_attention_triton(*args, groups=inputs.groups)
         from specmesh.kernels.paged_tree_attention import paged_tree_attention_reference
 
         return paged_tree_attention_reference(*args)

@@ -34,7 +34,7 @@ class TargetRuntime(Protocol):
 
 def make_runtime(
     hf_model: torch.nn.Module, lean: bool = True, block_weights: Mapping[str, BlockWeight] | None = None,
-    kv_cache_gb: float | None = None, batch_invariant: bool = False,
+    kv_cache_gb: float | None = None, batch_invariant: bool | None = None,
 ) -> TargetRuntime:
     """The lean runtime where it computes this model exactly (on CUDA: paged KV pool of ``kv_cache_gb``,
     fused kernels, CUDA graphs; elsewhere sessions capped at ``kv_cache_gb`` together), else Hugging
@@ -44,8 +44,6 @@ def make_runtime(
             from specmesh.runtime.paged_llama import PagedLlamaRuntime
 
             return PagedLlamaRuntime(hf_model, kv_cache_gb=kv_cache_gb, batch_invariant=batch_invariant)
-        if batch_invariant and not block_weights:
-            log.info("--batch-invariant applies to CUDA targets; this one runs on %s", hf_model.device)
         return LlamaRuntime(hf_model, block_weights=block_weights, kv_cache_gb=kv_cache_gb)
     return HFRuntime(hf_model)
 
@@ -106,7 +104,7 @@ def prepare_target(model: str) -> str:
 
 
 def target_runtime(loaded: LoadedModel, precision: str = "shipped", kv_cache_gb: float | None = None,
-                   batch_invariant: bool = False) -> TargetRuntime:
+                   batch_invariant: bool | None = None) -> TargetRuntime:
     """The runtime a verifier or ``generate`` serves ``loaded`` with, in ``precision`` (see
     ``precision.PRECISIONS``), its KV cache within ``kv_cache_gb``; ``batch_invariant``: see
     ``PagedLlamaRuntime``."""

@@ -52,10 +52,10 @@ def eos_token_ids(model: LoadedModel) -> list[int]:
 
 def assemble(
     model: str, drafters: Sequence[str] = ("ngram",), device: str | None = None, dtype: str | None = None,
-    precision: str = "shipped", kv_cache_gb: float | None = None, batch_invariant: bool = False,
+    precision: str = "shipped", kv_cache_gb: float | None = None, batch_invariant: bool | None = None,
 ) -> Assembly:
     """The target (in ``precision``: see ``runtime.target.PRECISIONS``; its KV cache within ``kv_cache_gb``;
-    ``batch_invariant`` matrix products on CUDA) and the named drafters."""
+    ``batch_invariant``: see ``PagedLlamaRuntime``) and the named drafters."""
     target = load_hf_model(model, dtype=dtype, device=device)
     runtime = target_runtime(target, precision, kv_cache_gb, batch_invariant)
     return Assembly(target, runtime, [load_drafter(d, target, device, dtype) for d in drafters])
