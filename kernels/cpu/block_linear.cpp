@@ -13,6 +13,8 @@
 // chunks of 4 inputs x 8 features (interleaved: see code_at). As many bytes as the file's blocks. For each
 // row and block, the integer dot products of the 8 features build up lane by lane, are scaled by the
 // features' d times the row's block scale, and accumulated; rows in tiles of up to 8 share each block's weights.
+// Builds by instruction set (kernels/cpu_ops.py picks the CPU's best): AVX2 multiplies with maddubs + madd;
+// VNNI with one dpbusd; AVX-512 VNNI puts two groups in one 512-bit register (16 features) and tiles 16 rows.
 //
 // Exactness: everything a row's result depends on (its 8-bit activations, its integer dot products, the
 // order of its fp32 operations) belongs to that row and runs the same whatever the other rows of the call,
@@ -43,6 +45,16 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define SPECMESH_AVX2 1
+// VNNI: one instruction multiplies 4 unsigned by 4 signed bytes per lane and adds them to the lane's int32,
+// replacing maddubs + add + madd. The sums are the same integers, so the results are the same bits.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define SPECMESH_DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#elif defined(__AVXVNNI__)
+#define SPECMESH_DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define SPECMESH_AVX512 1  // two groups of 8 features a 512-bit register: half the instructions a product
+#endif
 #endif
 
 namespace specmesh {
@@ -153,17 +165,28 @@ void multiply_group(const uint8_t* group, int64_t blocks, int64_t features, cons
       for (int64_t r = 0; r < tile; ++r) {
         const QuantizedRow& x = rows[r0 + r];
         const int8_t* xq = x.codes + b * kBlock;
-        __m256i dot;
-        if constexpr (F == kQ8_0) {  // maddubs multiplies unsigned by signed bytes: move the weights' signs onto x
-          dot = _mm256_setzero_si256();
+        __m256i dot = _mm256_setzero_si256();
+        if constexpr (F == kQ8_0) {  // unsigned times signed bytes: move the weights' signs onto x
           for (int64_t j = 0; j < 8; ++j) {
             int32_t four;
             std::memcpy(&four, xq + j * 4, 4);
             const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * 32));
-            const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(_mm256_set1_epi32(four), q));
+            const __m256i magnitude = _mm256_sign_epi8(q, q), signed_x = _mm256_sign_epi8(_mm256_set1_epi32(four), q);
+#ifdef SPECMESH_DPBUSD
+            dot = SPECMESH_DPBUSD(dot, magnitude, signed_x);
+#else
+            const __m256i pairs = _mm256_maddubs_epi16(magnitude, signed_x);
             dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pairs, ones));  // |pair| <= 2 * 128 * 127: no saturation
+#endif
           }
         } else {
+#ifdef SPECMESH_DPBUSD
+          for (int64_t j = 0; j < 8; ++j) {
+            int32_t four;
+            std::memcpy(&four, xq + j * 4, 4);
+            dot = SPECMESH_DPBUSD(dot, w[j], _mm256_set1_epi32(four));
+          }
+#else
           __m256i pairs = _mm256_setzero_si256();
           for (int64_t j = 0; j < 8; ++j) {
             int32_t four;
@@ -171,6 +194,7 @@ void multiply_group(const uint8_t* group, int64_t blocks, int64_t features, cons
             pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(four)));
           }
           dot = _mm256_madd_epi16(pairs, ones);
+#endif
         }
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(x.scale[b])), acc[r]);
         if constexpr (F != kQ8_0) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.scaled_sum[b]), acc[r]);
@@ -203,19 +227,109 @@ void multiply_group(const uint8_t* group, int64_t blocks, int64_t features, cons
 #endif
 }
 
+#ifdef SPECMESH_AVX512
+__m512i join(__m256i low, __m256i high) { return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1); }
+
+__m512i load_pair(const uint8_t* low, const uint8_t* high) {
+  return join(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(low)),
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(high)));
+}
+
+__m512 halves_pair(const uint8_t* low, const uint8_t* high) {  // 8 fp16 of each group -> 16 fp32
+  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(low));
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(high));
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(a), b, 1));
+}
+
+// multiply_group for two consecutive groups (features [0, 8) from `group`, [8, features) from the next),
+// lanes 0-7 the first group's and 8-15 the second's: per lane the same integer dot products and the same
+// fp32 operations as multiply_group, so the same bits.
+template <Format F>
+void multiply_group_pair(const uint8_t* group, int64_t group_bytes, int64_t blocks, int64_t features,
+                         const QuantizedRow* rows, int64_t count, float* y, int64_t stride) {
+  constexpr int64_t bytes = F == kQ4_0 ? 16 + 128 : F == kQ4_1 ? 32 + 128 : 16 + 256;
+  constexpr int64_t codes_at = F == kQ4_1 ? 32 : 16;
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  const __m512i flip = _mm512_set1_epi8(-128);  // x ^ 0x80 = x + 128 as an unsigned byte
+  constexpr int64_t kWideRowTile = 16;  // 32 registers: twice the rows share a block's decoded weights
+  const int64_t tiles = (count + kWideRowTile - 1) / kWideRowTile, per_tile = (count + tiles - 1) / tiles;
+  for (int64_t r0 = 0; r0 < count; r0 += per_tile) {
+    const int64_t tile = std::min(per_tile, count - r0);
+    __m512 acc[kWideRowTile];
+    for (int64_t r = 0; r < kWideRowTile; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* low = group + b * bytes;
+      const uint8_t* high = low + group_bytes;
+      const __m512 d = halves_pair(low, high);
+      __m512 m = _mm512_setzero_ps();
+      if constexpr (F == kQ4_1) m = halves_pair(low + 16, high + 16);
+      if constexpr (F == kQ4_0) m = _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+      __m512i w[8];
+      __m512i offset = _mm512_setzero_si512();  // Q8_0: 128 x each feature's sum of codes in this block
+      for (int64_t j = 0; j < 8; ++j) {
+        if constexpr (F == kQ8_0) {
+          w[j] = load_pair(low + codes_at + j * 32, high + codes_at + j * 32);
+          offset = _mm512_dpbusd_epi32(offset, _mm512_set1_epi8(-128), w[j]);  // unsigned 128 times each code
+        } else {
+          const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(low + codes_at + j * 16));
+          const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(high + codes_at + j * 16));
+          w[j] = join(_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(a, 4), nibble), _mm_and_si128(a, nibble)),
+                      _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(c, 4), nibble), _mm_and_si128(c, nibble)));
+        }
+      }
+      for (int64_t r = 0; r < tile; ++r) {
+        const QuantizedRow& x = rows[r0 + r];
+        const int8_t* xq = x.codes + b * kBlock;
+        __m512i dot = _mm512_setzero_si512();
+        for (int64_t j = 0; j < 8; ++j) {
+          int32_t four;
+          std::memcpy(&four, xq + j * 4, 4);
+          const __m512i activations = _mm512_set1_epi32(four);
+          if constexpr (F == kQ8_0)  // signed weights: x + 128 as the unsigned side, 128 sum(w) taken off below
+            dot = _mm512_dpbusd_epi32(dot, _mm512_xor_si512(activations, flip), w[j]);
+          else
+            dot = _mm512_dpbusd_epi32(dot, w[j], activations);
+        }
+        if constexpr (F == kQ8_0) dot = _mm512_sub_epi32(dot, offset);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(x.scale[b])), acc[r]);
+        if constexpr (F != kQ8_0) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.scaled_sum[b]), acc[r]);
+      }
+    }
+    for (int64_t r = 0; r < tile; ++r) {
+      alignas(64) float sums[2 * kTile];
+      _mm512_store_ps(sums, acc[r]);
+      std::copy(sums, sums + features, y + (r0 + r) * stride);
+    }
+  }
+}
+#endif
+
 template <Format F>
 void multiply(const uint8_t* weights, int64_t n, int64_t k, const QuantizedRow* rows, int64_t count, float* y) {
   const int64_t blocks = k / kBlock, group_bytes = blocks * group_block_bytes(F);
   at::parallel_for(0, (n + kTile - 1) / kTile, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
+    for (int64_t g = begin; g < end;) {
       const int64_t first = g * kTile;
       const uint8_t* group = weights + g * group_bytes;
+#ifdef SPECMESH_AVX512
+      constexpr int64_t step = 2;
+#else
+      constexpr int64_t step = 1;
+#endif
 #ifdef SPECMESH_AVX2
-      if (g + 1 < end)  // streamed weights are never in cache: ask for the next group's now
-        for (int64_t i = 0; i < group_bytes; i += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(group + group_bytes + i), _MM_HINT_T0);
+      if (g + step < end)  // streamed weights are never in cache: ask for the next groups' now
+        for (int64_t i = 0; i < step * group_bytes; i += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(group + step * group_bytes + i), _MM_HINT_T0);
+#endif
+#ifdef SPECMESH_AVX512
+      if (g + 1 < end) {
+        multiply_group_pair<F>(group, group_bytes, blocks, std::min(2 * kTile, n - first), rows, count, y + first, n);
+        g += 2;
+        continue;
+      }
 #endif
       multiply_group<F>(group, blocks, std::min(kTile, n - first), rows, count, y + first, n);
+      ++g;
     }
   });
 }

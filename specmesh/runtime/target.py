@@ -11,7 +11,7 @@ import torch
 
 from specmesh.errors import InvalidArgument
 from specmesh.kernels.block_linear import BlockWeight, quantize
-from specmesh.kernels.cpu_ops import KernelUnavailable, load_cpu_ops
+from specmesh.kernels.cpu_ops import KernelUnavailable, build_every_path, load_cpu_ops
 from specmesh.runtime.gguf import check_block_weights, load_block_weights
 from specmesh.runtime.hf import HFRuntime
 from specmesh.runtime.llama import LlamaRuntime, Scores, TreeBatch, lean_unsupported
@@ -87,9 +87,10 @@ def quantized_projections(model: torch.nn.Module, format: str) -> dict[str, Bloc
     return blocks
 
 
-def prepare_target(model: str) -> str:
-    """Convert a GGUF target once, build the quantized kernel and cache the file's blocks (what ``make
-    install`` does, so that nothing waits for it later). Returns a line saying what is ready."""
+def prepare_target(model: str, every_cpu_kernel: bool = False) -> str:
+    """Convert a GGUF target once, build the quantized kernel (every CPU's with ``every_cpu_kernel``) and
+    cache the file's blocks (what ``make install`` does, so that nothing waits for it later). Returns a line
+    saying what is ready."""
     from transformers import AutoConfig
 
     source, gguf = resolve_model_dir(model)
@@ -97,6 +98,8 @@ def prepare_target(model: str) -> str:
         return f"{source}"
     try:
         load_cpu_ops(cache_root() / "extensions")
+        if every_cpu_kernel:
+            build_every_path(cache_root() / "extensions")
     except KernelUnavailable as exc:
         return f"{source} (fp32 only: {exc})"
     load_block_weights(gguf, Path(source), AutoConfig.from_pretrained(source))
