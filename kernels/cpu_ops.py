@@ -8,6 +8,7 @@ runtime uses ``$SPECMESH_CACHE/extensions``; ``make install`` builds them). Wher
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -16,6 +17,8 @@ from functools import lru_cache
 from pathlib import Path
 
 import torch
+
+log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name("cpu") / name
                 for name in ("block_linear.cpp", "tree_attention.cpp", "llama_layer.cpp"))
@@ -73,17 +76,31 @@ def chosen_path() -> str:
 
 @lru_cache(maxsize=None)
 def load_cpu_ops(build_root: Path, path: str | None = None):
-    """Compile (first time, ~30 s) and load the kernels; returns their op namespace: ``torch.ops.specmesh_cpu``
-    for the build ``chosen_path`` names (``path=None``), ``torch.ops.specmesh_cpu_<path>`` for another
-    (tests compare the builds). Raises ``KernelUnavailable`` when there is no C++ compiler, the build fails
-    or this CPU cannot run ``path``."""
+    """Compile (first time, ~30 s) and load the kernels; returns their op namespace. ``path=None``: the runtime's,
+    ``torch.ops.specmesh_cpu``: the build ``chosen_path`` names, or the next this CPU runs if that one does not
+    compile here (a warning says why). ``path``: that build as ``torch.ops.specmesh_cpu_<path>`` (tests
+    compare the builds). Raises ``KernelUnavailable`` when no build compiles (no C++ compiler, say) or this
+    CPU cannot run ``path``."""
+    if path is not None:
+        if path not in supported_paths():
+            raise KernelUnavailable(f"the {path} kernels need CPU features this one lacks")
+        torch.ops.load_library(str(build_cpu_ops(build_root, path, f"specmesh_cpu_{path}")))
+        return getattr(torch.ops, f"specmesh_cpu_{path}")
     chosen = chosen_path()
-    path = path or chosen
-    if path not in supported_paths():
-        raise KernelUnavailable(f"the {path} kernels need CPU features this one lacks")
-    namespace = "specmesh_cpu" if path == chosen else f"specmesh_cpu_{path}"
-    torch.ops.load_library(str(build_cpu_ops(build_root, path, namespace)))
-    return getattr(torch.ops, namespace)
+    forced = os.environ.get("SPECMESH_CPU_KERNEL", "auto").strip().lower() not in ("", "auto")
+    candidates = [chosen] if forced else list(supported_paths())
+    failures = []
+    for candidate in candidates:
+        try:
+            built = build_cpu_ops(build_root, candidate)
+        except KernelUnavailable as exc:
+            failures.append(f"{candidate}: {exc}")
+            continue
+        if failures:
+            log.warning("the CPU kernels run as %s: %s", candidate, "; ".join(failures))
+        torch.ops.load_library(str(built))
+        return torch.ops.specmesh_cpu
+    raise KernelUnavailable("; ".join(failures))
 
 
 def build_cpu_ops(build_root: Path, path: str, namespace: str = "specmesh_cpu") -> Path:

@@ -4,6 +4,10 @@ What losslessness needs of it: a row's result never depends on the other rows of
 tree gives the logits plain decoding gives, and speculative output equals plain decoding on these weights.
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from conftest import tiny_llama
@@ -263,3 +267,25 @@ def test_any_llama_model_can_run_int8_weight_only():
     engine = SpeculativeEngine(runtime, [OracleTreeDrafter(answers, vocab_size=96, seed=2)], max_tree_nodes=6)
     outputs = engine.generate([Request(tuple(p), SamplingParams(max_tokens=MAX_TOKENS)) for p in prompts])
     assert [o.token_ids for o in outputs] == [answers[tuple(p)] for p in prompts]
+
+
+@pytest.mark.slow
+def test_a_build_that_does_not_compile_here_falls_back_to_the_next(tmp_path):
+    """An older compiler without the best build's flags: the runtime runs the next build, with a warning."""
+    best = supported_paths()[0]
+    if best == "portable":
+        pytest.skip("this CPU has one build only")
+    flag = {"avx512vnni": "-mavx512vnni", "avxvnni": "-mavxvnni", "avx2": "-mavx2"}[best]
+    compiler = tmp_path / "c++"
+    compiler.write_text(f'#!/bin/sh\ncase " $* " in *" {flag} "*) echo "unknown flag {flag}" >&2; exit 1;; esac\n'
+                        'exec c++ "$@"\n')
+    compiler.chmod(0o755)
+    code = ("import logging, torch; logging.basicConfig(); from pathlib import Path; "
+            "from specmesh.kernels.cpu_ops import load_cpu_ops; "
+            f"ops = load_cpu_ops(Path({str(tmp_path / 'extensions')!r})); x = torch.ones(1, 32); "
+            "print('loaded', ops.block_linear.__name__ if hasattr(ops.block_linear, '__name__') else 'ok')")
+    env = {**os.environ, "CXX": str(compiler), "SPECMESH_CPU_KERNEL": "auto"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "loaded" in done.stdout
+    assert f"the CPU kernels run as {supported_paths()[1]}" in done.stderr and best in done.stderr
