@@ -85,13 +85,21 @@ def _sum_splits(partial_ptr, bias_ptr, y_ptr, total, N, splits, stride_split,
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
+STEPS = (64, 32, 16)  # K steps a split may be cut in: the matrix instructions take K 16 at a time
+
+
+def check_inner(k: int) -> None:
+    if k % STEPS[-1]:
+        raise ValueError(f"batch-invariant matmul: in_features {k} is not a multiple of {STEPS[-1]}")
+
+
 @functools.lru_cache(maxsize=None)
 def plan(n: int, k: int, programs: int) -> int:
     """Splits of K for a weight [n, k]: the fewest that give ``programs`` programs of 16 columns (one split
-    for any weight wide enough), each split a multiple of 64 long."""
-    if k % 64:
-        raise ValueError(f"batch-invariant matmul: in_features {k} is not a multiple of 64")
-    steps, tiles = k // 64, triton.cdiv(n, MIN_COLUMNS)
+    for any weight wide enough), each split a multiple of the largest step dividing k."""
+    check_inner(k)
+    steps = k // next(step for step in STEPS if k % step == 0)
+    tiles = triton.cdiv(n, MIN_COLUMNS)
     return min(d for d in range(1, steps + 1) if steps % d == 0 and (tiles * d >= programs or d == steps))
 
 
@@ -112,7 +120,8 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
                          "a dense inner dimension")
     splits = plan(n, k, device_programs(x.device))
     tile = tile or tile_for(rows)
-    depth = tile.depth if (k // splits) % tile.depth == 0 else 64
+    per_split = k // splits
+    depth = tile.depth if per_split % tile.depth == 0 else next(step for step in STEPS if per_split % step == 0)
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     partial = y if splits == 1 else torch.empty(splits, rows, n, dtype=torch.float32, device=x.device)
     _partial_products[(triton.cdiv(rows, tile.rows), triton.cdiv(n, tile.columns), splits)](

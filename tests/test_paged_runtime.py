@@ -359,3 +359,17 @@ def test_the_runtime_bench_lossless_check_holds_and_catches_a_batch_dependent_ru
     assert honest["identical"] and honest["batch3"]["identical_requests"] == 3
     decoy = lossless_check(BatchDependent(model, kv_cache_gb=0.01), prompts, [1, 3], steps=8)
     assert not decoy["identical"] and decoy["batch1"]["identical_requests"] == 1
+
+
+def test_a_model_the_invariant_products_cannot_take_is_refused_clearly():
+    from specmesh.kernels.matmul_triton import plan
+    from specmesh.runtime.linear import InvariantLinear
+
+    assert plan(4096, 4096, 132) == 1 and plan(576, 576, 132) > 1  # wide weights are never split
+    assert plan(96, 48, 16) in (1, 3)  # K a multiple of 16 only: steps of 16
+    from specmesh.kernels.matmul_triton import invariant_linear
+
+    x, w = torch.randn(5, 48).to(DEVICE), torch.randn(96, 48).to(DEVICE)
+    torch.testing.assert_close(invariant_linear(x, w), torch.nn.functional.linear(x, w), atol=1e-4, rtol=1e-4)
+    with pytest.raises(InvalidArgument, match="no-batch-invariant"):
+        InvariantLinear(torch.zeros(8, 40))

@@ -23,6 +23,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from specmesh.errors import InvalidArgument
 from specmesh.kernels.block_linear import FORMATS, BlockWeight, PackedBlocks, block_linear
 
 _PACK_BATCH_HINT = 8  # oneDNN picks its blocking for this many rows; 1..16 rows stay flat with it
@@ -120,9 +121,15 @@ class InvariantLinear:
     kind = "batch-invariant"
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        from specmesh.kernels.matmul_triton import check_inner
+
         self.weight = weight.detach().contiguous()  # [out_features, in_features]
         self.bias = bias.detach() if bias is not None else None
         self.out_features, self.in_features = self.weight.shape
+        try:
+            check_inner(self.in_features)
+        except ValueError as exc:
+            raise InvalidArgument("batch_invariant", f"{exc}: serve this model with --no-batch-invariant") from None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         from specmesh.kernels.matmul_triton import invariant_linear
