@@ -60,11 +60,17 @@ def supported_paths() -> tuple[str, ...]:
     return tuple(name for name, _, needs in PATHS if needs <= cpu_features())
 
 
+def forced_path() -> str | None:
+    """The build ``$SPECMESH_CPU_KERNEL`` names, or None for ``auto`` (the default)."""
+    wanted = os.environ.get("SPECMESH_CPU_KERNEL", "").strip().lower()
+    return None if wanted in ("", "auto") else wanted
+
+
 def chosen_path() -> str:
     """The build the runtime uses: ``$SPECMESH_CPU_KERNEL`` if set (one of ``PATH_NAMES``, for measuring a
     slower path on a faster CPU), else the best this CPU runs."""
-    wanted = os.environ.get("SPECMESH_CPU_KERNEL", "").strip().lower()
-    if not wanted or wanted == "auto":
+    wanted = forced_path()
+    if wanted is None:
         return supported_paths()[0]
     if wanted not in PATH_NAMES:
         raise KernelUnavailable(f"SPECMESH_CPU_KERNEL={wanted!r}: must be auto or one of {', '.join(PATH_NAMES)}")
@@ -86,9 +92,7 @@ def load_cpu_ops(build_root: Path, path: str | None = None):
             raise KernelUnavailable(f"the {path} kernels need CPU features this one lacks")
         torch.ops.load_library(str(build_cpu_ops(build_root, path, f"specmesh_cpu_{path}")))
         return getattr(torch.ops, f"specmesh_cpu_{path}")
-    chosen = chosen_path()
-    forced = os.environ.get("SPECMESH_CPU_KERNEL", "auto").strip().lower() not in ("", "auto")
-    candidates = [chosen] if forced else list(supported_paths())
+    candidates = [chosen_path()] if forced_path() else list(supported_paths())
     failures = []
     for candidate in candidates:
         try:

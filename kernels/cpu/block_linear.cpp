@@ -131,6 +131,14 @@ int32_t code_at(const uint8_t* codes, int64_t f, int64_t i) {
 
 constexpr int64_t kRowTile = 8;  // at most, rows sharing one load (and unpack) of a block's weights
 
+#ifdef SPECMESH_AVX2
+// Rows a tile of at most `most` rows takes when `count` rows are split evenly (9 rows, most 8: 5 + 4).
+int64_t rows_per_tile(int64_t count, int64_t most) {
+  const int64_t tiles = (count + most - 1) / most;
+  return (count + tiles - 1) / tiles;
+}
+#endif
+
 // y[r][f] for rows [0, count) and the group's first `features` features; `group` points at its first block.
 template <Format F>
 void multiply_group(const uint8_t* group, int64_t blocks, int64_t features, const QuantizedRow* rows, int64_t count,
@@ -144,7 +152,7 @@ void multiply_group(const uint8_t* group, int64_t blocks, int64_t features, cons
   // 127 < 2^15) and are widened once a block.
   const __m256i ones = _mm256_set1_epi16(1);
   const __m128i nibble = _mm_set1_epi8(0x0F);
-  const int64_t tiles = (count + kRowTile - 1) / kRowTile, per_tile = (count + tiles - 1) / tiles;  // 9 = 5 + 4
+  const int64_t per_tile = rows_per_tile(count, kRowTile);
   for (int64_t r0 = 0; r0 < count; r0 += per_tile) {
     const int64_t tile = std::min(per_tile, count - r0);
     __m256 acc[kRowTile];
@@ -252,7 +260,7 @@ void multiply_group_pair(const uint8_t* group, int64_t group_bytes, int64_t bloc
   const __m128i nibble = _mm_set1_epi8(0x0F);
   const __m512i flip = _mm512_set1_epi8(-128);  // x ^ 0x80 = x + 128 as an unsigned byte
   constexpr int64_t kWideRowTile = 16;  // 32 registers: twice the rows share a block's decoded weights
-  const int64_t tiles = (count + kWideRowTile - 1) / kWideRowTile, per_tile = (count + tiles - 1) / tiles;
+  const int64_t per_tile = rows_per_tile(count, kWideRowTile);
   for (int64_t r0 = 0; r0 < count; r0 += per_tile) {
     const int64_t tile = std::min(per_tile, count - r0);
     __m512 acc[kWideRowTile];

@@ -34,6 +34,11 @@ LOSSLESS_STEPS = 24
 LOSSLESS_GUESSES = (1, 4, 16, 31)  # true tokens guessed a step, in turn: trees of 2 to 62 nodes with the siblings
 MIXED_NODES = (0, 1, 3, 7, 15, 31, 48, 63)  # tree sizes mixed in one batch by the invariance check
 
+def batch_name(requests: int, nodes: int) -> str:
+    """The report's key of a batched pass: ``batch16_plain``, ``batch64_tree4``."""
+    return f"batch{requests}_" + (f"tree{nodes}" if nodes else "plain")
+
+
 def copy_bandwidth(device: torch.device, megabytes: int) -> float:
     """Bytes per second of a device-to-device copy, counting bytes read and written (median of 10)."""
     source = torch.randn(megabytes * 2**20 // 4, device=device)
@@ -153,7 +158,7 @@ def lossless_check(runtime: PagedLlamaRuntime, prompts: list[list[int]], batch_s
 def batch_invariance(runtime: PagedLlamaRuntime, sessions: list, lasts: list[int], drafted: list[list[int]]) -> dict:
     """Each request's rows scored in a batch against its tree scored alone, for the timed batches and one
     batch mixing every tree size: rows with the same logits bit for bit, and the same argmax."""
-    mixes = {f"batch{r}_tree{n}": [n] * r for r, n in BATCHES if n}
+    mixes = {batch_name(r, n): [n] * r for r, n in BATCHES if n}
     mixes["batch16_mixed"] = [MIXED_NODES[i % len(MIXED_NODES)] for i in range(16)]
     report = {"rows": 0, "bitwise_equal": 0, "same_argmax": 0}
     alone_logits: dict[tuple[int, int], torch.Tensor] = {}
@@ -204,7 +209,7 @@ def measure(runtime: PagedLlamaRuntime, contexts: list[torch.Tensor], device: to
         trees = [compile_tree(last, binary_tree(d[:nodes])) for last, d in zip(lasts[:requests], drafted)]
         batch = TreeBatch.build(sessions[:requests], trees)
         ms = statistics.median(timed(lambda: runtime.forward(batch), device, repeats))
-        name = f"batch{requests}_" + (f"tree{nodes}" if nodes else "plain")
+        name = batch_name(requests, nodes)
         report[f"{name}_ms"] = round(ms, 3)
         report[f"{name}_vs_step"] = round(ms / step_ms, 3)
     print("batch invariance ...", flush=True)
@@ -270,8 +275,8 @@ def run_runtime_bench(args: argparse.Namespace) -> int:
 
 
 def _batches(report: dict) -> str:
-    return ", ".join(f"{r} x {n}-node trees {report[f'batch{r}_' + (f'tree{n}' if n else 'plain') + '_ms']} ms "
-                     f"({report[f'batch{r}_' + (f'tree{n}' if n else 'plain') + '_vs_step']}x)" for r, n in BATCHES)
+    return ", ".join(f"{r} x {n}-node trees {report[batch_name(r, n) + '_ms']} ms "
+                     f"({report[batch_name(r, n) + '_vs_step']}x)" for r, n in BATCHES)
 
 
 def _print(report: dict) -> None:
