@@ -95,8 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--speculation", choices=("adaptive", "fixed", "off"), default="adaptive",
                     help="the router's default for requests (default adaptive)")
     up.add_argument("--speculation-margin", type=float, default=SPECULATION_MARGIN,
-                    help="adaptive: the least predicted goodput gain over plain decoding a tree must promise in a "
-                    f"shared pass (default {SPECULATION_MARGIN})")
+                    help="adaptive: in a shared pass, the least predicted goodput gain a tree must promise, in shares "
+                    f"of one request's part of the batch's goodput (default {SPECULATION_MARGIN})")
     up.add_argument("--precision", default="shipped",
                     help="the verifiers': shipped (a GGUF target on its own blocks, CPU), fp32 or q8_0 "
                     "(default shipped)")
@@ -143,6 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --model random:<architecture>: committed tokens while steps are timed (default 512)")
     bench.add_argument("--repeats", type=int, default=30,
                        help="with --model random:<architecture>: timed calls of each pass (default 30)")
+    bench.add_argument("--oracle-acceptance", metavar="P[,P...]",
+                       help="with --model random:<architecture>: the whole cluster instead of the runtime alone, with "
+                       "an oracle drafter whose tokens are the target's own with probability P; tokens/s against "
+                       "plain decoding through the same cluster at each --concurrency (docs/bench.md)")
     _add_model_args(bench)
 
     tune = commands.add_parser("tune", help="measure the speculation constants on held-out prompts (not MT-Bench)")
@@ -234,6 +238,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _generate_remote(args) if args.server else _generate(args)
         if args.command == "up":
             return _up(args)
+        if args.command == "bench" and is_random(args.model) and args.oracle_acceptance:
+            from specmesh.bench.oracle_cluster import run_oracle_bench
+
+            return run_oracle_bench(args)
         if args.command == "bench" and is_random(args.model):  # the runtime alone: random weights, no text
             from specmesh.bench.runtime_speed import run_runtime_bench
 

@@ -96,6 +96,18 @@ class Generation:
 
 
 @dataclass(frozen=True)
+class StepTrace:
+    """The target step that committed a chunk's tokens, as the router saw it."""
+
+    budget: int  # tree nodes the speculation controller allowed
+    tree_nodes: int  # nodes verified
+    draft_ms: float  # waiting for the drafters
+    pass_ms: float  # the verifier's pass
+    step_ms: float  # the whole step
+    batch_size: int  # requests verified in that pass
+
+
+@dataclass(frozen=True)
 class Chunk:
     request_id: str
     token_ids: list[int]
@@ -103,6 +115,7 @@ class Chunk:
     finish_reason: str | None  # set on the last chunk
     usage: Usage | None  # last chunk only
     stats: Stats | None  # last chunk only
+    step: StepTrace | None = None  # None from a router that does not report steps
 
 
 def _usage(message) -> Usage:
@@ -123,8 +136,11 @@ def _generation(message: router_pb2.GenerateResponse) -> Generation:
 
 def _chunk(message: router_pb2.GenerateChunk) -> Chunk:
     final = bool(message.finish_reason)
+    step = message.step if message.HasField("step") else None
+    trace = StepTrace(step.budget, step.tree_nodes, step.draft_ms, step.pass_ms, step.step_ms,
+                      step.batch_size) if step is not None else None
     return Chunk(message.request_id, list(message.token_ids), message.text, message.finish_reason or None,
-                 _usage(message.usage) if final else None, _stats(message.stats) if final else None)
+                 _usage(message.usage) if final else None, _stats(message.stats) if final else None, trace)
 
 
 def generate_request(

@@ -40,7 +40,13 @@ from specmesh.services.router.openai_api import DEFAULT_MAX_BODY_BYTES, HttpServ
 from specmesh.speculation.classifier import default_classifier
 from specmesh.speculation.expertise import GENERAL, RoutingConfig
 from specmesh.speculation.loop import LocalDrafter
-from specmesh.speculation.policy import DEFAULT_TREE_NODES, SPECULATION_MARGIN, SPECULATION_MODES, adaptive_policy
+from specmesh.speculation.policy import (
+    DEFAULT_TREE_NODES,
+    SPECULATION_MARGIN,
+    SPECULATION_MODES,
+    StepOutcome,
+    adaptive_policy,
+)
 from specmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 log = logging.getLogger("specmesh.router")
@@ -58,6 +64,11 @@ def _stats(generation: Generation) -> router_pb2.SpeculationStats:
         total_ms=s.total_s * 1e3, drafters=generation.drafters, drafted_ahead=s.drafted_ahead,
         draft_ms=s.draft_s * 1e3, verify_ms=s.verify_s * 1e3, verifier_ms=s.verifier_s * 1e3, request_kind=s.request_kind, drafter_steps=s.drafter_steps,
     )
+
+
+def _trace(outcome: StepOutcome) -> router_pb2.StepTrace:
+    return router_pb2.StepTrace(budget=outcome.plan.budget, tree_nodes=len(outcome.fused), draft_ms=outcome.draft_ms,
+                                pass_ms=outcome.pass_ms, step_ms=outcome.step_ms, batch_size=outcome.batch_size)
 
 
 SPECULATION = {router_pb2.SPECULATION_UNSPECIFIED: None, router_pb2.SPECULATION_ADAPTIVE: "adaptive",
@@ -121,6 +132,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 text=text.push(step.token_ids, final),
                 finish_reason=step.finish_reason or "",
             )
+            if step.outcome is not None:
+                chunk.step.CopyFrom(_trace(step.outcome))
             if final:
                 chunk.usage.CopyFrom(_usage(generation))
                 chunk.stats.CopyFrom(_stats(generation))
@@ -217,8 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "(routed drafters, the whole budget) or off [SPECMESH_SPECULATION]")
     parser.add_argument("--speculation-margin", type=float,
                         default=float(env_default("speculation_margin", str(SPECULATION_MARGIN))),
-                        help="adaptive: in a shared pass, the least predicted goodput gain over plain decoding a "
-                             f"tree must promise (default {SPECULATION_MARGIN}) [SPECMESH_SPECULATION_MARGIN]")
+                        help="adaptive: in a shared pass, the least predicted goodput gain a tree must promise, in "
+                             "shares of one request's part of the batch's goodput (default "
+                             f"{SPECULATION_MARGIN}) [SPECMESH_SPECULATION_MARGIN]")
     parser.add_argument("--max-drafters", type=int, default=int(env_default("max_drafters", "1")),
                         help="model drafters asked per step, the best for the request, besides the model-free ones "
                              "(default 1) [SPECMESH_MAX_DRAFTERS]")
@@ -277,7 +291,8 @@ async def serve(args: argparse.Namespace) -> None:
     metrics = RouterMetrics()
     verifier = QueueVerifierClient(redis, QueueKeys(args.pool), f"router-{os.getpid()}-{uuid.uuid4().hex[:6]}",
                                    job_timeout_s=args.job_timeout, signer=QueueSigner.from_environment(args.queue_key_file),
-                                   on_forged=metrics.forged_results.inc, on_resend=metrics.resent_jobs.inc)
+                                   on_forged=metrics.forged_results.inc, on_resend=metrics.resent_jobs.inc,
+                                   on_pass_curve=policy.calibrate)
     await verifier.start()
     local = [LocalDrafter(MODEL_FREE_DRAFTERS[name]()) for name in local_drafter_names(args.local_drafters)]
     drafters: list = [*local]

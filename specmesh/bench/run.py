@@ -24,6 +24,7 @@ from collections import defaultdict
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import torch
 from scipy import stats
@@ -561,56 +562,72 @@ LOAD_ROUNDS = 3  # runs of each policy at each concurrency, in rotated/mirrored 
 _SPECULATION_OF = {"none": "off", "fixed": "fixed", "adaptive": "adaptive"}
 
 
-def load_sweep(cluster: LocalCluster, prompts: list[Prompt], max_tokens: int, levels: list[int],
+def chat_input(prompt: Prompt) -> dict:
+    """A bench prompt as the client's request: the user's turn, rendered with the model's chat template."""
+    return {"chat": [("user", prompt.text)]}
+
+
+def load_sweep(cluster: LocalCluster, prompts: Sequence, max_tokens: int, levels: list[int],
                fixed_tree_nodes: int, tree_nodes: int, rounds: int = LOAD_ROUNDS,
-               policies: tuple[str, ...] = LOAD_POLICIES) -> list[dict]:
+               policies: tuple[str, ...] = LOAD_POLICIES, inputs: Callable[[Any], dict] = chat_input,
+               expected: Sequence[list[int]] | None = None) -> list[dict]:
     """At each concurrency, the same requests through the cluster with each of ``policies`` (none: no
     speculation, fixed: k = ``fixed_tree_nodes`` every step, adaptive: up to ``tree_nodes``), ``rounds``
     times in rotated (then mirrored) orders, so that drift and warm-up hit every policy alike. Per (level,
     policy): mean tokens/s over the rounds and its spread, per-token latency percentiles over every
-    request of every round."""
+    request of every round, tokens per target step and tree nodes per step. ``inputs`` turns a prompt into
+    the request's input; with ``expected`` (each prompt's greedy output), the answers that differ from it
+    are counted."""
     import asyncio
 
     from specmesh.client import AsyncClient
 
-    async def one_run(level: int, policy: str, chosen: list[Prompt]) -> tuple[float, list[float]]:
+    async def one_run(level: int, policy: str, chosen: list[int]) -> tuple[float, list[float], list[int]]:
         gate = asyncio.Semaphore(level)
         latencies: list[float] = []
-        tokens = 0
+        totals = [0, 0, 0, 0]  # tokens, target steps, drafted nodes, answers unlike ``expected``
 
-        async def send(client: AsyncClient, prompt: Prompt) -> None:
-            nonlocal tokens
+        async def send(client: AsyncClient, index: int) -> None:
             async with gate:
                 started = time.perf_counter()
-                answer = await client.generate(chat=[("user", prompt.text)], max_tokens=max_tokens,
+                answer = await client.generate(**inputs(prompts[index]), max_tokens=max_tokens,
                                                speculation=_SPECULATION_OF[policy],
                                                max_tree_nodes=fixed_tree_nodes if policy == "fixed" else tree_nodes)
                 latencies.append((time.perf_counter() - started) * 1e3 / max(len(answer.token_ids), 1))
-                tokens += len(answer.token_ids)
+                totals[0] += len(answer.token_ids)
+                totals[1] += answer.stats.target_steps
+                totals[2] += answer.stats.drafted_nodes
+                totals[3] += expected is not None and answer.token_ids != expected[index]
 
         async with AsyncClient(cluster.router_address, max_in_flight=max(64, level), api_key=cluster.client_key) as client:
             started = time.perf_counter()
-            await asyncio.gather(*(send(client, p) for p in chosen))
+            await asyncio.gather(*(send(client, i) for i in chosen))
             wall = time.perf_counter() - started
-        return tokens / wall, latencies
+        return totals[0] / wall, latencies, totals
 
     rows = []
     for index, level in enumerate(tqdm(levels, desc="load sweep", unit="level")):
         count = max(2 * level, min(len(prompts), 8))
-        chosen = [prompts[i % len(prompts)] for i in range(count)]
+        chosen = [i % len(prompts) for i in range(count)]
         speeds: dict[str, list[float]] = {p: [] for p in policies}
         latencies: dict[str, list[float]] = {p: [] for p in policies}
+        totals: dict[str, list[int]] = {p: [0, 0, 0, 0] for p in policies}
         for round_ in range(rounds):
             for policy in sweep_order(index + round_, (round_ // len(policies)) % 2 == 1, policies):
-                speed, latency = asyncio.run(one_run(level, policy, chosen))
+                speed, latency, counts = asyncio.run(one_run(level, policy, chosen))
                 speeds[policy].append(speed)
                 latencies[policy].extend(latency)
+                totals[policy] = [a + b for a, b in zip(totals[policy], counts)]
         for policy in policies:
+            tokens, steps, nodes, differing = totals[policy]
             rows.append({"concurrency": level, "policy": policy, "requests": count, "rounds": rounds,
                          "tokens_per_s": round(statistics.fmean(speeds[policy]), 2),
                          "tokens_per_s_runs": [round(s, 2) for s in speeds[policy]],
                          "tokens_per_s_spread": round(_spread(speeds[policy]), 2),
-                         "p50_ms": _percentile(latencies[policy], 50), "p99_ms": _percentile(latencies[policy], 99)})
+                         "p50_ms": _percentile(latencies[policy], 50), "p99_ms": _percentile(latencies[policy], 99),
+                         "tokens_per_step": round(tokens / max(steps, 1), 3),
+                         "tree_nodes_per_step": round(nodes / max(steps, 1), 2),
+                         **({"answers_unlike_plain": differing} if expected is not None else {})})
     return rows
 
 

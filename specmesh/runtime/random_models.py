@@ -3,6 +3,8 @@ downloading a model. A step's time does not depend on the weights' values, only 
 
 The configurations are the published ones' shapes (hidden size, layers, heads, vocabulary, RoPE);
 weights are drawn with the architecture's own initialisation, on the target device, in its dtype.
+Such a target has no text: its tokenizer names token i ``<i>`` (so ``"<5> <17>"`` is tokens 5 and 17),
+and a cluster serving it is sent token ids.
 """
 
 from __future__ import annotations
@@ -86,3 +88,22 @@ def weight_bytes(hf_model: torch.nn.Module) -> int:
     layers = sum(p.numel() * p.element_size() for p in inner.layers.parameters())
     head = hf_model.lm_head.weight
     return layers + head.numel() * head.element_size() + inner.norm.weight.numel() * inner.norm.weight.element_size()
+
+
+def random_tokenizer(config):
+    """A tokenizer for ``config``'s vocabulary in which token i is the word ``<i>``: text round-trips
+    through the ids, and the services' fingerprint checks work as for a real model."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = [f"<{i}>" for i in range(config.vocab_size)]
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+
+    def word(token_id) -> str | None:
+        token_id = token_id[0] if isinstance(token_id, (list, tuple)) else token_id
+        return words[token_id] if isinstance(token_id, int) and 0 <= token_id < len(words) else None
+
+    return PreTrainedTokenizerFast(tokenizer_object=core, unk_token=words[0], bos_token=word(config.bos_token_id),
+                                   eos_token=word(config.eos_token_id))

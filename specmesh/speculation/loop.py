@@ -90,6 +90,7 @@ class SpeculationStats:
 class StepOutput:
     token_ids: list[int]  # newly committed tokens, in order
     finish_reason: str | None  # "stop", "length", or None while generating
+    outcome: StepOutcome | None = None  # how the step went (budget, tree, timings), for the stream's timeline
 
 
 class AsyncDrafter(Protocol):
@@ -307,9 +308,10 @@ async def speculate(
                     ahead = drafted_ahead.below(new[-1])
             pending = []
             step_ms = (time.perf_counter() - step_started) * 1e3
-            policy.observe(StepOutcome(draft.plan, draft.trees, tree, tuple(new), draft_ms, draft.drafter_ms, step_ms,
-                                       result.pass_ms, result.batch_rows, result.batch_size, result.batch_trees,
-                                       draft.fuse_ms, result.prefilled_tokens))
+            outcome = StepOutcome(draft.plan, draft.trees, tree, tuple(new), draft_ms, draft.drafter_ms, step_ms,
+                                  result.pass_ms, result.batch_rows, result.batch_size, result.batch_trees,
+                                  draft.fuse_ms, result.prefilled_tokens)
+            policy.observe(outcome)
             if log.isEnabledFor(logging.DEBUG):  # why a request speculated as it did, step by step
                 log.debug("%s step %d at %d: drafters %s budget %d -> tree %d, committed %d; draft %.1f ms "
                           "(%s), pass %.1f ms, step %.1f ms, batch %d", rid, step, len(context) - len(new),
@@ -322,7 +324,7 @@ async def speculate(
                 if layers and result.features is not None and finish_reason is None:
                     await _guarded(drafter, "add_features", rid, stats,
                                    drafter.add_features(rid, result.features.of_layers(layers)))
-            yield StepOutput(new, finish_reason)
+            yield StepOutput(new, finish_reason, outcome)
             if finish_reason is not None:
                 return
     finally:

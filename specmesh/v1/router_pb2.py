@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specmesh.v1 import common_pb2 as specmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specmesh/v1/router.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.specmesh.v1.ChatMessage\"\xa6\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x19.specmesh.v1.ChatMessagesH\x00\x12+\n\nprompt_ids\x18\x03 \x01(\x0b\x32\x15.specmesh.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x1b\n\x0emax_tree_nodes\x18\x06 \x01(\x05H\x01\x88\x01\x01\x12-\n\x0bspeculation\x18\x07 \x01(\x0e\x32\x18.specmesh.v1.SpeculationB\x07\n\x05inputB\x11\n\x0f_max_tree_nodes\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\xa7\x03\n\x10SpeculationStats\x12\x14\n\x0ctarget_steps\x18\x01 \x01(\x05\x12\x15\n\rdrafted_nodes\x18\x02 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x05\x12\x1c\n\x14mean_accepted_length\x18\x04 \x01(\x01\x12\x0f\n\x07resyncs\x18\x05 \x01(\x05\x12\x16\n\x0e\x66irst_token_ms\x18\x06 \x01(\x01\x12\x10\n\x08total_ms\x18\x07 \x01(\x01\x12\x10\n\x08\x64rafters\x18\x08 \x03(\t\x12\x15\n\rdrafted_ahead\x18\t \x01(\x05\x12\x10\n\x08\x64raft_ms\x18\n \x01(\x01\x12\x11\n\tverify_ms\x18\x0b \x01(\x01\x12\x14\n\x0crequest_kind\x18\x0c \x01(\t\x12\x46\n\rdrafter_steps\x18\r \x03(\x0b\x32/.specmesh.v1.SpeculationStats.DrafterStepsEntry\x12\x13\n\x0bverifier_ms\x18\x0e \x01(\x01\x1a\x33\n\x11\x44rafterStepsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"\xaf\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.specmesh.v1.Usage\x12,\n\x05stats\x18\x06 \x01(\x0b\x32\x1d.specmesh.v1.SpeculationStats\"\xac\x01\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.specmesh.v1.Usage\x12,\n\x05stats\x18\x06 \x01(\x0b\x32\x1d.specmesh.v1.SpeculationStats\"Z\n\x12\x43ountTokensRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x19.specmesh.v1.ChatMessagesH\x00\x42\x07\n\x05input\"7\n\x13\x43ountTokensResponse\x12\r\n\x05\x63ount\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"\x13\n\x11ListModelsRequest\"W\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x16\n\x0etokenizer_hash\x18\x02 \x01(\t\x12\x12\n\nmax_length\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\"<\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.specmesh.v1.ModelCard\"\r\n\x0bInfoRequest\"P\n\rDrafterStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07\x64omains\x18\x03 \x03(\t\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\"\x9b\x02\n\nRouterInfo\x12%\n\x05model\x18\x01 \x01(\x0b\x32\x16.specmesh.v1.ModelCard\x12,\n\x08\x64rafters\x18\x02 \x03(\x0b\x32\x1a.specmesh.v1.DrafterStatus\x12\x17\n\x0f\x61\x63tive_requests\x18\x03 \x01(\x05\x12\x1f\n\x17max_concurrent_requests\x18\x04 \x01(\x05\x12\x16\n\x0emax_tree_nodes\x18\x05 \x01(\x05\x12\x11\n\tverifiers\x18\x06 \x01(\x05\x12\x0f\n\x07version\x18\x07 \x01(\t\x12-\n\x07routing\x18\x08 \x03(\x0b\x32\x1c.specmesh.v1.RoutingEstimate\x12\x13\n\x0bspeculation\x18\t \x01(\t\"D\n\x0fRoutingEstimate\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\x12\x12\n\nacceptance\x18\x03 \x01(\x01*p\n\x0bSpeculation\x12\x1b\n\x17SPECULATION_UNSPECIFIED\x10\x00\x12\x18\n\x14SPECULATION_ADAPTIVE\x10\x01\x12\x15\n\x11SPECULATION_FIXED\x10\x02\x12\x13\n\x0fSPECULATION_OFF\x10\x03\x32\xfb\x02\n\x06Router\x12G\n\x08Generate\x12\x1c.specmesh.v1.GenerateRequest\x1a\x1d.specmesh.v1.GenerateResponse\x12L\n\x0eGenerateStream\x12\x1c.specmesh.v1.GenerateRequest\x1a\x1a.specmesh.v1.GenerateChunk0\x01\x12P\n\x0b\x43ountTokens\x12\x1f.specmesh.v1.CountTokensRequest\x1a .specmesh.v1.CountTokensResponse\x12M\n\nListModels\x12\x1e.specmesh.v1.ListModelsRequest\x1a\x1f.specmesh.v1.ListModelsResponse\x12\x39\n\x04Info\x12\x18.specmesh.v1.InfoRequest\x1a\x17.specmesh.v1.RouterInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specmesh/v1/router.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.specmesh.v1.ChatMessage\"\xa6\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x19.specmesh.v1.ChatMessagesH\x00\x12+\n\nprompt_ids\x18\x03 \x01(\x0b\x32\x15.specmesh.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x1b\n\x0emax_tree_nodes\x18\x06 \x01(\x05H\x01\x88\x01\x01\x12-\n\x0bspeculation\x18\x07 \x01(\x0e\x32\x18.specmesh.v1.SpeculationB\x07\n\x05inputB\x11\n\x0f_max_tree_nodes\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\xa7\x03\n\x10SpeculationStats\x12\x14\n\x0ctarget_steps\x18\x01 \x01(\x05\x12\x15\n\rdrafted_nodes\x18\x02 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x05\x12\x1c\n\x14mean_accepted_length\x18\x04 \x01(\x01\x12\x0f\n\x07resyncs\x18\x05 \x01(\x05\x12\x16\n\x0e\x66irst_token_ms\x18\x06 \x01(\x01\x12\x10\n\x08total_ms\x18\x07 \x01(\x01\x12\x10\n\x08\x64rafters\x18\x08 \x03(\t\x12\x15\n\rdrafted_ahead\x18\t \x01(\x05\x12\x10\n\x08\x64raft_ms\x18\n \x01(\x01\x12\x11\n\tverify_ms\x18\x0b \x01(\x01\x12\x14\n\x0crequest_kind\x18\x0c \x01(\t\x12\x46\n\rdrafter_steps\x18\r \x03(\x0b\x32/.specmesh.v1.SpeculationStats.DrafterStepsEntry\x12\x13\n\x0bverifier_ms\x18\x0e \x01(\x01\x1a\x33\n\x11\x44rafterStepsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"\xaf\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.specmesh.v1.Usage\x12,\n\x05stats\x18\x06 \x01(\x0b\x32\x1d.specmesh.v1.SpeculationStats\"\xd2\x01\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.specmesh.v1.Usage\x12,\n\x05stats\x18\x06 \x01(\x0b\x32\x1d.specmesh.v1.SpeculationStats\x12$\n\x04step\x18\x07 \x01(\x0b\x32\x16.specmesh.v1.StepTrace\"w\n\tStepTrace\x12\x0e\n\x06\x62udget\x18\x01 \x01(\x05\x12\x12\n\ntree_nodes\x18\x02 \x01(\x05\x12\x10\n\x08\x64raft_ms\x18\x03 \x01(\x01\x12\x0f\n\x07pass_ms\x18\x04 \x01(\x01\x12\x0f\n\x07step_ms\x18\x05 \x01(\x01\x12\x12\n\nbatch_size\x18\x06 \x01(\x05\"Z\n\x12\x43ountTokensRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x19.specmesh.v1.ChatMessagesH\x00\x42\x07\n\x05input\"7\n\x13\x43ountTokensResponse\x12\r\n\x05\x63ount\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"\x13\n\x11ListModelsRequest\"W\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x16\n\x0etokenizer_hash\x18\x02 \x01(\t\x12\x12\n\nmax_length\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\"<\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.specmesh.v1.ModelCard\"\r\n\x0bInfoRequest\"P\n\rDrafterStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07\x64omains\x18\x03 \x03(\t\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\"\x9b\x02\n\nRouterInfo\x12%\n\x05model\x18\x01 \x01(\x0b\x32\x16.specmesh.v1.ModelCard\x12,\n\x08\x64rafters\x18\x02 \x03(\x0b\x32\x1a.specmesh.v1.DrafterStatus\x12\x17\n\x0f\x61\x63tive_requests\x18\x03 \x01(\x05\x12\x1f\n\x17max_concurrent_requests\x18\x04 \x01(\x05\x12\x16\n\x0emax_tree_nodes\x18\x05 \x01(\x05\x12\x11\n\tverifiers\x18\x06 \x01(\x05\x12\x0f\n\x07version\x18\x07 \x01(\t\x12-\n\x07routing\x18\x08 \x03(\x0b\x32\x1c.specmesh.v1.RoutingEstimate\x12\x13\n\x0bspeculation\x18\t \x01(\t\"D\n\x0fRoutingEstimate\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\x12\x12\n\nacceptance\x18\x03 \x01(\x01*p\n\x0bSpeculation\x12\x1b\n\x17SPECULATION_UNSPECIFIED\x10\x00\x12\x18\n\x14SPECULATION_ADAPTIVE\x10\x01\x12\x15\n\x11SPECULATION_FIXED\x10\x02\x12\x13\n\x0fSPECULATION_OFF\x10\x03\x32\xfb\x02\n\x06Router\x12G\n\x08Generate\x12\x1c.specmesh.v1.GenerateRequest\x1a\x1d.specmesh.v1.GenerateResponse\x12L\n\x0eGenerateStream\x12\x1c.specmesh.v1.GenerateRequest\x1a\x1a.specmesh.v1.GenerateChunk0\x01\x12P\n\x0b\x43ountTokens\x12\x1f.specmesh.v1.CountTokensRequest\x1a .specmesh.v1.CountTokensResponse\x12M\n\nListModels\x12\x1e.specmesh.v1.ListModelsRequest\x1a\x1f.specmesh.v1.ListModelsResponse\x12\x39\n\x04Info\x12\x18.specmesh.v1.InfoRequest\x1a\x17.specmesh.v1.RouterInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SPECULATIONSTATS_DRAFTERSTEPSENTRY']._loaded_options = None
   _globals['_SPECULATIONSTATS_DRAFTERSTEPSENTRY']._serialized_options = b'8\001'
-  _globals['_SPECULATION']._serialized_start=2082
-  _globals['_SPECULATION']._serialized_end=2194
+  _globals['_SPECULATION']._serialized_start=2241
+  _globals['_SPECULATION']._serialized_end=2353
   _globals['_CHATMESSAGE']._serialized_start=67
   _globals['_CHATMESSAGE']._serialized_end=111
   _globals['_CHATMESSAGES']._serialized_start=113
@@ -51,25 +51,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATERESPONSE']._serialized_start=956
   _globals['_GENERATERESPONSE']._serialized_end=1131
   _globals['_GENERATECHUNK']._serialized_start=1134
-  _globals['_GENERATECHUNK']._serialized_end=1306
-  _globals['_COUNTTOKENSREQUEST']._serialized_start=1308
-  _globals['_COUNTTOKENSREQUEST']._serialized_end=1398
-  _globals['_COUNTTOKENSRESPONSE']._serialized_start=1400
-  _globals['_COUNTTOKENSRESPONSE']._serialized_end=1455
-  _globals['_LISTMODELSREQUEST']._serialized_start=1457
-  _globals['_LISTMODELSREQUEST']._serialized_end=1476
-  _globals['_MODELCARD']._serialized_start=1478
-  _globals['_MODELCARD']._serialized_end=1565
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1567
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1627
-  _globals['_INFOREQUEST']._serialized_start=1629
-  _globals['_INFOREQUEST']._serialized_end=1642
-  _globals['_DRAFTERSTATUS']._serialized_start=1644
-  _globals['_DRAFTERSTATUS']._serialized_end=1724
-  _globals['_ROUTERINFO']._serialized_start=1727
-  _globals['_ROUTERINFO']._serialized_end=2010
-  _globals['_ROUTINGESTIMATE']._serialized_start=2012
-  _globals['_ROUTINGESTIMATE']._serialized_end=2080
-  _globals['_ROUTER']._serialized_start=2197
-  _globals['_ROUTER']._serialized_end=2576
+  _globals['_GENERATECHUNK']._serialized_end=1344
+  _globals['_STEPTRACE']._serialized_start=1346
+  _globals['_STEPTRACE']._serialized_end=1465
+  _globals['_COUNTTOKENSREQUEST']._serialized_start=1467
+  _globals['_COUNTTOKENSREQUEST']._serialized_end=1557
+  _globals['_COUNTTOKENSRESPONSE']._serialized_start=1559
+  _globals['_COUNTTOKENSRESPONSE']._serialized_end=1614
+  _globals['_LISTMODELSREQUEST']._serialized_start=1616
+  _globals['_LISTMODELSREQUEST']._serialized_end=1635
+  _globals['_MODELCARD']._serialized_start=1637
+  _globals['_MODELCARD']._serialized_end=1724
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1726
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1786
+  _globals['_INFOREQUEST']._serialized_start=1788
+  _globals['_INFOREQUEST']._serialized_end=1801
+  _globals['_DRAFTERSTATUS']._serialized_start=1803
+  _globals['_DRAFTERSTATUS']._serialized_end=1883
+  _globals['_ROUTERINFO']._serialized_start=1886
+  _globals['_ROUTERINFO']._serialized_end=2169
+  _globals['_ROUTINGESTIMATE']._serialized_start=2171
+  _globals['_ROUTINGESTIMATE']._serialized_end=2239
+  _globals['_ROUTER']._serialized_start=2356
+  _globals['_ROUTER']._serialized_end=2735
 # @@protoc_insertion_point(module_scope)

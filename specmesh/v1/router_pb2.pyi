@@ -115,20 +115,38 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., stats: _Optional[_Union[SpeculationStats, _Mapping]] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "stats")
+    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "stats", "step")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: str
     usage: Usage
     stats: SpeculationStats
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., stats: _Optional[_Union[SpeculationStats, _Mapping]] = ...) -> None: ...
+    step: StepTrace
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., stats: _Optional[_Union[SpeculationStats, _Mapping]] = ..., step: _Optional[_Union[StepTrace, _Mapping]] = ...) -> None: ...
+
+class StepTrace(_message.Message):
+    __slots__ = ("budget", "tree_nodes", "draft_ms", "pass_ms", "step_ms", "batch_size")
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
+    TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
+    PASS_MS_FIELD_NUMBER: _ClassVar[int]
+    STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    budget: int
+    tree_nodes: int
+    draft_ms: float
+    pass_ms: float
+    step_ms: float
+    batch_size: int
+    def __init__(self, budget: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., draft_ms: _Optional[float] = ..., pass_ms: _Optional[float] = ..., step_ms: _Optional[float] = ..., batch_size: _Optional[int] = ...) -> None: ...
 
 class CountTokensRequest(_message.Message):
     __slots__ = ("prompt", "chat")

@@ -1,0 +1,184 @@
+"""``specmesh bench --model random:<arch> --oracle-acceptance 0.6,0.8``: what speculation gives through the
+whole cluster on a device, at an acceptance the bench sets.
+
+Random weights leave real drafters nothing to agree with; the oracle drafter (``specmesh.drafters.oracle``)
+proposes the target's own greedy continuation, each token right with probability p. The bench starts the
+cluster (Redis, a verifier on the device, the oracle's drafter service, the router), decodes every prompt
+plainly through it to learn the continuations, hands them to the oracle, then runs the load sweep: per
+acceptance and concurrency, plain decoding (``none``), fixed-k and adaptive speculation through the same
+cluster in rotated rounds. Reported: tokens/s and their ratio to plain, tokens per step, tree nodes per
+step (the controller's budgets), answers unlike plain (must be none), adaptive's non-inferiority verdicts,
+and one streamed request's per-step timeline at each acceptance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from specmesh.bench.run import (
+    MAX_CONCURRENCY,
+    adaptive_verdicts,
+    load_sweep,
+    number_list,
+    write_json,
+)
+from specmesh.client import AsyncClient
+from specmesh.cluster.launcher import ClusterSpec, LocalCluster
+from specmesh.drafters.oracle import PREFIX, OracleEntry, write_oracle_file
+from specmesh.errors import InvalidArgument
+from specmesh.runtime.random_models import random_config
+from specmesh.tree import MAX_TREE_NODES
+
+PROMPT_TOKENS = (48, 144)  # random prompts of 48-143 tokens: trees straddle the KV cache's 64-key blocks
+JOB_TIMEOUT_S = 300.0  # a verifier's first pass at a new batch shape compiles its kernels
+
+
+def random_prompts(vocab_size: int, count: int, seed: int) -> list[tuple[int, ...]]:
+    rng = random.Random(seed)
+    return [tuple(rng.randrange(vocab_size) for _ in range(rng.randrange(*PROMPT_TOKENS))) for _ in range(count)]
+
+
+def ids_input(prompt: tuple[int, ...]) -> dict:
+    return {"prompt_ids": prompt}
+
+
+async def plain_answers(cluster: LocalCluster, prompts: list[tuple[int, ...]], max_tokens: int,
+                        concurrency: int) -> list[list[int]]:
+    """Each prompt's greedy answer through the cluster without speculation: what the oracle will know."""
+    gate = asyncio.Semaphore(concurrency)
+    async with AsyncClient(cluster.router_address, max_in_flight=max(64, concurrency), api_key=cluster.client_key) as client:
+        async def one(prompt):
+            async with gate:
+                return (await client.generate(prompt_ids=prompt, max_tokens=max_tokens, speculation="off")).token_ids
+
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+async def timeline(cluster: LocalCluster, prompt: tuple[int, ...], max_tokens: int, tree_nodes: int) -> dict:
+    """One adaptive request streamed alone: each step's arrival, tokens, budget, tree and timings."""
+    steps = []
+    async with AsyncClient(cluster.router_address, api_key=cluster.client_key) as client:
+        started = time.perf_counter()
+        async for chunk in client.stream(prompt_ids=prompt, max_tokens=max_tokens, speculation="adaptive",
+                                         max_tree_nodes=tree_nodes):
+            row = {"at_ms": round((time.perf_counter() - started) * 1e3, 2), "tokens": len(chunk.token_ids)}
+            if chunk.step is not None:
+                s = chunk.step
+                row |= {"budget": s.budget, "tree_nodes": s.tree_nodes, "draft_ms": round(s.draft_ms, 2),
+                        "pass_ms": round(s.pass_ms, 2), "step_ms": round(s.step_ms, 2), "batch_size": s.batch_size}
+            steps.append(row)
+    return {"steps": steps, "tokens": sum(r["tokens"] for r in steps),
+            "tokens_per_s": round(sum(r["tokens"] for r in steps) / max(steps[-1]["at_ms"], 1e-9) * 1e3, 2)}
+
+
+def pass_curves(cluster: LocalCluster) -> dict[str, list[dict]]:
+    """Each verifier's pass curve as it measured it at start-up and tells the router (its heartbeat)."""
+    import redis
+
+    from specmesh.cluster.queue import QueueKeys, decode_pass_curve
+
+    client = redis.Redis.from_url(cluster.redis_url)
+    try:
+        return {v.name: [vars(s) for s in decode_pass_curve(client.get(QueueKeys().alive(v.name)))]
+                for v in cluster.verifiers}
+    finally:
+        client.close()
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per concurrency: each speculative policy's tokens/s over plain's (``none``)."""
+    out = []
+    for level in sorted({r["concurrency"] for r in rows}):
+        by = {r["policy"]: r for r in rows if r["concurrency"] == level}
+        plain = by["none"]["tokens_per_s"]
+        out.append({"concurrency": level, "plain_tokens_per_s": plain,
+                    **{f"{p}_vs_plain": round(r["tokens_per_s"] / plain, 3) for p, r in by.items() if p != "none"},
+                    **{f"{p}_tokens_per_step": r["tokens_per_step"] for p, r in by.items()},
+                    **{f"{p}_tree_nodes_per_step": r["tree_nodes_per_step"] for p, r in by.items() if p != "none"}})
+    return out
+
+
+def run_oracle_bench(args: argparse.Namespace) -> int:
+    acceptances = number_list("oracle_acceptance", args.oracle_acceptance, 0.0, 1.0, kind=float)
+    levels = number_list("concurrency", args.concurrency or "1", 1, MAX_CONCURRENCY)
+    if args.max_tokens < 1:
+        raise InvalidArgument("max_tokens", f"must be >= 1, got {args.max_tokens}")
+    if args.sweep_rounds < 1:
+        raise InvalidArgument("sweep_rounds", f"must be >= 1, got {args.sweep_rounds}")
+    if not 1 <= args.tree_nodes <= MAX_TREE_NODES or not 1 <= args.fixed_tree_nodes <= MAX_TREE_NODES:
+        raise InvalidArgument("tree_nodes", f"--tree-nodes and --fixed-tree-nodes must be in 1..{MAX_TREE_NODES}")
+    vocab = random_config(args.model).vocab_size
+    per_set = max(2 * max(levels), 8)  # what the sweep sends at its highest concurrency
+    prompt_sets = {p: random_prompts(vocab, per_set, seed=i) for i, p in enumerate(acceptances)}
+    report: dict = {"model": args.model, "device": args.device or ("cuda" if torch.cuda.is_available() else "cpu"),
+                    "max_tokens": args.max_tokens, "tree_nodes": args.tree_nodes,
+                    "fixed_tree_nodes": args.fixed_tree_nodes, "rounds": args.sweep_rounds, "acceptance": {}}
+    failed = False
+    with tempfile.TemporaryDirectory(prefix="specmesh-oracle-") as folder:
+        oracle_file = Path(folder) / "oracle.jsonl"
+        spec = ClusterSpec(model=args.model, drafters=(f"{PREFIX}{oracle_file}",), device=args.device, dtype=args.dtype,
+                           max_tree_nodes=max(args.tree_nodes, args.fixed_tree_nodes), job_timeout_s=JOB_TIMEOUT_S,
+                           batch_invariant=args.batch_invariant)
+        print(f"starting the cluster: {args.model} (random weights), oracle drafter ...", flush=True)
+        with LocalCluster(spec) as cluster:
+            started = time.perf_counter()
+            answers = {p: asyncio.run(plain_answers(cluster, prompts, args.max_tokens, max(levels)))
+                       for p, prompts in prompt_sets.items()}
+            report["plain_reference_s"] = round(time.perf_counter() - started, 1)
+            report["pass_curves"] = pass_curves(cluster)
+            write_oracle_file(oracle_file, [OracleEntry(prompt, tuple(answer), p)
+                                            for p, prompts in prompt_sets.items()
+                                            for prompt, answer in zip(prompts, answers[p])])
+            first = acceptances[0]  # untimed: every batch shape's kernels compiled before anything is timed
+            load_sweep(cluster, prompt_sets[first], min(args.max_tokens, 16), levels, args.fixed_tree_nodes,
+                       args.tree_nodes, rounds=1, policies=("fixed", "adaptive"), inputs=ids_input)
+            for p in acceptances:
+                print(f"oracle acceptance {p} ...", flush=True)
+                rows: list[dict] = []
+                for level in levels:  # one level at a time, each written when done: a run stopped midway keeps them
+                    rows += load_sweep(cluster, prompt_sets[p], args.max_tokens, [level], args.fixed_tree_nodes,
+                                       args.tree_nodes, rounds=args.sweep_rounds, inputs=ids_input, expected=answers[p])
+                    report["acceptance"][str(p)] = {"load_sweep": rows, "vs_plain": summarize(rows),
+                                                    "verdicts": adaptive_verdicts(rows)}
+                    if args.json_out:
+                        write_json(report, args.json_out)
+                failed |= any(r["answers_unlike_plain"] for r in rows)
+                report["acceptance"][str(p)]["timeline"] = asyncio.run(
+                    timeline(cluster, prompt_sets[p][0], args.max_tokens, args.tree_nodes))
+    report["answers_unlike_plain"] = sum(r["answers_unlike_plain"] for a in report["acceptance"].values()
+                                         for r in a["load_sweep"])
+    _print(report)
+    if args.json_out:
+        print(f"wrote {write_json(report, args.json_out)}")
+    if failed:
+        print("FAILED: a speculative answer differs from plain decoding through the same cluster")
+    return 1 if failed else 0
+
+
+def _print(report: dict) -> None:
+    print(f"\n{report['model']} through the cluster on {report['device']}, {report['max_tokens']} tokens a request, "
+          f"adaptive up to {report['tree_nodes']} nodes, fixed k={report['fixed_tree_nodes']}, "
+          f"{report['rounds']} rounds; answers unlike plain: {report['answers_unlike_plain']}")
+    for p, part in report["acceptance"].items():
+        print(f"  oracle acceptance {p}:")
+        for row in part["vs_plain"]:
+            print(f"    concurrency {row['concurrency']:3d}: plain {row['plain_tokens_per_s']:8.1f} tok/s; "
+                  f"fixed {row['fixed_vs_plain']:.2f}x ({row['fixed_tokens_per_step']} tokens/step), "
+                  f"adaptive {row['adaptive_vs_plain']:.2f}x ({row['adaptive_tokens_per_step']} tokens/step, "
+                  f"{row['adaptive_tree_nodes_per_step']} nodes/step)")
+        for v in part["verdicts"]:
+            interval = v["vs_none_ci95"]
+            shown = f"[{interval[0]:+.1%}, {interval[1]:+.1%}]" if interval else "no interval"
+            print(f"    concurrency {v['concurrency']:3d}: adaptive vs plain {v['vs_none_relative']:+.1%} (95 % CI "
+                  f"{shown}): {'not worse' if v['not_worse_than_none'] else 'not worse: not shown'}")
+        steps = part["timeline"]["steps"]
+        print(f"    one request streamed: {part['timeline']['tokens_per_s']} tok/s; budgets "
+              f"{[s.get('budget') for s in steps][:24]}; tokens {[s['tokens'] for s in steps][:24]}")
+
