@@ -14,6 +14,7 @@ import os
 import socket
 import time
 import uuid
+from functools import partial
 from collections import OrderedDict
 from dataclasses import replace
 from typing import Sequence
@@ -28,6 +29,7 @@ from specmesh.cluster.serving import Server, Service, TorchThread, env_default, 
 from specmesh.cluster.signing import QueueSigner
 from specmesh.cluster.tls import TlsFiles, add_tls_flags
 from specmesh.errors import InvalidArgument
+from specmesh.runtime.calibration import measure_pass_curve
 from specmesh.runtime.loading import EMBEDDED_DEFAULT, configure_threads, load_hf_model, tokenizer_fingerprint
 from specmesh.runtime.precision import check_precision
 from specmesh.runtime.target import target_runtime
@@ -411,10 +413,12 @@ async def serve(args: argparse.Namespace) -> None:
         log.warning("TLS without --tls-ca: any caller is answered; give the cluster's CA to require its certificates")
     torch_thread = TorchThread("verify")
     target, runtime, verifier = await torch_thread.run(load_verifier, args)
+    curve = await torch_thread.run(partial(measure_pass_curve, runtime, max_sessions=args.max_sessions))
+    log.info("pass curve (requests, rows: ms): %s", ", ".join(f"{s.requests}, {s.rows}: {s.ms:.1f}" for s in curve))
     verifier_id = args.verifier_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     redis = aioredis.Redis.from_url(args.redis_url, socket_timeout=5, socket_connect_timeout=2)
     queue = VerifierQueue(redis, QueueKeys(args.pool), verifier_id, heartbeat_ttl_s=args.heartbeat_ttl,
-                          signer=QueueSigner.from_environment(args.queue_key_file))
+                          signer=QueueSigner.from_environment(args.queue_key_file), pass_curve=curve)
     metrics = VerifierMetrics()
     endpoint = serve_metrics(metrics, args.metrics_address)
     worker = VerifierWorker(verifier, queue, torch_thread, max_batch_rows=args.max_batch_rows, metrics=metrics)

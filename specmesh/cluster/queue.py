@@ -3,7 +3,8 @@
 Keys, for a verifier pool ``P`` (prefix ``specmesh``):
 - ``specmesh:P:jobs`` — the pool's stream; consumer group ``verifiers``; requests without a verifier yet.
 - ``specmesh:P:jobs:<verifier>`` — one verifier's own stream (affinity: its KV cache holds the request).
-- ``specmesh:P:alive:<verifier>`` — a heartbeat key that expires when the verifier stops beating.
+- ``specmesh:P:alive:<verifier>`` — a heartbeat key that expires when the verifier stops beating; its value
+  is the verifier's pass curve measured at start-up, which calibrates the routers' cost models.
 - ``specmesh:P:verifiers`` — the set of verifiers that ever registered (to find dead ones' streams).
 - ``specmesh:results:<router>`` — a router's results stream.
 
@@ -22,11 +23,13 @@ read (and capped), and the router refuses new requests when the pool's backlog i
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -45,6 +48,7 @@ from specmesh.cluster.wire import (
     tree_to_pb,
 )
 from specmesh.errors import InvalidArgument, ResourceExhausted, Unavailable
+from specmesh.runtime.calibration import PassSample
 from specmesh.runtime.features import MAX_PROMPT_FEATURES
 from specmesh.runtime.tree_verifier import VerifyJob, VerifyResult
 from specmesh.v1 import common_pb2, verifier_pb2
@@ -85,6 +89,28 @@ class QueueKeys:
 
 
 # ---- wire form of jobs and results (the schema is protos/specmesh/v1/verifier.proto) ----
+
+
+MAX_CURVE_SAMPLES = 64
+
+
+def encode_pass_curve(samples: Sequence[PassSample]) -> bytes:
+    return json.dumps([[s.requests, s.trees, s.rows, s.ms] for s in samples[:MAX_CURVE_SAMPLES]]).encode()
+
+
+def decode_pass_curve(data: bytes | None) -> tuple[PassSample, ...]:
+    """A heartbeat's pass curve; () for a bare heartbeat or anything that is not a sound curve (it only
+    steers speed, but a value in Redis is not trusted to be one)."""
+    if not data or data == b"1":
+        return ()
+    try:
+        rows = json.loads(data)
+        samples = tuple(PassSample(int(r), int(t), int(n), float(ms)) for r, t, n, ms in rows[:MAX_CURVE_SAMPLES])
+    except (ValueError, TypeError):
+        return ()
+    sound = all(1 <= s.requests <= s.rows <= 1 << 20 and 0 <= s.trees <= s.requests and 0 < s.ms < 1e6
+                and math.isfinite(s.ms) for s in samples)
+    return samples if sound else ()
 
 
 def encode_job(job: VerifyJob, reply_to: str, deadline_unix_ms: int) -> bytes:
@@ -162,9 +188,11 @@ class QueueVerifierClient:
         job_timeout_s: float = 30.0, resend_after_s: float = 3.0, liveness_every_s: float = 0.5,
         signer: QueueSigner | None = None, on_forged: Callable[[], None] | None = None,
         on_resend: Callable[[], None] | None = None,
+        on_pass_curve: Callable[[list[PassSample]], None] | None = None,
     ) -> None:
         """``signer``: tag jobs and take only results with a valid tag; ``on_forged`` counts each dropped
-        one, ``on_resend`` each job posted again."""
+        one, ``on_resend`` each job posted again; ``on_pass_curve`` hears the live verifiers' measured pass
+        curves (all their samples) whenever they change."""
         self.redis = redis
         self.keys = keys
         self.router_id = router_id
@@ -179,6 +207,8 @@ class QueueVerifierClient:
         self.liveness_every_s = liveness_every_s
         self.affinity: dict[str, str] = {}  # request -> the verifier that holds its cache
         self.alive: set[str] = set()
+        self.on_pass_curve = on_pass_curve
+        self.pass_curves: dict[str, tuple[PassSample, ...]] = {}  # live verifier -> its pass curve
         self.looked = asyncio.Event()  # ``alive`` has been read from Redis at least once
         self.redis_ok = True
         self._waiting: dict[tuple[str, int], asyncio.Future] = {}
@@ -488,8 +518,9 @@ class QueueVerifierClient:
         while not self._stopping.is_set():
             try:
                 members = [m.decode() for m in await self.redis.smembers(self.keys.members)]
-                flags = await asyncio.gather(*(self.redis.exists(self.keys.alive(m)) for m in members))
-                self.alive = {m for m, up in zip(members, flags) if up}
+                beats = await asyncio.gather(*(self.redis.get(self.keys.alive(m)) for m in members))
+                self.alive = {m for m, beat in zip(members, beats) if beat is not None}
+                self._learn_curves({m: decode_pass_curve(b) for m, b in zip(members, beats) if b is not None})
                 self.redis_ok = True
                 self.looked.set()
                 if down_since is not None:
@@ -504,6 +535,13 @@ class QueueVerifierClient:
                 await asyncio.wait_for(self._stopping.wait(), self.liveness_every_s)
             except asyncio.TimeoutError:
                 pass
+
+    def _learn_curves(self, curves: dict[str, tuple[PassSample, ...]]) -> None:
+        curves = {m: c for m, c in curves.items() if c}
+        if curves != self.pass_curves:
+            self.pass_curves = curves
+            if self.on_pass_curve is not None and curves:
+                self.on_pass_curve([s for m in sorted(curves) for s in curves[m]])
 
 
 # ---- the verifier's side ----
@@ -533,15 +571,17 @@ class VerifierQueue:
 
     def __init__(
         self, redis: aioredis.Redis, keys: QueueKeys, verifier_id: str,
-        heartbeat_ttl_s: float = 3.0, signer: QueueSigner | None = None,
+        heartbeat_ttl_s: float = 3.0, signer: QueueSigner | None = None, pass_curve: Sequence[PassSample] = (),
     ) -> None:
-        """``signer``: run only jobs (and closes) with a valid tag, and tag the results."""
+        """``signer``: run only jobs (and closes) with a valid tag, and tag the results; ``pass_curve``: the
+        runtime's measured passes, told to the routers with each heartbeat."""
         self.redis = redis
         self.keys = keys
         self.verifier_id = verifier_id
         self.signer = signer or QueueSigner()
         self.own = keys.own_jobs(verifier_id)
         self.heartbeat_ttl_s = heartbeat_ttl_s
+        self.beat = encode_pass_curve(pass_curve) if pass_curve else b"1"
 
     async def register(self) -> None:
         for stream in (self.keys.jobs, self.own):
@@ -556,7 +596,7 @@ class VerifierQueue:
         """I am alive (and a member: Redis may have restarted empty since registering)."""
         pipe = self.redis.pipeline(transaction=False)
         pipe.sadd(self.keys.members, self.verifier_id)
-        pipe.set(self.keys.alive(self.verifier_id), b"1", px=int(self.heartbeat_ttl_s * 1000))
+        pipe.set(self.keys.alive(self.verifier_id), self.beat, px=int(self.heartbeat_ttl_s * 1000))
         await pipe.execute()
 
     async def held_before(self) -> list[Entry]:

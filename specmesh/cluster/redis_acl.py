@@ -28,7 +28,7 @@ def role_rules(role: str, prefix: str = "specmesh") -> list[str]:
             f"(+xadd +xlen +xrange +xpending %RW~{jobs})",
             f"(+xread +xtrim +del %RW~{results})",
             f"(+smembers %R~{members})",
-            f"(+exists %R~{alive})",
+            f"(+exists +get %R~{alive})",
             f"(+scan %R~{drafters})",
         ],
         "verifier": [

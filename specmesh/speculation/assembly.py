@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from specmesh.drafters.base import Drafter
 from specmesh.drafters.catalog import load_drafter
 from specmesh.prompts import encode_chat
+from specmesh.runtime.calibration import PassSample, measure_pass_curve
 from specmesh.runtime.loading import LoadedModel, load_hf_model, parts_of
 from specmesh.runtime.target import TargetRuntime, target_runtime
 from specmesh.sampling import SamplingParams
@@ -21,6 +22,7 @@ class Assembly:
     target: LoadedModel
     runtime: TargetRuntime
     drafters: list[Drafter]
+    _pass_curve: list[PassSample] | None = field(default=None, repr=False)
 
     def engine(self, max_tree_nodes: int, speculation: str = "adaptive",
                margin: float = SPECULATION_MARGIN) -> SpeculativeEngine:
@@ -30,6 +32,8 @@ class Assembly:
         if check_speculation(speculation) == "off":
             max_tree_nodes = 0
         policy = adaptive_policy({}, adapt_budget=speculation == "adaptive", margin=margin)
+        if speculation == "adaptive" and max_tree_nodes > 0:
+            policy.calibrate(self.pass_curve())
         for drafter in self.drafters:
             policy.router.register(drafter)
         return SpeculativeEngine(
@@ -39,6 +43,12 @@ class Assembly:
             eos_token_ids=eos_token_ids(self.target),
             policy=policy,
         )
+
+    def pass_curve(self) -> list[PassSample]:
+        """The runtime's passes measured once (see ``runtime.calibration``): the adaptive policy's cost prior."""
+        if self._pass_curve is None:
+            self._pass_curve = measure_pass_curve(self.runtime)
+        return self._pass_curve
 
     def request(self, prompt: str, params: SamplingParams, classifier: RequestClassifier | None = None) -> Request:
         """A single-turn chat request, its kind classified from the prompt's text when a classifier is given."""

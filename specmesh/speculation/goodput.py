@@ -3,14 +3,17 @@
 Goodput is committed tokens per second of the whole batch. The controller picks the budget ``n``
 (0 = no speculation: exactly plain batched decoding) that maximises
 
-    goodput(n) = (E[tokens | n] + E[tokens of the others]) / (pass_ms(requests, others' rows + 1 + n) + draft_ms(n) + overhead_ms(n))
+    goodput(n) = E[tokens | n] / (cycle(n) + draft_ms(n) + tree_ms(n)) + E[tokens of the others] / cycle(n)
+    cycle(n) = pass_ms(requests, others' rows + 1 + n) + overhead_ms(requests)
 
 ``E[tokens | n] = 1 + a1 + a1 a2 + ... + a1 ... an``, ``ai`` the request's conditional acceptance of
-tree level ``i`` (a budget of ``n`` nodes counts as ``n`` levels); ``pass_ms`` a ``CostModel`` learned
-from the verifier's reports of its passes; ``draft_ms`` the asked drafters' ``DraftCost`` added up (on
-one machine they share the cores with the verifier); ``overhead_ms`` (queue, transport) learned from
-lone requests' steps, apart for steps with a tree and without. Under load it speculates less; a
-request at 0 probes a small tree now and then. See docs/design.md.
+tree level ``i`` (a budget of ``n`` nodes counts as ``n`` levels); ``pass_ms`` a ``CostModel``
+calibrated on the verifier's measured pass curve and learned from its reports of its passes;
+``draft_ms`` the asked drafters' ``DraftCost`` added up; ``overhead_ms`` (queue, transport, the
+router's own work) learned from every step, by load, and ``tree_ms`` what steps with a tree add to it.
+Drafting and ``tree_ms`` delay this request's steps only: the verifier passes the others' meanwhile. A
+tree that only slows the others' passes is not drafted; a request at 0 probes a small tree now and then.
+See docs/design.md.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
+
+from specmesh.runtime.calibration import PassSample
 
 DEFAULT_BUDGETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
@@ -65,6 +70,17 @@ class OnlineLinear:
         self.weights = self.prior.copy()
         self.coefficients = self.weights.tolist()  # the same as plain floats: predictions run for every budget of every step
 
+    def restart(self, prior: Sequence[float], prior_weight: float | None = None) -> None:
+        """Forget what was observed and hold the weights to a new prior (with ``prior_weight`` when given)."""
+        self.prior = np.asarray(prior, dtype=np.float64)
+        if prior_weight is not None:
+            self.ridge = np.full(len(self.prior), float(prior_weight))
+            self.ridge[0] = 0.0
+        self._xx = np.zeros((len(self.prior), len(self.prior)))
+        self._xy = np.zeros(len(self.prior))
+        self.weights = self.prior.copy()
+        self.coefficients = self.weights.tolist()
+
     def observe(self, x: Sequence[float], y: float) -> None:
         x = np.asarray(x, dtype=np.float64)
         self._xx = self.decay * self._xx + np.outer(x, x)
@@ -79,6 +95,8 @@ class OnlineLinear:
 
 
 FLAT_ROWS = 16  # rows a pass's matrix products take at about the cost of one (the verify curve's flat part)
+KNEES = (16, 32, 64, 128, 256, 512)  # where a calibration may find the flat part ends (a GPU's is far out)
+CALIBRATED_PRIOR_WEIGHT = 8.0  # pseudo-passes holding each slope to the measured curve (real traffic rarely varies them all)
 
 
 class CostModel:
@@ -91,16 +109,36 @@ class CostModel:
     request); a request with a tree costs its tree mask; rows (roots and tree nodes) cost little each
     while the matrix products stay flat, and more past that. The prior charges a tree's first rows about
     0.2 of a one-request pass, as measured on 2 CPU cores: a loaded batch rarely has the trees to learn
-    it from (docs/design.md)."""
+    it from (docs/design.md); ``calibrate`` replaces the prior with the verifier's measured curve."""
 
     def __init__(self, base_ms: float = 25.0, per_request_ms: float = 2.0, per_tree_ms: float = 4.0,
                  per_row_ms: float = 0.25, per_row_past_flat_ms: float = 0.5) -> None:
         self.fit = OnlineLinear([base_ms, per_request_ms, per_tree_ms, per_row_ms, per_row_past_flat_ms],
                                 prior_weight=2.0, decay=0.98)
+        self.flat_rows = FLAT_ROWS
 
-    @staticmethod
-    def _features(requests: int, trees: int, rows: int) -> list[float]:
-        return [1.0, requests - 1.0, trees, rows - requests, max(0, rows - FLAT_ROWS)]
+    def _features(self, requests: int, trees: int, rows: int, flat_rows: int | None = None) -> list[float]:
+        return [1.0, requests - 1.0, trees, rows - requests, max(0, rows - (flat_rows or self.flat_rows))]
+
+    def calibrate(self, samples: Sequence[PassSample]) -> None:
+        """Take the verifier's measured pass curve as the prior (what was learned before is dropped: it was
+        learned against the old prior), then keep learning from real passes."""
+        usable = [s for s in samples if s.requests >= 1 and s.rows >= s.requests and s.ms > 0]
+        if len(usable) < 2:
+            return
+        y = np.array([s.ms for s in usable])  # [samples]
+        best = None
+        for knee in KNEES:  # where the flat part ends: the one that fits best, in relative error
+            x = np.array([self._features(s.requests, s.trees, s.rows, knee) for s in usable]) / y[:, None]
+            # a light ridge (the grid may not vary every feature); slopes >= 0 as in OnlineLinear
+            ridge = np.diag([0.0] + [1e-6] * (x.shape[1] - 1))
+            weights = np.linalg.lstsq(x.T @ x + ridge, x.T @ np.ones(len(y)), rcond=None)[0]
+            weights[1:] = np.maximum(weights[1:], 0.0)
+            error = float(np.sum((x @ weights - 1.0) ** 2))
+            if best is None or error < best[0]:
+                best = (error, knee, weights)
+        _, self.flat_rows, weights = best
+        self.fit.restart(weights, CALIBRATED_PRIOR_WEIGHT)
 
     def observe(self, requests: int, trees: int, rows: int, ms: float) -> None:
         if requests >= 1 and rows >= requests and ms > 0:
@@ -156,9 +194,9 @@ class GoodputController:
     def __init__(self, cost: CostModel, budgets: Sequence[int] = DEFAULT_BUDGETS, probe_every: int = 8,
                  probe_budget: int = 2) -> None:
         self.cost = cost
-        # per step besides the pass and the drafting (queue, transport, bookkeeping): without a tree, with
-        # one; None until seen (the other one stands in)
-        self.overhead_ms: list[float | None] = [None, None]
+        # per step besides the pass and the drafting (queue, transport, the router's work, waiting for the
+        # others' passes): by load (requests a pass, in powers of two), without a tree and with one
+        self.overhead_ms: dict[tuple[int, bool], float] = {}
         self.budgets = sorted(set(budgets) | {0})
         self.probe_every = probe_every
         self.probe_budget = probe_budget
@@ -168,18 +206,30 @@ class GoodputController:
         return self._goodput(nodes, expected_tokens(acceptance, nodes), draft_ms, load)
 
     def _goodput(self, nodes: int, own_tokens: float, draft_ms: float, load: Load) -> float:
-        tokens = own_tokens + load.other_tokens
         requests, trees = 1 + round(load.other_requests), round(load.other_trees) + (1 if nodes else 0)
-        ms = self.cost.pass_ms(requests, trees, round(load.other_rows) + 1 + nodes) + draft_ms + self.overhead(nodes > 0)
-        return tokens / ms * 1e3
+        cycle = self.cost.pass_ms(requests, trees, round(load.other_rows) + 1 + nodes) + self.overhead(False, requests)
+        # drafting, and what a step with a tree adds (its own round trips, fusion), delay this request's next
+        # step only: the verifier passes the others' meanwhile
+        own = cycle + (draft_ms + max(self.overhead(True, requests) - self.overhead(False, requests), 0.0) if nodes else 0.0)
+        return (own_tokens / own + load.other_tokens / cycle) * 1e3
 
-    def overhead(self, with_tree: bool) -> float:
-        own, other = self.overhead_ms[with_tree], self.overhead_ms[not with_tree]
-        return own if own is not None else other if other is not None else 0.0
+    @staticmethod
+    def _load_class(requests: float) -> int:
+        return max(int(round(requests)), 1).bit_length()  # 1, 2-3, 4-7, 8-15, ...
 
-    def learn_overhead(self, with_tree: bool, ms: float, weight_of_past: float) -> None:
-        old = self.overhead_ms[with_tree]
-        self.overhead_ms[with_tree] = ms if old is None else weight_of_past * old + (1 - weight_of_past) * ms
+    def overhead(self, with_tree: bool, requests: float = 1) -> float:
+        """What a step adds to its pass at this load: the nearest load seen, a step with a tree standing in
+        for one without and the other way round; 0 before any."""
+        if not self.overhead_ms:
+            return 0.0
+        wanted = self._load_class(requests)
+        _, _, key = min((abs(load - wanted), tree != with_tree, (load, tree)) for load, tree in self.overhead_ms)
+        return self.overhead_ms[key]
+
+    def learn_overhead(self, with_tree: bool, ms: float, weight_of_past: float, requests: float = 1) -> None:
+        key = (self._load_class(requests), with_tree)
+        old = self.overhead_ms.get(key)
+        self.overhead_ms[key] = ms if old is None else weight_of_past * old + (1 - weight_of_past) * ms
 
     def choose(self, max_budget: int, acceptance: float | Sequence[float], draft_ms: Callable[[int], float],
                load: Load = Load()) -> tuple[int, float]:

@@ -14,16 +14,17 @@ from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 from specmesh.errors import InvalidArgument
+from specmesh.runtime.calibration import PassSample
 from specmesh.speculation.expertise import GENERAL, ExpertRouter, Route, RoutingConfig, level_hits
 from specmesh.speculation.goodput import CostModel, DraftCost, GoodputController, Load
 from specmesh.tree import TokenTree
 
 RECHECK_EVERY = 4  # steps between weighings of a request at budget 0 in a busy batch
 CATCH_UP_SPREAD = 8  # at most this many steps share the cost of a drafter's catch-up
-# In a shared pass, the least predicted goodput gain over plain decoding that a tree must promise: there
-# the cost model is optimistic (on held-out prompts every smaller margin lost to plain decoding). A lone
-# request needs none (docs/design.md).
-SPECULATION_MARGIN = 0.6
+# In a shared pass, the least predicted gain in the batch's goodput that a tree must promise, in shares of
+# one request's part of it (goodput / requests): there the cost model is optimistic (on held-out prompts
+# every smaller margin lost to plain decoding). A lone request needs none (docs/design.md).
+SPECULATION_MARGIN = 0.3
 # Tree nodes a step: adaptive's cap (it drafts fewer where they do not pay), and the whole budget of fixed k
 # (the load sweep's baseline). These three are chosen by `specmesh tune` on held-out prompts (docs/bench.md).
 DEFAULT_TREE_NODES = 16
@@ -115,7 +116,7 @@ class PolicyState:
     """What the adaptive policy has learned across requests, besides the router's table."""
 
     drafting: dict[str, DraftCost] = field(default_factory=dict)  # drafter -> what drafting costs it
-    batch_size: float = 1.0  # moving averages: requests in the verifier's passes,
+    batch_size: float = 1.0  # moving averages: requests in the verifier's recent passes (fast: load changes),
     rows_per_request_step: float = 1.0  # a request's rows in one (its root and tree),
     trees_per_request_step: float = 0.0  # how often a request's step has a tree,
     tokens_per_request_step: float = 1.0  # and the tokens one step commits
@@ -157,15 +158,19 @@ class AdaptivePolicy:
         if outcome.batch_size and outcome.batch_rows and outcome.pass_ms > 0 and this_pass != state.last_pass:
             state.last_pass = this_pass  # learnt once, not once per request in it
             controller.cost.observe(outcome.batch_size, outcome.batch_trees, outcome.batch_rows, outcome.pass_ms)
-            state.batch_size = self._moving(state.batch_size, outcome.batch_size)
+            state.batch_size = 0.5 * state.batch_size + 0.5 * outcome.batch_size
         state.rows_per_request_step = self._moving(state.rows_per_request_step, 1 + len(outcome.fused))
         state.trees_per_request_step = self._moving(state.trees_per_request_step, 1.0 if len(outcome.fused) else 0.0)
         state.tokens_per_request_step = self._moving(state.tokens_per_request_step, len(outcome.committed))
-        if state.active == 1 and outcome.batch_size == 1 and outcome.step_ms > 0 and not outcome.prefilled:
-            # alone: the rest of the step is overhead (queue, transport), not waiting for others' passes;
+        if outcome.batch_size and outcome.step_ms > 0 and not outcome.prefilled:
+            # the rest of the step is overhead at this load (queue, transport, the router, others' passes);
             # a step that prefilled waited for that too (the pass's time leaves it out): it says nothing here
             overhead = max(outcome.step_ms - outcome.draft_ms - outcome.pass_ms, 0.0)
-            controller.learn_overhead(len(outcome.fused) > 0, overhead, self.average)
+            controller.learn_overhead(len(outcome.fused) > 0, overhead, self.average, outcome.batch_size)
+
+    def calibrate(self, samples: Sequence[PassSample]) -> None:
+        """The verifiers' measured pass curve: the cost model's prior from the first request on."""
+        self.controller.cost.calibrate(samples)
 
     def load(self) -> Load:
         """The rest of a typical pass: this policy's other requests in flight, or what the verifier's
@@ -230,7 +235,8 @@ class _AdaptiveRequest:
                                                   lambda nodes: sum(c.ms(nodes, t) for c, t in costs), load)
             if n > 0 and goodput > best_goodput:
                 best_goodput, budget, chosen = goodput, n, option
-        if budget and load.other_requests >= 0.5 and best_goodput < plain_goodput * (1 + policy.margin):
+        share = plain_goodput / (1.0 + load.other_requests)  # this request's part of the batch's goodput
+        if budget and load.other_requests >= 0.5 and best_goodput - plain_goodput < policy.margin * share:
             budget = 0  # a gain within the model's error: plain decoding (or a probe, below)
         if budget == 0:
             if not policy.controller.should_probe(self.steps_without, load):
