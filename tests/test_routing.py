@@ -11,7 +11,7 @@ from specmesh.errors import InvalidArgument
 from specmesh.fusion import fuse_trees
 from specmesh.speculation.classifier import RequestClassifier, default_classifier
 from specmesh.speculation.expertise import GENERAL, ExpertRouter, LevelRecord, RoutingConfig, level_hits
-from specmesh.speculation.goodput import CostModel, DraftCost, GoodputController, Load, expected_tokens
+from specmesh.speculation.goodput import CostModel, DraftCost, GoodputController, Load, Realism, expected_tokens
 from specmesh.runtime.calibration import PassSample
 from specmesh.speculation.policy import SPECULATION_MARGIN, AdaptivePolicy, StepOutcome, StepPlan
 from specmesh.tree import TokenTree
@@ -356,6 +356,38 @@ def test_in_a_busy_batch_a_tree_pays_where_rows_are_nearly_free_and_not_where_th
     assert gpu_controller.choose(8, 0.8, round_trip)[0] >= 4
 
 
+def test_realism_scales_predictions_to_what_came_true():
+    realism = Realism(prior_steps=4.0)
+    assert realism.ratio == 1.0
+    for _ in range(60):
+        realism.observe(3.0, 1)  # three accepted tokens predicted, one kept
+    assert realism.ratio == pytest.approx(1 / 3, rel=0.1)
+    controller = GoodputController(measured_cost(), probe_every=0)
+    drafting = lambda n: 6.0 + 1.5 * n  # noqa: E731  # an expert on one core
+    assert controller.choose(8, 0.7, drafting)[0] > 0
+    assert controller.choose(8, 0.7, drafting, realism=realism.ratio)[0] == 0
+
+
+def test_a_policy_whose_trees_keep_fewer_tokens_than_it_predicts_stops_drafting_them():
+    policy = AdaptivePolicy(ExpertRouter({"expert": ["code"]}, RoutingConfig(explore=0.0)),
+                            GoodputController(measured_cost(), probe_every=0))
+    policy.draft_cost("expert").fit.observe([1.0, 4.0, 0.0], 8.0)
+    request = policy.begin("code", 8)
+    plan = request.plan(room=100, available=["expert"], position=100)
+    assert plan.budget > 0 and plan.predicted_accepted > 0.5  # the domain prior: worth a tree
+    for step in range(40):
+        if not plan.budget:
+            break
+        # the guesses are wrong, whatever the prior says (a record that has not caught up with it)
+        tree = TokenTree.chain([9] * plan.budget)
+        request.observe(StepOutcome(plan, (tree,), tree, (6,), draft_ms=8.0, drafter_ms=(8.0,), step_ms=30.0,
+                                    pass_ms=20.0, batch_rows=1 + plan.budget, batch_size=1))
+        request.route.records.clear()  # the record keeps saying what the prior says: only realism can learn
+        policy.router._kinds.clear()
+        plan = request.plan(room=100, available=["expert"], position=100 + step)
+    assert plan.budget == 0 and policy.state.realism.ratio < 0.5
+
+
 def test_controller_probes_after_a_run_of_plain_steps_and_less_often_in_a_busy_batch():
     controller = GoodputController(CostModel(), probe_every=4)
     assert not controller.should_probe(3) and controller.should_probe(4)
@@ -385,7 +417,7 @@ def test_in_a_shared_pass_a_predicted_gain_within_the_margin_is_not_worth_a_tree
     class Predicting(GoodputController):  # the goodput model, with its prediction for a tree set by the test
         gain = 1.0
 
-        def choose(self, max_budget, acceptance, draft_ms, load=Load()):
+        def choose(self, max_budget, acceptance, draft_ms, load=Load(), realism=1.0):
             return 4, self.goodput(0, [], 0.0, load) * self.gain
 
     controller = Predicting(CostModel(), probe_every=0)

@@ -190,6 +190,27 @@ class DraftCost:
         return self.fixed_ms + self.per_node_ms * nodes + self.per_token_ms * catch_up if nodes > 0 else 0.0
 
 
+class Realism:
+    """Accepted tokens that steps with a tree really got, over those the controller predicted when it chose
+    them: decayed sums, starting at 1 (trusted) with ``prior_steps`` of weight. The choice takes the best
+    of several predictions, so it favours the overestimated ones (the winner's curse), and the acceptance
+    estimates share the errors of their priors (teams, kinds); scaling the prediction by what came true
+    keeps the controller from choosing trees that lose."""
+
+    def __init__(self, prior_steps: float = 4.0, decay: float = 0.97, floor: float = 0.05) -> None:
+        self.decay, self.floor = decay, floor
+        self.predicted = self.realized = prior_steps
+
+    def observe(self, predicted_accepted: float, accepted: int) -> None:
+        if predicted_accepted > 0:
+            self.predicted = self.decay * self.predicted + predicted_accepted
+            self.realized = self.decay * self.realized + accepted
+
+    @property
+    def ratio(self) -> float:
+        return min(max(self.realized / self.predicted, self.floor), 1.5)
+
+
 class GoodputController:
     def __init__(self, cost: CostModel, budgets: Sequence[int] = DEFAULT_BUDGETS, probe_every: int = 8,
                  probe_budget: int = 2) -> None:
@@ -232,11 +253,12 @@ class GoodputController:
         self.overhead_ms[key] = ms if old is None else weight_of_past * old + (1 - weight_of_past) * ms
 
     def choose(self, max_budget: int, acceptance: float | Sequence[float], draft_ms: Callable[[int], float],
-               load: Load = Load()) -> tuple[int, float]:
+               load: Load = Load(), realism: float = 1.0) -> tuple[int, float]:
         """The budget up to ``max_budget`` with the best goodput (the smaller one on a tie), and that goodput.
-        ``draft_ms(n)``: what drafting ``n`` nodes costs (0 at 0)."""
+        ``draft_ms(n)``: what drafting ``n`` nodes costs (0 at 0); ``realism``: the accepted tokens steps
+        really got over those predicted (``Realism``), applied to the prediction."""
         candidates = [b for b in self.budgets if b < max_budget] + [max_budget]
-        tokens = expected_tokens_upto(acceptance, max_budget)
+        tokens = [1.0 + realism * (t - 1.0) for t in expected_tokens_upto(acceptance, max_budget)]
         goodput, _, budget = max((self._goodput(n, tokens[n], draft_ms(n) if n else 0.0, load), -n, n) for n in candidates)
         return budget, goodput
 

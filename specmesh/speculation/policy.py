@@ -16,7 +16,7 @@ from typing import Protocol, Sequence
 from specmesh.errors import InvalidArgument
 from specmesh.runtime.calibration import PassSample
 from specmesh.speculation.expertise import GENERAL, ExpertRouter, Route, RoutingConfig, level_hits
-from specmesh.speculation.goodput import CostModel, DraftCost, GoodputController, Load
+from specmesh.speculation.goodput import CostModel, DraftCost, GoodputController, Load, Realism, expected_tokens
 from specmesh.tree import TokenTree
 
 RECHECK_EVERY = 4  # steps between weighings of a request at budget 0 in a busy batch
@@ -50,6 +50,7 @@ class StepPlan:
     drafters: tuple[str, ...] = ()  # the drafters asked this step, by name
     weights: tuple[float, ...] = ()  # the fusion's trust in each of them
     budget: int = 0  # tree nodes; 0 = no speculation (nobody is asked)
+    predicted_accepted: float = 0.0  # drafted tokens the controller expected the target to keep (0: no prediction)
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,7 @@ class PolicyState:
     trees_per_request_step: float = 0.0  # how often a request's step has a tree,
     tokens_per_request_step: float = 1.0  # and the tokens one step commits
     active: int = 0  # requests of this policy in flight
+    realism: Realism = field(default_factory=Realism)  # accepted tokens really kept over those predicted
     last_pass: tuple = ()  # the last verification pass learned from (each request of a pass reports it)
 
 
@@ -228,13 +230,15 @@ class _AdaptiveRequest:
         if free and len(free) < len(core):
             options.append(free)
         plain_goodput = policy.controller.goodput(0, [], 0.0, load)
-        best_goodput, budget, chosen = plain_goodput, 0, core
+        best_goodput, budget, chosen, levels = plain_goodput, 0, core, []
+        realism = policy.state.realism.ratio
         for option in options:
             costs = [(policy.draft_cost(n), self.charged_catch_up(n, room)) for n in option]
-            n, goodput = policy.controller.choose(self.max_budget, router.team_levels(self.route, option, self.max_budget),
-                                                  lambda nodes: sum(c.ms(nodes, t) for c, t in costs), load)
+            option_levels = router.team_levels(self.route, option, self.max_budget)
+            n, goodput = policy.controller.choose(self.max_budget, option_levels,
+                                                  lambda nodes: sum(c.ms(nodes, t) for c, t in costs), load, realism)
             if n > 0 and goodput > best_goodput:
-                best_goodput, budget, chosen = goodput, n, option
+                best_goodput, budget, chosen, levels = goodput, n, option, option_levels
         share = plain_goodput / (1.0 + load.other_requests)  # this request's part of the batch's goodput
         if budget and load.other_requests >= 0.5 and best_goodput - plain_goodput < policy.margin * share:
             budget = 0  # a gain within the model's error: plain decoding (or a probe, below)
@@ -243,9 +247,11 @@ class _AdaptiveRequest:
                 return StepPlan()
             # the cheapest look: in a busy batch an expert's catch-up would hold up every request
             budget, chosen = min(policy.controller.probe_budget, self.max_budget), free or core
+            levels = router.team_levels(self.route, chosen, budget)
         elif self.route.explored:
             chosen = [*chosen, self.route.explored]
-        return StepPlan(tuple(chosen), tuple(router.weights(self.route, chosen)), budget)
+        predicted = expected_tokens(levels, budget) - 1.0  # as the levels say, before realism
+        return StepPlan(tuple(chosen), tuple(router.weights(self.route, chosen)), budget, predicted)
 
     def observe(self, outcome: StepOutcome) -> None:
         policy = self.policy
@@ -258,6 +264,7 @@ class _AdaptiveRequest:
             self.steps_without += 1
             return
         self.steps_without = 0
+        policy.state.realism.observe(outcome.plan.predicted_accepted, max(len(outcome.committed) - 1, 0))
         for name, tree in zip(outcome.plan.drafters, outcome.trees):
             policy.router.observe(self.route, name, *level_hits(tree, outcome.committed))
         team = [n for n in outcome.plan.drafters if n != self.route.explored]  # the option the budget was chosen for
