@@ -344,6 +344,7 @@ def test_in_a_busy_batch_a_tree_pays_where_rows_are_nearly_free_and_not_where_th
     round_trip = lambda n: 2.2 + 0.05 * n  # noqa: E731  # a drafter service's hop
     busy = Load(other_requests=15, other_rows=15, other_tokens=15)
     gpu_controller, cpu_controller = GoodputController(gpu, probe_every=0), GoodputController(cpu, probe_every=0)
+    gpu_controller.drafting_shares_cores = False  # the drafter's cores are not the GPU's
     for controller in (gpu_controller, cpu_controller):
         controller.learn_overhead(False, 15.0, weight_of_past=0.0, requests=16)  # the router's turn at this load
     assert gpu_controller.choose(8, 0.8, round_trip, busy)[0] >= 4
@@ -354,6 +355,12 @@ def test_in_a_busy_batch_a_tree_pays_where_rows_are_nearly_free_and_not_where_th
     assert gpu_controller.choose(8, 0.8, round_trip, busy)[0] >= 4
     # the hop delays this request only: alone, where it delays everything, a tree still pays at 0.8
     assert gpu_controller.choose(8, 0.8, round_trip)[0] >= 4
+    # an expert on the verifier's own cores slows every request's pass: in a busy batch its tree loses
+    expert = lambda n: 6.0 + 1.5 * n  # noqa: E731
+    cpu_controller.drafting_shares_cores = False
+    assert cpu_controller.choose(8, 0.6, expert, busy)[0] > 0
+    cpu_controller.drafting_shares_cores = True
+    assert cpu_controller.choose(8, 0.6, expert, busy)[0] == 0
 
 
 def test_realism_scales_predictions_to_what_came_true():

@@ -46,3 +46,16 @@ def test_sampling_round_trip_and_defaults():
     assert sampling_from_pb(sampling_to_pb(params)) == params
     unseeded = sampling_from_pb(common_pb2.SamplingParams(max_tokens=4))
     assert unseeded.seed is None and unseeded.top_p == 1.0 and unseeded.greedy
+
+
+def test_a_heartbeat_carries_the_pass_curve_and_anything_unsound_is_ignored():
+    from specmesh.cluster.queue import decode_pass_curve, encode_pass_curve
+    from specmesh.runtime.calibration import PassCurve, PassSample
+
+    curve = PassCurve("cuda", (PassSample(1, 0, 1, 7.3), PassSample(16, 16, 272, 17.6)))
+    assert decode_pass_curve(encode_pass_curve(curve)) == curve
+    assert decode_pass_curve(b"1") is None and decode_pass_curve(None) is None  # a bare heartbeat
+    for forged in (b"{not json", b'{"device": "cpu"}', b'{"device": "cpu", "passes": [[1, 0, 1, -5.0]]}',
+                   b'{"device": "cpu", "passes": [[4, 9, 2, 5.0]]}', b'{"device": "cpu", "passes": []}',
+                   b'{"device": "cpu", "passes": [[1, 0, 1, "NaN"]]}', b"[1, 2]"):
+        assert decode_pass_curve(forged) is None, forged

@@ -414,7 +414,8 @@ async def serve(args: argparse.Namespace) -> None:
     torch_thread = TorchThread("verify")
     target, runtime, verifier = await torch_thread.run(load_verifier, args)
     curve = await torch_thread.run(partial(measure_pass_curve, runtime, max_sessions=args.max_sessions))
-    log.info("pass curve (requests, rows: ms): %s", ", ".join(f"{s.requests}, {s.rows}: {s.ms:.1f}" for s in curve))
+    log.info("pass curve on %s (requests, rows: ms): %s", curve.device,
+             ", ".join(f"{s.requests}, {s.rows}: {s.ms:.1f}" for s in curve.samples))
     verifier_id = args.verifier_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     redis = aioredis.Redis.from_url(args.redis_url, socket_timeout=5, socket_connect_timeout=2)
     queue = VerifierQueue(redis, QueueKeys(args.pool), verifier_id, heartbeat_ttl_s=args.heartbeat_ttl,

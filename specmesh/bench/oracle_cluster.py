@@ -78,7 +78,7 @@ async def timeline(cluster: LocalCluster, prompt: tuple[int, ...], max_tokens: i
             "tokens_per_s": round(sum(r["tokens"] for r in steps) / max(steps[-1]["at_ms"], 1e-9) * 1e3, 2)}
 
 
-def pass_curves(cluster: LocalCluster) -> dict[str, list[dict]]:
+def pass_curves(cluster: LocalCluster) -> dict[str, dict]:
     """Each verifier's pass curve as it measured it at start-up and tells the router (its heartbeat)."""
     import redis
 
@@ -86,8 +86,8 @@ def pass_curves(cluster: LocalCluster) -> dict[str, list[dict]]:
 
     client = redis.Redis.from_url(cluster.redis_url)
     try:
-        return {v.name: [vars(s) for s in decode_pass_curve(client.get(QueueKeys().alive(v.name)))]
-                for v in cluster.verifiers}
+        curves = {v.name: decode_pass_curve(client.get(QueueKeys().alive(v.name))) for v in cluster.verifiers}
+        return {name: {"device": c.device, "passes": [vars(s) for s in c.samples]} for name, c in curves.items() if c}
     finally:
         client.close()
 

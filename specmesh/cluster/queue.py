@@ -48,7 +48,7 @@ from specmesh.cluster.wire import (
     tree_to_pb,
 )
 from specmesh.errors import InvalidArgument, ResourceExhausted, Unavailable
-from specmesh.runtime.calibration import PassSample
+from specmesh.runtime.calibration import PassCurve, PassSample
 from specmesh.runtime.features import MAX_PROMPT_FEATURES
 from specmesh.runtime.tree_verifier import VerifyJob, VerifyResult
 from specmesh.v1 import common_pb2, verifier_pb2
@@ -94,23 +94,26 @@ class QueueKeys:
 MAX_CURVE_SAMPLES = 64
 
 
-def encode_pass_curve(samples: Sequence[PassSample]) -> bytes:
-    return json.dumps([[s.requests, s.trees, s.rows, s.ms] for s in samples[:MAX_CURVE_SAMPLES]]).encode()
+def encode_pass_curve(curve: PassCurve) -> bytes:
+    passes = [[s.requests, s.trees, s.rows, s.ms] for s in curve.samples[:MAX_CURVE_SAMPLES]]
+    return json.dumps({"device": curve.device, "passes": passes}).encode()
 
 
-def decode_pass_curve(data: bytes | None) -> tuple[PassSample, ...]:
-    """A heartbeat's pass curve; () for a bare heartbeat or anything that is not a sound curve (it only
+def decode_pass_curve(data: bytes | None) -> PassCurve | None:
+    """A heartbeat's pass curve; None for a bare heartbeat or anything that is not a sound curve (it only
     steers speed, but a value in Redis is not trusted to be one)."""
     if not data or data == b"1":
-        return ()
+        return None
     try:
-        rows = json.loads(data)
-        samples = tuple(PassSample(int(r), int(t), int(n), float(ms)) for r, t, n, ms in rows[:MAX_CURVE_SAMPLES])
-    except (ValueError, TypeError):
-        return ()
-    sound = all(1 <= s.requests <= s.rows <= 1 << 20 and 0 <= s.trees <= s.requests and 0 < s.ms < 1e6
-                and math.isfinite(s.ms) for s in samples)
-    return samples if sound else ()
+        message = json.loads(data)
+        device = str(message["device"])[:16]
+        samples = tuple(PassSample(int(r), int(t), int(n), float(ms))
+                        for r, t, n, ms in message["passes"][:MAX_CURVE_SAMPLES])
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+    sound = samples and all(1 <= s.requests <= s.rows <= 1 << 20 and 0 <= s.trees <= s.requests and 0 < s.ms < 1e6
+                            and math.isfinite(s.ms) for s in samples)
+    return PassCurve(device, samples) if sound else None
 
 
 def encode_job(job: VerifyJob, reply_to: str, deadline_unix_ms: int) -> bytes:
@@ -188,11 +191,11 @@ class QueueVerifierClient:
         job_timeout_s: float = 30.0, resend_after_s: float = 3.0, liveness_every_s: float = 0.5,
         signer: QueueSigner | None = None, on_forged: Callable[[], None] | None = None,
         on_resend: Callable[[], None] | None = None,
-        on_pass_curve: Callable[[list[PassSample]], None] | None = None,
+        on_pass_curve: Callable[[list[PassCurve]], None] | None = None,
     ) -> None:
         """``signer``: tag jobs and take only results with a valid tag; ``on_forged`` counts each dropped
         one, ``on_resend`` each job posted again; ``on_pass_curve`` hears the live verifiers' measured pass
-        curves (all their samples) whenever they change."""
+        curves whenever they change."""
         self.redis = redis
         self.keys = keys
         self.router_id = router_id
@@ -208,7 +211,7 @@ class QueueVerifierClient:
         self.affinity: dict[str, str] = {}  # request -> the verifier that holds its cache
         self.alive: set[str] = set()
         self.on_pass_curve = on_pass_curve
-        self.pass_curves: dict[str, tuple[PassSample, ...]] = {}  # live verifier -> its pass curve
+        self.pass_curves: dict[str, PassCurve] = {}  # live verifier -> its pass curve
         self.looked = asyncio.Event()  # ``alive`` has been read from Redis at least once
         self.redis_ok = True
         self._waiting: dict[tuple[str, int], asyncio.Future] = {}
@@ -536,12 +539,12 @@ class QueueVerifierClient:
             except asyncio.TimeoutError:
                 pass
 
-    def _learn_curves(self, curves: dict[str, tuple[PassSample, ...]]) -> None:
-        curves = {m: c for m, c in curves.items() if c}
+    def _learn_curves(self, curves: dict[str, PassCurve | None]) -> None:
+        curves = {m: c for m, c in curves.items() if c is not None}
         if curves != self.pass_curves:
             self.pass_curves = curves
             if self.on_pass_curve is not None and curves:
-                self.on_pass_curve([s for m in sorted(curves) for s in curves[m]])
+                self.on_pass_curve([curves[m] for m in sorted(curves)])
 
 
 # ---- the verifier's side ----
@@ -571,7 +574,7 @@ class VerifierQueue:
 
     def __init__(
         self, redis: aioredis.Redis, keys: QueueKeys, verifier_id: str,
-        heartbeat_ttl_s: float = 3.0, signer: QueueSigner | None = None, pass_curve: Sequence[PassSample] = (),
+        heartbeat_ttl_s: float = 3.0, signer: QueueSigner | None = None, pass_curve: PassCurve | None = None,
     ) -> None:
         """``signer``: run only jobs (and closes) with a valid tag, and tag the results; ``pass_curve``: the
         runtime's measured passes, told to the routers with each heartbeat."""
@@ -581,7 +584,7 @@ class VerifierQueue:
         self.signer = signer or QueueSigner()
         self.own = keys.own_jobs(verifier_id)
         self.heartbeat_ttl_s = heartbeat_ttl_s
-        self.beat = encode_pass_curve(pass_curve) if pass_curve else b"1"
+        self.beat = encode_pass_curve(pass_curve) if pass_curve is not None else b"1"
 
     async def register(self) -> None:
         for stream in (self.keys.jobs, self.own):

@@ -38,6 +38,15 @@ class PassSample:
     ms: float
 
 
+@dataclass(frozen=True)
+class PassCurve:
+    """A runtime's measured passes, and the device they ran on: a CPU verifier shares its machine's cores
+    with whatever drafts beside it."""
+
+    device: str  # "cpu", "cuda", ...
+    samples: tuple[PassSample, ...]
+
+
 def _timed(runtime: TargetRuntime, batch: TreeBatch) -> float:
     started = time.perf_counter()
     logits = runtime.forward(batch)
@@ -48,29 +57,29 @@ def _timed(runtime: TargetRuntime, batch: TreeBatch) -> float:
 
 def measure_pass_curve(runtime: TargetRuntime, requests: Sequence[int] = REQUESTS, nodes: Sequence[int] = TREE_NODES,
                        repeats: int = 3, time_cap_ms: float = 100.0, max_sessions: int | None = None,
-                       seed: int = 0) -> list[PassSample]:
+                       seed: int = 0) -> PassCurve:
     """Median milliseconds of passes over the grid (see the module doc); the sessions are freed after."""
     rng = random.Random(seed)
     vocab = runtime.vocab_size
     most = min(max(requests), max_sessions or max(requests))
     sessions, samples = [], []
     try:
-        for count in sorted(r for r in requests if r <= most):
-            fresh = [runtime.new_session() for _ in range(count - len(sessions))]
-            prefill_sessions(runtime, fresh, [[rng.randrange(vocab) for _ in range(CONTEXT_TOKENS)] for _ in fresh])
-            sessions += fresh
-            for n in nodes:
-                trees = [compile_tree(rng.randrange(vocab), TokenTree.chain([rng.randrange(vocab) for _ in range(n)]))
-                         for _ in range(count)]
-                batch = TreeBatch.build(sessions[:count], trees)
-                _timed(runtime, batch)  # untimed: compiles and warms what this shape needs
-                times = [_timed(runtime, batch)]
-                if times[0] <= time_cap_ms:
-                    times += [_timed(runtime, batch) for _ in range(repeats - 1)]
-                samples.append(PassSample(count, count if n else 0, count * (1 + n), round(statistics.median(times), 3)))
-                if times[0] > time_cap_ms:
-                    return samples  # bigger passes only take longer: the curve so far is what the controller needs
+        for count, n in [(count, n) for count in sorted(r for r in requests if r <= most) for n in nodes]:
+            if len(sessions) < count:
+                fresh = [runtime.new_session() for _ in range(count - len(sessions))]
+                prefill_sessions(runtime, fresh, [[rng.randrange(vocab) for _ in range(CONTEXT_TOKENS)] for _ in fresh])
+                sessions += fresh
+            trees = [compile_tree(rng.randrange(vocab), TokenTree.chain([rng.randrange(vocab) for _ in range(n)]))
+                     for _ in range(count)]
+            batch = TreeBatch.build(sessions[:count], trees)
+            _timed(runtime, batch)  # untimed: compiles and warms what this shape needs
+            times = [_timed(runtime, batch)]
+            if times[0] <= time_cap_ms:
+                times += [_timed(runtime, batch) for _ in range(repeats - 1)]
+            samples.append(PassSample(count, count if n else 0, count * (1 + n), round(statistics.median(times), 3)))
+            if times[0] > time_cap_ms:
+                break  # bigger passes only take longer: the curve so far is what the controller needs
     finally:
         for session in sessions:
             session.free()
-    return samples
+    return PassCurve(runtime.device.type, tuple(samples))

@@ -8,7 +8,7 @@ from typing import Sequence
 from specmesh.drafters.base import Drafter
 from specmesh.drafters.catalog import load_drafter
 from specmesh.prompts import encode_chat
-from specmesh.runtime.calibration import PassSample, measure_pass_curve
+from specmesh.runtime.calibration import PassCurve, measure_pass_curve
 from specmesh.runtime.loading import LoadedModel, load_hf_model, parts_of
 from specmesh.runtime.target import TargetRuntime, target_runtime
 from specmesh.sampling import SamplingParams
@@ -22,7 +22,7 @@ class Assembly:
     target: LoadedModel
     runtime: TargetRuntime
     drafters: list[Drafter]
-    _pass_curve: list[PassSample] | None = field(default=None, repr=False)
+    _pass_curve: PassCurve | None = field(default=None, repr=False)
 
     def engine(self, max_tree_nodes: int, speculation: str = "adaptive",
                margin: float = SPECULATION_MARGIN) -> SpeculativeEngine:
@@ -33,7 +33,7 @@ class Assembly:
             max_tree_nodes = 0
         policy = adaptive_policy({}, adapt_budget=speculation == "adaptive", margin=margin)
         if speculation == "adaptive" and max_tree_nodes > 0:
-            policy.calibrate(self.pass_curve())
+            policy.calibrate([self.pass_curve()])
         for drafter in self.drafters:
             policy.router.register(drafter)
         return SpeculativeEngine(
@@ -44,7 +44,7 @@ class Assembly:
             policy=policy,
         )
 
-    def pass_curve(self) -> list[PassSample]:
+    def pass_curve(self) -> PassCurve:
         """The runtime's passes measured once (see ``runtime.calibration``): the adaptive policy's cost prior."""
         if self._pass_curve is None:
             self._pass_curve = measure_pass_curve(self.runtime)

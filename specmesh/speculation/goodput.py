@@ -4,16 +4,17 @@ Goodput is committed tokens per second of the whole batch. The controller picks 
 (0 = no speculation: exactly plain batched decoding) that maximises
 
     goodput(n) = E[tokens | n] / (cycle(n) + draft_ms(n) + tree_ms(n)) + E[tokens of the others] / cycle(n)
-    cycle(n) = pass_ms(requests, others' rows + 1 + n) + overhead_ms(requests)
+    cycle(n) = pass_ms(requests, others' rows + 1 + n) + overhead_ms(requests)   [+ draft_ms(n), see below]
 
 ``E[tokens | n] = 1 + a1 + a1 a2 + ... + a1 ... an``, ``ai`` the request's conditional acceptance of
 tree level ``i`` (a budget of ``n`` nodes counts as ``n`` levels); ``pass_ms`` a ``CostModel``
 calibrated on the verifier's measured pass curve and learned from its reports of its passes;
 ``draft_ms`` the asked drafters' ``DraftCost`` added up; ``overhead_ms`` (queue, transport, the
 router's own work) learned from every step, by load, and ``tree_ms`` what steps with a tree add to it.
-Drafting and ``tree_ms`` delay this request's steps only: the verifier passes the others' meanwhile. A
-tree that only slows the others' passes is not drafted; a request at 0 probes a small tree now and then.
-See docs/design.md.
+Drafting and ``tree_ms`` delay this request's steps only, the verifier passing the others' meanwhile,
+except where drafting takes the cores the verifier's passes need (a verifier on CPU): there drafting is
+in everyone's cycle. A tree that only slows the others' passes is not drafted; a request at 0 probes a
+small tree now and then. See docs/design.md.
 """
 
 from __future__ import annotations
@@ -218,6 +219,9 @@ class GoodputController:
         # per step besides the pass and the drafting (queue, transport, the router's work, waiting for the
         # others' passes): by load (requests a pass, in powers of two), without a tree and with one
         self.overhead_ms: dict[tuple[int, bool], float] = {}
+        # drafting slows the verifier's passes too (it takes the cores they need): a CPU verifier, or no
+        # curve yet; the router cannot see where its drafters run, so it assumes so then
+        self.drafting_shares_cores = True
         self.budgets = sorted(set(budgets) | {0})
         self.probe_every = probe_every
         self.probe_budget = probe_budget
@@ -229,9 +233,12 @@ class GoodputController:
     def _goodput(self, nodes: int, own_tokens: float, draft_ms: float, load: Load) -> float:
         requests, trees = 1 + round(load.other_requests), round(load.other_trees) + (1 if nodes else 0)
         cycle = self.cost.pass_ms(requests, trees, round(load.other_rows) + 1 + nodes) + self.overhead(False, requests)
-        # drafting, and what a step with a tree adds (its own round trips, fusion), delay this request's next
-        # step only: the verifier passes the others' meanwhile
-        own = cycle + (draft_ms + max(self.overhead(True, requests) - self.overhead(False, requests), 0.0) if nodes else 0.0)
+        if self.drafting_shares_cores:
+            cycle += draft_ms
+        # what a step with a tree adds (its own round trips, fusion) and, on cores of their own, the drafting
+        # delay this request's next step only: the verifier passes the others' meanwhile
+        tree_ms = max(self.overhead(True, requests) - self.overhead(False, requests), 0.0) if nodes else 0.0
+        own = cycle + tree_ms + (0.0 if self.drafting_shares_cores else draft_ms)
         return (own_tokens / own + load.other_tokens / cycle) * 1e3
 
     @staticmethod

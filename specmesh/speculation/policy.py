@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 from specmesh.errors import InvalidArgument
-from specmesh.runtime.calibration import PassSample
+from specmesh.runtime.calibration import PassCurve
 from specmesh.speculation.expertise import GENERAL, ExpertRouter, Route, RoutingConfig, level_hits
 from specmesh.speculation.goodput import CostModel, DraftCost, GoodputController, Load, Realism, expected_tokens
 from specmesh.tree import TokenTree
@@ -22,8 +22,8 @@ from specmesh.tree import TokenTree
 RECHECK_EVERY = 4  # steps between weighings of a request at budget 0 in a busy batch
 CATCH_UP_SPREAD = 8  # at most this many steps share the cost of a drafter's catch-up
 # In a shared pass, the least predicted gain in the batch's goodput that a tree must promise, in shares of
-# one request's part of it (goodput / requests): there the cost model is optimistic (on held-out prompts
-# every smaller margin lost to plain decoding). A lone request needs none (docs/design.md).
+# one request's part of it (goodput / requests): there the cost model is optimistic. A lone request needs
+# none (docs/design.md; measured: docs/bench.md).
 SPECULATION_MARGIN = 0.3
 # Tree nodes a step: adaptive's cap (it drafts fewer where they do not pay), and the whole budget of fixed k
 # (the load sweep's baseline). These three are chosen by `specmesh tune` on held-out prompts (docs/bench.md).
@@ -170,9 +170,11 @@ class AdaptivePolicy:
             overhead = max(outcome.step_ms - outcome.draft_ms - outcome.pass_ms, 0.0)
             controller.learn_overhead(len(outcome.fused) > 0, overhead, self.average, outcome.batch_size)
 
-    def calibrate(self, samples: Sequence[PassSample]) -> None:
-        """The verifiers' measured pass curve: the cost model's prior from the first request on."""
-        self.controller.cost.calibrate(samples)
+    def calibrate(self, curves: Sequence[PassCurve]) -> None:
+        """The verifiers' measured pass curves: the cost model's prior from the first request on; and
+        whether drafting takes cores the verifiers' passes need (a verifier computing on CPU)."""
+        self.controller.cost.calibrate([s for curve in curves for s in curve.samples])
+        self.controller.drafting_shares_cores = any(curve.device == "cpu" for curve in curves)
 
     def load(self) -> Load:
         """The rest of a typical pass: this policy's other requests in flight, or what the verifier's
