@@ -20,7 +20,7 @@ import os
 import platform
 import statistics
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -582,10 +582,10 @@ def load_sweep(cluster: LocalCluster, prompts: Sequence, max_tokens: int, levels
 
     from specmesh.client import AsyncClient
 
-    async def one_run(level: int, policy: str, chosen: list[int]) -> tuple[float, list[float], list[int]]:
+    async def one_run(level: int, policy: str, chosen: list[int]) -> tuple[float, list[float], Counter]:
         gate = asyncio.Semaphore(level)
         latencies: list[float] = []
-        totals = [0, 0, 0, 0]  # tokens, target steps, drafted nodes, answers unlike ``expected``
+        counts: Counter = Counter()  # tokens, steps (target passes), nodes (drafted), unlike (``expected``)
 
         async def send(client: AsyncClient, index: int) -> None:
             async with gate:
@@ -594,16 +594,16 @@ def load_sweep(cluster: LocalCluster, prompts: Sequence, max_tokens: int, levels
                                                speculation=_SPECULATION_OF[policy],
                                                max_tree_nodes=fixed_tree_nodes if policy == "fixed" else tree_nodes)
                 latencies.append((time.perf_counter() - started) * 1e3 / max(len(answer.token_ids), 1))
-                totals[0] += len(answer.token_ids)
-                totals[1] += answer.stats.target_steps
-                totals[2] += answer.stats.drafted_nodes
-                totals[3] += expected is not None and answer.token_ids != expected[index]
+                counts["tokens"] += len(answer.token_ids)
+                counts["steps"] += answer.stats.target_steps
+                counts["nodes"] += answer.stats.drafted_nodes
+                counts["unlike"] += expected is not None and answer.token_ids != expected[index]
 
         async with AsyncClient(cluster.router_address, max_in_flight=max(64, level), api_key=cluster.client_key) as client:
             started = time.perf_counter()
             await asyncio.gather(*(send(client, i) for i in chosen))
             wall = time.perf_counter() - started
-        return totals[0] / wall, latencies, totals
+        return counts["tokens"] / wall, latencies, counts
 
     rows = []
     for index, level in enumerate(tqdm(levels, desc="load sweep", unit="level")):
@@ -611,15 +611,15 @@ def load_sweep(cluster: LocalCluster, prompts: Sequence, max_tokens: int, levels
         chosen = [i % len(prompts) for i in range(count)]
         speeds: dict[str, list[float]] = {p: [] for p in policies}
         latencies: dict[str, list[float]] = {p: [] for p in policies}
-        totals: dict[str, list[int]] = {p: [0, 0, 0, 0] for p in policies}
+        totals: dict[str, Counter] = {p: Counter() for p in policies}
         for round_ in range(rounds):
             for policy in sweep_order(index + round_, (round_ // len(policies)) % 2 == 1, policies):
                 speed, latency, counts = asyncio.run(one_run(level, policy, chosen))
                 speeds[policy].append(speed)
                 latencies[policy].extend(latency)
-                totals[policy] = [a + b for a, b in zip(totals[policy], counts)]
+                totals[policy].update(counts)
         for policy in policies:
-            tokens, steps, nodes, differing = totals[policy]
+            tokens, steps, nodes = (totals[policy][k] for k in ("tokens", "steps", "nodes"))
             rows.append({"concurrency": level, "policy": policy, "requests": count, "rounds": rounds,
                          "tokens_per_s": round(statistics.fmean(speeds[policy]), 2),
                          "tokens_per_s_runs": [round(s, 2) for s in speeds[policy]],
@@ -627,7 +627,7 @@ def load_sweep(cluster: LocalCluster, prompts: Sequence, max_tokens: int, levels
                          "p50_ms": _percentile(latencies[policy], 50), "p99_ms": _percentile(latencies[policy], 99),
                          "tokens_per_step": round(tokens / max(steps, 1), 3),
                          "tree_nodes_per_step": round(nodes / max(steps, 1), 2),
-                         **({"answers_unlike_plain": differing} if expected is not None else {})})
+                         **({"answers_unlike_plain": totals[policy]["unlike"]} if expected is not None else {})})
     return rows
 
 
