@@ -28,7 +28,7 @@ from specmesh.cluster.metrics import ALERTS, DERIVED, RouterMetrics, serve_metri
 from specmesh.cluster.ports import free_port
 from specmesh.drafters.ngram import HistoryDrafter
 from specmesh.errors import InvalidArgument
-from specmesh.speculation.policy import StepOutcome, StepPlan
+from specmesh.speculation.policy import StepOutcome, StepPlan, adaptive_policy
 from specmesh.tree import TokenTree
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,6 +83,21 @@ def test_a_step_counts_each_drafters_guesses_and_hits_by_depth():
     assert value("specmesh_routing_decisions_total", {"kind": "code", "drafter": "ngram"}) == 1
     assert value("specmesh_step_stage_seconds_sum", {"stage": "queue"}) == pytest.approx(0.008)  # 30 - 2 - 20 ms
     assert value("specmesh_step_stage_seconds_sum", {"stage": "fuse"}) == pytest.approx(0.0005)
+
+
+def test_the_controllers_learned_state_is_exported_at_each_scrape():
+    policy = adaptive_policy({"ngram": ["general"]})
+    metrics = RouterMetrics()
+    metrics.watch(policy)
+    value = metrics.registry.get_sample_value
+    assert value("specmesh_controller_step_overhead_ms", {"load": "16"}) is None  # nothing learned yet
+    for _ in range(20):  # read when scraped: what the controller learns later shows without a step counted here
+        policy.controller.overhead.observe(20.0, requests=16)
+        policy.controller.overhead.observe(52.0, requests=16, trees=16)
+    assert value("specmesh_controller_step_overhead_ms", {"load": "16"}) == pytest.approx(20.0, abs=0.5)
+    assert value("specmesh_controller_tree_overhead_ms", {"load": "16"}) == pytest.approx(2.0, abs=0.1)
+    assert value("specmesh_controller_realism") == 1.0
+    assert value("specmesh_controller_drafting_shares_cores") == 1.0  # no pass curve yet
 
 
 def test_metrics_are_served_over_http_and_a_bad_address_is_refused():

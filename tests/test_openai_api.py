@@ -135,6 +135,7 @@ def test_bad_requests_get_openai_errors_naming_the_field(redis_server, model, to
         ({**good, "seed": 2**70}, 400, "seed"),
         ({**good, "top_p": 0}, 400, "top_p"),
         ({**good, "speculation": "always"}, 400, "speculation"),
+        ({**good, "messages": [{"role": "user", "content": "a\ud800b"}]}, 400, "messages[0].content"),  # JSON's lone surrogate
         ([1, 2, 3], 400, None),
         (b"x" * (10 << 20), 413, None),  # 10 MB; the stack's limit is 1 MiB
     ]
@@ -150,6 +151,8 @@ def test_bad_requests_get_openai_errors_naming_the_field(redis_server, model, to
                                                    headers={"content-type": "application/json"}))
                 answers.append(await http.post("/v1/completions", json={"model": "tiny", "prompt": ["a", "b"]}))
                 answers.append(await http.post("/v1/completions", json={"model": "tiny", "prompt": [10**9]}))
+                answers.append(await http.post("/v1/completions", headers={"content-type": "application/json"},
+                                               content=json.dumps({"model": "tiny", "prompt": "a\udfffb"}).encode()))
                 async def chunks():  # no Content-Length: the limit is met while the body streams in
                     for _ in range(40):
                         yield b"x" * (64 << 10)
@@ -161,7 +164,7 @@ def test_bad_requests_get_openai_errors_naming_the_field(redis_server, model, to
             return answers, health, ok
 
     answers, health, ok = run(main())
-    expected = [(status, param) for _, status, param in cases] + [(400, "prompt"), (400, "prompt"), (413, None),
+    expected = [(status, param) for _, status, param in cases] + [(400, "prompt"), (400, "prompt"), (400, "prompt"), (413, None),
                                                                    (404, None), (404, None)]
     for answer, (status, param) in zip(answers, expected):
         error = answer.json()["error"]

@@ -287,28 +287,32 @@ def test_a_step_that_prefilled_does_not_teach_the_step_overhead():
     first = StepOutcome(plan, (TokenTree(),), TokenTree(), (3,), step_ms=260.0, pass_ms=50.0, batch_rows=1,
                         batch_size=1, prefilled=60)  # 200 ms of it were the prompt's prefill
     request.observe(first)
-    assert policy.controller.overhead_ms == {}
+    assert policy.controller.overhead.by_load == {}
     request.observe(replace(first, step_ms=53.0, prefilled=0))
-    assert policy.controller.overhead(with_tree=False) == pytest.approx(3.0)
+    assert policy.controller.overhead.ms() == pytest.approx(3.0)
 
 
-def test_overhead_is_learned_apart_for_steps_with_and_without_a_tree():
+def test_overhead_charges_each_tree_of_a_pass_its_share():
     controller = GoodputController(CostModel())
-    assert controller.overhead(with_tree=False) == controller.overhead(with_tree=True) == 0.0
-    controller.learn_overhead(False, 2.0, weight_of_past=0.9)
-    assert controller.overhead(with_tree=True) == 2.0  # unseen: the other stands in
-    controller.learn_overhead(True, 6.0, weight_of_past=0.9)
-    assert controller.overhead(with_tree=True) == 6.0 and controller.overhead(with_tree=False) == 2.0
+    assert controller.overhead.ms() == controller.overhead.ms(1, 1) == 0.0
+    controller.overhead.observe(2.0)
+    assert controller.overhead.ms(1, 1) == 2.0  # no tree seen yet: nothing charged for one
+    for _ in range(20):  # 16 requests: plain steps, and steps where every request drafted
+        controller.overhead.observe(20.0, requests=16)
+        controller.overhead.observe(52.0, requests=16, trees=16)
+    assert controller.overhead.per_tree_ms(16) == pytest.approx(2.0, abs=0.1)  # not 32 for one tree
+    assert controller.overhead.ms(16, 1) == pytest.approx(22.0, abs=0.5)
+    assert controller.overhead.ms(1) == 2.0  # another load's steps teach this one nothing
     assert controller.goodput(2, 0.0, 0.0) < controller.goodput(0, 0.0, 0.0)  # a tree nobody gets right only costs
 
 
 def test_overhead_is_learned_by_load():
     controller = GoodputController(CostModel())
-    controller.learn_overhead(False, 2.0, weight_of_past=0.9)  # alone: queue and transport
-    controller.learn_overhead(False, 50.0, weight_of_past=0.9, requests=64)  # 64 a pass: the router's turn
-    assert controller.overhead(False, requests=1) == 2.0 and controller.overhead(False, requests=70) == 50.0
-    assert controller.overhead(True, requests=48) == 50.0  # the nearest load seen, a tree or not
-    assert controller.overhead(False, requests=3) == 2.0
+    controller.overhead.observe(2.0)  # alone: queue and transport
+    controller.overhead.observe(50.0, requests=64)  # 64 a pass: the router's turn
+    assert controller.overhead.ms(1) == 2.0 and controller.overhead.ms(70) == 50.0
+    assert controller.overhead.ms(48) == 50.0  # the nearest load seen
+    assert controller.overhead.ms(3) == 2.0
 
 
 # An 8B step on an H100 (milliseconds by requests and tree nodes): rows nearly free up to hundreds
@@ -346,13 +350,17 @@ def test_in_a_busy_batch_a_tree_pays_where_rows_are_nearly_free_and_not_where_th
     gpu_controller, cpu_controller = GoodputController(gpu, probe_every=0), GoodputController(cpu, probe_every=0)
     gpu_controller.drafting_shares_cores = False  # the drafter's cores are not the GPU's
     for controller in (gpu_controller, cpu_controller):
-        controller.learn_overhead(False, 15.0, weight_of_past=0.0, requests=16)  # the router's turn at this load
+        controller.overhead.observe(15.0, requests=16)  # the router's turn at this load
     assert gpu_controller.choose(8, 0.8, round_trip, busy)[0] >= 4
     assert cpu_controller.choose(8, 0.4, round_trip, busy)[0] == 0
-    # steps with trees measured slower when every request drafted (one drafter serving them all): that
-    # delays the drafting request, not the others' passes, and a tree right 80 % of the time still pays
-    gpu_controller.learn_overhead(True, 33.0, weight_of_past=0.0, requests=16)
+    # steps measured 18 ms slower when every request drafted (one router and one drafter serving them
+    # all): each tree's share of that is in every step, and a tree right 80 % of the time still pays
+    for _ in range(10):
+        gpu_controller.overhead.observe(33.0, requests=16, trees=16)
+    assert gpu_controller.overhead.per_tree_ms(16) > 0.5
     assert gpu_controller.choose(8, 0.8, round_trip, busy)[0] >= 4
+    everyone = replace(busy, other_trees=15, other_rows=15 * 5, other_tokens=15 * 3.4)
+    assert gpu_controller.choose(8, 0.8, round_trip, everyone)[0] >= 4  # and when every other request drafts too
     # the hop delays this request only: alone, where it delays everything, a tree still pays at 0.8
     assert gpu_controller.choose(8, 0.8, round_trip)[0] >= 4
     # an expert on the verifier's own cores slows every request's pass: in a busy batch its tree loses
@@ -398,8 +406,29 @@ def test_a_policy_whose_trees_keep_fewer_tokens_than_it_predicts_stops_drafting_
 def test_controller_probes_after_a_run_of_plain_steps_and_less_often_in_a_busy_batch():
     controller = GoodputController(CostModel(), probe_every=4)
     assert not controller.should_probe(3) and controller.should_probe(4)
-    busy = Load(other_requests=3, other_rows=3)  # four requests a pass: each probes a quarter as often
+    busy = Load(other_requests=3, other_rows=3)  # four requests a pass: the batch probes once per 4 passes
     assert not controller.should_probe(15, busy) and controller.should_probe(16, busy)
+
+
+def test_a_busy_batch_of_short_requests_still_probes_once_in_a_while():
+    # 16 requests of 8 steps each never reach a busy batch's probe interval (64 steps) on their own
+    policy = AdaptivePolicy(ExpertRouter({"ngram": ["general"]}, free=["ngram"]), GoodputController(CostModel(), probe_every=4))
+    for _ in range(30):  # every step learnt dear: plain decoding pays best
+        policy.controller.overhead.observe(10.0, requests=16)
+        policy.controller.overhead.observe(500.0, requests=16, trees=16)
+    requests = [policy.begin("general", 8) for _ in range(16)]
+    probes = 0
+    for generation in range(8):
+        for step in range(8):
+            for request in requests:
+                plan = request.plan(room=100, available=["ngram"], position=50 + step)
+                probes += plan.budget > 0
+                request.observe(StepOutcome(plan, (TokenTree(),) * len(plan.drafters), TokenTree(), (1,),
+                                            step_ms=30.0, pass_ms=20.0, batch_rows=16, batch_size=16))
+        for request in requests:  # they end; new ones take their place
+            request.end()
+        requests = [policy.begin("general", 8) for _ in range(16)]
+    assert 8 * 8 * 16 // (4 * 16 * 2) <= probes <= 8 * 8 * 16 // (4 * 16) + 1  # about one per 64 request steps
 
 
 def test_the_policy_leaves_out_an_expert_whose_guesses_do_not_pay_for_its_time():
@@ -493,7 +522,7 @@ def test_adaptive_policy_learns_costs_and_load_from_the_verifiers_reports():
         if plan.budget == 0:
             break
     assert plan == StepPlan()  # speculation stopped paying
-    assert policy.controller.overhead(with_tree=True) > 0 and policy.draft_cost("a").ms(4) > 5.0
+    assert policy.controller.overhead.ms(1, 1) > 0 and policy.draft_cost("a").ms(4) > 5.0
     assert request.plan(room=1, available=["a"], position=99) == StepPlan()  # one token left: nothing to draft for
     assert policy.state.active == 1
     request.end()

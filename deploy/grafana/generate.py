@@ -103,6 +103,11 @@ DASHBOARDS: dict[str, tuple[str, str, tuple[PanelSpec, ...]]] = {
         PanelSpec("Speculation budget", (derived("specmesh:speculation_budget:mean", "mean budget"),
                                          quantile(0.9, "specmesh_speculation_budget", legend="p90")), "none",
                   "Tree nodes the policy chose per step; 0 is plain decoding (it speculates less under load)"),
+        PanelSpec("Controller: what a step costs besides its pass", (
+            Query("max by (load) (specmesh_controller_step_overhead_ms)", "no tree, {{load}}+ requests"),
+            Query("max by (load) (specmesh_controller_tree_overhead_ms)", "each tree, {{load}}+ requests")), "ms",
+                  "What the adaptive controller has learned: a step's overhead by load, and what each tree in "
+                  "flight adds to it (why it drafts less under load)"),
         PanelSpec("Fused tree size", (quantile(0.5, "specmesh_tree_nodes", legend="p50"),
                                       quantile(0.9, "specmesh_tree_nodes", legend="p90")), "none"),
     )),

@@ -18,6 +18,7 @@ import asyncio
 import random
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -105,6 +106,22 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
+def controller_state(cluster: LocalCluster) -> dict[str, float]:
+    """What the router's controller has learned, as it exports it (``specmesh_controller_*``; by load:
+    ``name/load``): why adaptive drafted as much as it did."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(cluster.router.metrics_url, timeout=5) as answer:
+        text = answer.read().decode()
+    state = {}
+    for family in text_string_to_metric_families(text):
+        if family.name.startswith("specmesh_controller_"):
+            for sample in family.samples:
+                load = sample.labels.get("load")
+                state[family.name.removeprefix("specmesh_controller_") + (f"/{load}" if load else "")] = round(sample.value, 3)
+    return state
+
+
 def run_oracle_bench(args: argparse.Namespace) -> int:
     acceptances = number_list("oracle_acceptance", args.oracle_acceptance, 0.0, 1.0, kind=float)
     levels = number_list("concurrency", args.concurrency or "1", 1, MAX_CONCURRENCY)
@@ -142,11 +159,13 @@ def run_oracle_bench(args: argparse.Namespace) -> int:
             for p in acceptances:
                 print(f"oracle acceptance {p} ...", flush=True)
                 rows: list[dict] = []
+                controller: dict[str, dict] = {}
                 for level in levels:  # one level at a time, each written when done: a run stopped midway keeps them
                     rows += load_sweep(cluster, prompt_sets[p], args.max_tokens, [level], args.fixed_tree_nodes,
                                        args.tree_nodes, rounds=args.sweep_rounds, inputs=ids_input, expected=answers[p])
+                    controller[str(level)] = controller_state(cluster)  # after the level's last round
                     report["acceptance"][str(p)] = {"load_sweep": rows, "vs_plain": summarize(rows),
-                                                    "verdicts": adaptive_verdicts(rows)}
+                                                    "verdicts": adaptive_verdicts(rows), "controller": controller}
                     if args.json_out:
                         write_json(report, args.json_out)
                 failed |= any(r["answers_unlike_plain"] for r in rows)

@@ -47,6 +47,16 @@ ROLES = ("system", "user", "assistant")
 T = TypeVar("T")
 
 
+def check_unicode(field: str, text: str) -> None:
+    """Text a tokenizer can take: JSON may carry a lone UTF-16 surrogate (``"\\ud800"``), which is no
+    character and has no UTF-8 encoding."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidArgument(field, f"has a lone surrogate (U+{ord(text[exc.start]):04X}) at character {exc.start}: "
+                                     "send valid Unicode") from None
+
+
 @dataclass(frozen=True)
 class ModelCard:
     name: str
@@ -110,6 +120,8 @@ class Router:
         self.policy = policy or adaptive_policy({})
         self.classifier = classifier
         self.metrics = metrics
+        if metrics is not None:
+            metrics.watch(self.policy)
         self.active = 0
         # one thread: encodings run one at a time (a fast tokenizer's encode may change its settings)
         self._inputs = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inputs")
@@ -131,15 +143,17 @@ class Router:
         if not text:
             raise InvalidArgument("prompt", "is empty")
         self._check_length("prompt", len(text))
+        check_unicode("prompt", text)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
         if not messages:
             raise InvalidArgument("chat", "has no messages")
         self._check_length("chat.messages", sum(len(content) for _, content in messages))
-        for i, (role, _) in enumerate(messages):
+        for i, (role, content) in enumerate(messages):
             if role not in ROLES:
                 raise InvalidArgument(f"chat.messages[{i}].role", f"is {role!r}; use one of {', '.join(ROLES)}")
+            check_unicode(f"chat.messages[{i}].content", content)
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidArgument("chat", "this model has no chat template: send a prompt instead")
         try:

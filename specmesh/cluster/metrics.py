@@ -40,11 +40,13 @@ from prometheus_client import (
     ProcessCollector,
     start_http_server,
 )
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from specmesh import __version__
 from specmesh.errors import InvalidArgument
 from specmesh.speculation.expertise import level_hits
-from specmesh.speculation.policy import RequestPolicy, StepOutcome, StepPlan
+from specmesh.speculation.policy import AdaptivePolicy, RequestPolicy, StepOutcome, StepPlan
 
 MAX_POSITION_LABEL = 16  # deeper tree levels share the last label: bounded label sets
 # seconds: from a fraction of a millisecond (a model-free draft) to a minute (a long request)
@@ -127,6 +129,10 @@ class RouterMetrics(ServiceMetrics):
         self.drafter_up = Gauge("specmesh_drafter_up", "1 while the router can reach a drafter, else 0",
                                 ["drafter", "address"], registry=r)
 
+    def watch(self, policy: AdaptivePolicy) -> None:
+        """Export what ``policy``'s controller has learned (``ControllerCollector``)."""
+        self.registry.register(ControllerCollector(policy))
+
     def plan(self, kind: str, plan: StepPlan) -> None:
         self.budget.observe(plan.budget)
         for name in plan.drafters:
@@ -155,6 +161,37 @@ class RouterMetrics(ServiceMetrics):
             waited_ms = outcome.step_ms - outcome.draft_ms - outcome.pass_ms  # queue, transport, scheduling
             self.stage_seconds.labels("queue").observe(max(waited_ms, 0.0) / 1e3)
         self.stage_seconds.labels("step").observe(outcome.step_ms / 1e3)
+
+
+class ControllerCollector(Collector):
+    """What the adaptive policy has learned, read at each scrape (no work per step): the step overhead
+    and each tree's share of it by load, the realism ratio, and the load it weighs. It tells an operator
+    why the controller drafts or not."""
+
+    def __init__(self, policy: AdaptivePolicy) -> None:
+        self.policy = policy
+
+    def collect(self):
+        controller, state = self.policy.controller, self.policy.state
+        base = GaugeMetricFamily("specmesh_controller_step_overhead_ms", "Learnt time a step takes besides its pass "
+                                 "and drafting, with no tree in flight, by load (requests, in powers of two)", labels=["load"])
+        per_tree = GaugeMetricFamily("specmesh_controller_tree_overhead_ms", "Learnt time each tree in flight adds to "
+                                     "every step, by load", labels=["load"])
+        for load, fit in sorted(controller.overhead.by_load.items()):
+            label = str(2 ** (load - 1))
+            base.add_metric([label], max(fit.coefficients[0], 0.0))
+            per_tree.add_metric([label], fit.coefficients[1])
+        yield base
+        yield per_tree
+        yield GaugeMetricFamily("specmesh_controller_realism", "Accepted tokens steps kept over those the controller "
+                                "predicted (scales its predictions)", value=state.realism.ratio)
+        yield GaugeMetricFamily("specmesh_controller_batch_requests", "Requests a verification pass carries, as the "
+                                "controller averages it", value=state.batch_size)
+        yield GaugeMetricFamily("specmesh_controller_drafting_share", "Share of request steps with a tree, as the "
+                                "controller averages it", value=state.trees_per_request_step)
+        yield GaugeMetricFamily("specmesh_controller_drafting_shares_cores", "1 while the controller counts drafting "
+                                "in every request's cycle (a CPU verifier, or no pass curve yet)",
+                                value=float(controller.drafting_shares_cores))
 
 
 class MeteredRequest:

@@ -3,18 +3,18 @@
 Goodput is committed tokens per second of the whole batch. The controller picks the budget ``n``
 (0 = no speculation: exactly plain batched decoding) that maximises
 
-    goodput(n) = E[tokens | n] / (cycle(n) + draft_ms(n) + tree_ms(n)) + E[tokens of the others] / cycle(n)
-    cycle(n) = pass_ms(requests, others' rows + 1 + n) + overhead_ms(requests)   [+ draft_ms(n), see below]
+    goodput(n) = E[tokens | n] / (cycle(n) + draft_ms(n)) + E[tokens of the others] / cycle(n)
+    cycle(n) = pass_ms(requests, trees, others' rows + 1 + n) + overhead_ms(requests, trees)   [+ draft_ms(n), see below]
 
 ``E[tokens | n] = 1 + a1 + a1 a2 + ... + a1 ... an``, ``ai`` the request's conditional acceptance of
-tree level ``i`` (a budget of ``n`` nodes counts as ``n`` levels); ``pass_ms`` a ``CostModel``
-calibrated on the verifier's measured pass curve and learned from its reports of its passes;
-``draft_ms`` the asked drafters' ``DraftCost`` added up; ``overhead_ms`` (queue, transport, the
-router's own work) learned from every step, by load, and ``tree_ms`` what steps with a tree add to it.
-Drafting and ``tree_ms`` delay this request's steps only, the verifier passing the others' meanwhile,
-except where drafting takes the cores the verifier's passes need (a verifier on CPU): there drafting is
-in everyone's cycle. A tree that only slows the others' passes is not drafted; a request at 0 probes a
-small tree now and then. See docs/design.md.
+tree level ``i`` (a budget of ``n`` nodes counts as ``n`` levels); ``trees`` the others' and, when
+``n > 0``, this one; ``pass_ms`` a ``CostModel`` calibrated on the verifier's measured pass curve and
+learned from its reports of its passes; ``draft_ms`` the asked drafters' ``DraftCost`` added up;
+``overhead_ms`` (queue, transport, the router's own work: ``StepOverhead``) learned from every step, by
+load, with what each tree of a pass adds to it. Drafting delays this request's steps only, the verifier
+passing the others' meanwhile, except where drafting takes the cores the verifier's passes need (a
+verifier on CPU): there drafting is in everyone's cycle. A tree that only slows the others' passes is
+not drafted; a request at 0 probes a small tree now and then. See docs/design.md.
 """
 
 from __future__ import annotations
@@ -82,10 +82,12 @@ class OnlineLinear:
         self.weights = self.prior.copy()
         self.coefficients = self.weights.tolist()
 
-    def observe(self, x: Sequence[float], y: float) -> None:
+    def observe(self, x: Sequence[float], y: float, weight: float = 1.0) -> None:
+        """``weight``: what this observation counts for, in whole observations (the past decays by as much)."""
         x = np.asarray(x, dtype=np.float64)
-        self._xx = self.decay * self._xx + np.outer(x, x)
-        self._xy = self.decay * self._xy + x * y
+        decay = self.decay ** weight
+        self._xx = decay * self._xx + weight * np.outer(x, x)
+        self._xy = decay * self._xy + weight * x * y
         weights = np.linalg.lstsq(self._xx + np.diag(self.ridge), self._xy + self.ridge * self.prior, rcond=None)[0]
         weights[1:] = np.maximum(weights[1:], 0.0)
         self.weights = weights
@@ -212,13 +214,59 @@ class Realism:
         return min(max(self.realized / self.predicted, self.floor), 1.5)
 
 
+class StepOverhead:
+    """What a step takes besides its pass and its drafting (queue, transport, the router's and the
+    drafters' own work, waiting for the others' passes), by load (requests a pass, in powers of two):
+
+        base(load) + per_tree(load) * trees in the pass
+
+    Each tree of a pass adds its fusion, a bigger job and verdict, and a turn in the router's and the
+    drafters' serial work to every step of it; fitted on every step, so that steps taken while every
+    request drafted charge one tree its share, not the whole batch's. A load never seen starts from the
+    nearest one seen."""
+
+    def __init__(self, decay: float = 0.95, per_tree_prior_weight: float = 2.0) -> None:
+        self.decay = decay
+        self.per_tree_prior_weight = per_tree_prior_weight
+        self.by_load: dict[int, OnlineLinear] = {}  # load class -> [base, per tree]
+
+    @staticmethod
+    def load_class(requests: float) -> int:
+        return max(int(round(requests)), 1).bit_length()  # 1, 2-3, 4-7, 8-15, ...
+
+    def _nearest(self, requests: float) -> OnlineLinear | None:
+        if not self.by_load:
+            return None
+        wanted = self.load_class(requests)
+        return self.by_load[min(self.by_load, key=lambda load: (abs(load - wanted), load))]
+
+    def ms(self, requests: float = 1, trees: float = 0.0) -> float:
+        """0 before any step."""
+        fit = self._nearest(requests)
+        return max(fit.predict([1.0, trees]), 0.0) if fit is not None else 0.0
+
+    def per_tree_ms(self, requests: float = 1) -> float:
+        fit = self._nearest(requests)
+        return fit.coefficients[1] if fit is not None else 0.0
+
+    def observe(self, ms: float, requests: float = 1, trees: float = 0.0) -> None:
+        key = self.load_class(requests)
+        if key not in self.by_load:
+            near = self._nearest(requests)
+            per_tree = near.coefficients[1] if near is not None else 0.0
+            # the base is free (the first step sets it); the slope is held to the nearest load's
+            self.by_load[key] = OnlineLinear([max(ms - per_tree * trees, 0.0), per_tree],
+                                             prior_weight=(0.0, self.per_tree_prior_weight), decay=self.decay)
+        # the steps of one cycle tell much the same: each counts for its share of the cycle, so the
+        # memory spans cycles (several regimes of drafting, to tell the trees' part from the rest)
+        self.by_load[key].observe([1.0, trees], ms, weight=1.0 / max(requests, 1.0))
+
+
 class GoodputController:
     def __init__(self, cost: CostModel, budgets: Sequence[int] = DEFAULT_BUDGETS, probe_every: int = 8,
                  probe_budget: int = 2) -> None:
         self.cost = cost
-        # per step besides the pass and the drafting (queue, transport, the router's work, waiting for the
-        # others' passes): by load (requests a pass, in powers of two), without a tree and with one
-        self.overhead_ms: dict[tuple[int, bool], float] = {}
+        self.overhead = StepOverhead()
         # drafting slows the verifier's passes too (it takes the cores they need): a CPU verifier, or no
         # curve yet; the router cannot see where its drafters run, so it assumes so then
         self.drafting_shares_cores = True
@@ -232,32 +280,14 @@ class GoodputController:
 
     def _goodput(self, nodes: int, own_tokens: float, draft_ms: float, load: Load) -> float:
         requests, trees = 1 + round(load.other_requests), round(load.other_trees) + (1 if nodes else 0)
-        cycle = self.cost.pass_ms(requests, trees, round(load.other_rows) + 1 + nodes) + self.overhead(False, requests)
+        # a tree's own work (fusion, a bigger job, the router's turn) is in every step of the pass
+        cycle = self.cost.pass_ms(requests, trees, round(load.other_rows) + 1 + nodes) + self.overhead.ms(requests, trees)
         if self.drafting_shares_cores:
             cycle += draft_ms
-        # what a step with a tree adds (its own round trips, fusion) and, on cores of their own, the drafting
-        # delay this request's next step only: the verifier passes the others' meanwhile
-        tree_ms = max(self.overhead(True, requests) - self.overhead(False, requests), 0.0) if nodes else 0.0
-        own = cycle + tree_ms + (0.0 if self.drafting_shares_cores else draft_ms)
+        # on cores of their own, drafting delays this request's next step only: the verifier passes the
+        # others' meanwhile
+        own = cycle + (0.0 if self.drafting_shares_cores else draft_ms)
         return (own_tokens / own + load.other_tokens / cycle) * 1e3
-
-    @staticmethod
-    def _load_class(requests: float) -> int:
-        return max(int(round(requests)), 1).bit_length()  # 1, 2-3, 4-7, 8-15, ...
-
-    def overhead(self, with_tree: bool, requests: float = 1) -> float:
-        """What a step adds to its pass at this load: the nearest load seen, a step with a tree standing in
-        for one without and the other way round; 0 before any."""
-        if not self.overhead_ms:
-            return 0.0
-        wanted = self._load_class(requests)
-        _, _, key = min((abs(load - wanted), tree != with_tree, (load, tree)) for load, tree in self.overhead_ms)
-        return self.overhead_ms[key]
-
-    def learn_overhead(self, with_tree: bool, ms: float, weight_of_past: float, requests: float = 1) -> None:
-        key = (self._load_class(requests), with_tree)
-        old = self.overhead_ms.get(key)
-        self.overhead_ms[key] = ms if old is None else weight_of_past * old + (1 - weight_of_past) * ms
 
     def choose(self, max_budget: int, acceptance: float | Sequence[float], draft_ms: Callable[[int], float],
                load: Load = Load(), realism: float = 1.0) -> tuple[int, float]:
@@ -271,6 +301,6 @@ class GoodputController:
 
     def should_probe(self, steps_without: int, load: Load = Load()) -> bool:
         """After ``probe_every`` steps in a row without speculation, a small tree, to see if it pays again.
-        In a busy batch each request probes proportionally less often (a probe slows the whole pass, and
-        what it teaches is shared by its kind), so the batch as a whole probes at the same rate."""
+        ``steps_without`` counts every request's steps: in a busy batch the batch as a whole probes at a
+        lone request's rate (a probe slows the whole pass, and what it teaches is shared)."""
         return bool(self.probe_every) and steps_without >= self.probe_every * (1.0 + load.other_requests)

@@ -124,6 +124,9 @@ class PolicyState:
     active: int = 0  # requests of this policy in flight
     realism: Realism = field(default_factory=Realism)  # accepted tokens really kept over those predicted
     last_pass: tuple = ()  # the last verification pass learned from (each request of a pass reports it)
+    # request steps in a row without a tree, whichever request: probes are the batch's (requests may be
+    # shorter than a busy batch's probe interval)
+    steps_without: int = 0
 
 
 class AdaptivePolicy:
@@ -166,9 +169,13 @@ class AdaptivePolicy:
         state.tokens_per_request_step = self._moving(state.tokens_per_request_step, len(outcome.committed))
         if outcome.batch_size and outcome.step_ms > 0 and not outcome.prefilled:
             # the rest of the step is overhead at this load (queue, transport, the router, others' passes);
-            # a step that prefilled waited for that too (the pass's time leaves it out): it says nothing here
+            # a step that prefilled waited for that too (the pass's time leaves it out): it says nothing here.
+            # Learnt against the load the choice weighs (the router's requests in flight, not one pass's:
+            # a busy router splits them over several passes), each tree in it charged its share
             overhead = max(outcome.step_ms - outcome.draft_ms - outcome.pass_ms, 0.0)
-            controller.learn_overhead(len(outcome.fused) > 0, overhead, self.average, outcome.batch_size)
+            load = self.load()
+            controller.overhead.observe(overhead, 1.0 + load.other_requests,
+                                        load.other_trees + (1.0 if len(outcome.fused) else 0.0))
 
     def calibrate(self, curves: Sequence[PassCurve]) -> None:
         """The verifiers' measured pass curves: the cost model's prior from the first request on; and
@@ -245,8 +252,9 @@ class _AdaptiveRequest:
         if budget and load.other_requests >= 0.5 and best_goodput - plain_goodput < policy.margin * share:
             budget = 0  # a gain within the model's error: plain decoding (or a probe, below)
         if budget == 0:
-            if not policy.controller.should_probe(self.steps_without, load):
+            if not policy.controller.should_probe(policy.state.steps_without, load):
                 return StepPlan()
+            policy.state.steps_without = 0  # this request probes: the others wait for the next interval
             # the cheapest look: in a busy batch an expert's catch-up would hold up every request
             budget, chosen = min(policy.controller.probe_budget, self.max_budget), free or core
             levels = router.team_levels(self.route, chosen, budget)
@@ -264,8 +272,10 @@ class _AdaptiveRequest:
             self.drafted_at[name] = self.position
         if not outcome.plan.budget:
             self.steps_without += 1
+            policy.state.steps_without += 1
             return
         self.steps_without = 0
+        policy.state.steps_without = 0
         policy.state.realism.observe(outcome.plan.predicted_accepted, max(len(outcome.committed) - 1, 0))
         for name, tree in zip(outcome.plan.drafters, outcome.trees):
             policy.router.observe(self.route, name, *level_hits(tree, outcome.committed))
