@@ -214,6 +214,29 @@ def test_overload_is_429_and_a_client_that_leaves_frees_its_request(redis_server
     assert again.usage.completion_tokens == 4
 
 
+def test_a_stream_left_before_its_first_chunk_is_cancelled(redis_server, model, tokenizer):
+    async def main():
+        async with ServiceStack(redis_server.url, model, tokenizer, NgramDrafter(), http=True) as stack:
+            verifier = stack.pool.workers[0]
+            hold = threading.Event()
+            busy = asyncio.ensure_future(verifier.torch_thread.run(hold.wait))  # no pass runs until it is set
+            try:
+                body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 400, "stream": True}
+                async with httpx.AsyncClient(base_url=stack.http_url.removesuffix("/v1"), timeout=30) as http:
+                    asking = asyncio.ensure_future(http.post("/v1/chat/completions", json=body))  # no headers yet
+                    await wait_until_async(lambda: stack.router.active == 1, what="the request admitted")
+                    asking.cancel()  # the client leaves while the first step waits: its connection closes
+                    await asyncio.gather(asking, return_exceptions=True)
+                    await wait_until_async(lambda: stack.router.active == 0 and not stack.sessions, timeout_s=5.0,
+                                           what="the request left before its first chunk was freed")  # not by a timeout
+            finally:
+                hold.set()
+                await busy
+            await wait_until_async(lambda: verifier.verifier.num_sessions == 0, what="the verifier holds nothing")
+
+    run(main())
+
+
 class _StackThread:
     """A ServiceStack on an event loop of its own thread, for clients that block (the fuzzer)."""
 

@@ -399,7 +399,7 @@ def openai_app(router: Router, live_verifiers: Callable[[], int], max_body_bytes
                 if _usage_due(body, piece):
                     out.append(chunk([], usage=piece.usage()))
                 return out
-            return await streamed(answer, events, permit)
+            return await streamed(answer, events, request, permit)
         text, last = await collected(answer, request, permit)
         return ChatCompletion(id=ids[0], created=ids[1], model=router.card.name, usage=last.usage(),
                               choices=[ChatChoice(index=0, message=AssistantMessage(content=text),
@@ -423,7 +423,7 @@ def openai_app(router: Router, live_verifiers: Callable[[], int], max_body_bytes
                 if _usage_due(body, piece):
                     out.append(completion([], usage=piece.usage()).model_dump_json())
                 return out
-            return await streamed(answer, events, permit)
+            return await streamed(answer, events, request, permit)
         text, last = await collected(answer, request, permit)
         return completion([CompletionChoice(index=0, text=text, finish_reason=last.finish_reason)], last, last.usage())
 
@@ -445,11 +445,13 @@ def openai_app(router: Router, live_verifiers: Callable[[], int], max_body_bytes
     return app
 
 
-async def streamed(answer: AsyncIterator[Piece], events: Callable[[Piece, bool], list[str]], permit: Permit | None):
+async def streamed(answer: AsyncIterator[Piece], events: Callable[[Piece, bool], list[str]], request: Request,
+                   permit: Permit | None):
     """Server-sent events of ``answer``, then ``[DONE]``. The first step is awaited before the response
     starts, so that a refusal (429, 503, a bad request) is an HTTP status, not an event; an error after
     that is an ``error`` event. The answer runs in a task of its own: a client that leaves cancels it
-    once, as gRPC cancels a call, and its clean-up (drafter sessions, queue entries) runs to the end."""
+    once, as gRPC cancels a call, and its clean-up (drafter sessions, queue entries) runs to the end —
+    also while the first step is awaited (a long prompt's prefill under load can take minutes)."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def produce() -> None:
@@ -464,11 +466,20 @@ async def streamed(answer: AsyncIterator[Piece], events: Callable[[Piece, bool],
     producer = asyncio.ensure_future(produce())
     if permit is not None:  # held while the answer runs, however it ends (even cancelled before it began)
         producer.add_done_callback(lambda _: permit.release())
+    getting, watch = asyncio.ensure_future(queue.get()), asyncio.ensure_future(_disconnected(request))
     try:
-        first = await queue.get()
+        await asyncio.wait({getting, watch}, return_when=asyncio.FIRST_COMPLETED)
     except BaseException:
+        getting.cancel()
         producer.cancel()
         raise
+    finally:
+        watch.cancel()
+    if not getting.done():  # the client left before the first step: nobody will read the answer
+        getting.cancel()
+        producer.cancel()
+        raise ClientGone
+    first = getting.result()
     if isinstance(first, Exception):
         raise first
 
@@ -503,11 +514,7 @@ async def collected(answer: AsyncIterator[Piece], request: Request, permit: Perm
                 parts.append(last.text)
         return "".join(parts), last
 
-    async def gone() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    work, watch = asyncio.ensure_future(whole()), asyncio.ensure_future(gone())
+    work, watch = asyncio.ensure_future(whole()), asyncio.ensure_future(_disconnected(request))
     if permit is not None:
         work.add_done_callback(lambda _: permit.release())
     try:
@@ -519,6 +526,12 @@ async def collected(answer: AsyncIterator[Piece], request: Request, permit: Perm
     if work.cancelled():
         raise ClientGone
     return work.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has disconnected (its body was read whole before)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 class ClientGone(Exception):
