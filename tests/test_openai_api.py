@@ -136,6 +136,9 @@ def test_bad_requests_get_openai_errors_naming_the_field(redis_server, model, to
         ({**good, "top_p": 0}, 400, "top_p"),
         ({**good, "speculation": "always"}, 400, "speculation"),
         ({**good, "messages": [{"role": "user", "content": "a\ud800b"}]}, 400, "messages[0].content"),  # JSON's lone surrogate
+        ({**good, "messages": [{"role": "user", "content": "a\u0000b"}]}, 400, "messages[0].content"),
+        ({**good, "stop": ["x\udc00"]}, 400, "stop[0]"),
+        ({**good, "stop": "\u0000"}, 400, "stop[0]"),
         ([1, 2, 3], 400, None),
         (b"x" * (10 << 20), 413, None),  # 10 MB; the stack's limit is 1 MiB
     ]

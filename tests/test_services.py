@@ -111,6 +111,8 @@ BAD_REQUESTS = [
     (dict(prompt_ids=[10**7]), "prompt"),
     (dict(chat=[("robot", "hi")]), "role"),
     (dict(chat=[]), "chat"),
+    (dict(prompt="a\x00b"), "prompt"),  # NUL: no text (a lone surrogate cannot reach gRPC: protobuf strings are UTF-8)
+    (dict(chat=[("user", "a\x00b")]), "chat.messages[0].content"),
     (dict(prompt="hi", temperature=-1.0), "temperature"),
     (dict(prompt="hi", temperature=float("nan")), "temperature"),
     (dict(prompt="hi", top_p=1.5), "top_p"),

@@ -29,11 +29,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specmesh import __version__
 from specmesh.cluster.auth import Access, Permit
-from specmesh.cluster.gateway import Generation, Router, TextStream, check_unicode
+from specmesh.cluster.gateway import Generation, Router, TextStream
 from specmesh.cluster.serving import http_status_for
 from specmesh.cluster.stops import StopScanner, check_stops, tokens_through
 from specmesh.cluster.tls import TlsFiles
 from specmesh.errors import InvalidArgument, NotFound, SpecmeshError, Unauthenticated
+from specmesh.prompts import check_text
 from specmesh.sampling import SamplingParams
 from specmesh.services.router.openai_schema import (
     AssistantMessage,
@@ -286,7 +287,7 @@ class OpenAIFrontend:
                 raise InvalidArgument(f"messages[{i}].content", "is missing")
         messages = [(ROLE_OF.get(m.role, m.role), m.text()) for m in body.messages]
         for i, (_, text) in enumerate(messages):
-            check_unicode(f"messages[{i}].content", text)
+            check_text(f"messages[{i}].content", text)
         user = next((text for role, text in reversed(messages) if role == "user"), "")
         return self.router.make_request(self.router.encode_chat(messages), params, max_tree_nodes=body.max_tree_nodes,
                                         text=user, speculation=body.speculation)

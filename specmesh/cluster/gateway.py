@@ -18,6 +18,7 @@ from jinja2 import TemplateError
 
 from specmesh.cluster.metrics import MeteredRequest, RequestClock, RouterMetrics
 from specmesh.errors import InvalidArgument, ResourceExhausted
+from specmesh.prompts import check_text
 from specmesh.sampling import SamplingParams
 from specmesh.speculation.classifier import RequestClassifier
 from specmesh.speculation.expertise import GENERAL
@@ -45,16 +46,6 @@ MAX_REQUEST_ID = 128
 PROMPT_CHARS_PER_TOKEN = 32
 ROLES = ("system", "user", "assistant")
 T = TypeVar("T")
-
-
-def check_unicode(field: str, text: str) -> None:
-    """Text a tokenizer can take: JSON may carry a lone UTF-16 surrogate (``"\\ud800"``), which is no
-    character and has no UTF-8 encoding."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise InvalidArgument(field, f"has a lone surrogate (U+{ord(text[exc.start]):04X}) at character {exc.start}: "
-                                     "send valid Unicode") from None
 
 
 @dataclass(frozen=True)
@@ -143,7 +134,7 @@ class Router:
         if not text:
             raise InvalidArgument("prompt", "is empty")
         self._check_length("prompt", len(text))
-        check_unicode("prompt", text)
+        check_text("prompt", text)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
@@ -153,7 +144,7 @@ class Router:
         for i, (role, content) in enumerate(messages):
             if role not in ROLES:
                 raise InvalidArgument(f"chat.messages[{i}].role", f"is {role!r}; use one of {', '.join(ROLES)}")
-            check_unicode(f"chat.messages[{i}].content", content)
+            check_text(f"chat.messages[{i}].content", content)
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidArgument("chat", "this model has no chat template: send a prompt instead")
         try:

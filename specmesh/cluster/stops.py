@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from specmesh.errors import InvalidArgument
+from specmesh.prompts import check_text
 
 MAX_STOPS = 4  # OpenAI's limit
 MAX_STOP_CHARS = 256
@@ -24,6 +25,7 @@ def check_stops(stops: Sequence[str], field: str = "stop") -> tuple[str, ...]:
             raise InvalidArgument(f"{field}[{i}]", "is empty")
         if len(stop) > MAX_STOP_CHARS:
             raise InvalidArgument(f"{field}[{i}]", f"is {len(stop)} characters; at most {MAX_STOP_CHARS}")
+        check_text(f"{field}[{i}]", stop)
     return tuple(stops)
 
 
