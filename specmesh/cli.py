@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -226,7 +227,35 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also the default user, with every right, its password from $VAR (an ACL file replaces "
                           "requirepass)")
     acl.add_argument("--output", help="write the ACL file here instead of printing it")
+
+    control = commands.add_parser("verifier", help="call a verifier's control API: info, or drain (it stops taking "
+                                  "work and finishes what it holds), with the cluster's credential")
+    control.add_argument("action", choices=("info", "drain"))
+    control.add_argument("--address", required=True, help="the verifier's control port, host:port")
+    control.add_argument("--queue-key-file", help="the cluster's queue key (default: $SPECMESH_QUEUE_KEY)")
+    control.add_argument("--tls-cert", help="with --tls-key and --tls-ca: call over the cluster's mutual TLS")
+    control.add_argument("--tls-key")
+    control.add_argument("--tls-ca")
+    control.add_argument("--tls-server-name", help="the name expected in the verifier's certificate")
     return parser
+
+
+def _verifier_control(args) -> int:
+    import grpc
+
+    from specmesh.cluster.control import call_verifier
+    from specmesh.cluster.signing import QueueSigner
+    from specmesh.cluster.tls import TlsFiles
+
+    tls = TlsFiles.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
+    try:
+        answer = call_verifier(args.address, args.action, QueueSigner.from_environment(args.queue_key_file), tls,
+                               args.tls_server_name)
+    except grpc.RpcError as exc:
+        print(f"specmesh: the verifier at {args.address} answered {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    print(json.dumps(answer, indent=2))
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -258,6 +287,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _distill(args)
         if args.command == "redis-acl":
             return _redis_acl(args)
+        if args.command == "verifier":
+            return _verifier_control(args)
         if args.command == "prepare":
             from specmesh.runtime.target import prepare_target
 

@@ -8,6 +8,7 @@ process started by its command line, as `specmesh up` does.
   none hangs, and the cluster serves again once Redis is back.
 """
 
+import json
 import signal
 import threading
 import time
@@ -18,14 +19,18 @@ import grpc
 import pytest
 from conftest import wait_until
 
+from specmesh.cli import main
 from specmesh.client import Client
+from specmesh.cluster.control import call_verifier
 from specmesh.cluster.launcher import ClusterSpec, LocalCluster
+from specmesh.cluster.signing import QueueSigner
 from specmesh.prompts import encode_chat, mtbench_prompts
 from specmesh.runtime.loading import EMBEDDED_DEFAULT, load_hf_model
 from specmesh.runtime.target import target_runtime
 from specmesh.sampling import SamplingParams
 from specmesh.speculation.assembly import eos_token_ids
 from specmesh.speculation.engine import Request, SpeculativeEngine
+from specmesh.v1 import verifier_pb2, verifier_pb2_grpc
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 64
@@ -215,6 +220,25 @@ def test_sigterm_drains_a_verifier_without_losing_requests(cluster, questions, p
         outputs = [f.result(timeout=300) for f in futures]
     assert drained.wait(30) == 0  # drained and exited cleanly (and then started again by the supervisor)
     assert outputs == [plain_outputs[i] for i in chosen]
+
+
+def test_the_verifiers_control_api_answers_the_cluster_only(cluster, monkeypatch, capsys):
+    address = cluster.verifiers[0].address
+    refused = {}
+    with grpc.insecure_channel(address) as channel:
+        stub = verifier_pb2_grpc.VerifierStub(channel)
+        for name, metadata in (("no credential", []), ("a wrong token", [("authorization", "Bearer " + "x" * 64)]),
+                               ("the queue key itself", [("authorization", f"Bearer {cluster.queue_key}")])):
+            for call, request in ((stub.Drain, verifier_pb2.DrainRequest()), (stub.Info, verifier_pb2.VerifierInfoRequest())):
+                with pytest.raises(grpc.RpcError) as err:
+                    call(request, metadata=metadata, timeout=10)
+                refused[name, call is stub.Drain] = err.value.code()
+    assert set(refused.values()) == {grpc.StatusCode.UNAUTHENTICATED}, refused
+    info = call_verifier(address, "info", QueueSigner(cluster.queue_key))  # the cluster's control token
+    assert info["verifier_id"] and not info.get("draining", False)
+    monkeypatch.setenv("SPECMESH_QUEUE_KEY", cluster.queue_key)  # the operator's command, as docs/security.md shows
+    assert main(["verifier", "info", "--address", address]) == 0
+    assert json.loads(capsys.readouterr().out)["verifier_id"] == info["verifier_id"]
 
 
 def per_token_latency(client: Client, question: str) -> float:

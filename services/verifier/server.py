@@ -21,12 +21,14 @@ from typing import Sequence
 
 import redis.asyncio as aioredis
 
+from specmesh.cluster.auth import Access, ApiKeys, KeyLimits
 from specmesh.cluster.backoff import redis_reconnect
 from specmesh.cluster.metrics import VerifierMetrics, serve_metrics
 from specmesh.cluster.queue import REDIS_DOWN, Entry, QueueKeys, VerifierQueue, encode_error, encode_result
 from specmesh.cluster.scheduling import PassRhythm, plan_batch
 from specmesh.cluster.serving import Server, Service, TorchThread, env_default, run_service, start_server
-from specmesh.cluster.signing import QueueSigner
+from specmesh.cluster.signing import ENV_KEY as QUEUE_KEY
+from specmesh.cluster.signing import QueueSigner, new_key
 from specmesh.cluster.tls import TlsFiles, add_tls_flags
 from specmesh.errors import InvalidArgument
 from specmesh.runtime.calibration import measure_pass_curve
@@ -356,6 +358,18 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         return verifier_pb2.DrainResponse(released_sessions=await self.worker.drain())
 
 
+def control_access(signer: QueueSigner, tls: TlsFiles | None) -> Access | None:
+    """Who may call the control API (``Drain`` takes the verifier out of service): with mutual TLS the
+    cluster's certificate says so; otherwise the cluster's queue key's control token; with neither,
+    nobody (health checking stays open)."""
+    if tls is not None and tls.ca is not None:
+        return None
+    token = signer.control_token()
+    if token is None:
+        log.warning("control API closed: no queue key (%s) and no --tls-ca to tell the cluster's callers by", QUEUE_KEY)
+    return Access(ApiKeys(token or new_key()), KeyLimits())
+
+
 async def follow_worker(worker: VerifierWorker, server: Server) -> None:
     """Health tells the truth: a drained verifier, or one whose worker has ended, is NOT_SERVING."""
     await worker.unready.wait()
@@ -418,8 +432,9 @@ async def serve(args: argparse.Namespace) -> None:
              ", ".join(f"{s.requests}, {s.rows}: {s.ms:.1f}" for s in curve.samples))
     verifier_id = args.verifier_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     redis = aioredis.Redis.from_url(args.redis_url, socket_timeout=5, socket_connect_timeout=2)
+    signer = QueueSigner.from_environment(args.queue_key_file)
     queue = VerifierQueue(redis, QueueKeys(args.pool), verifier_id, heartbeat_ttl_s=args.heartbeat_ttl,
-                          signer=QueueSigner.from_environment(args.queue_key_file), pass_curve=curve)
+                          signer=signer, pass_curve=curve)
     metrics = VerifierMetrics()
     endpoint = serve_metrics(metrics, args.metrics_address)
     worker = VerifierWorker(verifier, queue, torch_thread, max_batch_rows=args.max_batch_rows, metrics=metrics)
@@ -437,6 +452,7 @@ async def serve(args: argparse.Namespace) -> None:
         [Service(verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name,
                  lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s), drain)],
         args.listen, metrics=metrics, tls=tls, require_client_cert=tls is not None and tls.ca is not None,
+        access=control_access(signer, tls),
     )
     worker_task = asyncio.create_task(worker.run())
     health_task = asyncio.create_task(follow_worker(worker, server))

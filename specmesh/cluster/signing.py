@@ -22,6 +22,7 @@ ENV_KEY = "SPECMESH_QUEUE_KEY"
 MIN_KEY_CHARS = 16
 # what a tag vouches for: a result is never a valid job, nor a progress note a result
 JOB, CLOSE, RESULT, PROGRESS = b"job", b"close", b"result", b"progress"
+CONTROL = b"control"  # the bearer token of the verifiers' control API (Info, Drain) without mutual TLS
 
 
 def new_key() -> str:
@@ -53,6 +54,12 @@ class QueueSigner:
         if self._key is None:
             return b""
         return hmac.new(self._key, kind + b"\x00" + payload, hashlib.sha256).digest()
+
+    def control_token(self) -> str | None:
+        """What a caller of a verifier's control API presents (``authorization: Bearer <token>``) where
+        there is no mutual TLS: derived from the key, so holding it lets one drain a verifier, not forge
+        queue entries. None without a key."""
+        return self.tag(CONTROL, b"").hex() if self._key is not None else None
 
     def valid(self, kind: bytes, payload: bytes, tag: bytes | None) -> bool:
         if self._key is None:
