@@ -495,7 +495,8 @@ def _serve_cluster(cluster, args: argparse.Namespace, started: float) -> int:
         print(f"cluster up in {time.perf_counter() - started:.0f} s", flush=True)
         for process in cluster.processes():
             print(f"  {process.name:<18} {process.address:<18} metrics {process.metrics_url}")
-        print(f"  {'redis':<18} {cluster.redis_url}")
+        if cluster.redis is not None:
+            print(f"  {'redis':<18} {cluster.redis.address} (with its password: {cluster.redis_url_file})")
         if cluster.http_url:
             print(f"  {'OpenAI API':<18} {cluster.http_url}")
         if cluster.tls is not None:

@@ -14,6 +14,7 @@ import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -239,6 +240,19 @@ def test_the_verifiers_control_api_answers_the_cluster_only(cluster, monkeypatch
     monkeypatch.setenv("SPECMESH_QUEUE_KEY", cluster.queue_key)  # the operator's command, as docs/security.md shows
     assert main(["verifier", "info", "--address", address]) == 0
     assert json.loads(capsys.readouterr().out)["verifier_id"] == info["verifier_id"]
+
+
+def test_the_clusters_redis_asks_for_a_password_that_no_command_line_shows(cluster):
+    import redis
+
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis.from_url(cluster.redis.address).ping()  # any local process, without the password
+    assert redis.Redis.from_url(cluster.redis_url_file.read_text().strip()).ping()
+    assert cluster.redis_url_file.stat().st_mode & 0o077 == 0  # the operator's copy: this user's only
+    password = cluster.redis.password
+    for process in [cluster.redis.process, *(p.popen for p in cluster.processes() if p.popen is not None)]:
+        command_line = Path(f"/proc/{process.pid}/cmdline").read_bytes()
+        assert password.encode() not in command_line, process.args
 
 
 def per_token_latency(client: Client, question: str) -> float:

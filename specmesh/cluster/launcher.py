@@ -147,6 +147,9 @@ class ServiceProcess:
         raise Unavailable(f"{self.name} not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
 
 
+REDIS_URL = "SPECMESH_REDIS_URL"  # every service's --redis-url default
+
+
 class LocalCluster:
     def __init__(self, spec: ClusterSpec | None = None) -> None:
         self.spec = spec or ClusterSpec()
@@ -154,7 +157,10 @@ class LocalCluster:
         self.keep_logs = False  # set after a failure: a temporary log directory stays, for its logs
         self.log_dir = Path(self.spec.log_dir or tempfile.mkdtemp(prefix="specmesh-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.redis = None if self.spec.redis_url else RedisServer(log_path=self.log_dir / "redis.log")
+        # the Redis started here asks for a password of this cluster's own: any local process could
+        # otherwise read and write the queue, or flush it
+        self.redis = None if self.spec.redis_url else RedisServer(log_path=self.log_dir / "redis.log",
+                                                                  password=new_key())
         self.redis_url = self.spec.redis_url or self.redis.url
         self.verifiers: list[ServiceProcess] = []
         self.drafters: list[ServiceProcess] = []
@@ -169,6 +175,10 @@ class LocalCluster:
     @property
     def router_address(self) -> str:
         return self.router.address
+
+    @property
+    def redis_url_file(self) -> Path:
+        return self.log_dir / "redis-url"
 
     @property
     def client_tls_ca(self) -> str | None:
@@ -190,6 +200,7 @@ class LocalCluster:
         env.update({"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(threads),
                     "MKL_NUM_THREADS": str(threads), "GOMP_SPINCOUNT": OPENMP_SPIN_COUNT})
         env[QUEUE_KEY] = self.queue_key
+        env[REDIS_URL] = self.redis_url  # not a flag: a command line is anyone's to read, and it holds the password
         env[PARENT_PID] = str(os.getpid())  # the services end themselves if the launcher is killed
         # compiled kernels are kept with the converted models, not in a temporary folder: a restart reuses them
         env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
@@ -212,7 +223,7 @@ class LocalCluster:
     def verifier_process(self, index: int) -> ServiceProcess:
         spec = self.spec
         threads = max(1, spec.cores // max(1, spec.verifiers))
-        args = ["--model", spec.model, "--redis-url", self.redis_url, "--threads", str(threads),
+        args = ["--model", spec.model, "--threads", str(threads),
                 "--verifier-id", f"verifier-{index}"]
         if spec.dtype:
             args += ["--dtype", spec.dtype]
@@ -236,13 +247,18 @@ class LocalCluster:
         try:
             if self.redis is not None:
                 self.redis.start()
+                # for the operator's own clients (redis-cli -u "$(cat ...)"): readable by this user only
+                handle = os.open(self.redis_url_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                os.fchmod(handle, 0o600)
+                with os.fdopen(handle, "w") as out:
+                    out.write(self.redis_url + "\n")
             self.verifiers = [self.verifier_process(i) for i in range(spec.verifiers)]
             self.drafters = [self.drafter_process(d) for d in spec.drafters if d not in local]
             for process in [*self.verifiers, *self.drafters]:
                 process.start()
             for process in [*self.verifiers, *self.drafters]:
                 process.wait_ready(timeout_s)
-            args = ["--model", spec.model, "--redis-url", self.redis_url, "--max-tree-nodes", str(spec.max_tree_nodes),
+            args = ["--model", spec.model, "--max-tree-nodes", str(spec.max_tree_nodes),
                     "--job-timeout", str(spec.job_timeout_s), "--drafters", ",".join(d.address for d in self.drafters),
                     "--draft-ahead", "on" if spec.draft_ahead else "off", "--speculation", spec.speculation,
                     "--speculation-margin", repr(spec.speculation_margin), "--local-drafters", ",".join(local)]
