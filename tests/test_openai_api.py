@@ -84,7 +84,7 @@ def test_stop_strings_end_the_answer_before_them(redis_server, model, tokenizer)
                                                      temperature=0)).choices[0].text
             stop = whole[len(whole) // 2 : len(whole) // 2 + 3]
             cut = await client.completions.create(model="tiny", prompt="one two three", max_tokens=40, temperature=0,
-                                                  stop=[stop, "\x00never"])
+                                                  stop=[stop, "\u2603 never seen"])
             streamed = await client.completions.create(model="tiny", prompt="one two three", max_tokens=40,
                                                        temperature=0, stop=stop, stream=True)
             pieces = [chunk async for chunk in streamed]
@@ -217,7 +217,9 @@ def test_overload_is_429_and_a_client_that_leaves_frees_its_request(redis_server
     assert again.usage.completion_tokens == 4
 
 
-def test_a_stream_left_before_its_first_chunk_is_cancelled(redis_server, model, tokenizer):
+def test_streams_left_before_their_first_chunk_are_cancelled(redis_server, model, tokenizer):
+    streams = 16  # a burst, as a client that gives up on a slow start does
+
     async def main():
         async with ServiceStack(redis_server.url, model, tokenizer, NgramDrafter(), http=True) as stack:
             verifier = stack.pool.workers[0]
@@ -225,13 +227,15 @@ def test_a_stream_left_before_its_first_chunk_is_cancelled(redis_server, model, 
             busy = asyncio.ensure_future(verifier.torch_thread.run(hold.wait))  # no pass runs until it is set
             try:
                 body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 400, "stream": True}
-                async with httpx.AsyncClient(base_url=stack.http_url.removesuffix("/v1"), timeout=30) as http:
-                    asking = asyncio.ensure_future(http.post("/v1/chat/completions", json=body))  # no headers yet
-                    await wait_until_async(lambda: stack.router.active == 1, what="the request admitted")
-                    asking.cancel()  # the client leaves while the first step waits: its connection closes
-                    await asyncio.gather(asking, return_exceptions=True)
+                limits = httpx.Limits(max_connections=streams)
+                async with httpx.AsyncClient(base_url=stack.http_url.removesuffix("/v1"), timeout=30, limits=limits) as http:
+                    asking = [asyncio.ensure_future(http.post("/v1/chat/completions", json=body)) for _ in range(streams)]
+                    await wait_until_async(lambda: stack.router.active == streams, what="the requests admitted")
+                    for request in asking:  # the clients leave while the first step waits: connections close
+                        request.cancel()
+                    await asyncio.gather(*asking, return_exceptions=True)
                     await wait_until_async(lambda: stack.router.active == 0 and not stack.sessions, timeout_s=5.0,
-                                           what="the request left before its first chunk was freed")  # not by a timeout
+                                           what="the requests left before their first chunk were freed")  # no timeout's doing
             finally:
                 hold.set()
                 await busy

@@ -16,6 +16,7 @@ from typing import AsyncIterator, Callable, Sequence, TypeVar
 
 from jinja2 import TemplateError
 
+from specmesh.cancellation import raise_if_cancelled
 from specmesh.cluster.metrics import MeteredRequest, RequestClock, RouterMetrics
 from specmesh.errors import InvalidArgument, ResourceExhausted
 from specmesh.prompts import check_text
@@ -206,6 +207,7 @@ class Router:
                 f"{self.active} requests are in flight, the limit is {self.limits.max_concurrent_requests}; retry later"
             )
         backlog = await self.verifier.backlog() if hasattr(self.verifier, "backlog") else 0
+        raise_if_cancelled()  # a Redis call (specmesh.cancellation): a client gone by now is not admitted
         if backlog > self.limits.max_queue_backlog:
             raise ResourceExhausted(f"the verification queue holds {backlog} jobs; retry later")
         drafters = self._unique_drafters() if budget > 0 else []

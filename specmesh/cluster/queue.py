@@ -36,6 +36,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from specmesh.cancellation import raise_if_cancelled
 from specmesh.acceptance import Verdict
 from specmesh.cluster.backoff import redis_reconnect
 from specmesh.cluster.signing import CLOSE, JOB, PROGRESS, RESULT, QueueSigner
@@ -267,12 +268,14 @@ class QueueVerifierClient:
         pooled = stream == self.keys.jobs
         try:
             entry_id = await self._post(stream, payload, deadline)
+            raise_if_cancelled()
             if entry_id is None:  # that verifier's stream is gone (it died, another adopted it): the pool
                 stream, pooled = self.keys.jobs, True
                 entry_id = await self._post(stream, payload, deadline)
             if pooled:  # wherever it lands holds the request now; a close to every other verifier would race it
                 self._everywhere.pop(job.request_id, None)
             while True:
+                raise_if_cancelled()  # Redis calls below may swallow a cancellation (specmesh.cancellation)
                 left = deadline - time.monotonic()
                 try:
                     message = await asyncio.wait_for(asyncio.shield(future), min(self.resend_after_s, max(left, 0.0)))

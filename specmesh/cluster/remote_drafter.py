@@ -180,13 +180,16 @@ class RemoteDrafter:
 
     async def _open_session(self, request_id: str) -> bool:
         request = drafter_pb2.OpenSessionRequest(request_id=request_id, prompt_ids=self._context[request_id])
+        # counted open before the answer: a request cancelled meanwhile may have opened it there, and its
+        # end must close it (closing a session the drafter never opened is harmless)
+        self._open.add(request_id)
         try:
             await self._stub.OpenSession(request, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
+            self._open.discard(request_id)
             self._mark_down(exc)
             return False
         self._unsent[request_id] = []
-        self._open.add(request_id)
         return True
 
     def _mark_down(self, exc: grpc.aio.AioRpcError) -> None:

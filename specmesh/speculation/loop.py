@@ -23,6 +23,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol, Sequence
 
+from specmesh.cancellation import raise_if_cancelled
 from specmesh.drafters.base import Drafter
 from specmesh.errors import InvalidArgument, Unavailable
 from specmesh.fusion import fuse_trees
@@ -267,6 +268,7 @@ async def speculate(
             else:
                 drafted_at = time.perf_counter()
                 draft = await _draft(by_name, plan, rid, stats, max_depth=room - 1)
+                raise_if_cancelled()  # a client that left stops the request here, whatever swallowed it below
                 draft_ms = (time.perf_counter() - drafted_at) * 1e3
                 stats.draft_s += draft_ms / 1e3
             for name in draft.plan.drafters:
@@ -281,6 +283,7 @@ async def speculate(
                 pending.append(asyncio.ensure_future(
                     _draft(by_name, plan, rid, stats, max_depth=room - len(assumed) - 2, assumed=assumed)))
             result = await verifying
+            raise_if_cancelled()  # the verification task may have swallowed it (see specmesh.cancellation)
             stats.verify_s += time.perf_counter() - verified_at
             stats.verifier_s += result.verify_ms / 1e3
             send_history = False
