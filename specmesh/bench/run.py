@@ -711,13 +711,11 @@ def _start_cluster(args: argparse.Namespace, drafters, secure: bool = False) -> 
 
 
 def _verifier_busy_s(cluster: LocalCluster) -> float:
-    import grpc
+    from specmesh.cluster.control import call_verifier
+    from specmesh.cluster.signing import QueueSigner
 
-    from specmesh.v1 import verifier_pb2, verifier_pb2_grpc
-
-    with grpc.insecure_channel(cluster.verifiers[0].address) as channel:
-        info = verifier_pb2_grpc.VerifierStub(channel).Info(verifier_pb2.VerifierInfoRequest(), timeout=10)
-    return info.busy_seconds
+    info = call_verifier(cluster.verifiers[0].address, "info", QueueSigner(cluster.queue_key), cluster.tls)
+    return float(info.get("busy_seconds", 0.0))
 
 
 def headline_lines(summary: dict) -> list[str]:
