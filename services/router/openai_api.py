@@ -320,13 +320,22 @@ def openai_app(router: Router, live_verifiers: Callable[[], int], max_body_bytes
         return access.limits.admit(request.scope["state"][CALLER]) if access is not None else None
 
     async def begin(request: Request, body: SamplingFields, make_ticket) -> tuple[AsyncIterator[Piece], Permit | None]:
-        """Admit the caller and validate the request: its answer, and the permit the answer holds."""
+        """Admit the caller and validate the request: its answer, and the permit the answer holds. A client
+        that leaves while its prompt waits to be read (one input thread: a burst queues) is dropped there."""
         permit = admit(request)
+        preparing, watch = asyncio.ensure_future(router.prepare(make_ticket, body)), asyncio.ensure_future(_disconnected(request))
         try:
-            ticket, stops = await router.prepare(make_ticket, body), _stops(body)
+            await asyncio.wait({preparing, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if not preparing.done():
+                preparing.cancel()  # not read yet: its turn on the input thread is given up
+                raise ClientGone
+            ticket, stops = preparing.result(), _stops(body)
         except BaseException:  # refused before it began: the key's slot is free again
+            preparing.cancel()
             permit and permit.release()
             raise
+        finally:
+            watch.cancel()
         return pieces(router, ticket, stops), permit
     app = FastAPI(title="specmesh", version=__version__, docs_url=None, redoc_url=None,
                   description="OpenAI-compatible API of a specmesh router: lossless speculative decoding. "
