@@ -323,19 +323,12 @@ def openai_app(router: Router, live_verifiers: Callable[[], int], max_body_bytes
         """Admit the caller and validate the request: its answer, and the permit the answer holds. A client
         that leaves while its prompt waits to be read (one input thread: a burst queues) is dropped there."""
         permit = admit(request)
-        preparing, watch = asyncio.ensure_future(router.prepare(make_ticket, body)), asyncio.ensure_future(_disconnected(request))
-        try:
-            await asyncio.wait({preparing, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if not preparing.done():
-                preparing.cancel()  # not read yet: its turn on the input thread is given up
-                raise ClientGone
-            ticket, stops = preparing.result(), _stops(body)
+        try:  # a prompt not read yet when its client leaves gives up its turn on the input thread
+            ticket = await _unless_gone(request, asyncio.ensure_future(router.prepare(make_ticket, body)))
+            stops = _stops(body)
         except BaseException:  # refused before it began: the key's slot is free again
-            preparing.cancel()
             permit and permit.release()
             raise
-        finally:
-            watch.cancel()
         return pieces(router, ticket, stops), permit
     app = FastAPI(title="specmesh", version=__version__, docs_url=None, redoc_url=None,
                   description="OpenAI-compatible API of a specmesh router: lossless speculative decoding. "
@@ -476,20 +469,11 @@ async def streamed(answer: AsyncIterator[Piece], events: Callable[[Piece, bool],
     producer = asyncio.ensure_future(produce())
     if permit is not None:  # held while the answer runs, however it ends (even cancelled before it began)
         producer.add_done_callback(lambda _: permit.release())
-    getting, watch = asyncio.ensure_future(queue.get()), asyncio.ensure_future(_disconnected(request))
     try:
-        await asyncio.wait({getting, watch}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        getting.cancel()
+        first = await _unless_gone(request, asyncio.ensure_future(queue.get()))
+    except BaseException:  # the client left before the first step (or the call ended): nobody reads the answer
         producer.cancel()
         raise
-    finally:
-        watch.cancel()
-    if not getting.done():  # the client left before the first step: nobody will read the answer
-        getting.cancel()
-        producer.cancel()
-        raise ClientGone
-    first = getting.result()
     if isinstance(first, Exception):
         raise first
 
@@ -524,24 +508,30 @@ async def collected(answer: AsyncIterator[Piece], request: Request, permit: Perm
                 parts.append(last.text)
         return "".join(parts), last
 
-    work, watch = asyncio.ensure_future(whole()), asyncio.ensure_future(_disconnected(request))
+    work = asyncio.ensure_future(whole())
     if permit is not None:
         work.add_done_callback(lambda _: permit.release())
+    return await _unless_gone(request, work)
+
+
+async def _unless_gone(request: Request, work: asyncio.Future):
+    """``work``'s result, unless the client disconnects first (its body was read whole before): then
+    ``work`` is cancelled, since nobody will read it, and ClientGone raised; so it is when this is."""
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(disconnected())
     try:
         await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watch.cancel()
-        if not work.done():  # the client left: nobody will read the answer
+        left = not work.done()
+        if left:
             work.cancel()
-    if work.cancelled():
+    if left:
         raise ClientGone
     return work.result()
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client has disconnected (its body was read whole before)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 class ClientGone(Exception):

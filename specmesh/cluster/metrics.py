@@ -174,13 +174,12 @@ class ControllerCollector(Collector):
     def collect(self):
         controller, state = self.policy.controller, self.policy.state
         base = GaugeMetricFamily("specmesh_controller_step_overhead_ms", "Learnt time a step takes besides its pass "
-                                 "and drafting, with no tree in flight, by load (requests, in powers of two)", labels=["load"])
+                                 "and drafting, with no tree in flight, by load (requests in flight, in powers of two)", labels=["load"])
         per_tree = GaugeMetricFamily("specmesh_controller_tree_overhead_ms", "Learnt time each tree in flight adds to "
                                      "every step, by load", labels=["load"])
-        for load, fit in sorted(controller.overhead.by_load.items()):
-            label = str(2 ** (load - 1))
-            base.add_metric([label], max(fit.coefficients[0], 0.0))
-            per_tree.add_metric([label], fit.coefficients[1])
+        for requests, base_ms, per_tree_ms in controller.overhead.learned():
+            base.add_metric([str(requests)], base_ms)
+            per_tree.add_metric([str(requests)], per_tree_ms)
         yield base
         yield per_tree
         yield GaugeMetricFamily("specmesh_controller_realism", "Accepted tokens steps kept over those the controller "

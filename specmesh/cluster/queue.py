@@ -36,8 +36,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from specmesh.cancellation import raise_if_cancelled
 from specmesh.acceptance import Verdict
+from specmesh.cancellation import raise_if_cancelled
 from specmesh.cluster.backoff import redis_reconnect
 from specmesh.cluster.signing import CLOSE, JOB, PROGRESS, RESULT, QueueSigner
 from specmesh.cluster.wire import (

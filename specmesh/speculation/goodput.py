@@ -216,12 +216,12 @@ class Realism:
 
 class StepOverhead:
     """What a step takes besides its pass and its drafting (queue, transport, the router's and the
-    drafters' own work, waiting for the others' passes), by load (requests a pass, in powers of two):
+    drafters' own work, waiting for the others' passes), by load (requests in flight, in powers of two):
 
-        base(load) + per_tree(load) * trees in the pass
+        base(load) + per_tree(load) * trees in flight
 
-    Each tree of a pass adds its fusion, a bigger job and verdict, and a turn in the router's and the
-    drafters' serial work to every step of it; fitted on every step, so that steps taken while every
+    Each tree adds its fusion, a bigger job and verdict, and a turn in the router's and the drafters'
+    serial work to every step of the cycle; fitted on every step, so that steps taken while every
     request drafted charge one tree its share, not the whole batch's. A load never seen starts from the
     nearest one seen."""
 
@@ -233,6 +233,11 @@ class StepOverhead:
     @staticmethod
     def load_class(requests: float) -> int:
         return max(int(round(requests)), 1).bit_length()  # 1, 2-3, 4-7, 8-15, ...
+
+    def learned(self) -> list[tuple[int, float, float]]:
+        """(the fewest requests of each load seen, base ms, ms per tree), by load."""
+        return [(1 << (load - 1), max(fit.coefficients[0], 0.0), fit.coefficients[1])
+                for load, fit in sorted(self.by_load.items())]
 
     def _nearest(self, requests: float) -> OnlineLinear | None:
         if not self.by_load:
