@@ -311,19 +311,27 @@ def test_experts_on_a_cpu_draft_with_int8_linears_where_fbgemm_runs():
         assert dtype in (torch.float32, torch.bfloat16) and not drafter_int8("cpu", dtype)
 
 
-def test_int8_drafting_stays_close_to_fp32_and_lossless(trained, target, examples):
-    from specmesh.runtime.linear import Int8Linear, int8_available
+@pytest.mark.parametrize("path", ["blocks", "fbgemm"])
+def test_8bit_drafting_stays_close_to_fp32_and_lossless(trained, target, examples, path, monkeypatch):
+    import specmesh.drafters.expert as expert
+    from specmesh.runtime.linear import BlockLinear, Int8Linear, block_kernel_available, int8_available
 
-    if not int8_available("cpu"):
-        pytest.skip("no FBGEMM on this CPU")
-    weight, x = torch.randn(40, 24), torch.randn(3, 24)
-    approx, exact = Int8Linear(weight)(x), x @ weight.T
-    assert (approx - exact).abs().max() < 0.05 * exact.abs().max()  # ~1 % per row, scaled
+    if path == "fbgemm":
+        if not int8_available("cpu"):
+            pytest.skip("no FBGEMM on this CPU")
+        monkeypatch.setattr(expert, "block_kernel_available", lambda device: False)
+        weight, x = torch.randn(40, 24), torch.randn(3, 24)
+        approx, exact = Int8Linear(weight)(x), x @ weight.T
+        assert (approx - exact).abs().max() < 0.05 * exact.abs().max()  # ~1 % per row, scaled
+    elif not block_kernel_available("cpu"):
+        pytest.skip("specmesh's block kernel does not build here")
 
     model, _, _ = trained
     fp32 = ExpertDrafter(model, name="fp32", int8_weights=False)
     int8 = ExpertDrafter(model, name="int8", int8_weights=True)
-    assert isinstance(int8.runtime.layers[0].qkv, Int8Linear) and isinstance(int8.runtime.lm_head, Int8Linear)
+    kind = BlockLinear if path == "blocks" else Int8Linear
+    assert isinstance(int8.runtime.layers[0].qkv, kind) and isinstance(int8.runtime.lm_head, kind)
+    assert int8.runtime.fused_layers == (path == "blocks")  # on blocks a layer is one C++ call
     same, total = 0, 0
     for number, example in enumerate(examples[:10]):
         for drafter in (fp32, int8):

@@ -24,7 +24,8 @@ from torch import nn
 from specmesh.drafters.shape import Step, common_prefix, confident_tree
 from specmesh.errors import InvalidArgument
 from specmesh.runtime.kv_cache import KVSession
-from specmesh.runtime.linear import int8_available
+from specmesh.kernels.block_linear import BlockWeight, quantize
+from specmesh.runtime.linear import block_kernel_available, int8_available
 from specmesh.runtime.llama import LlamaRuntime, TreeBatch
 from specmesh.runtime.target import PREFILL_CHUNK
 from specmesh.tree import TokenTree, compile_tree
@@ -171,6 +172,19 @@ def load_expert(directory: str | Path, embedding: torch.Tensor, dtype: torch.dty
     return model.to(device=embedding.device if device is None else device, dtype=dtype).eval(), spec
 
 
+# Blocks a drafter computes on: a drafted token streams every weight once, so bytes are its cost; the
+# C++ layer also spares the per-op dispatch (docs/experiments/2026-11-27-experts-on-blocks.md).
+DRAFTER_BLOCKS = "Q8_0"
+
+
+def expert_blocks(model: ExpertModel, format: str) -> dict[str, BlockWeight]:
+    """The expert's projections and head rounded to ``format`` blocks, by the names ``LlamaRuntime`` looks up."""
+    blocks = {f"model.{name}": quantize(parameter, format) for name, parameter in model.body.named_parameters()
+              if name.startswith("layers.") and parameter.dim() == 2}
+    blocks["lm_head.weight"] = quantize(model.head.weight, format)
+    return blocks
+
+
 @dataclass
 class _Request:
     committed: list[int]
@@ -194,13 +208,15 @@ class ExpertDrafter:
         stop_below: float = 0.0,
         int8_weights: bool | None = None,
     ) -> None:
-        """``int8_weights``: approximate int8 linears (None: where they pay, see ``drafter_int8``)."""
+        """``int8_weights``: approximate 8-bit linears (None: where they pay, see ``drafter_int8``), as
+        ``DRAFTER_BLOCKS`` blocks where specmesh's kernel runs (a layer is one C++ call), else FBGEMM's."""
         self.name = name
         self.domain = domain
         weight = model.head.weight
         if int8_weights is None:
             int8_weights = drafter_int8(weight.device, weight.dtype)
-        self.runtime = LlamaRuntime(model.body, head_weight=weight, int8_weights=int8_weights)
+        blocks = expert_blocks(model, DRAFTER_BLOCKS) if int8_weights and block_kernel_available(weight.device) else None
+        self.runtime = LlamaRuntime(model.body, head_weight=weight, int8_weights=int8_weights, block_weights=blocks)
         self.subset_ids = model.subset_ids.tolist()
         self.fallback = len(self.subset_ids)
         self.max_depth = max_depth

@@ -35,7 +35,7 @@ from specmesh.drafters.shape import Step, confident_tree
 from specmesh.errors import InvalidArgument
 from specmesh.kernels.block_linear import quantize
 from specmesh.runtime.features import Features
-from specmesh.runtime.linear import BlockLinear, linear_for
+from specmesh.runtime.linear import BlockLinear, block_kernel_available, linear_for
 from specmesh.tree import TokenTree
 
 FORMAT = "specmesh-feature-drafter/1"
@@ -272,21 +272,6 @@ class _Request:
     out: torch.Tensor | None = None  # while drafting: its output [hidden]
 
 
-def block_kernel_loaded(device: torch.device) -> bool:
-    """Whether specmesh's C++ block kernel runs here: one row's product with Q8_0 weights streams them
-    at memory speed, where PyTorch's dynamic int8 path spends ~4x longer per call on a drafted token."""
-    if device.type != "cpu":
-        return False
-    from specmesh.kernels.cpu_ops import KernelUnavailable, load_cpu_ops
-    from specmesh.runtime.loading import cache_root
-
-    try:
-        load_cpu_ops(cache_root() / "extensions")
-    except KernelUnavailable:
-        return False
-    return True
-
-
 class FeatureDrafter:
     """Drafts a confidence-shaped tree (``shape.py``) from the target's features, one request at a time.
 
@@ -312,7 +297,7 @@ class FeatureDrafter:
         device = model.head.weight.device
         if int8_weights is None:
             int8_weights = drafter_int8(device, model.head.weight.dtype)
-        blocks = int8_weights and block_kernel_loaded(device)
+        blocks = int8_weights and block_kernel_available(device)
         pack = lambda layer: (BlockLinear(quantize(layer.weight.detach(), "Q8_0")) if blocks  # noqa: E731
                               else linear_for(layer.weight.detach(), None, int8=int8_weights))
         self._one_call = blocks  # the decoder layer as one C++ call (kernels/cpu/llama_layer.cpp)

@@ -148,5 +148,20 @@ def int8_available(device: torch.device | str) -> bool:
     return True
 
 
+def block_kernel_available(device: torch.device | str) -> bool:
+    """Whether specmesh's C++ block kernel runs here (built on first use): a CPU with a compiler, or a
+    cached build."""
+    if torch.device(device).type != "cpu":
+        return False
+    from specmesh.kernels.cpu_ops import KernelUnavailable, load_cpu_ops
+    from specmesh.runtime.loading import cache_root
+
+    try:
+        load_cpu_ops(cache_root() / "extensions")
+    except KernelUnavailable:
+        return False
+    return True
+
+
 def linear_for(weight: torch.Tensor, bias: torch.Tensor | None = None, int8: bool = False) -> PackedLinear | Int8Linear:
     return Int8Linear(weight, bias) if int8 else PackedLinear(weight, bias)

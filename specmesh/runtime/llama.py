@@ -118,7 +118,8 @@ class LlamaRuntime:
         """``hf_model``: a Llama-family causal LM, or its base model with ``head_weight`` [outputs, hidden]
         (drafters with a head over a vocabulary subset). ``int8_weights``: approximate int8 linears
         (``Int8Linear``), for drafters on CPU only; a target must stay exact. ``block_weights``: the
-        model's GGUF blocks by Hugging Face name (``gguf.load_block_weights``), computed as shipped
+        model's GGUF blocks by Hugging Face name (``gguf.load_block_weights``; ``lm_head.weight`` is the
+        head's, ``head_weight``'s too), computed as shipped
         (``BlockLinear``, CPU) wherever a whole fused projection has them. ``kv_cache_gb``: what all
         sessions may hold together (default: a quarter of the machine's memory)."""
         config = hf_model.config
@@ -141,8 +142,7 @@ class LlamaRuntime:
         self.int8_weights = int8_weights
         self.block_weights = dict(block_weights or {})
         head = head_weight if head_weight is not None else hf_model.lm_head.weight
-        head_name = "lm_head.weight" if head_weight is None else None
-        self.lm_head = self._linear([head_name], [head])  # hidden -> outputs
+        self.lm_head = self._linear(["lm_head.weight"], [head])  # hidden -> outputs
         self.rotary = inner.rotary_emb  # HF's module: knows the model's RoPE variant and scaling
         self.layers = [self._fuse_layer(index, layer) for index, layer in enumerate(inner.layers)]
         # On blocks, activations are rounded to 8 bits (a step function): every row must then be computed
