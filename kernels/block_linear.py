@@ -92,16 +92,17 @@ def quantize(weight: torch.Tensor, format: str) -> BlockWeight:
     return BlockWeight(format, torch.cat(parts, dim=-1).reshape(out, -1).contiguous())
 
 
-GROUP = 8  # output features the kernel computes together
+PAIR = 16  # output features a packed block holds: one 512-bit register of fp32 sums, two 256-bit ones
 
 
 @dataclass(frozen=True)
 class PackedBlocks:
-    """A ``BlockWeight`` in the kernel's layout, as many bytes as the file's: features in groups of 8, and
-    each block of a group contiguous: 8 fp16 d, 8 fp16 m (Q4_1), then its codes in 8 chunks of 4 inputs x 8
-    features (chunk j, byte 4 f + i: input 4 j + i of feature f; 4-bit: features f and f + 4 share a byte,
-    low and high nibble). data uint8 [groups, in / 32, group block bytes]; features past out_features are
-    zeros."""
+    """A ``BlockWeight`` in the kernel's layout, as many bytes as the file's: features in pairs of groups of 8
+    (16 features), each block of a pair contiguous: its 16 fp16 d, its 16 fp16 m (Q4_1), then its codes in
+    64-byte vectors whose byte 4 f + i holds codes of feature f: 8-bit, vector j holds input 4 j + i; 4-bit,
+    vector j holds input 8 j + i in its low nibble and 8 j + 4 + i in its high one. So one load and at most
+    two masks give a register of 16 features x 4 inputs; a group of 8 is each vector's half. data uint8
+    [pairs, in / 32, pair block bytes]; features past out_features are zeros."""
 
     format: str
     data: torch.Tensor
@@ -110,25 +111,24 @@ class PackedBlocks:
     @classmethod
     def pack(cls, weight: BlockWeight) -> PackedBlocks:
         out, inputs = weight.shape
-        groups, blocks = -(-out // GROUP), inputs // BLOCK
+        pairs, blocks = -(-out // PAIR), inputs // BLOCK
         raw = weight.data.reshape(out, blocks, FORMATS[weight.format][1])
-        raw = torch.cat([raw, raw.new_zeros(groups * GROUP - out, blocks, raw.shape[-1])])
+        raw = torch.cat([raw, raw.new_zeros(pairs * PAIR - out, blocks, raw.shape[-1])])
         scales = 4 if weight.format == "Q4_1" else 2  # d (and m), fp16 each
 
-        def grouped(part: torch.Tensor) -> torch.Tensor:  # [groups * 8, blocks, b] -> [groups, blocks, 8 * b]
-            return part.reshape(groups, GROUP, blocks, -1).transpose(1, 2).reshape(groups, blocks, -1)
+        def by_pair(part: torch.Tensor) -> torch.Tensor:  # [pairs * 16, blocks, b] -> [pairs, blocks, 16 * b]
+            return part.reshape(pairs, PAIR, blocks, -1).transpose(1, 2).reshape(pairs, blocks, -1)
 
-        codes = raw[..., scales:]  # [groups * 8, blocks, 16 or 32]
-        if weight.format != "Q8_0":  # the file's nibble byte j: input j (low), input j + 16 (high)
-            codes = torch.cat([codes & 0x0F, codes >> 4], dim=-1)
-        # [groups, feature, blocks, chunk, input] -> [groups, blocks, chunk, feature, input]
-        chunked = codes.reshape(groups, GROUP, blocks, BLOCK // 4, 4).permute(0, 2, 3, 1, 4)
-        if weight.format != "Q8_0":
-            chunked = chunked[:, :, :, :4] | (chunked[:, :, :, 4:] << 4)
-        parts = [grouped(raw[..., 0:2])]
+        codes = raw[..., scales:]  # [pairs * 16, blocks, 16 or 32]
+        if weight.format == "Q8_0":  # [pair, feature, blocks, vector, input] -> [pair, blocks, vector, feature, input]
+            vectors = codes.reshape(pairs, PAIR, blocks, BLOCK // 4, 4).permute(0, 2, 3, 1, 4)
+        else:  # the file's nibble byte j: input j (low), input j + 16 (high)
+            codes = torch.cat([codes & 0x0F, codes >> 4], dim=-1).reshape(pairs, PAIR, blocks, BLOCK // 8, 2, 4)
+            vectors = (codes[..., 0, :] | (codes[..., 1, :] << 4)).permute(0, 2, 3, 1, 4)
+        parts = [by_pair(raw[..., 0:2])]
         if weight.format == "Q4_1":
-            parts.append(grouped(raw[..., 2:4]))
-        parts.append(chunked.reshape(groups, blocks, -1))
+            parts.append(by_pair(raw[..., 2:4]))
+        parts.append(vectors.reshape(pairs, blocks, -1))
         return cls(weight.format, torch.cat(parts, dim=-1).contiguous(), out)
 
 
