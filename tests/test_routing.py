@@ -489,10 +489,11 @@ def test_an_expert_joining_late_pays_its_catch_up_over_the_steps_it_will_draft()
     assert request.plan(room=3, available=["expert"], position=100).budget == 0
 
 
-def test_in_a_busy_batch_a_request_without_speculation_weighs_it_again_every_few_steps():
+@pytest.mark.parametrize("in_flight", [0, 7])  # alone, and in a busy batch
+def test_a_request_without_speculation_weighs_it_again_every_few_steps(in_flight):
     policy = AdaptivePolicy(ExpertRouter({"ngram": ["general"]}, RoutingConfig(explore=0.0), free=["ngram"]),
                             GoodputController(CostModel(), probe_every=0), margin=0.0)  # the margin: its own test
-    others = [policy.begin("general", 4) for _ in range(7)]  # in flight beside it: a busy batch
+    others = [policy.begin("general", 4) for _ in range(in_flight)]
     request = policy.begin("general", 4)
     policy.draft_cost("ngram").fit.observe([1.0, 4.0, 0.0], 400.0)  # drafting looks hopeless
     plans = []
@@ -505,7 +506,7 @@ def test_in_a_busy_batch_a_request_without_speculation_weighs_it_again_every_few
             for _ in range(30):
                 policy.router.observe(request.route, "ngram", 4, 4)
     assert plans[:4] == [0, 0, 0, 0] and plans[4] > 0
-    assert len(others) == 7
+    assert len(others) == in_flight
 
 
 def test_adaptive_policy_learns_costs_and_load_from_the_verifiers_reports():

@@ -68,8 +68,7 @@ class OnlineLinear:
                 raise ValueError(f"{len(self.ridge)} prior weights for {len(self.prior)} features")
         self._xx = np.zeros((len(prior), len(prior)))  # decayed sum of x x^T
         self._xy = np.zeros(len(prior))  # decayed sum of x y
-        self.weights = self.prior.copy()
-        self.coefficients = self.weights.tolist()  # the same as plain floats: predictions run for every budget of every step
+        self._coefficients: list[float] | None = self.prior.tolist()  # None: to be solved when next read
 
     def restart(self, prior: Sequence[float], prior_weight: float | None = None) -> None:
         """Forget what was observed and hold the weights to a new prior (with ``prior_weight`` when given)."""
@@ -79,19 +78,30 @@ class OnlineLinear:
             self.ridge[0] = 0.0
         self._xx = np.zeros((len(self.prior), len(self.prior)))
         self._xy = np.zeros(len(self.prior))
-        self.weights = self.prior.copy()
-        self.coefficients = self.weights.tolist()
+        self._coefficients = self.prior.tolist()
 
     def observe(self, x: Sequence[float], y: float, weight: float = 1.0) -> None:
         """``weight``: what this observation counts for, in whole observations (the past decays by as much)."""
-        x = np.asarray(x, dtype=np.float64)
+        x = np.asarray(x, dtype=np.float64)  # [features]
         decay = self.decay ** weight
-        self._xx = decay * self._xx + weight * np.outer(x, x)
-        self._xy = decay * self._xy + weight * x * y
-        weights = np.linalg.lstsq(self._xx + np.diag(self.ridge), self._xy + self.ridge * self.prior, rcond=None)[0]
-        weights[1:] = np.maximum(weights[1:], 0.0)
-        self.weights = weights
-        self.coefficients = weights.tolist()
+        self._xx *= decay  # in place: every step observes, and small arrays cost their allocations
+        self._xx += weight * (x[:, None] * x)
+        self._xy *= decay
+        self._xy += (weight * y) * x
+        self._coefficients = None  # solved when read: every step observes, far fewer steps weigh a tree
+
+    @property
+    def coefficients(self) -> list[float]:
+        """The fitted weights, slopes >= 0, as plain floats (predictions run for every budget weighed)."""
+        if self._coefficients is None:
+            a, b = self._xx + np.diag(self.ridge), self._xy + self.ridge * self.prior
+            try:  # positive definite once the intercept has data (the slopes have their ridge): ~8x lstsq's speed
+                weights = np.linalg.solve(a, b)
+            except np.linalg.LinAlgError:
+                weights = np.linalg.lstsq(a, b, rcond=None)[0]
+            weights[1:] = np.maximum(weights[1:], 0.0)
+            self._coefficients = weights.tolist()
+        return self._coefficients
 
     def predict(self, x: Sequence[float]) -> float:
         return sum(w * v for w, v in zip(self.coefficients, x))
