@@ -312,7 +312,7 @@ def test_experts_on_a_cpu_draft_with_int8_linears_where_fbgemm_runs():
 
 
 @pytest.mark.parametrize("path", ["blocks", "fbgemm"])
-def test_8bit_drafting_stays_close_to_fp32_and_lossless(trained, target, examples, path, monkeypatch):
+def test_low_precision_drafting_stays_close_to_fp32_and_lossless(trained, target, examples, path, monkeypatch):
     import specmesh.drafters.expert as expert
     from specmesh.runtime.linear import BlockLinear, Int8Linear, block_kernel_available, int8_available
 
@@ -332,6 +332,7 @@ def test_8bit_drafting_stays_close_to_fp32_and_lossless(trained, target, example
     kind = BlockLinear if path == "blocks" else Int8Linear
     assert isinstance(int8.runtime.layers[0].qkv, kind) and isinstance(int8.runtime.lm_head, kind)
     assert int8.runtime.fused_layers == (path == "blocks")  # on blocks a layer is one C++ call
+    differences = []
     same, total = 0, 0
     for number, example in enumerate(examples[:10]):
         for drafter in (fp32, int8):
@@ -339,12 +340,16 @@ def test_8bit_drafting_stays_close_to_fp32_and_lossless(trained, target, example
         for token in example.response_ids:
             a = fp32._catch_up(fp32._requests[f"r{number}"], [*fp32._requests[f"r{number}"].committed]).probs
             b = int8._catch_up(int8._requests[f"r{number}"], [*int8._requests[f"r{number}"].committed]).probs
-            assert (a - b).abs().max() < 0.05  # probabilities over the subset + fallback
+            differences.append(float((a - b).abs().max()))  # probabilities over the subset + fallback
             same += int(a.argmax() == b.argmax())
             total += 1
             fp32.commit(f"r{number}", [token])
             int8.commit(f"r{number}", [token])
     assert same >= 0.9 * total
+    # measured: FBGEMM's int8 median 0.007, max 0.043; 4-bit blocks of this 64-wide model round coarser,
+    # median 0.038, max 0.14
+    median_bound, max_bound = (0.015, 0.06) if path == "fbgemm" else (0.06, 0.25)
+    assert sorted(differences)[len(differences) // 2] < median_bound and max(differences) < max_bound
 
     engine = SpeculativeEngine(LlamaRuntime(target), [int8], max_tree_nodes=6)  # the target stays exact
     outputs = engine.generate([Request(e.prompt_ids, SamplingParams(max_tokens=16)) for e in examples[:8]])
