@@ -62,12 +62,23 @@ def test_the_kernel_computes_the_reference_maths(format, out, inputs):
     assert ((y.double() - exact).norm() / exact.norm()).item() < 0.02
 
 
+@pytest.fixture
+def threads():
+    """Sets torch's intra-op threads for a test, and puts them back."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("count", [1, 2])
 @pytest.mark.parametrize("format", FORMATS)
-def test_a_row_in_a_batch_equals_the_row_alone(format):
+def test_a_row_in_a_batch_equals_the_row_alone(format, count, threads):
     weight = random_weight(format, 70, 192, seed=1)
     x = torch.randn(13, 192)
     packed = PackedBlocks.pack(weight)
+    threads(1)
     alone = torch.cat([block_linear(x[i : i + 1], packed) for i in range(13)])
+    threads(count)  # from 4 rows on, rows are quantized on both threads
     for rows in (2, 3, 5, 13):
         assert torch.equal(block_linear(x[:rows], packed), alone[:rows])
 
@@ -183,10 +194,13 @@ def test_every_projection_runs_on_blocks():
                for layer in runtime.layers for p in (layer.qkv, layer.out, layer.gate_up, layer.down))
 
 
-def test_tree_rows_score_exactly_as_plain_decoding_on_blocks():
+@pytest.mark.parametrize("count", [1, 2])
+def test_tree_rows_score_exactly_as_plain_decoding_on_blocks(count, threads):
     """On blocks every op is row-exact (linears, attention): a tree's rows give plain decoding's logits bit
-    for bit, so 8-bit activation rounding cannot turn last-bit differences into other tokens."""
+    for bit, so 8-bit activation rounding cannot turn last-bit differences into other tokens; on one thread
+    or two (the fused layer splits a pass's rows over the threads from 4 rows on)."""
     _, runtime = quantized_llama()
+    threads(1)
     prompt = [5, 17, 3, 44, 9, 12]
     plain = runtime.new_session()
     prefill_sessions(runtime, [plain], [prompt[:-1]])
@@ -195,6 +209,7 @@ def test_tree_rows_score_exactly_as_plain_decoding_on_blocks():
     for token in [prompt[-1], *chain]:  # one row a pass, committing each
         expected.append(runtime.forward(TreeBatch.build([plain], [compile_tree(token, TokenTree.chain([]))]))[0])
         plain.keep_rows([0])
+    threads(count)
     tree_session = runtime.new_session()
     prefill_sessions(runtime, [tree_session], [prompt[:-1]])
     tree = TokenTree.from_paths([chain, [77, 5]])  # rows 0-3: root and chain; rows 4-5: a branch they must not see

@@ -353,13 +353,13 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& weight, int64_t f
   at::Tensor codes = at::empty({rows, k}, x.options().dtype(at::kChar));
   at::Tensor scales = at::empty({2, rows, blocks}, x.options());
   std::vector<QuantizedRow> quantized(rows);
-  for (int64_t r = 0; r < rows; ++r) {
+  for_each_row(rows, [&](int64_t r) {
     int8_t* c = codes.data_ptr<int8_t>() + r * k;
     float* s = scales.data_ptr<float>() + r * blocks;
     float* sums = s + rows * blocks;
     quantize_row(input.data_ptr<float>() + r * k, k, c, s, sums);
     quantized[r] = {c, s, sums};
-  }
+  });
   const uint8_t* w = weight.data_ptr<uint8_t>();
   float* out = y.data_ptr<float>();
   if (format == kQ4_0) multiply<kQ4_0>(w, n, k, quantized.data(), rows, out);

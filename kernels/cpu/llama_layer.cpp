@@ -12,6 +12,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "ops.h"
@@ -27,7 +28,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, float eps) {
               " (a multiple of 8, the norm's weight's size)");
   at::Tensor y = at::empty_like(x);
   const float* w = weight.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
+  for_each_row(rows, [&](int64_t r) {
     const float* v = x.data_ptr<float>() + r * hidden;
     float* out = y.data_ptr<float>() + r * hidden;
     float lanes[kLanes] = {};
@@ -44,7 +45,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, float eps) {
 #endif
     const float inverse = 1.0f / std::sqrt(lane_sum(lanes) / static_cast<float>(hidden) + eps);
     for (int64_t i = 0; i < hidden; ++i) out[i] = w[i] * (v[i] * inverse);
-  }
+  });
   return y;
 }
 
@@ -62,7 +63,7 @@ inline void rope(const float* x, const float* cos, const float* sin, int64_t dim
 at::Tensor silu_and_multiply(const at::Tensor& gate_up, int64_t intermediate) {
   const int64_t rows = gate_up.size(0);
   at::Tensor y = at::empty({rows, intermediate}, gate_up.options());
-  for (int64_t r = 0; r < rows; ++r) {
+  for_each_row(rows, [&](int64_t r) {
     const float* gate = gate_up.data_ptr<float>() + r * 2 * intermediate;
     const float* up = gate + intermediate;
     float* out = y.data_ptr<float>() + r * intermediate;
@@ -83,7 +84,7 @@ at::Tensor silu_and_multiply(const at::Tensor& gate_up, int64_t intermediate) {
       const float silu = std::signbit(g) ? (g * t) / (1.0f + t) : g / (1.0f + t);
       out[i] = silu * up[i];
     }
-  }
+  });
   return y;
 }
 
@@ -119,6 +120,7 @@ at::Tensor llama_layer(const at::Tensor& x, const at::Tensor& input_norm, const 
   }
   const at::Tensor projected = add_bias(block_linear(h, qkv, qkv_format, q_size + 2 * kv_size), qkv_bias);
   at::Tensor q = at::empty({rows, heads, dim}, x.options());
+  std::vector<int64_t> owner(rows);  // the request of each row
   for (int64_t s = 0; s < requests; ++s) {
     const at::Tensor& cache = kv[s];  // [2, kv_heads, capacity, dim]
     TORCH_CHECK(cache.dim() == 4 && cache.size(0) == 2 && cache.size(1) == kv_heads && cache.size(3) == dim &&
@@ -126,21 +128,24 @@ at::Tensor llama_layer(const at::Tensor& x, const at::Tensor& input_norm, const 
                 "llama_layer: a request's cache must be contiguous fp32 [2, kv_heads, capacity, head_dim]");
     TORCH_CHECK(cached[s] + cu_rows[s + 1] - cu_rows[s] <= cache.size(2), "llama_layer: request ", s,
                 " needs ", cached[s] + cu_rows[s + 1] - cu_rows[s], " positions, its cache holds ", cache.size(2));
+    std::fill(owner.begin() + cu_rows[s], owner.begin() + cu_rows[s + 1], s);
+  }
+  for_each_row(rows, [&](int64_t r) {  // RoPE, and the row's K/V into its request's cache
+    const int64_t s = owner[r];
+    const at::Tensor& cache = kv[s];
     float* keys = cache.data_ptr<float>();
     float* values = keys + kv_heads * cache.size(2) * dim;
-    for (int64_t r = cu_rows[s]; r < cu_rows[s + 1]; ++r) {
-      const float* row = projected.data_ptr<float>() + r * (q_size + 2 * kv_size);
-      const float *c = cos.data_ptr<float>() + r * dim, *sn = sin.data_ptr<float>() + r * dim;
-      const int64_t position = cached[s] + r - cu_rows[s];
-      for (int64_t head = 0; head < heads; ++head)
-        rope(row + head * dim, c, sn, dim, q.data_ptr<float>() + (r * heads + head) * dim);
-      for (int64_t head = 0; head < kv_heads; ++head) {
-        rope(row + q_size + head * dim, c, sn, dim, keys + (head * cache.size(2) + position) * dim);
-        std::copy(row + q_size + kv_size + head * dim, row + q_size + kv_size + (head + 1) * dim,
-                  values + (head * cache.size(2) + position) * dim);
-      }
+    const float* row = projected.data_ptr<float>() + r * (q_size + 2 * kv_size);
+    const float *c = cos.data_ptr<float>() + r * dim, *sn = sin.data_ptr<float>() + r * dim;
+    const int64_t position = cached[s] + r - cu_rows[s];
+    for (int64_t head = 0; head < heads; ++head)
+      rope(row + head * dim, c, sn, dim, q.data_ptr<float>() + (r * heads + head) * dim);
+    for (int64_t head = 0; head < kv_heads; ++head) {
+      rope(row + q_size + head * dim, c, sn, dim, keys + (head * cache.size(2) + position) * dim);
+      std::copy(row + q_size + kv_size + head * dim, row + q_size + kv_size + (head + 1) * dim,
+                values + (head * cache.size(2) + position) * dim);
     }
-  }
+  });
   at::Tensor attended = at::empty({rows, heads, dim}, x.options());
   for (int64_t s = 0; s < requests; ++s) {
     const int64_t first = cu_rows[s], last = cu_rows[s + 1];
