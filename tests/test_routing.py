@@ -423,12 +423,38 @@ def test_a_busy_batch_of_short_requests_still_probes_once_in_a_while():
             for request in requests:
                 plan = request.plan(room=100, available=["ngram"], position=50 + step)
                 probes += plan.budget > 0
-                request.observe(StepOutcome(plan, (TokenTree(),) * len(plan.drafters), TokenTree(), (1,),
+                kept = (1, 2) if plan.budget else (1,)  # probes keep a token: the interval does not stretch
+                request.observe(StepOutcome(plan, (TokenTree(),) * len(plan.drafters), TokenTree(), kept,
                                             step_ms=30.0, pass_ms=20.0, batch_rows=16, batch_size=16))
         for request in requests:  # they end; new ones take their place
             request.end()
         requests = [policy.begin("general", 8) for _ in range(16)]
     assert 8 * 8 * 16 // (4 * 16 * 2) <= probes <= 8 * 8 * 16 // (4 * 16) + 1  # about one per 64 request steps
+
+
+def test_probes_that_keep_nothing_come_less_often_until_one_keeps_something():
+    from specmesh.speculation.policy import PROBE_BACKOFF_MOST
+
+    policy = AdaptivePolicy(ExpertRouter({"ngram": ["general"]}, RoutingConfig(explore=0.0), free=["ngram"]),
+                            GoodputController(CostModel(), probe_every=4))
+    policy.draft_cost("ngram").fit.observe([1.0, 4.0, 0.0], 400.0)  # drafting looks hopeless: only probes
+    request = policy.begin("general", 4)
+    probe_steps, keep = [], False
+    for step in range(400):
+        plan = request.plan(room=1000, available=["ngram"], position=50 + step)
+        if plan.budget:
+            assert plan.probe
+            probe_steps.append(step)
+        committed = (1, 2) if plan.budget and keep else (1,)
+        request.observe(StepOutcome(plan, (TokenTree(),) * len(plan.drafters), TokenTree(), committed,
+                                    step_ms=6.0, pass_ms=5.0, batch_rows=1, batch_size=1))
+        if step == 300:
+            keep = True  # from here on probes keep a token
+    gaps = [b - a for a, b in zip(probe_steps, probe_steps[1:])]
+    # after each failed probe twice the wait (8, 16, 32 plain steps), at most PROBE_BACKOFF_MOST x 4; back to
+    # 4 once one keeps a token
+    assert gaps[:4] == [9, 17, 33, 33] and max(gaps) == 4 * PROBE_BACKOFF_MOST + 1
+    assert gaps[-1] == 5 and policy.state.probe_backoff == 1
 
 
 def test_the_policy_leaves_out_an_expert_whose_guesses_do_not_pay_for_its_time():
@@ -507,6 +533,29 @@ def test_a_request_without_speculation_weighs_it_again_every_few_steps(in_flight
                 policy.router.observe(request.route, "ngram", 4, 4)
     assert plans[:4] == [0, 0, 0, 0] and plans[4] > 0
     assert len(others) == in_flight
+
+
+def test_a_request_at_zero_weighs_again_only_once_something_was_learned(monkeypatch):
+    from specmesh.speculation.policy import RECHECK_EVERY, RECHECK_UNCHANGED_EVERY
+
+    policy = AdaptivePolicy(ExpertRouter({"ngram": ["general"]}, RoutingConfig(explore=0.0), free=["ngram"]),
+                            GoodputController(CostModel(), probe_every=0))
+    request = policy.begin("general", 4)
+    policy.draft_cost("ngram").fit.observe([1.0, 4.0, 0.0], 400.0)  # drafting looks hopeless
+    weighings = []
+    choose = policy.controller.choose
+    monkeypatch.setattr(policy.controller, "choose", lambda *a, **k: weighings.append(request.steps_without) or choose(*a, **k))
+    for step in range(2 * RECHECK_UNCHANGED_EVERY):
+        plan = request.plan(room=500, available=["ngram"], position=50 + step)
+        assert plan.budget == 0
+        request.observe(StepOutcome(plan, (), TokenTree(), (3,), step_ms=6.0, pass_ms=5.0, batch_rows=1, batch_size=1))
+    # the first weighing, then one each RECHECK_UNCHANGED_EVERY steps: nothing was learned in between
+    assert weighings == [0, RECHECK_UNCHANGED_EVERY]
+    policy.router.observe(request.route, "ngram", 4, 4)  # something learned: weighed at the next recheck
+    for step in range(RECHECK_EVERY):
+        plan = request.plan(room=500, available=["ngram"], position=200 + step)
+        request.observe(StepOutcome(plan, (), TokenTree(), (3,), step_ms=6.0, pass_ms=5.0, batch_rows=1, batch_size=1))
+    assert len(weighings) == 3
 
 
 def test_adaptive_policy_learns_costs_and_load_from_the_verifiers_reports():

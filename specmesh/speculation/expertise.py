@@ -142,10 +142,12 @@ class ExpertRouter:
         self._kinds: dict[tuple[str, str], LevelRecord] = {}
         self._teams: dict[tuple[str, str], LevelRecord] = {}  # (kind, team_key) -> fused trees' record
         self._random = random.Random(seed)
+        self.learned = 0  # how many times its table changed: a weighing since then would read the same
 
     def add(self, name: str, domains: Sequence[str], free: bool = False) -> None:
         """A drafter that joined (or re-advertised its domains)."""
         self.domains[name] = tuple(domains)
+        self.learned += 1
         if free:
             self.free.add(name)
         else:
@@ -197,6 +199,7 @@ class ExpertRouter:
         if len(names) < 2 or not attempts:
             return
         key = team_key(names)
+        self.learned += 1
         route.teams.setdefault(key, LevelRecord()).add(hits, attempts, self.config.request_decay)
         self._teams.setdefault((route.kind, key), LevelRecord()).add(hits, attempts, self.config.kind_decay)
 
@@ -230,6 +233,7 @@ class ExpertRouter:
 
     def observe(self, route: Route, name: str, hits: int, attempts: int) -> None:
         """One step's outcome for one drafter that drafted (attempts 0: it had nothing to say)."""
+        self.learned += 1
         route.records.setdefault(name, LevelRecord()).add(hits, attempts, self.config.request_decay)
         if attempts:
             self._kinds.setdefault((route.kind, name), LevelRecord()).add(hits, attempts, self.config.kind_decay)

@@ -20,6 +20,8 @@ from specmesh.speculation.goodput import CostModel, DraftCost, GoodputController
 from specmesh.tree import TokenTree
 
 RECHECK_EVERY = 4  # steps between weighings of a request at budget 0
+RECHECK_UNCHANGED_EVERY = 32  # the same while nothing was learned since its last weighing chose 0
+PROBE_BACKOFF_MOST = 8  # probes that keep nothing stretch the probe interval up to this many times
 CATCH_UP_SPREAD = 8  # at most this many steps share the cost of a drafter's catch-up
 # In a shared pass, the least predicted gain in the batch's goodput that a tree must promise, in shares of
 # one request's part of it (goodput / requests): there the cost model is optimistic. A lone request needs
@@ -51,6 +53,7 @@ class StepPlan:
     weights: tuple[float, ...] = ()  # the fusion's trust in each of them
     budget: int = 0  # tree nodes; 0 = no speculation (nobody is asked)
     predicted_accepted: float = 0.0  # drafted tokens the controller expected the target to keep (0: no prediction)
+    probe: bool = False  # a small tree where the controller chose 0, to see whether that still holds
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,9 @@ class PolicyState:
     # request steps in a row without a tree, whichever request: probes are the batch's (requests may be
     # shorter than a busy batch's probe interval)
     steps_without: int = 0
+    # the probe interval's multiple: doubled by each probe that kept no drafted token (at most
+    # PROBE_BACKOFF_MOST), back to 1 when one keeps something
+    probe_backoff: int = 1
 
 
 class AdaptivePolicy:
@@ -183,6 +189,12 @@ class AdaptivePolicy:
         self.controller.cost.calibrate([s for curve in curves for s in curve.samples])
         self.controller.drafting_shares_cores = any(curve.device == "cpu" for curve in curves)
 
+    def evidence(self) -> tuple:
+        """What a weighing reads that moves only with what is learned (the router's table, drafting costs,
+        the requests in flight and the passes' batch), not with every pass's time."""
+        state = self.state
+        return self.router.learned, len(state.drafting), state.active, round(state.batch_size)
+
     def load(self) -> Load:
         """The rest of a typical pass: this policy's other requests in flight, or what the verifier's
         recent passes carried when that is more (other routers' requests)."""
@@ -202,6 +214,7 @@ class _AdaptiveRequest:
     ended: bool = False
     drafted_at: dict[str, int] = field(default_factory=dict)  # drafter -> the position it last drafted from
     position: int = 0  # of the step being planned
+    evidence_at_zero: tuple | None = None  # what the last weighing read, when it chose plain decoding
 
     @property
     def kind(self) -> str:
@@ -239,21 +252,27 @@ class _AdaptiveRequest:
         free = [n for n in core if n in router.free]
         if free and len(free) < len(core):
             options.append(free)
-        plain_goodput = policy.controller.goodput(0, [], 0.0, load)
-        best_goodput, budget, chosen, levels = plain_goodput, 0, core, []
-        realism = policy.state.realism.ratio
-        for option in options:
-            costs = [(policy.draft_cost(n), self.charged_catch_up(n, room)) for n in option]
-            option_levels = router.team_levels(self.route, option, self.max_budget)
-            n, goodput = policy.controller.choose(self.max_budget, option_levels,
-                                                  lambda nodes: sum(c.ms(nodes, t) for c, t in costs), load, realism)
-            if n > 0 and goodput > best_goodput:
-                best_goodput, budget, chosen, levels = goodput, n, option, option_levels
-        share = plain_goodput / (1.0 + load.other_requests)  # this request's part of the batch's goodput
-        if budget and load.other_requests >= 0.5 and best_goodput - plain_goodput < policy.margin * share:
-            budget = 0  # a gain within the model's error: plain decoding (or a probe, below)
-        if budget == 0:
-            if not policy.controller.should_probe(policy.state.steps_without, load):
+        budget, chosen, levels = 0, core, []
+        evidence = policy.evidence()
+        if self.steps_without % RECHECK_UNCHANGED_EVERY == 0 or evidence != self.evidence_at_zero:
+            # else nothing was learned since a weighing chose plain decoding: that stands (a probe may follow)
+            plain_goodput = policy.controller.goodput(0, [], 0.0, load)
+            best_goodput, realism = plain_goodput, policy.state.realism.ratio
+            for option in options:
+                costs = [(policy.draft_cost(n), self.charged_catch_up(n, room)) for n in option]
+                option_levels = router.team_levels(self.route, option, self.max_budget)
+                n, goodput = policy.controller.choose(self.max_budget, option_levels,
+                                                      lambda nodes: sum(c.ms(nodes, t) for c, t in costs), load,
+                                                      realism)
+                if n > 0 and goodput > best_goodput:
+                    best_goodput, budget, chosen, levels = goodput, n, option, option_levels
+            share = plain_goodput / (1.0 + load.other_requests)  # this request's part of the batch's goodput
+            if budget and load.other_requests >= 0.5 and best_goodput - plain_goodput < policy.margin * share:
+                budget = 0  # a gain within the model's error: plain decoding (or a probe, below)
+        self.evidence_at_zero = evidence if budget == 0 else None
+        probe = budget == 0
+        if probe:
+            if not policy.controller.should_probe(policy.state.steps_without / policy.state.probe_backoff, load):
                 return StepPlan()
             policy.state.steps_without = 0  # this request probes: the others wait for the next interval
             # the cheapest look: in a busy batch an expert's catch-up would hold up every request
@@ -262,7 +281,7 @@ class _AdaptiveRequest:
         elif self.route.explored:
             chosen = [*chosen, self.route.explored]
         predicted = expected_tokens(levels, budget) - 1.0  # as the levels say, before realism
-        return StepPlan(tuple(chosen), tuple(router.weights(self.route, chosen)), budget, predicted)
+        return StepPlan(tuple(chosen), tuple(router.weights(self.route, chosen)), budget, predicted, probe)
 
     def observe(self, outcome: StepOutcome) -> None:
         policy = self.policy
@@ -277,6 +296,9 @@ class _AdaptiveRequest:
             return
         self.steps_without = 0
         policy.state.steps_without = 0
+        if outcome.plan.probe:  # probes that keep nothing come less often: each costs a bigger pass
+            kept = len(outcome.committed) > 1
+            policy.state.probe_backoff = 1 if kept else min(2 * policy.state.probe_backoff, PROBE_BACKOFF_MOST)
         policy.state.realism.observe(outcome.plan.predicted_accepted, max(len(outcome.committed) - 1, 0))
         for name, tree in zip(outcome.plan.drafters, outcome.trees):
             policy.router.observe(self.route, name, *level_hits(tree, outcome.committed))
