@@ -24,10 +24,9 @@ from torch import nn
 from specmesh.drafters.shape import Step, common_prefix, confident_tree
 from specmesh.errors import InvalidArgument
 from specmesh.runtime.kv_cache import KVSession
-from specmesh.kernels.block_linear import BlockWeight, quantize
 from specmesh.runtime.linear import block_kernel_available, int8_available
 from specmesh.runtime.llama import LlamaRuntime, TreeBatch
-from specmesh.runtime.target import PREFILL_CHUNK
+from specmesh.runtime.target import PREFILL_CHUNK, quantized_projections
 from specmesh.tree import TokenTree, compile_tree
 
 FORMAT = "specmesh-drafter/1"
@@ -178,14 +177,6 @@ def load_expert(directory: str | Path, embedding: torch.Tensor, dtype: torch.dty
 DRAFTER_BLOCKS = "Q4_0"
 
 
-def expert_blocks(model: ExpertModel, format: str) -> dict[str, BlockWeight]:
-    """The expert's projections and head rounded to ``format`` blocks, by the names ``LlamaRuntime`` looks up."""
-    blocks = {f"model.{name}": quantize(parameter, format) for name, parameter in model.body.named_parameters()
-              if name.startswith("layers.") and parameter.dim() == 2}
-    blocks["lm_head.weight"] = quantize(model.head.weight, format)
-    return blocks
-
-
 @dataclass
 class _Request:
     committed: list[int]
@@ -209,14 +200,17 @@ class ExpertDrafter:
         stop_below: float = 0.0,
         int8_weights: bool | None = None,
     ) -> None:
-        """``int8_weights``: approximate 8-bit linears (None: where they pay, see ``drafter_int8``), as
-        ``DRAFTER_BLOCKS`` blocks where specmesh's kernel runs (a layer is one C++ call), else FBGEMM's."""
+        """``int8_weights``: approximate low-precision linears (None: where they pay, see ``drafter_int8``):
+        ``DRAFTER_BLOCKS`` blocks where specmesh's kernel runs (a layer is one C++ call), else FBGEMM's int8."""
         self.name = name
         self.domain = domain
         weight = model.head.weight
         if int8_weights is None:
             int8_weights = drafter_int8(weight.device, weight.dtype)
-        blocks = expert_blocks(model, DRAFTER_BLOCKS) if int8_weights and block_kernel_available(weight.device) else None
+        blocks = None
+        if int8_weights and block_kernel_available(weight.device):  # by the names LlamaRuntime looks up
+            blocks = quantized_projections(((f"model.{n}", p) for n, p in model.body.named_parameters()), weight,
+                                           DRAFTER_BLOCKS)
         self.runtime = LlamaRuntime(model.body, head_weight=weight, int8_weights=int8_weights, block_weights=blocks)
         self.subset_ids = model.subset_ids.tolist()
         self.fallback = len(self.subset_ids)

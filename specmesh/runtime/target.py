@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Mapping, Protocol, Sequence
+from typing import Iterable, Mapping, Protocol, Sequence
 
 import torch
 
@@ -68,21 +68,22 @@ def shipped_blocks(loaded: LoadedModel, precision: str = "shipped") -> dict[str,
         log.warning("%s runs de-quantized to fp32: the quantized kernel is not available (%s)", loaded.name, exc)
         return None
     if precision == "q8_0":
-        return quantized_projections(loaded.model, "Q8_0")
+        return quantized_projections(loaded.model.named_parameters(), loaded.model.lm_head.weight, "Q8_0")
     blocks = load_block_weights(loaded.gguf, loaded.converted, loaded.model.config)
     check_block_weights(blocks, loaded.model)
     return blocks
 
 
-def quantized_projections(model: torch.nn.Module, format: str) -> dict[str, BlockWeight]:
-    """Every projection and the head of a Llama-family model rounded to ``format`` blocks, by Hugging Face
-    name (int8 weight-only for any such model: ``--precision q8_0``)."""
+def quantized_projections(parameters: Iterable[tuple[str, torch.Tensor]], head: torch.Tensor,
+                          format: str) -> dict[str, BlockWeight]:
+    """A Llama-family model's projections (its named parameters, by Hugging Face name) and ``head`` (as
+    ``lm_head.weight``) rounded to ``format`` blocks, each whose inputs fill blocks of 32 (int8 weight-only
+    for any such model: ``--precision q8_0``; a drafter's approximate linears)."""
     blocks = {}
-    for name, parameter in model.named_parameters():
+    for name, parameter in parameters:
         if parameter.dim() == 2 and "embed_tokens" not in name and parameter.shape[1] % 32 == 0:
             blocks[name] = quantize(parameter, format)
-    head = model.lm_head.weight  # a tied head is listed under the embeddings' name only
-    if "lm_head.weight" not in blocks and head.shape[1] % 32 == 0:
+    if "lm_head.weight" not in blocks and head.shape[1] % 32 == 0:  # a tied head is listed under the embeddings' name
         blocks["lm_head.weight"] = quantize(head, format)
     return blocks
 
