@@ -244,7 +244,7 @@ def _verifier_control(args) -> int:
     import grpc
 
     from specmesh.cluster.control import call_verifier
-    from specmesh.cluster.signing import QueueSigner
+    from specmesh.cluster.pipeline.messages import QueueSigner
     from specmesh.cluster.tls import TlsFiles
 
     tls = TlsFiles.from_flags(args.tls_cert, args.tls_key, args.tls_ca)

@@ -9,19 +9,23 @@ from conftest import wait_until_async
 
 from specmesh.cluster.gateway import ModelCard, Router, RouterLimits
 from specmesh.cluster.metrics import DrafterMetrics, MetricsEndpoint, RouterMetrics, serve_metrics
-from specmesh.cluster.queue import QueueKeys, QueueVerifierClient, VerifierQueue
+from specmesh.cluster.pipeline.messages import QueueKeys
+from specmesh.cluster.pipeline.router_end import QueueVerifierClient
+from specmesh.cluster.pipeline.verifier_end import VerifierQueue
 from specmesh.cluster.remote_drafter import RemoteDrafter
 from specmesh.cluster.serving import Service, TorchThread, start_server
-from specmesh.cluster.signing import QueueSigner, new_key
+from specmesh.cluster.pipeline.messages import QueueSigner, new_key
 from specmesh.drafters.base import Drafter
 from specmesh.runtime.llama import LlamaRuntime
 from specmesh.runtime.loading import tokenizer_fingerprint
 from specmesh.runtime.tree_verifier import TreeVerifier
 from specmesh.sampling import SamplingParams
-from specmesh.services.drafter.server import DrafterServicer, DrafterSessions
+from specmesh.cluster.drafter_sessions import DrafterSessions
+from specmesh.services.drafter.server import DrafterServicer
 from specmesh.services.router.openai_api import HttpServer, openai_app
-from specmesh.services.router.server import RouterServicer, watch_cluster
-from specmesh.services.verifier.server import VerifierWorker
+from specmesh.cluster.gateway import watch_cluster
+from specmesh.services.router.server import ROUTER_SERVICE, RouterServicer
+from specmesh.cluster.pipeline.worker import VerifierWorker
 from specmesh.speculation.classifier import default_classifier
 from specmesh.speculation.engine import Request, SpeculativeEngine
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc, router_pb2_grpc
@@ -123,7 +127,7 @@ class ServiceStack:
             self.http_url = self.http.url
         # as the router's serve(): gauges, and the Router service's health from the live verifiers
         self.watcher = asyncio.create_task(watch_cluster(self.router, self.pool.client, router_metrics or RouterMetrics(),
-                                                         every_s=0.2, server=self.router_server))
+                                                         every_s=0.2, server=self.router_server, service=ROUTER_SERVICE))
         if self.with_metrics:
             self.endpoints = {"router": serve_metrics(router_metrics, "127.0.0.1:0"),
                               "drafter": serve_metrics(drafter_metrics, "127.0.0.1:0"),

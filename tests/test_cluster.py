@@ -24,7 +24,7 @@ from specmesh.cli import main
 from specmesh.client import Client
 from specmesh.cluster.control import call_verifier
 from specmesh.cluster.launcher import ClusterSpec, LocalCluster
-from specmesh.cluster.signing import QueueSigner
+from specmesh.cluster.pipeline.messages import QueueSigner
 from specmesh.prompts import encode_chat, mtbench_prompts
 from specmesh.runtime.loading import EMBEDDED_DEFAULT, load_hf_model
 from specmesh.runtime.target import target_runtime

@@ -26,7 +26,8 @@ from specmesh.cluster.remote_drafter import RemoteDrafter
 from specmesh.cluster.serving import Service, TorchThread, start_server
 from specmesh.drafters.ngram import NgramDrafter
 from specmesh.errors import InvalidArgument
-from specmesh.services.drafter.server import DrafterServicer, DrafterSessions
+from specmesh.cluster.drafter_sessions import DrafterSessions
+from specmesh.services.drafter.server import DrafterServicer
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
 
 TOKENIZER_HASH = "test-vocabulary"

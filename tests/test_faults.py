@@ -17,17 +17,19 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specmesh.client import AsyncClient
 from specmesh.cluster.gateway import RouterLimits
-from specmesh.cluster.queue import VerifierQueue, decode_job, encode_job
+from specmesh.cluster.pipeline.verifier_end import VerifierQueue
+from specmesh.cluster.pipeline.messages import decode_job, encode_job
 from specmesh.cluster.serving import Service, TorchThread, start_server
-from specmesh.cluster.signing import JOB
+from specmesh.cluster.pipeline.messages import JOB
 from specmesh.drafters.ngram import NgramDrafter
 from specmesh.errors import InvalidArgument, NotFound
 from specmesh.runtime.llama import LlamaRuntime
 from specmesh.runtime.tree_verifier import TreeVerifier, VerifyJob
 from specmesh.sampling import SamplingParams
-from specmesh.services.drafter.server import DrafterSessions
+from specmesh.cluster.drafter_sessions import DrafterSessions
 from specmesh.services.router.server import ROUTER_SERVICE
-from specmesh.services.verifier.server import VerifierWorker, follow_worker
+from specmesh.cluster.pipeline.worker import VerifierWorker
+from specmesh.services.verifier.server import follow_worker
 from specmesh.tree import TokenTree
 from specmesh.v1 import router_pb2
 
@@ -74,6 +76,25 @@ def test_a_poisoned_entry_is_acknowledged_and_the_worker_lives_on(redis_server, 
     assert after.verdict is not None and not ended and not unready
     assert left == 0  # the poisoned entry is gone from the stream too
 
+
+
+def test_a_job_past_its_deadline_is_acknowledged_unanswered_and_never_run(redis_server, tiny_model):
+    """Its router has given up on it: the verifier drops it (counted as expired) without a pass or a
+    result, and serves the next job."""
+    async def main():
+        async with InProcessPool(redis_server.url, tiny_model, workers=1) as pool:
+            reply_to = f"specmesh:results:late-{pool.keys.pool}"
+            payload = encode_job(first_job("late"), reply_to, int(time.time() * 1000) - 1000)
+            await pool.redis.xadd(pool.keys.jobs, {"job": payload, "tag": pool.signer.tag(JOB, payload)})
+            worker = pool.workers[0]
+            await wait_until_async(lambda: outcome(worker, "expired") == 1, what="the late job was dropped")
+            after = await asyncio.wait_for(pool.client.verify(first_job("next")), HANG_S)
+            return (after, await pool.redis.xlen(pool.keys.jobs), await pool.redis.exists(reply_to),
+                    worker.verifier.num_sessions, outcome(worker, "ok"))
+
+    after, left, answered, sessions, ok = asyncio.run(main())
+    assert after.verdict is not None and left == 0
+    assert not answered and sessions == 1 and ok == 1  # no result, no session: only "next" was run
 
 async def held(pool: InProcessPool) -> int:
     """Pool jobs a verifier has taken and not answered yet."""
@@ -288,7 +309,7 @@ def test_drafter_sessions_stay_within_the_context_the_count_and_the_token_budget
 MEMORY_PROBE = """
 import gc, json, random, time, psutil
 from specmesh.drafters.ngram import NgramDrafter
-from specmesh.services.drafter.server import DrafterSessions
+from specmesh.cluster.drafter_sessions import DrafterSessions
 process, rng = psutil.Process(), random.Random(0)
 sessions = DrafterSessions(NgramDrafter(), vocab_size=49152, max_sessions=1000, max_session_tokens=2000,
                            max_total_tokens=2_000_000)
@@ -408,8 +429,8 @@ def test_a_verifier_reads_all_it_holds_again_a_page_at_a_time(redis_server):
     async def main():
         import redis.asyncio as aioredis
 
-        from specmesh.cluster.queue import QueueKeys
-        from specmesh.cluster.signing import QueueSigner, new_key
+        from specmesh.cluster.pipeline.messages import QueueKeys
+        from specmesh.cluster.pipeline.messages import QueueSigner, new_key
 
         client = aioredis.Redis.from_url(redis_server.url)
         signer = QueueSigner(new_key())
@@ -432,8 +453,8 @@ def test_only_one_verifier_claims_a_dead_ones_job(redis_server):
     async def main():
         import redis.asyncio as aioredis
 
-        from specmesh.cluster.queue import QueueKeys
-        from specmesh.cluster.signing import QueueSigner, new_key
+        from specmesh.cluster.pipeline.messages import QueueKeys
+        from specmesh.cluster.pipeline.messages import QueueSigner, new_key
 
         client, keys, signer = aioredis.Redis.from_url(redis_server.url), QueueKeys(pool="claims"), QueueSigner(new_key())
         ghost, a, b = (VerifierQueue(client, keys, name, heartbeat_ttl_s=0.3, signer=signer) for name in ("ghost", "a", "b"))

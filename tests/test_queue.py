@@ -10,9 +10,10 @@ import pytest
 from cluster_parts import InProcessPool
 from conftest import HANG_S, wait_until_async
 
-from specmesh.cluster.queue import VerifierQueue, decode_job, encode_job
-from specmesh.cluster.scheduling import PassRhythm, plan_batch
-from specmesh.cluster.signing import JOB
+from specmesh.cluster.pipeline.verifier_end import VerifierQueue
+from specmesh.cluster.pipeline.messages import decode_job, encode_job
+from specmesh.cluster.pipeline.scheduling import PassRhythm, plan_batch
+from specmesh.cluster.pipeline.messages import JOB
 from specmesh.drafters.ngram import HistoryDrafter, NgramDrafter
 from specmesh.errors import Unavailable
 from specmesh.runtime.llama import LlamaRuntime
@@ -127,7 +128,7 @@ def test_a_read_whose_stream_is_adopted_away_returns_empty_instead_of_crashing(r
     serving, it re-registers and reads on."""
     import redis.asyncio as aioredis
 
-    from specmesh.cluster.queue import QueueKeys
+    from specmesh.cluster.pipeline.messages import QueueKeys
 
     async def main():
         redis = aioredis.Redis.from_url(redis_server.url)

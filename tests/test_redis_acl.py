@@ -16,14 +16,16 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from specmesh.cli import main as cli_main
 from specmesh.cluster.pki import local_pki
-from specmesh.cluster.queue import QueueKeys, QueueVerifierClient, VerifierQueue
+from specmesh.cluster.pipeline.messages import QueueKeys
+from specmesh.cluster.pipeline.router_end import QueueVerifierClient
+from specmesh.cluster.pipeline.verifier_end import VerifierQueue
 from specmesh.cluster.redis_server import RedisServer, redis_server_binary
 from specmesh.cluster.serving import TorchThread
 from specmesh.drafters.ngram import NgramDrafter
 from specmesh.runtime.llama import LlamaRuntime
 from specmesh.runtime.tree_verifier import TreeVerifier
 from specmesh.sampling import SamplingParams
-from specmesh.services.verifier.server import VerifierWorker
+from specmesh.cluster.pipeline.worker import VerifierWorker
 from specmesh.speculation.engine import Request, SpeculativeEngine
 from specmesh.speculation.loop import LocalDrafter, speculate
 

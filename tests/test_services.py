@@ -19,7 +19,8 @@ from specmesh.cluster.gateway import RouterLimits
 from specmesh.cluster.remote_drafter import RemoteDrafter
 from specmesh.cluster.serving import Service, TorchThread, start_server
 from specmesh.drafters.ngram import HistoryDrafter, NgramDrafter
-from specmesh.services.drafter.server import DrafterServicer, DrafterSessions
+from specmesh.cluster.drafter_sessions import DrafterSessions
+from specmesh.services.drafter.server import DrafterServicer
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc, router_pb2, router_pb2_grpc
 
 MAX_TOKENS = 20

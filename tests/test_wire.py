@@ -49,7 +49,7 @@ def test_sampling_round_trip_and_defaults():
 
 
 def test_a_heartbeat_carries_the_pass_curve_and_anything_unsound_is_ignored():
-    from specmesh.cluster.queue import decode_pass_curve, encode_pass_curve
+    from specmesh.cluster.pipeline.messages import decode_pass_curve, encode_pass_curve
     from specmesh.runtime.calibration import PassCurve, PassSample
 
     curve = PassCurve("cuda", (PassSample(1, 0, 1, 7.3), PassSample(16, 16, 272, 17.6)))

@@ -6,133 +6,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import logging
 import time
-from collections import OrderedDict
 from typing import Sequence
 
 import redis.asyncio as aioredis
 
 from specmesh.cluster.discovery import RedisRegistry
+from specmesh.cluster.drafter_sessions import DEFAULT_SESSION_TOKENS, DEFAULT_TOTAL_TOKENS, DrafterSessions
 from specmesh.cluster.metrics import DrafterMetrics, serve_metrics
 from specmesh.cluster.serving import Service, TorchThread, env_default, run_service, start_server
 from specmesh.cluster.tls import TlsFiles, add_tls_flags
 from specmesh.cluster.wire import features_from_pb, tree_to_pb
-from specmesh.drafters.base import Drafter
 from specmesh.drafters.catalog import load_drafter
-from specmesh.errors import InvalidArgument, NotFound
-from specmesh.runtime.features import Features
 from specmesh.runtime.loading import EMBEDDED_DEFAULT, configure_threads, load_target_parts, tokenizer_fingerprint
-from specmesh.tree import MAX_TREE_NODES
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
 
 log = logging.getLogger("specmesh.drafter")
-DEFAULT_SESSION_TOKENS = 1 << 15  # without a target's context to go by
-DEFAULT_TOTAL_TOKENS = 1 << 20  # all sessions together (prompt lookup's index: ~0.8 KB a token)
-TRIM_EVERY_S = 5.0  # how often freed memory may be handed back to the system
-
-
-def trim_heap() -> None:
-    """Give the C heap's free memory back to the system (glibc keeps freed small blocks otherwise)."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
-
-
-class DrafterSessions:
-    """The drafter's sessions, bounded three ways: no session grows past ``max_session_tokens`` (the
-    target's context: no request is longer); past ``max_sessions`` sessions, or ``max_total_tokens``
-    tokens in all, the least recently used are ended (their routers re-open them on NOT_FOUND). Memory
-    freed by ended sessions goes back to the system (``trim``)."""
-
-    def __init__(self, drafter: Drafter, vocab_size: int, max_sessions: int,
-                 max_session_tokens: int = DEFAULT_SESSION_TOKENS, max_total_tokens: int = DEFAULT_TOTAL_TOKENS) -> None:
-        self.drafter = drafter
-        self.vocab_size = vocab_size
-        self.max_sessions = max_sessions
-        self.max_session_tokens = max_session_tokens
-        self.max_total_tokens = max(max_total_tokens, max_session_tokens)
-        self._sessions: OrderedDict[str, int] = OrderedDict()  # request -> tokens held, least recently used first
-        self.total_tokens = 0
-        self._ended = 0  # sessions ended since the heap was last trimmed
-        self._trimmed_at = 0.0
-
-    def __len__(self) -> int:
-        return len(self._sessions)
-
-    def _check_tokens(self, field: str, tokens: Sequence[int], held: int = 0) -> None:
-        if held + len(tokens) > self.max_session_tokens:
-            raise InvalidArgument(field, f"would make the session {held + len(tokens)} tokens long; at most "
-                                         f"{self.max_session_tokens} (the target's context)")
-        bad = [t for t in tokens if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidArgument(field, f"token ids {bad[:5]} are outside the vocabulary (0..{self.vocab_size - 1})")
-
-    def _hold(self, request_id: str, tokens: int) -> None:
-        """The session now holds ``tokens`` more; end the least recently used others past the bounds."""
-        self._sessions[request_id] = self._sessions.get(request_id, 0) + tokens
-        self._sessions.move_to_end(request_id)
-        self.total_tokens += tokens
-        while len(self._sessions) > 1 and (len(self._sessions) > self.max_sessions
-                                           or self.total_tokens > self.max_total_tokens):
-            self._end(next(iter(self._sessions)))
-
-    def _end(self, request_id: str) -> None:
-        self.total_tokens -= self._sessions.pop(request_id)
-        self._ended += 1
-        self.drafter.end(request_id)
-
-    def open(self, request_id: str, prompt_ids: Sequence[int]) -> None:
-        if not request_id:
-            raise InvalidArgument("request_id", "is empty")
-        if not prompt_ids:
-            raise InvalidArgument("prompt_ids", "is empty; a session starts from at least one token")
-        self._check_tokens("prompt_ids", prompt_ids)
-        if request_id in self._sessions:
-            self._end(request_id)
-        self.drafter.start(request_id, list(prompt_ids))
-        self._hold(request_id, len(prompt_ids))
-
-    def propose(self, request_id: str, committed: Sequence[int], budget: int, assumed: Sequence[int] = (),
-                features: Features | None = None):
-        if not 0 <= budget <= MAX_TREE_NODES:
-            raise InvalidArgument("budget", f"must be in 0..{MAX_TREE_NODES}, got {budget}")
-        if request_id not in self._sessions:
-            raise NotFound(f"no drafting session for request {request_id!r}; open one first")
-        self._check_tokens("committed", committed, self._sessions[request_id])
-        self._check_tokens("assumed", assumed)  # guessed tokens, not held
-        if committed:
-            self.drafter.commit(request_id, list(committed))
-        self._hold(request_id, len(committed))
-        if features is not None:
-            if not hasattr(self.drafter, "add_features"):
-                raise InvalidArgument("features", f"drafter {self.drafter.name!r} reads no features; send none")
-            self.drafter.add_features(request_id, features)
-        return self.drafter.propose(request_id, budget, list(assumed))
-
-    def close(self, request_id: str, committed: Sequence[int]) -> None:
-        if request_id not in self._sessions:
-            return
-        try:
-            self._check_tokens("committed", committed, self._sessions[request_id])
-            if committed:
-                self.drafter.commit(request_id, list(committed))
-        finally:
-            self._end(request_id)
-
-    def trim_due(self, now: float) -> bool:
-        """Sessions ended, and the last trim is ``TRIM_EVERY_S`` ago."""
-        return bool(self._ended) and now - self._trimmed_at >= TRIM_EVERY_S
-
-    def trim(self, now: float) -> bool:
-        """Hand freed memory back to the system when it is due."""
-        if not self.trim_due(now):
-            return False
-        trim_heap()
-        self._ended, self._trimmed_at = 0, now
-        return True
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):

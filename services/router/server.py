@@ -15,8 +15,6 @@ import redis.asyncio as aioredis
 from specmesh import __version__
 from specmesh.cluster.auth import Access, ApiKeys, KeyLimits, check_exposure
 from specmesh.cluster.discovery import (
-    DEFAULT_SELECTOR,
-    DISCOVERY_MODES,
     DrafterSet,
     KubernetesWatcher,
     RedisRegistry,
@@ -25,54 +23,27 @@ from specmesh.cluster.discovery import (
     kubernetes_api,
     pod_namespace,
 )
-from specmesh.cluster.gateway import Generation, ModelCard, Router, RouterLimits, TextStream
+from specmesh.cluster.gateway import IN_ROUTER, ModelCard, Router, RouterLimits, TextStream, watch_cluster
 from specmesh.cluster.metrics import RouterMetrics, serve_metrics
-from specmesh.cluster.queue import QueueKeys, QueueVerifierClient
+from specmesh.cluster.pipeline.messages import QueueKeys, QueueSigner
+from specmesh.cluster.pipeline.router_end import QueueVerifierClient
 from specmesh.cluster.remote_drafter import RemoteDrafter
-from specmesh.cluster.serving import Server, Service, env_default, run_service, start_server
-from specmesh.cluster.signing import QueueSigner
-from specmesh.cluster.tls import TlsFiles, add_tls_flags, channel_options
+from specmesh.cluster.serving import Service, run_service, start_server
+from specmesh.cluster.tls import TlsFiles, channel_options
 from specmesh.cluster.wire import sampling_from_pb
 from specmesh.drafters.catalog import MODEL_FREE_DRAFTERS
-from specmesh.errors import InvalidArgument, Unavailable
-from specmesh.runtime.loading import EMBEDDED_DEFAULT, configure_threads, load_target_parts, tokenizer_fingerprint
-from specmesh.services.router.openai_api import DEFAULT_MAX_BODY_BYTES, HttpServer, openai_app
+from specmesh.errors import InvalidArgument
+from specmesh.runtime.loading import configure_threads, load_target_parts, tokenizer_fingerprint
+from specmesh.services.router.convert import SPECULATION, stats_pb, trace_pb, usage_pb
+from specmesh.services.router.flags import build_parser, local_drafter_names
+from specmesh.services.router.openai_api import HttpServer, openai_app
 from specmesh.speculation.classifier import default_classifier
 from specmesh.speculation.expertise import GENERAL, RoutingConfig
 from specmesh.speculation.loop import LocalDrafter
-from specmesh.speculation.policy import (
-    DEFAULT_TREE_NODES,
-    SPECULATION_MARGIN,
-    SPECULATION_MODES,
-    StepOutcome,
-    adaptive_policy,
-)
+from specmesh.speculation.policy import adaptive_policy
 from specmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 log = logging.getLogger("specmesh.router")
-
-
-def _usage(generation: Generation) -> router_pb2.Usage:
-    return router_pb2.Usage(prompt_tokens=generation.prompt_tokens, completion_tokens=len(generation.token_ids))
-
-
-def _stats(generation: Generation) -> router_pb2.SpeculationStats:
-    s = generation.stats
-    return router_pb2.SpeculationStats(
-        target_steps=s.target_steps, drafted_nodes=s.drafted_nodes, accepted_tokens=s.accepted_tokens,
-        mean_accepted_length=s.mean_accepted_length, resyncs=s.resyncs, first_token_ms=s.first_token_s * 1e3,
-        total_ms=s.total_s * 1e3, drafters=generation.drafters, drafted_ahead=s.drafted_ahead,
-        draft_ms=s.draft_s * 1e3, verify_ms=s.verify_s * 1e3, verifier_ms=s.verifier_s * 1e3, request_kind=s.request_kind, drafter_steps=s.drafter_steps,
-    )
-
-
-def _trace(outcome: StepOutcome) -> router_pb2.StepTrace:
-    return router_pb2.StepTrace(budget=outcome.plan.budget, tree_nodes=len(outcome.fused), draft_ms=outcome.draft_ms,
-                                pass_ms=outcome.pass_ms, step_ms=outcome.step_ms, batch_size=outcome.batch_size)
-
-
-SPECULATION = {router_pb2.SPECULATION_UNSPECIFIED: None, router_pb2.SPECULATION_ADAPTIVE: "adaptive",
-               router_pb2.SPECULATION_FIXED: "fixed", router_pb2.SPECULATION_OFF: "off"}
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -119,7 +90,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return router_pb2.GenerateResponse(
             request_id=request.request_id or ticket.request.request_id, text=self.router.decode(generation.token_ids),
             token_ids=generation.token_ids, finish_reason=generation.finish_reason or "length",
-            usage=_usage(generation), stats=_stats(generation),
+            usage=usage_pb(generation), stats=stats_pb(generation),
         )
 
     async def GenerateStream(self, request, context):
@@ -133,10 +104,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 finish_reason=step.finish_reason or "",
             )
             if step.outcome is not None:
-                chunk.step.CopyFrom(_trace(step.outcome))
+                chunk.step.CopyFrom(trace_pb(step.outcome))
             if final:
-                chunk.usage.CopyFrom(_usage(generation))
-                chunk.stats.CopyFrom(_stats(generation))
+                chunk.usage.CopyFrom(usage_pb(generation))
+                chunk.stats.CopyFrom(stats_pb(generation))
             yield chunk
 
     async def CountTokens(self, request, context):
@@ -166,112 +137,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         )
 
 
-IN_ROUTER = "in-router"
-
-
-def local_drafter_names(text: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in MODEL_FREE_DRAFTERS]
-    if unknown:
-        raise InvalidArgument("local_drafters", f"{', '.join(unknown)} cannot run in the router; model-free drafters: "
-                                                f"{', '.join(MODEL_FREE_DRAFTERS)}")
-    return names
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specmesh-router", description="Serve the client API of a specmesh cluster.")
-    parser.add_argument("--model", default=env_default("model", EMBEDDED_DEFAULT),
-                        help="the target (its tokenizer and config are read; no weights) [SPECMESH_MODEL]")
-    parser.add_argument("--redis-url", default=env_default("redis_url", "redis://127.0.0.1:6379/0"), help="[SPECMESH_REDIS_URL]")
-    parser.add_argument("--pool", default=env_default("pool", "default"), help="verifier pool [SPECMESH_POOL]")
-    parser.add_argument("--drafters", default=env_default("drafters", ""),
-                        help="comma-separated drafter addresses host:port [SPECMESH_DRAFTERS]")
-    parser.add_argument("--discovery", choices=DISCOVERY_MODES, default=env_default("discovery", "static"),
-                        help="how drafters are found: static (--drafters), redis (drafters announce themselves in "
-                             "the registry) or kubernetes (EndpointSlices of labelled Services) [SPECMESH_DISCOVERY]")
-    parser.add_argument("--discovery-selector", default=env_default("discovery_selector", DEFAULT_SELECTOR),
-                        help=f"kubernetes: label selector of the drafter Services (default {DEFAULT_SELECTOR}) "
-                             "[SPECMESH_DISCOVERY_SELECTOR]")
-    parser.add_argument("--namespace", default=env_default("namespace"),
-                        help="kubernetes: namespace of the drafter Services (default: the router pod's) [SPECMESH_NAMESPACE]")
-    parser.add_argument("--local-drafters", default=env_default("local_drafters", ""),
-                        help="model-free drafters to run inside the router, comma-separated: ngram (prompt "
-                             "lookup), history; they need only the tokens the router holds, so no network hop "
-                             "[SPECMESH_LOCAL_DRAFTERS]")
-    parser.add_argument("--listen", default=env_default("listen", "127.0.0.1:50051"), help="host:port [SPECMESH_LISTEN]")
-    parser.add_argument("--http-listen", default=env_default("http_listen", "127.0.0.1:8000"),
-                        help="host:port of the OpenAI-compatible HTTP API (/v1/chat/completions, ...); empty: off "
-                             "[SPECMESH_HTTP_LISTEN]")
-    parser.add_argument("--http-max-body", type=int, default=int(env_default("http_max_body", str(DEFAULT_MAX_BODY_BYTES))),
-                        help="largest HTTP request body in bytes (larger: 413) [SPECMESH_HTTP_MAX_BODY]")
-    parser.add_argument("--api-keys-file", default=env_default("api_keys_file"),
-                        help="API keys, one a line (or sha256:<hex>), each optionally followed by a name; read again "
-                             "when it changes. With SPECMESH_API_KEYS (comma-separated) the keys callers must send as "
-                             "'authorization: Bearer <key>'. No key: loopback only, no authentication "
-                             "[SPECMESH_API_KEYS_FILE]")
-    parser.add_argument("--key-max-concurrent", type=int, default=int(env_default("key_max_concurrent", "0")),
-                        help="calls in flight per API key (default 0: only --max-concurrent) [SPECMESH_KEY_MAX_CONCURRENT]")
-    parser.add_argument("--key-requests-per-minute", type=int,
-                        default=int(env_default("key_requests_per_minute", "0")),
-                        help="calls a minute per API key (default 0: no limit) [SPECMESH_KEY_REQUESTS_PER_MINUTE]")
-    parser.add_argument("--queue-key-file", default=env_default("queue_key_file"),
-                        help="the key shared with the verifiers: jobs are tagged with it, only results tagged with "
-                             "it are taken (else $SPECMESH_QUEUE_KEY; neither: untagged) [SPECMESH_QUEUE_KEY_FILE]")
-    parser.add_argument("--metrics-address", default=env_default("metrics_address", "127.0.0.1:9400"),
-                        help="serve Prometheus metrics at http://ADDRESS/metrics ('' = off) [SPECMESH_METRICS_ADDRESS]")
-    parser.add_argument("--max-concurrent", type=int, default=int(env_default("max_concurrent", "64")))
-    parser.add_argument("--max-queue-backlog", type=int, default=int(env_default("max_queue_backlog", "256")))
-    parser.add_argument("--max-tree-nodes", type=int, default=int(env_default("max_tree_nodes", str(DEFAULT_TREE_NODES))))
-    parser.add_argument("--default-max-tokens", type=int, default=int(env_default("default_max_tokens", "256")))
-    parser.add_argument("--draft-ahead", choices=("on", "off"), default=env_default("draft_ahead", "on"),
-                        help="draft the next tree while the current one is verified (default on)")
-    parser.add_argument("--speculation", choices=SPECULATION_MODES, default=env_default("speculation", "adaptive"),
-                        help="for requests that do not choose: adaptive (routed drafters, budget by goodput), fixed "
-                             "(routed drafters, the whole budget) or off [SPECMESH_SPECULATION]")
-    parser.add_argument("--speculation-margin", type=float,
-                        default=float(env_default("speculation_margin", str(SPECULATION_MARGIN))),
-                        help="adaptive: in a shared pass, the least predicted goodput gain a tree must promise, in "
-                             "shares of one request's part of the batch's goodput (default "
-                             f"{SPECULATION_MARGIN}) [SPECMESH_SPECULATION_MARGIN]")
-    parser.add_argument("--max-drafters", type=int, default=int(env_default("max_drafters", "1")),
-                        help="model drafters asked per step, the best for the request, besides the model-free ones "
-                             "(default 1) [SPECMESH_MAX_DRAFTERS]")
-    parser.add_argument("--explore", type=float, default=float(env_default("explore", "0.1")),
-                        help="chance per step of also asking a drafter outside the best (default 0.1) [SPECMESH_EXPLORE]")
-    parser.add_argument("--job-timeout", type=float, default=float(env_default("job_timeout", "30")),
-                        help="seconds a verification step may take before the request fails UNAVAILABLE (a long "
-                             "prefill counts from its verifier's last progress report)")
-    parser.add_argument("--drafter-timeout", type=float, default=float(env_default("drafter_timeout", "2")),
-                        help="deadline of each drafter call, seconds")
-    add_tls_flags(parser, env_default)  # TLS on both client APIs; with --tls-ca, mutual TLS to the drafters
-    parser.add_argument("--log-level", default=env_default("log_level", "INFO"))
-    return parser
-
-
 ROUTER_SERVICE = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
-
-
-async def watch_cluster(router: Router, verifier: QueueVerifierClient, metrics: RouterMetrics, every_s: float = 1.0,
-                        server: Server | None = None) -> None:
-    """Keep the cluster gauges current: queue depth, live verifiers, reachable drafters. With ``server``,
-    the health of the Router service says whether any verifier is live (the server's own, "", stays
-    SERVING: requests wait for a verifier within their deadline, so the router itself is not unready)."""
-    shown: set[tuple[str, str]] = set()
-    while True:
-        try:
-            metrics.queue_depth.set(await verifier.backlog())
-        except Unavailable:
-            pass  # Redis is down: the depth is unknown, the last value stays
-        metrics.verifiers_alive.set(len(verifier.alive))
-        if server is not None and not server.stopping.is_set() and verifier.looked.is_set():
-            await server.set_serving(bool(verifier.alive), [ROUTER_SERVICE])
-        now = {(d.name, getattr(d, "address", IN_ROUTER)): getattr(d, "healthy", True) for d in router.drafters}
-        for labels, healthy in now.items():
-            metrics.drafter_up.labels(*labels).set(1 if healthy else 0)
-        for labels in shown - set(now):  # a drafter that left (discovery) is not "down": its series goes
-            metrics.drafter_up.remove(*labels)
-        shown = set(now)
-        await asyncio.sleep(every_s)
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -323,7 +189,7 @@ async def serve(args: argparse.Namespace) -> None:
         http = HttpServer(openai_app(router, lambda: len(verifier.alive), args.http_max_body,
                                      access if access.keys.enabled else None), args.http_listen, tls)
         await http.start()
-    gauges = asyncio.create_task(watch_cluster(router, verifier, metrics, server=server))
+    gauges = asyncio.create_task(watch_cluster(router, verifier, metrics, server=server, service=ROUTER_SERVICE))
     log.info("router on port %d: drafters %s (discovery %s), pool %s", server.port,
              ", ".join(d.name for d in drafters) or "none yet", args.discovery, args.pool)
     metrics_note = f", metrics at {endpoint.url}" if endpoint else ""

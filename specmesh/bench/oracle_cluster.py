@@ -83,7 +83,7 @@ def pass_curves(cluster: LocalCluster) -> dict[str, dict]:
     """Each verifier's pass curve as it measured it at start-up and tells the router (its heartbeat)."""
     import redis
 
-    from specmesh.cluster.queue import QueueKeys, decode_pass_curve
+    from specmesh.cluster.pipeline.messages import QueueKeys, decode_pass_curve
 
     client = redis.Redis.from_url(cluster.redis_url)
     try:

@@ -700,7 +700,7 @@ def adaptive_verdicts(rows: list[dict]) -> list[dict]:
 def _start_cluster(args: argparse.Namespace, drafters, secure: bool = False) -> LocalCluster:
     """The cluster with the engine's drafters, so that the two differ only in transport and processes;
     ``secure``: TLS on its ports, mutual TLS between its services, an API key required."""
-    from specmesh.cluster.signing import new_key
+    from specmesh.cluster.pipeline.messages import new_key
 
     print(f"starting the local cluster{' (TLS, mutual TLS, API key)' if secure else ''} ...", flush=True)
     # the cap admits the fixed-k requests of the load sweep; adaptive ones ask for --tree-nodes
@@ -712,7 +712,7 @@ def _start_cluster(args: argparse.Namespace, drafters, secure: bool = False) -> 
 
 def _verifier_busy_s(cluster: LocalCluster) -> float:
     from specmesh.cluster.control import call_verifier
-    from specmesh.cluster.signing import QueueSigner
+    from specmesh.cluster.pipeline.messages import QueueSigner
 
     info = call_verifier(cluster.verifiers[0].address, "info", QueueSigner(cluster.queue_key), cluster.tls)
     return float(info.get("busy_seconds", 0.0))

@@ -12,6 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)  # Redis unreachable, for now
+
 
 @dataclass
 class Backoff:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from specmesh.cluster.signing import QueueSigner
+from specmesh.cluster.pipeline.messages import QueueSigner
 from specmesh.cluster.tls import TlsFiles, channel_options
 from specmesh.errors import InvalidArgument
 from specmesh.v1 import verifier_pb2, verifier_pb2_grpc

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 from specmesh.cluster.backoff import unreachable_node
-from specmesh.cluster.queue import REDIS_DOWN
+from specmesh.cluster.backoff import REDIS_DOWN
 from specmesh.cluster.remote_drafter import RemoteDrafter
 from specmesh.errors import InvalidArgument
 

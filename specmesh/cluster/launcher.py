@@ -30,8 +30,8 @@ from specmesh.cluster.pki import local_pki
 from specmesh.cluster.ports import free_port
 from specmesh.cluster.redis_server import RedisServer
 from specmesh.cluster.serving import PARENT_PID
-from specmesh.cluster.signing import ENV_KEY as QUEUE_KEY
-from specmesh.cluster.signing import new_key
+from specmesh.cluster.pipeline.messages import ENV_KEY as QUEUE_KEY
+from specmesh.cluster.pipeline.messages import new_key
 from specmesh.cluster.supervisor import Supervisor
 from specmesh.errors import InvalidArgument, Unavailable
 from specmesh.runtime.loading import EMBEDDED_DEFAULT, cache_root
