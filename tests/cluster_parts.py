@@ -5,6 +5,7 @@ import asyncio
 import uuid
 
 import redis.asyncio as aioredis
+from redis import Redis as BlockingRedis
 from conftest import wait_until_async
 
 from specmesh.cluster.gateway import ModelCard, Router, RouterLimits
@@ -35,6 +36,7 @@ class InProcessPool:
     """Verifier workers and a router-side client on one event loop, each worker with its own runtime."""
 
     def __init__(self, url: str, model, workers: int = 1, **client_args) -> None:
+        self.url = url
         self.redis = aioredis.Redis.from_url(url)
         self.keys = QueueKeys(pool=uuid.uuid4().hex[:8])
         self.model = model
@@ -46,7 +48,9 @@ class InProcessPool:
         self.count = workers
 
     def worker(self, name: str) -> VerifierWorker:
-        queue = VerifierQueue(self.redis, self.keys, name, heartbeat_ttl_s=1.0, signer=self.signer)
+        # results posted from the pass's thread, as the verifier service does
+        queue = VerifierQueue(self.redis, self.keys, name, heartbeat_ttl_s=1.0, signer=self.signer,
+                              results_redis=BlockingRedis.from_url(self.url))
         return VerifierWorker(TreeVerifier(LlamaRuntime(self.model)), queue, TorchThread(name))
 
     def add_worker(self, name: str) -> VerifierWorker:

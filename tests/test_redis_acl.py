@@ -10,6 +10,7 @@ import uuid
 
 import pytest
 import redis.asyncio as aioredis
+from redis import Redis as BlockingRedis
 from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -81,7 +82,8 @@ def test_each_role_runs_the_pipeline_with_its_own_user_and_nothing_more(secured,
             aioredis.Redis.from_url(url(secured, "verifier"))
         drafter_redis = aioredis.Redis.from_url(url(secured, "drafter"))
         client = QueueVerifierClient(router_redis, keys, "router-acl", liveness_every_s=0.1)
-        queue = VerifierQueue(verifier_redis, keys, "v0", heartbeat_ttl_s=1.0)
+        queue = VerifierQueue(verifier_redis, keys, "v0", heartbeat_ttl_s=1.0,
+                              results_redis=BlockingRedis.from_url(url(secured, "verifier")))
         worker = VerifierWorker(TreeVerifier(LlamaRuntime(tiny_model)), queue, TorchThread("acl"))
         running = asyncio.create_task(worker.run())
         await client.start()

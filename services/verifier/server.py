@@ -14,6 +14,7 @@ from functools import partial
 from typing import Sequence
 
 import redis.asyncio as aioredis
+from redis import Redis as BlockingRedis
 
 from specmesh.cluster.auth import Access, ApiKeys, KeyLimits
 from specmesh.cluster.metrics import VerifierMetrics, serve_metrics
@@ -130,7 +131,8 @@ async def serve(args: argparse.Namespace) -> None:
     redis = aioredis.Redis.from_url(args.redis_url, socket_timeout=5, socket_connect_timeout=2)
     signer = QueueSigner.from_environment(args.queue_key_file)
     queue = VerifierQueue(redis, QueueKeys(args.pool), verifier_id, heartbeat_ttl_s=args.heartbeat_ttl,
-                          signer=signer, pass_curve=curve)
+                          signer=signer, pass_curve=curve,
+                          results_redis=BlockingRedis.from_url(args.redis_url, socket_timeout=5, socket_connect_timeout=2))
     metrics = VerifierMetrics()
     endpoint = serve_metrics(metrics, args.metrics_address)
     worker = VerifierWorker(verifier, queue, torch_thread, max_batch_rows=args.max_batch_rows, metrics=metrics)
@@ -160,6 +162,7 @@ async def serve(args: argparse.Namespace) -> None:
     await worker_task
     health_task.cancel()
     await redis.aclose()
+    queue.results_redis.close()
     if endpoint:
         endpoint.close()
 

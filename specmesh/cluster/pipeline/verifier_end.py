@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterable
 
+import redis
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
@@ -51,10 +52,13 @@ class VerifierQueue:
     def __init__(
         self, redis: aioredis.Redis, keys: QueueKeys, verifier_id: str,
         heartbeat_ttl_s: float = 3.0, signer: QueueSigner | None = None, pass_curve: PassCurve | None = None,
+        results_redis: redis.Redis | None = None,
     ) -> None:
         """``signer``: run only jobs (and closes) with a valid tag, and tag the results; ``pass_curve``: the
-        runtime's measured passes, told to the routers with each heartbeat."""
+        runtime's measured passes, told to the routers with each heartbeat; ``results_redis``: a blocking
+        client of the same Redis, with which the thread that ran a pass posts its results at once."""
         self.redis = redis
+        self.results_redis = results_redis
         self.keys = keys
         self.verifier_id = verifier_id
         self.signer = signer or QueueSigner()
@@ -192,6 +196,21 @@ class VerifierQueue:
         if failed:
             log.warning("%d result(s) could not be posted (%s); their jobs are acknowledged", len(failed), failed[0])
         return len(failed)
+
+    def post_results_now(self, replies: list[tuple[str, bytes]]) -> list[Exception] | None:
+        """Post results with the blocking client, from the thread that computed them: a thread hop and an
+        event loop's turn sooner than ``post`` (the jobs are acknowledged by ``post`` afterwards). Returns the
+        results Redis refused; None where nothing was posted (no blocking client, or Redis unreachable:
+        ``post`` tries again and sees it)."""
+        if self.results_redis is None:
+            return None
+        pipe = self.results_redis.pipeline(transaction=False)
+        for reply_to, payload in replies:
+            self._reply(pipe, reply_to, RESULT, payload)
+        try:
+            return self._failures(pipe.execute(raise_on_error=False))
+        except REDIS_DOWN:
+            return None
 
     @staticmethod
     def _failures(outcomes: list) -> list[Exception]:

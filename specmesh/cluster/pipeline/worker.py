@@ -262,37 +262,47 @@ class VerifierWorker:
         rows = sum(self.job_rows(e) for e in batch)
         started = time.monotonic()
         try:
-            results = await self.torch_thread.run(self.verifier.verify, jobs, prefill_ms)
+            results, payloads, verify_ms, refused = await self.torch_thread.run(self._pass, batch, prefill_ms, started)
         except Exception as exc:  # a failing pass fails its jobs, not the service
             log.exception("verification pass failed")
             self.metrics.jobs.labels("error").inc(len(batch))
             return [(e, encode_error(j.request_id, j.step, self.verifier_id, f"verification failed: {exc}"))
                     for e, j in zip(batch, jobs)], []
-        verify_ms = (time.monotonic() - started) * 1e3
         if verify_ms > 1e3 * self.queue.heartbeat_ttl_s:  # routers see their steps late; worth knowing why
             log.warning("a pass took %.1f s (%d jobs, %d target rows)", verify_ms / 1e3, len(batch), rows)
+        if refused is not None:
+            self.metrics.jobs.labels("undeliverable").inc(len(refused))
         prefilling = [e for e, r in zip(batch, results) if r.prefilling]
         done = [i for i, r in enumerate(results) if not r.prefilling]
         batch, jobs, results = [batch[i] for i in done], [jobs[i] for i in done], [results[i] for i in done]
+        payloads = [payloads[i] for i in done]
         self._count_pass(batch, results, started, verify_ms, rows)
         self.rhythm.passed([j.request_id for j, r in zip(jobs, results) if r.verdict is not None], verify_ms)
         tree_ms = next((r.pass_ms for r in results if r.verdict is not None), 0.0)
         if paid:  # the pass's time beyond its trees
             self.prefill_credit_ms -= max(verify_ms - tree_ms, 0.0)
         self.prefill_credit_ms = min(self.prefill_credit_ms + PREFILL_SHARE * tree_ms, PREFILL_CHUNK_MS)
-        answered = []
-        for entry, job, result in zip(batch, jobs, results):
-            payload = encode_result(
-                result, self.verifier_id, queue_ms=(started - entry.received) * 1e3, verify_ms=verify_ms,
-                batch_size=len(batch),
-            )
+        for job, result, payload in zip(jobs, results, payloads):
             if result.verdict is not None:
                 self._recent[job.request_id] = (job.step, payload)
                 self._recent.move_to_end(job.request_id)
                 while len(self._recent) > RECENT_RESULTS:
                     self._recent.popitem(last=False)
-            answered.append((entry, payload))
-        return answered, prefilling
+        # results the pass's thread posted are only acknowledged now
+        return [(entry, None if refused is not None else payload) for entry, payload in zip(batch, payloads)], prefilling
+
+    def _pass(self, batch: list[Entry], prefill_ms: float | None, started: float):
+        """On the torch thread: the pass, its results' wire form, and (with a blocking client) their posting:
+        (results, payloads (None for a prefill going on), the pass's ms, the results Redis refused, or None
+        where they are still to post)."""
+        results = self.verifier.verify([e.queued.job for e in batch], prefill_ms)
+        verify_ms = (time.monotonic() - started) * 1e3
+        answered = sum(not r.prefilling for r in results)
+        payloads = [None if r.prefilling else encode_result(
+            r, self.verifier_id, queue_ms=(started - e.received) * 1e3, verify_ms=verify_ms, batch_size=answered)
+            for e, r in zip(batch, results)]
+        replies = [(e.queued.reply_to, p) for e, p in zip(batch, payloads) if p is not None and e.queued.reply_to]
+        return results, payloads, verify_ms, self.queue.post_results_now(replies) if replies else None
 
     def _count_pass(self, batch: list[Entry], results, started: float, verify_ms: float, rows: int) -> None:
         m = self.metrics
