@@ -445,7 +445,7 @@ def _service_flags() -> dict[str, set[str]]:
     flags = {}
     shared = (ROOT / "specmesh" / "cluster" / "tls.py").read_text()  # add_tls_flags: every service's
     for name in SPECMESH_COMPONENTS:
-        source = (ROOT / "services" / name / "server.py").read_text() + shared
+        source = "".join(path.read_text() for path in (ROOT / "services" / name).glob("*.py")) + shared  # flags.py
         flags[name] = {f"SPECMESH_{n.upper().replace('-', '_')}" for n in re.findall(r"env_default\(\s*\"([\w-]+)\"", source)}
     return flags
 

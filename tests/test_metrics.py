@@ -70,7 +70,7 @@ def test_a_step_counts_each_drafters_guesses_and_hits_by_depth():
     right = TokenTree.chain([5, 6, 7])  # the target commits 5, 6, then 9: two hits, a miss at depth 3
     wrong = TokenTree.chain([8])
     outcome = StepOutcome(StepPlan(("expert", "ngram"), (1.0, 1.0), 4), (right, wrong), right, (5, 6, 9),
-                          draft_ms=2.0, step_ms=30.0, pass_ms=20.0, fuse_ms=0.5)
+                          draft_ms=2.0, step_ms=30.0, pass_ms=18.0, fuse_ms=0.5, verify_ms=20.0, queue_ms=3.0)
     metrics.plan("code", outcome.plan)
     metrics.step(outcome)
     value = metrics.registry.get_sample_value
@@ -81,8 +81,20 @@ def test_a_step_counts_each_drafters_guesses_and_hits_by_depth():
     assert value("specmesh_drafter_position_hits_total", {"drafter": "expert", "position": "3"}) is None  # never hit there
     assert value("specmesh_committed_tokens_total") == 3 and value("specmesh_target_steps_total") == 1
     assert value("specmesh_routing_decisions_total", {"kind": "code", "drafter": "ngram"}) == 1
-    assert value("specmesh_step_stage_seconds_sum", {"stage": "queue"}) == pytest.approx(0.008)  # 30 - 2 - 20 ms
-    assert value("specmesh_step_stage_seconds_sum", {"stage": "fuse"}) == pytest.approx(0.0005)
+    # the timeline: drafting 1.5 + fusion 0.5, the verifier's queue 3 and its work 20 (the pass's 18 and a
+    # prefill's 2), the rest transport; the stages add up to the step's 30 ms
+    stages = {s: value("specmesh_step_stage_seconds_sum", {"stage": s}) * 1e3
+              for s in ("draft", "fuse", "queue", "verify", "transport", "step")}
+    assert stages == pytest.approx({"draft": 1.5, "fuse": 0.5, "queue": 3.0, "verify": 20.0, "transport": 5.0, "step": 30.0})
+    assert sum(ms for s, ms in stages.items() if s != "step") == pytest.approx(stages["step"])
+
+
+def test_a_plain_step_has_no_drafting_stages_and_an_unreported_pass_no_verifier_stages():
+    metrics = RouterMetrics()
+    metrics.step(StepOutcome(StepPlan(), (), TokenTree(), (5,), step_ms=7.0, pass_ms=5.0, verify_ms=5.5, queue_ms=0.2))
+    metrics.step(StepOutcome(StepPlan(), (), TokenTree(), (6,), step_ms=6.0))
+    count = lambda stage: metrics.registry.get_sample_value("specmesh_step_stage_seconds_count", {"stage": stage})  # noqa: E731
+    assert [count(s) for s in ("draft", "fuse", "queue", "verify", "transport", "step")] == [None, None, 1, 1, 1, 2]
 
 
 def test_the_controllers_learned_state_is_exported_at_each_scrape():

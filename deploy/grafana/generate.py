@@ -17,9 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+from grafana_foundation_sdk.builders import common as common_builders
 from grafana_foundation_sdk.builders import dashboard as db
 from grafana_foundation_sdk.builders import prometheus, stat, timeseries
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models.common import StackingMode
 from grafana_foundation_sdk.models.dashboard import DataSourceRef
 
 HERE = Path(__file__).resolve().parent
@@ -46,6 +48,7 @@ class PanelSpec:
     description: str = ""
     kind: str = "timeseries"  # or "stat"
     width: int = 12
+    stacked: bool = False  # series that add up (a timeseries' areas stacked)
 
 
 def derived(record: str, legend: str = "") -> Query:
@@ -112,9 +115,15 @@ DASHBOARDS: dict[str, tuple[str, str, tuple[PanelSpec, ...]]] = {
                                       quantile(0.9, "specmesh_tree_nodes", legend="p90")), "none"),
     )),
     "pipeline": ("specmesh / pipeline and queue", "Where a step's time goes, the queue and the verification batches", (
+        PanelSpec("Where a step's time goes (mean per step)", (Query(
+            f'sum by (stage) (rate(specmesh_step_stage_seconds_sum{{stage!="step"}}[{RATE}])) / scalar(sum '
+            f'(rate(specmesh_step_stage_seconds_count{{stage="step"}}[{RATE}])))', "{{stage}}"),), "s",
+                  "The stages add up to a step: draft (waiting for the drafters), fuse (merging their trees), queue "
+                  "(the job waiting on its verifier), verify (the verifier's pass), transport (posting the job, "
+                  "Redis, the result's way back)", stacked=True, width=24),
         PanelSpec("Step time by stage (p99)", (derived("specmesh:step_stage_seconds:p99", "{{stage}}"),), "s",
-                  "draft: waiting for drafters; fuse: merging their trees; queue: queue, transport, scheduling; "
-                  "verify: the target pass"),
+                  "draft: waiting for drafters; fuse: merging their trees; queue: the job waiting on its verifier; "
+                  "verify: the verifier's pass; transport: the rest"),
         PanelSpec("Step time by stage (p50)", (quantile(0.5, "specmesh_step_stage_seconds", "stage", "{{stage}}"),), "s"),
         PanelSpec("Queue depth", (Query("max(specmesh_queue_depth)", "pool stream"),
                                   Query("sum by (instance) (specmesh_queue_pending_jobs)", "held by {{instance}}")), "short"),
@@ -153,6 +162,8 @@ def _panel(spec: PanelSpec):
     builder = builder.datasource(DATASOURCE).span(spec.width).height(4 if spec.kind == "stat" else 8)
     if spec.description:
         builder = builder.description(spec.description)
+    if spec.stacked:
+        builder = builder.stacking(common_builders.StackingConfig().mode(StackingMode.NORMAL)).fill_opacity(60)
     for index, query in enumerate(spec.queries):
         target = prometheus.Dataquery().expr(query.expr).ref_id(chr(ord("A") + index)).datasource(DATASOURCE)
         if query.legend:

@@ -112,9 +112,10 @@ class RouterMetrics(ServiceMetrics):
         self.position_hits = Counter("specmesh_drafter_position_hits", "Tree levels where one of a drafter's guesses was accepted",
                                      ["drafter", "position"], registry=r)
         self.stage_seconds = Histogram("specmesh_step_stage_seconds",
-                                       "Time a step spent per stage: draft (waiting for drafters, fusion included), fuse (merging "
-                                       "their trees), queue (queue, transport and scheduling around the pass), verify (the "
-                                       "target pass), step (all of it)",
+                                       "A step's timeline, stage by stage (all but step add up to step): draft (waiting for "
+                                       "the drafters), fuse (merging their trees), queue (the job waiting on its verifier "
+                                       "for a pass), verify (the verifier's pass, any prefill included), transport (the "
+                                       "rest: posting the job, Redis, the result's way back), step (all of it)",
                                        ["stage"], buckets=LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("specmesh_time_to_first_token_seconds", "Time from admission to the first token",
                               buckets=LATENCY_BUCKETS, registry=r)
@@ -153,14 +154,8 @@ class RouterMetrics(ServiceMetrics):
                 self.position_attempts.labels(name, position_label(depth)).inc()
                 if depth <= hits:
                     self.position_hits.labels(name, position_label(depth)).inc()
-        if outcome.trees:
-            self.stage_seconds.labels("draft").observe(outcome.draft_ms / 1e3)
-            self.stage_seconds.labels("fuse").observe(outcome.fuse_ms / 1e3)
-        if outcome.pass_ms > 0:
-            self.stage_seconds.labels("verify").observe(outcome.pass_ms / 1e3)
-            waited_ms = outcome.step_ms - outcome.draft_ms - outcome.pass_ms  # queue, transport, scheduling
-            self.stage_seconds.labels("queue").observe(max(waited_ms, 0.0) / 1e3)
-        self.stage_seconds.labels("step").observe(outcome.step_ms / 1e3)
+        for stage, ms in step_timeline(outcome).items():
+            self.stage_seconds.labels(stage).observe(ms / 1e3)
 
 
 class ControllerCollector(Collector):
@@ -191,6 +186,22 @@ class ControllerCollector(Collector):
         yield GaugeMetricFamily("specmesh_controller_drafting_shares_cores", "1 while the controller counts drafting "
                                 "in every request's cycle (a CPU verifier, or no pass curve yet)",
                                 value=float(controller.drafting_shares_cores))
+
+
+def step_timeline(outcome: StepOutcome) -> dict[str, float]:
+    """Where a step's time went, in ms: stages that add up to ``step`` (drafting ones only for a step that
+    drafted; the verifier's only where it reported them)."""
+    stages: dict[str, float] = {}
+    if outcome.trees:
+        stages["draft"] = max(outcome.draft_ms - outcome.fuse_ms, 0.0)
+        stages["fuse"] = outcome.fuse_ms
+    verify_ms = outcome.verify_ms or outcome.pass_ms
+    if verify_ms > 0:
+        stages["queue"] = outcome.queue_ms
+        stages["verify"] = verify_ms
+        stages["transport"] = max(outcome.step_ms - outcome.draft_ms - outcome.queue_ms - verify_ms, 0.0)
+    stages["step"] = outcome.step_ms
+    return stages
 
 
 class MeteredRequest:

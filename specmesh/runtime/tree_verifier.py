@@ -60,6 +60,7 @@ class VerifyResult:
     batch_size: int = 0  # jobs in that pass
     batch_trees: int = 0  # jobs in that pass with a tree (the others are plain decoding steps)
     verify_ms: float = 0.0  # the verifier's whole work for that pass: any prefill, then the tree pass
+    queue_ms: float = 0.0  # how long the job waited on its verifier before that pass (0 in process)
     refused: str = ""  # why the job was not verified (its KV cache does not fit now); verdict None
     features: Features | None = None  # the job's feature_layers at the root and accepted nodes (after a
     # prefill, the prefilled positions' last ones first), fp16 on the CPU

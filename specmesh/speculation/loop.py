@@ -313,7 +313,7 @@ async def speculate(
             step_ms = (time.perf_counter() - step_started) * 1e3
             outcome = StepOutcome(draft.plan, draft.trees, tree, tuple(new), draft_ms, draft.drafter_ms, step_ms,
                                   result.pass_ms, result.batch_rows, result.batch_size, result.batch_trees,
-                                  draft.fuse_ms, result.prefilled_tokens)
+                                  draft.fuse_ms, result.prefilled_tokens, result.verify_ms, result.queue_ms)
             policy.observe(outcome)
             if log.isEnabledFor(logging.DEBUG):  # why a request speculated as it did, step by step
                 log.debug("%s step %d at %d: drafters %s budget %d -> tree %d, committed %d; draft %.1f ms "

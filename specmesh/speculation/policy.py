@@ -71,6 +71,8 @@ class StepOutcome:
     batch_trees: int = 0  # requests of that pass with a tree
     fuse_ms: float = 0.0  # of draft_ms: merging the drafters' trees into one
     prefilled: int = 0  # tokens of the request's history the verifier took in before the pass (its KV cache was new)
+    verify_ms: float = 0.0  # the verifier's whole work in that pass (any prefill, the tree pass; 0: unknown)
+    queue_ms: float = 0.0  # how long the job waited on its verifier before the pass
 
 
 class RequestPolicy(Protocol):

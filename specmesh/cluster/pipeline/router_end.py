@@ -221,7 +221,7 @@ class QueueVerifierClient:
                             job.request_id, job.step, message.verifier_id, exc)
         return VerifyResult(job.request_id, job.step, verdict, message.prefilled_tokens, message.pass_ms,
                             message.batch_rows, message.batch_size, message.batch_trees, message.verify_ms,
-                            features=features)
+                            queue_ms=message.queue_ms, features=features)
 
     async def close(self, request_id: str) -> None:
         """Free the request's cache on its verifier now (idle sessions are also evicted there); a result
