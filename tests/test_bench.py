@@ -60,6 +60,8 @@ def test_bench_writes_the_summary_and_plots(tmp_path):
     # the secured cluster (TLS, mutual TLS, an API key) gives the same outputs; what it costs is a ratio
     assert report["modes"]["cluster_secure"]["greedy_identical_fraction"] == 1.0
     assert summary["cluster_secure_vs_cluster"] > 0
+    # the overlap: how much of the cluster's time the verifier and the drafter process (the code expert) idled
+    assert 0.0 <= summary["verifier_idle_fraction"] < 1.0 and 0.0 <= summary["drafters_idle_fraction"] <= 1.0
     assert f"hf_assisted:{summary['hf_assisted_setting']}" in settings
     assert summary["hf_assisted_tokens_per_s"] == max(report["modes"][m]["tokens_per_s"] for m in settings)
     assert report["modes"]["engine"]["per_token_p99_ms"] >= report["modes"]["engine"]["per_token_p50_ms"] > 0
@@ -186,7 +188,9 @@ def test_the_cluster_overhead_counts_the_drafter_hops_and_the_queue():
                "own_plain": _record(200, 5.0, 200), "single:ngram": _record(200, 4.0, 100),
                "router_fixed": _record(200, 4.5, 100), "engine": _record(200, 4.0, 100, draft_s=0.5),
                "cluster": _record(200, 5.0, 100, draft_s=0.8, transport_s=0.2)}
-    summary = _summary(records, count=2, identical=2, reference="hf_plain", one_step_ms=25.0, busy_s=4.0, union={})
+    summary = _summary(records, count=2, identical=2, reference="hf_plain", one_step_ms=25.0, busy_s=4.0, union={},
+                       drafting_s=3.0, drafters=3)
+    assert summary["verifier_idle_fraction"] == 0.2 and summary["drafters_idle_fraction"] == 0.8  # 3 s of 3 x 5 s
     assert summary["cluster_drafter_hops_ms_per_step"] == 3.0 and summary["cluster_queue_ms_per_step"] == 2.0
     assert summary["cluster_overhead_fraction"] == 0.2 and summary["cluster_queue_overhead_fraction"] == 0.08
     assert summary["cluster_added_ms_per_step"] == 10.0 and summary["cluster_added_fraction"] == 0.4

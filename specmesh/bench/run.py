@@ -20,6 +20,7 @@ import os
 import platform
 import statistics
 import time
+import urllib.request
 from collections import Counter, defaultdict
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from scipy import stats
 from tqdm.auto import tqdm
 
@@ -355,6 +357,7 @@ def run_bench(args: argparse.Namespace) -> int:
             records[mode] = ModeRecord()
         all_identical = 0
         busy_before = _verifier_busy_s(cluster) if cluster else 0.0
+        drafting_before = _drafters_busy_s(cluster) if cluster else 0.0
         for index, (prompt, request) in enumerate(tqdm(list(zip(prompts, requests)), desc="prompts", unit="prompt")):
             outputs = {}
             for mode in mode_order(modes, index):  # interleaved, rotated: drift and going first hit every mode alike
@@ -364,6 +367,7 @@ def run_bench(args: argparse.Namespace) -> int:
                 records[mode].identical += outputs[mode] == outputs[references[mode]]
             all_identical += all(outputs[m] == outputs[references[m]] for m in modes if is_specmesh_mode(m))
         busy_s = _verifier_busy_s(cluster) - busy_before if cluster else 0.0
+        drafting_s = _drafters_busy_s(cluster) - drafting_before if cluster else 0.0
         load_rows = (load_sweep(cluster, prompts, args.max_tokens, concurrency, args.fixed_tree_nodes, args.tree_nodes,
                                 args.sweep_rounds)
                      if cluster and concurrency else [])
@@ -377,7 +381,8 @@ def run_bench(args: argparse.Namespace) -> int:
         "max_tokens": args.max_tokens,
         "prompts": {"source": source, "count": len(prompts)},
         "precision": assembly.runtime.precision,
-        "summary": _summary(records, len(prompts), all_identical, references["own_plain"], one_step_ms, busy_s, union),
+        "summary": _summary(records, len(prompts), all_identical, references["own_plain"], one_step_ms, busy_s, union,
+                            drafting_s, len(cluster.drafters) if cluster else 0),
         "modes": {m: {"tokens_per_s": round(r.speed(), 2), "greedy_identical_fraction": round(r.identical / len(prompts), 4)}
                   | ({"mean_accepted_length": round(r.accepted_length(), 3)} if r.steps else {})
                   | (r.latency() if r.first_token_ms else {}) for m, r in records.items()},
@@ -441,7 +446,7 @@ DEFAULTS_TUNED_ON = "specmesh tune on specmesh/bench/tuning_prompts.jsonl: held 
 
 
 def _summary(records: dict[str, ModeRecord], count: int, identical: int, reference: str, one_step_ms: float,
-             busy_s: float, union: dict) -> dict:
+             busy_s: float, union: dict, drafting_s: float = 0.0, drafters: int = 0) -> dict:
     """The summary of shared/BENCH.md from every mode's record over ``count`` prompts, ``identical`` of which
     every specmesh mode answered exactly as ``reference`` did."""
     speed = {m: r.speed() for m, r in records.items()}
@@ -512,6 +517,9 @@ def _summary(records: dict[str, ModeRecord], count: int, identical: int, referen
             "cluster_added_fraction": round(added_ms / one_step_ms, 3),
             "verifier_idle_fraction": round(max(0.0, 1.0 - busy_s / max(sum(cluster.seconds.values()), 1e-9)), 3),
         }
+        if drafters:  # the drafter processes' share of the cluster's time spent idle (proposing is their work)
+            summary["drafters_idle_fraction"] = round(
+                max(0.0, 1.0 - drafting_s / max(drafters * sum(cluster.seconds.values()), 1e-9)), 3)
         if "cluster_secure" in records:  # what TLS, mutual TLS and API keys cost a step
             secure = records["cluster_secure"]
             secure_steps = max(sum(secure.steps.values()), 1)
@@ -708,6 +716,19 @@ def _start_cluster(args: argparse.Namespace, drafters, secure: bool = False) -> 
     spec = ClusterSpec(model=args.model, drafters=tuple(drafters), max_tree_nodes=cap, dtype=args.dtype,
                        precision=args.precision, tls=secure, api_keys=(f"sk-{new_key()}",) if secure else ())
     return LocalCluster(spec).start()
+
+
+def _drafters_busy_s(cluster: LocalCluster) -> float:
+    """Seconds the cluster's drafter processes have spent proposing, from their Prometheus metrics."""
+    total = 0.0
+    for process in cluster.drafters:
+        if not process.metrics_url:
+            continue
+        with urllib.request.urlopen(process.metrics_url, timeout=5) as answer:
+            for family in text_string_to_metric_families(answer.read().decode()):
+                if family.name == "specmesh_drafter_propose_seconds":
+                    total += sum(s.value for s in family.samples if s.name.endswith("_sum"))
+    return total
 
 
 def _verifier_busy_s(cluster: LocalCluster) -> float:
