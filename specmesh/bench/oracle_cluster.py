@@ -18,7 +18,6 @@ import asyncio
 import random
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import torch
@@ -109,12 +108,8 @@ def summarize(rows: list[dict]) -> list[dict]:
 def controller_state(cluster: LocalCluster) -> dict[str, float]:
     """What the router's controller has learned, as it exports it (``specmesh_controller_*``; by load:
     ``name/load``): why adaptive drafted as much as it did."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(cluster.router.metrics_url, timeout=5) as answer:
-        text = answer.read().decode()
     state = {}
-    for family in text_string_to_metric_families(text):
+    for family in cluster.router.metrics():
         if family.name.startswith("specmesh_controller_"):
             for sample in family.samples:
                 load = sample.labels.get("load")

@@ -20,7 +20,6 @@ import os
 import platform
 import statistics
 import time
-import urllib.request
 from collections import Counter, defaultdict
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -28,7 +27,6 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 from scipy import stats
 from tqdm.auto import tqdm
 
@@ -720,15 +718,9 @@ def _start_cluster(args: argparse.Namespace, drafters, secure: bool = False) -> 
 
 def _drafters_busy_s(cluster: LocalCluster) -> float:
     """Seconds the cluster's drafter processes have spent proposing, from their Prometheus metrics."""
-    total = 0.0
-    for process in cluster.drafters:
-        if not process.metrics_url:
-            continue
-        with urllib.request.urlopen(process.metrics_url, timeout=5) as answer:
-            for family in text_string_to_metric_families(answer.read().decode()):
-                if family.name == "specmesh_drafter_propose_seconds":
-                    total += sum(s.value for s in family.samples if s.name.endswith("_sum"))
-    return total
+    return sum(sample.value for process in cluster.drafters for family in process.metrics()
+               if family.name == "specmesh_drafter_propose_seconds" for sample in family.samples
+               if sample.name.endswith("_sum"))
 
 
 def _verifier_busy_s(cluster: LocalCluster) -> float:

@@ -18,12 +18,15 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 from specmesh.cluster.auth import ENV_KEYS
 from specmesh.cluster.pki import local_pki
@@ -100,6 +103,13 @@ class ServiceProcess:
     @property
     def metrics_url(self) -> str:
         return f"http://127.0.0.1:{self.metrics_port}/metrics" if self.metrics_port else ""
+
+    def metrics(self) -> list[Metric]:
+        """Its Prometheus metrics as it serves them now, parsed (none where it serves none)."""
+        if not self.metrics_url:
+            return []
+        with urllib.request.urlopen(self.metrics_url, timeout=5) as answer:
+            return list(text_string_to_metric_families(answer.read().decode()))
 
     def start(self) -> None:
         log = open(self.log_path, "ab")

@@ -20,12 +20,10 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import psutil
 import redis
-from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).parent))
 from proxy import DelayProxy  # noqa: E402
@@ -199,11 +197,10 @@ def counters(cluster: LocalCluster) -> dict[str, float]:
     totals: dict[str, float] = dict.fromkeys(HELD.values(), 0.0)
     for process in cluster.processes():
         try:
-            with urllib.request.urlopen(process.metrics_url, timeout=5) as answer:
-                text = answer.read().decode()
+            families = process.metrics()
         except OSError:
             continue
-        for family in text_string_to_metric_families(text):
+        for family in families:
             for sample in family.samples:
                 if sample.name == "specmesh_resent_jobs_total":
                     key = "resent_jobs"
