@@ -47,7 +47,6 @@ class _Posted:
     stream: str
     entry_id: bytes
     deadline: float  # time.monotonic()
-    pooled: bool  # in the pool's stream, not a verifier's own
 
 
 class QueueVerifierClient:
@@ -140,7 +139,8 @@ class QueueVerifierClient:
         finally:
             self._waiting.pop(key, None)
             self._progressed.pop(key, None)
-            if (posted is None or posted.pooled) and not future.done():  # a copy may open a session somewhere
+            # posted to the pool (or not known to be posted) and unanswered: a copy may open a session somewhere
+            if (posted is None or posted.stream == self.keys.jobs) and not future.done():
                 self._remember(self._strays, job.request_id, None)
         return await self._take(job, message)
 
@@ -157,7 +157,7 @@ class QueueVerifierClient:
             entry_id = await self._post(stream, payload, deadline)
         if stream == self.keys.jobs:  # wherever it lands holds the request now; a close to every other
             self._everywhere.pop(job.request_id, None)  # verifier would race it
-        return _Posted(stream, entry_id, deadline, stream == self.keys.jobs)
+        return _Posted(stream, entry_id, deadline)
 
     async def _answer(self, job: VerifyJob, future: asyncio.Future, posted: _Posted) -> verifier_pb2.VerifyResult:
         """Wait for the job's result. Every ``resend_after_s`` without one: a job still in its stream (queued,
@@ -193,7 +193,7 @@ class QueueVerifierClient:
             self._remember(self._strays, job.request_id, None)
             # with the deadline as it stands now (progress may have moved it)
             payload = encode_job(job, self.reply_to, int((time.time() + posted.deadline - time.monotonic()) * 1000))
-            posted.stream, posted.pooled = self.keys.jobs, True
+            posted.stream = self.keys.jobs
             posted.entry_id = await self._post(posted.stream, payload, posted.deadline)
 
     async def _take(self, job: VerifyJob, message: verifier_pb2.VerifyResult) -> VerifyResult:

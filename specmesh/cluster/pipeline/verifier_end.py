@@ -183,8 +183,7 @@ class VerifierQueue:
         if replies:
             pipe = self.redis.pipeline(transaction=False)
             for reply_to, payload in replies:
-                pipe.xadd(reply_to, {"result": payload, "tag": self.signer.tag(RESULT, payload)},
-                          maxlen=RESULTS_MAXLEN, approximate=True)
+                self._reply(pipe, reply_to, RESULT, payload, expire=False)  # the TTL goes with the acks
             failed = self._failures(await pipe.execute(raise_on_error=False))
         pipe = self.redis.pipeline(transaction=False)
         for reply_to in {reply_to for reply_to, _ in replies}:
@@ -231,11 +230,13 @@ class VerifierQueue:
             if isinstance(outcome, REDIS_DOWN):
                 raise outcome
 
-    def _reply(self, pipe, reply_to: str, kind: bytes, payload: bytes) -> None:
-        """Queue an entry for a router's results stream (field named by its kind: result or progress)."""
+    def _reply(self, pipe, reply_to: str, kind: bytes, payload: bytes, expire: bool = True) -> None:
+        """Queue an entry for a router's results stream (field named by its kind: result or progress), and
+        with ``expire`` the stream's TTL."""
         pipe.xadd(reply_to, {kind.decode(): payload, "tag": self.signer.tag(kind, payload)},
                   maxlen=RESULTS_MAXLEN, approximate=True)
-        pipe.expire(reply_to, RESULTS_TTL_S)
+        if expire:
+            pipe.expire(reply_to, RESULTS_TTL_S)
 
     def _entries(self, answer) -> list[Entry]:
         entries = []
