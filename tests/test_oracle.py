@@ -109,7 +109,7 @@ def test_random_targets_have_a_tokenizer_of_their_vocabulary():
 @pytest.mark.slow
 def test_the_oracle_bench_runs_the_cluster_losslessly(tmp_path):
     out = tmp_path / "oracle.json"
-    code = main(["bench", "--model", "random:smollm2-135m", "--oracle-acceptance", "0.9", "--concurrency", "1,2",
+    code = main(["bench", "--model", "random:tiny", "--oracle-acceptance", "0.9", "--concurrency", "1,2",
                  "--max-tokens", "16", "--sweep-rounds", "1", "--fixed-tree-nodes", "4", "--json", str(out)])
     assert code == 0
     report = json.loads(out.read_text())

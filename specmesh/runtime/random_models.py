@@ -1,7 +1,9 @@
 """Real architectures with random weights (``--model random:llama-3-8b``): speed you can check without
 downloading a model. A step's time does not depend on the weights' values, only on their shapes.
 
-The configurations are the published ones' shapes (hidden size, layers, heads, vocabulary, RoPE);
+The configurations are the published ones' shapes (hidden size, layers, heads, vocabulary, RoPE), and
+``tiny``: a near-free target (2 layers, 128 wide) whose pass costs little next to the cluster's own hops,
+so that what the cluster adds a step can be measured on a CPU as it would be beside a GPU's fast pass;
 weights are drawn with the architecture's own initialisation, on the target device, in its dtype.
 Such a target has no text: its tokenizer names token i ``<i>`` (so ``"<5> <17>"`` is tokens 5 and 17),
 and a cluster serving it is sent token ids.
@@ -24,6 +26,9 @@ _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "
 _LLAMA31_ROPE = {**_LLAMA3_ROPE, "factor": 8.0}
 
 ARCHITECTURES: dict[str, dict] = {
+    "tiny": dict(model_type="llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=4096,
+                 max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True),
     "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                          num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
                          max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True),
