@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "(default); fixed: routed, the whole budget every step; off: plain decoding")
     gen.add_argument("--compare-plain", action="store_true",
                      help="also decode without speculation; report identity and the speed ratio")
-    gen.add_argument("--server", metavar="HOST:PORT",
+    gen.add_argument("--server", metavar="HOST:PORT[,HOST:PORT...]",
                      help="go through a running cluster's router (see `specmesh up`) instead of loading models here")
     gen.add_argument("--api-key", default=None,
                      help="with --server: the router's API key (default: $SPECMESH_API_KEY)")
@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a drafter service to start (ngram, history, code, math, writing, knowledge, chat, a directory, a model); "
                     "repeatable (default: ngram and every shipped expert)")
     up.add_argument("--verifiers", type=int, default=1, help="verifier processes (default 1)")
+    up.add_argument("--routers", type=int, default=1,
+                    help="router processes (default 1); clients given all their addresses fail over between them")
     up.add_argument("--port", type=int, default=50051, help="the router's gRPC port (default 50051; 0 = any free)")
     up.add_argument("--http-port", type=int, default=8000,
                     help="the router's OpenAI-compatible HTTP API (default 8000: http://127.0.0.1:8000/v1; 0 = any free)")
@@ -457,7 +459,7 @@ def _up(args: argparse.Namespace) -> int:
     from specmesh.cluster.launcher import DEFAULT_DRAFTERS, ClusterSpec, LocalCluster
 
     spec = ClusterSpec(model=args.model, drafters=tuple(args.drafter or DEFAULT_DRAFTERS), verifiers=args.verifiers,
-                       max_tree_nodes=args.tree_nodes, draft_ahead=args.draft_ahead, router_port=args.port,
+                       routers=args.routers, max_tree_nodes=args.tree_nodes, draft_ahead=args.draft_ahead, router_port=args.port,
                        http_port=None if args.no_http else args.http_port,
                        api_keys_file=Path(args.api_keys_file) if args.api_keys_file else None, tls=args.tls,
                        log_dir=args.log_dir, speculation=args.speculation, speculation_margin=args.speculation_margin,
@@ -507,7 +509,7 @@ def _serve_cluster(cluster, args: argparse.Namespace, started: float) -> int:
         try:
             if not args.no_demo:
                 params = SamplingParams(max_tokens=args.max_tokens)
-                with Client(cluster.router_address, api_key=cluster.client_key, tls_ca=cluster.client_tls_ca) as client:
+                with Client(cluster.router_addresses, api_key=cluster.client_key, tls_ca=cluster.client_tls_ca) as client:
                     print(f"\ndemo: {args.demo_prompt}\n", flush=True)
                     _stream_one(client, args.demo_prompt, params, None, echo=False)  # warm-up: caches and allocators
                     tokens, elapsed, last = _stream_one(client, args.demo_prompt, params, None, echo=True)
@@ -523,8 +525,9 @@ def _serve_cluster(cluster, args: argparse.Namespace, started: float) -> int:
         if args.exit_after_demo:
             return 0
         http_note = f" and {cluster.http_url} (OpenAI API)" if cluster.http_url else ""
-        print(f"\nserving on {cluster.router_address} (gRPC){http_note} — try: specmesh generate --server "
-              f"{cluster.router_address} \"Hello!\"  (Ctrl-C stops the cluster)", flush=True)
+        addresses = ",".join(cluster.router_addresses)
+        print(f"\nserving on {addresses} (gRPC){http_note} — try: specmesh generate --server "
+              f"{addresses} \"Hello!\"  (Ctrl-C stops the cluster)", flush=True)
         try:
             while not cluster.supervisor.failed.wait(1.0):  # what dies is restarted; a vital part's crash loop ends it
                 pass

@@ -11,14 +11,23 @@ channel's own retry policy (before any token was received); a cap on in-flight c
 channel; leaving a stream early (``break``, an exception, cancelling the task) cancels the call, and
 the router frees the request's drafter sessions, KV cache and queue entries. Errors are
 ``grpc.RpcError`` with the server's status code and message.
+
+Several routers (``Client("10.0.0.1:50051,10.0.0.2:50051")`` or a list): calls start at each router in
+turn, and one that fails UNAVAILABLE is tried on the next (``retries`` times in all, backing off after
+each round of the routers). A stream cut after some chunks goes on at the next router from the tokens
+received (``resume_ids``): the caller sees one stream, and a greedy answer is the one an uncut stream
+would have given. A seeded sampled answer is a sample of the target's distribution after those tokens,
+but not the tokens the uncut stream would have drawn (the seed is a per-request generator).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Iterator, Sequence
 
@@ -59,6 +68,29 @@ def _channel_options(retries: int) -> list[tuple[str, object]]:
     if retries < 1:  # gRPC's retry policies try at least twice: none at all means retries off
         return [*options, ("grpc.enable_retries", 0)]
     return [*options, ("grpc.enable_retries", 1), ("grpc.service_config", _service_config(retries))]
+
+
+def _addresses(address: str | Sequence[str]) -> list[str]:
+    found = [a.strip() for a in (address.split(",") if isinstance(address, str) else address) if a.strip()]
+    if not found:
+        raise ValueError("give a router's address (host:port), or several")
+    return found
+
+
+def _backoff_s(attempt: int, routers: int) -> float:
+    """Before the ``attempt``-th try (from 1): none while untried routers are left, then 0.2 s doubling."""
+    if attempt == 0 or attempt % routers:
+        return 0.0
+    return min(0.2 * 2 ** (attempt // routers - 1), 5.0)
+
+
+def _resumed(message: router_pb2.GenerateRequest, received: Sequence[int]) -> router_pb2.GenerateRequest:
+    if not received:
+        return message
+    again = router_pb2.GenerateRequest()
+    again.CopyFrom(message)
+    again.resume_ids.CopyFrom(common_pb2.TokenIds(ids=[*message.resume_ids.ids, *received]))
+    return again
 
 
 @dataclass(frozen=True)
@@ -183,50 +215,92 @@ def _count_request(prompt: str | None, chat: Sequence[tuple[str, str]] | None) -
     )
 
 
+class _Routers:
+    """A client's routers: one channel each, and the order in which a call tries them. With one router its
+    channel retries UNAVAILABLE itself; with several, the client moves on to the next router instead."""
+
+    def __init__(self, address: str | Sequence[str], retries: int, channel) -> None:
+        self.addresses = _addresses(address)
+        self.retries = retries
+        options = _channel_options(retries if len(self.addresses) == 1 else 0)
+        self.channels = [channel(a, options) for a in self.addresses]
+        self.stubs = [router_pb2_grpc.RouterStub(c) for c in self.channels]
+        self._turn = itertools.count()
+
+    def order(self) -> Iterator[router_pb2_grpc.RouterStub]:
+        """The stubs a call tries, starting at the next router in turn: ``retries`` more after the first
+        (only the first with one router, whose channel retries)."""
+        first = next(self._turn)
+        tries = 1 if len(self.stubs) == 1 else self.retries + 1
+        return (self.stubs[(first + i) % len(self.stubs)] for i in range(tries))
+
+    def fail_over(self, exc: grpc.RpcError, attempt: int) -> bool:
+        """Whether a call that failed so on its ``attempt``-th try (from 0) goes on at the next router."""
+        return (len(self.stubs) > 1 and attempt < self.retries
+                and isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE)
+
+
 class Client:
     """Blocking client; thread-safe; at most ``max_in_flight`` calls at once (others wait)."""
 
-    def __init__(self, address: str, timeout_s: float = 300.0, retries: int = 4, max_in_flight: int = 64,
-                 api_key: str | None = None, tls_ca: str | None = None) -> None:
-        """``api_key``: sent as ``authorization: Bearer <key>`` (default: ``$SPECMESH_API_KEY``, if set);
+    def __init__(self, address: str | Sequence[str], timeout_s: float = 300.0, retries: int = 4,
+                 max_in_flight: int = 64, api_key: str | None = None, tls_ca: str | None = None) -> None:
+        """``address``: a router's host:port, or several (comma-separated, or a list) to fail over between;
+        ``api_key``: sent as ``authorization: Bearer <key>`` (default: ``$SPECMESH_API_KEY``, if set);
         ``tls_ca``: connect over TLS, trusting this CA (a PEM file; "" for the system's roots)."""
         self.timeout_s = timeout_s
         self._metadata = _auth_metadata(api_key)
-        options = _channel_options(retries)
-        self._channel = (grpc.secure_channel(address, _tls(tls_ca), options=options) if tls_ca is not None
-                         else grpc.insecure_channel(address, options=options))
-        self._stub = router_pb2_grpc.RouterStub(self._channel)
+        self._routers = _Routers(address, retries, lambda a, options: (
+            grpc.secure_channel(a, _tls(tls_ca), options=options) if tls_ca is not None
+            else grpc.insecure_channel(a, options=options)))
         self._slots = threading.BoundedSemaphore(max_in_flight)
 
+    def _call(self, method: str, message, timeout_s: float | None = None):
+        """A unary call, on the next router in turn, then the others while they are unavailable."""
+        for attempt, stub in enumerate(self._routers.order()):
+            time.sleep(_backoff_s(attempt, len(self._routers.stubs)))
+            try:
+                return getattr(stub, method)(message, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
+            except grpc.RpcError as exc:
+                if not self._routers.fail_over(exc, attempt):
+                    raise
+
     def generate(self, prompt: str | None = None, *, timeout_s: float | None = None, **kwargs) -> Generation:
+        message = generate_request(prompt, **kwargs)
         with self._slots:
-            answer = self._stub.Generate(generate_request(prompt, **kwargs), timeout=timeout_s or self.timeout_s,
-                                         metadata=self._metadata)
-        return _generation(answer)
+            return _generation(self._call("Generate", message, timeout_s))
 
     def stream(self, prompt: str | None = None, *, timeout_s: float | None = None, **kwargs) -> Iterator[Chunk]:
+        message, received = generate_request(prompt, **kwargs), []
         with self._slots:
-            call = self._stub.GenerateStream(generate_request(prompt, **kwargs), timeout=timeout_s or self.timeout_s,
-                                             metadata=self._metadata)
-            try:
-                for message in call:
-                    yield _chunk(message)
-            finally:
-                call.cancel()  # a no-op when the stream ended; frees the server's state when it did not
+            for attempt, stub in enumerate(self._routers.order()):
+                time.sleep(_backoff_s(attempt, len(self._routers.stubs)))
+                call = stub.GenerateStream(_resumed(message, received), timeout=timeout_s or self.timeout_s,
+                                           metadata=self._metadata)
+                try:
+                    for answer in call:
+                        received += answer.token_ids
+                        yield _chunk(answer)
+                    return
+                except grpc.RpcError as exc:
+                    if not self._routers.fail_over(exc, attempt):
+                        raise
+                finally:
+                    call.cancel()  # a no-op when the stream ended; frees the server's state when it did not
 
     def count_tokens(self, prompt: str | None = None, *, chat: Sequence[tuple[str, str]] | None = None) -> int:
-        request = _count_request(prompt, chat)
-        return self._stub.CountTokens(request, timeout=self.timeout_s, metadata=self._metadata).count
+        return self._call("CountTokens", _count_request(prompt, chat)).count
 
     def info(self) -> router_pb2.RouterInfo:
-        return self._stub.Info(router_pb2.InfoRequest(), timeout=self.timeout_s, metadata=self._metadata)
+        """The next router's, in turn."""
+        return self._call("Info", router_pb2.InfoRequest())
 
     def list_models(self) -> list[router_pb2.ModelCard]:
-        answer = self._stub.ListModels(router_pb2.ListModelsRequest(), timeout=self.timeout_s, metadata=self._metadata)
-        return list(answer.models)
+        return list(self._call("ListModels", router_pb2.ListModelsRequest()).models)
 
     def close(self) -> None:
-        self._channel.close()
+        for channel in self._routers.channels:
+            channel.close()
 
     def __enter__(self) -> Client:
         return self
@@ -239,46 +313,60 @@ class AsyncClient:
     """asyncio client; at most ``max_in_flight`` calls at once on its channel (firing thousands of calls
     at once on one channel makes gRPC cancel some)."""
 
-    def __init__(self, address: str, timeout_s: float = 300.0, retries: int = 4, max_in_flight: int = 64,
-                 api_key: str | None = None, tls_ca: str | None = None) -> None:
+    def __init__(self, address: str | Sequence[str], timeout_s: float = 300.0, retries: int = 4,
+                 max_in_flight: int = 64, api_key: str | None = None, tls_ca: str | None = None) -> None:
+        """As ``Client``'s."""
         self.timeout_s = timeout_s
         self._metadata = _auth_metadata(api_key)
-        options = _channel_options(retries)
-        self._channel = (grpc.aio.secure_channel(address, _tls(tls_ca), options=options) if tls_ca is not None
-                         else grpc.aio.insecure_channel(address, options=options))
-        self._stub = router_pb2_grpc.RouterStub(self._channel)
+        self._routers = _Routers(address, retries, lambda a, options: (
+            grpc.aio.secure_channel(a, _tls(tls_ca), options=options) if tls_ca is not None
+            else grpc.aio.insecure_channel(a, options=options)))
         self._slots = asyncio.Semaphore(max_in_flight)
 
+    async def _call(self, method: str, message, timeout_s: float | None = None):
+        for attempt, stub in enumerate(self._routers.order()):
+            await asyncio.sleep(_backoff_s(attempt, len(self._routers.stubs)))
+            try:
+                return await getattr(stub, method)(message, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
+            except grpc.RpcError as exc:
+                if not self._routers.fail_over(exc, attempt):
+                    raise
+
     async def generate(self, prompt: str | None = None, *, timeout_s: float | None = None, **kwargs) -> Generation:
+        message = generate_request(prompt, **kwargs)
         async with self._slots:
-            answer = await self._stub.Generate(generate_request(prompt, **kwargs), timeout=timeout_s or self.timeout_s,
-                                               metadata=self._metadata)
-        return _generation(answer)
+            return _generation(await self._call("Generate", message, timeout_s))
 
     async def stream(self, prompt: str | None = None, *, timeout_s: float | None = None, **kwargs) -> AsyncIterator[Chunk]:
+        message, received = generate_request(prompt, **kwargs), []
         async with self._slots:
-            call = self._stub.GenerateStream(generate_request(prompt, **kwargs), timeout=timeout_s or self.timeout_s,
-                                             metadata=self._metadata)
-            try:
-                async for message in call:
-                    yield _chunk(message)
-            finally:
-                call.cancel()
+            for attempt, stub in enumerate(self._routers.order()):
+                await asyncio.sleep(_backoff_s(attempt, len(self._routers.stubs)))
+                call = stub.GenerateStream(_resumed(message, received), timeout=timeout_s or self.timeout_s,
+                                           metadata=self._metadata)
+                try:
+                    async for answer in call:
+                        received += answer.token_ids
+                        yield _chunk(answer)
+                    return
+                except grpc.RpcError as exc:
+                    if not self._routers.fail_over(exc, attempt):
+                        raise
+                finally:
+                    call.cancel()
 
     async def count_tokens(self, prompt: str | None = None, *, chat: Sequence[tuple[str, str]] | None = None) -> int:
-        request = _count_request(prompt, chat)
-        return (await self._stub.CountTokens(request, timeout=self.timeout_s, metadata=self._metadata)).count
+        return (await self._call("CountTokens", _count_request(prompt, chat))).count
 
     async def info(self) -> router_pb2.RouterInfo:
-        return await self._stub.Info(router_pb2.InfoRequest(), timeout=self.timeout_s, metadata=self._metadata)
+        return await self._call("Info", router_pb2.InfoRequest())
 
     async def list_models(self) -> list[router_pb2.ModelCard]:
-        answer = await self._stub.ListModels(router_pb2.ListModelsRequest(), timeout=self.timeout_s,
-                                             metadata=self._metadata)
-        return list(answer.models)
+        return list((await self._call("ListModels", router_pb2.ListModelsRequest())).models)
 
     async def close(self) -> None:
-        await self._channel.close()
+        for channel in self._routers.channels:
+            await channel.close()
 
     async def __aenter__(self) -> AsyncClient:
         return self

@@ -4,6 +4,8 @@ process started by its command line, as `specmesh up` does.
 - greedy outputs identical to plain greedy decoding on 20 MT-Bench prompts, at concurrency 1 and 8;
 - kill -9 of a verifier (of two) and of a drafter during 8 concurrent streams: every request completes
   with the undisturbed output, and the supervisor starts both again;
+- kill -9 of a router (of two) during 8 streams through an SDK given both: the cut streams go on at the
+  other router from the tokens received, every output the undisturbed one;
 - Redis killed mid-run (and started again by the supervisor): each request completes (identically) or fails UNAVAILABLE,
   none hangs, and the cluster serves again once Redis is back.
 """
@@ -60,7 +62,7 @@ def plain_outputs(questions):
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, plain_outputs):
-    spec = ClusterSpec(drafters=("ngram", "code"), verifiers=2, job_timeout_s=JOB_TIMEOUT_S, draft_ahead=True,
+    spec = ClusterSpec(drafters=("ngram", "code"), verifiers=2, routers=2, job_timeout_s=JOB_TIMEOUT_S, draft_ahead=True,
                        log_dir=tmp_path_factory.mktemp("cluster-logs"))
     with LocalCluster(spec) as running:
         yield running
@@ -138,11 +140,12 @@ def test_the_openai_api_of_the_launched_cluster_is_plain_greedy(cluster, questio
         assert answer.usage.completion_tokens == len(reference)
 
 
-def stream_collect(client: Client, question: str, first_tokens: threading.Barrier | None):
+def stream_collect(client: Client, question: str, first_tokens: threading.Barrier | None, at: int = 8):
+    """The stream's tokens; ``first_tokens`` is waited on once ``at`` tokens have come."""
     tokens = []
     for chunk in client.stream(chat=[("user", question)], max_tokens=MAX_TOKENS):
         tokens += chunk.token_ids
-        if first_tokens is not None and len(tokens) >= 8:
+        if first_tokens is not None and len(tokens) >= at:
             first_tokens.wait(timeout=120)
             first_tokens = None
     return tokens
@@ -173,6 +176,30 @@ def test_killing_a_verifier_and_a_drafter_loses_no_request(cluster, questions, p
                    what="the router reaches the restarted drafter")
     assert any(f"{victims[0].name} stopped; restarting" in e for e in cluster.events)
     assert any(f"{victims[1].name} stopped; restarting" in e for e in cluster.events)
+
+
+def test_killing_a_router_loses_no_stream(cluster, questions, plain_outputs):
+    chosen = list(range(10, 18))
+    under_way = threading.Barrier(2)
+    victim = cluster.routers[0]
+    # a fresh client's first call goes to the first router: the watched stream is on the one killed
+    with Client(cluster.router_addresses) as watched, Client(cluster.router_addresses) as client, \
+            ThreadPoolExecutor(len(chosen)) as pool:
+        first = pool.submit(stream_collect, watched, questions[chosen[0]], under_way)
+        rest = [pool.submit(stream_collect, client, questions[i], None) for i in chosen[1:]]
+        under_way.wait(timeout=120)  # the watched stream has 8 tokens
+        killed = victim.popen
+        victim.signal(signal.SIGKILL)
+        outputs = [f.result(timeout=300) for f in [first, *rest]]
+        assert killed.wait(5) == -signal.SIGKILL
+        # the watched stream went on at the other router from its tokens; the rest retried or resumed
+        assert outputs == [plain_outputs[i] for i in chosen]
+        wait_until(lambda: victim.popen is not killed, timeout_s=60, what="the supervisor restarts the router")
+        victim.wait_ready(300)
+        after = client.generate(chat=[("user", questions[9])], max_tokens=MAX_TOKENS)  # both serve again
+        again = client.generate(chat=[("user", questions[9])], max_tokens=MAX_TOKENS)
+        assert after.token_ids == again.token_ids == plain_outputs[9]
+    assert any(f"{victim.name} stopped; restarting" in e for e in cluster.events)
 
 
 def test_redis_restart_fails_fast_or_completes_and_then_serves_again(cluster, questions, plain_outputs):

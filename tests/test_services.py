@@ -4,6 +4,7 @@ decoding; bad input gets INVALID_ARGUMENT naming the field; overload RESOURCE_EX
 stream frees every session; a drafter that dies costs no request; health and reflection answer."""
 
 import asyncio
+import dataclasses
 import json
 import sys
 
@@ -123,6 +124,40 @@ BAD_REQUESTS = [
     (dict(prompt="hi", max_tree_nodes=65), "max_tree_nodes"),
     (dict(prompt="hi", request_id="x" * 500), "request_id"),
 ]
+
+
+def test_a_resumed_stream_goes_on_from_the_tokens_the_client_has(redis_server, model, tokenizer):
+    """A stream cut short is asked for again with the tokens received (``resume_ids``): the chunks carry
+    what follows them, the usage counts the whole answer; an answer already complete is a clear 400."""
+    async def main():
+        async with ServiceStack(redis_server.url, model, tokenizer, NgramDrafter()) as stack:
+            async with AsyncClient(stack.address) as client, grpc.aio.insecure_channel(stack.address) as channel:
+                whole = await client.generate(chat=CHAT, max_tokens=MAX_TOKENS)
+                stub = router_pb2_grpc.RouterStub(channel)
+
+                def resumed(ids):
+                    message = generate_request(chat=CHAT, max_tokens=MAX_TOKENS)
+                    message.resume_ids.ids.extend(ids)
+                    return message
+
+                chunks = [c async for c in stub.GenerateStream(resumed(whole.token_ids[:7]), timeout=60)]
+                errors = []
+                # the tiny model has no end-of-sequence token: one that its answer never holds becomes it
+                eos = next(t for t in range(3, 100) if t not in whole.token_ids)
+                stack.router.card = dataclasses.replace(stack.router.card, eos_token_ids=frozenset({eos}))
+                for ids in (whole.token_ids, [*whole.token_ids[:3], eos]):
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await stub.Generate(resumed(ids), timeout=10)
+                    errors.append((err.value.code(), err.value.details()))
+            return whole, chunks, errors, stack.router.encode_chat(CHAT)
+
+    whole, chunks, errors, prompt = run(main())
+    assert [t for c in chunks for t in c.token_ids] == whole.token_ids[7:]
+    head = tokenizer.decode(whole.token_ids[:7], skip_special_tokens=True)
+    assert head + "".join(c.text for c in chunks) == whole.text
+    assert chunks[-1].usage.completion_tokens == MAX_TOKENS and chunks[-1].usage.prompt_tokens == len(prompt)
+    for code, details in errors:
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "resume_ids" in details and "complete" in details
 
 
 def test_invalid_arguments_are_refused_naming_the_field(redis_server, model, tokenizer):
@@ -303,7 +338,7 @@ def test_the_client_retries_unavailable_until_the_router_is_up(redis_server, mod
                 call = asyncio.ensure_future(client.generate(prompt_ids=[5, 6, 7], max_tokens=4))
                 # the first attempt finds nothing listening: the call waits and retries instead of failing
                 await wait_until_async(
-                    lambda: client._channel.get_state() == grpc.ChannelConnectivity.TRANSIENT_FAILURE,
+                    lambda: client._routers.channels[0].get_state() == grpc.ChannelConnectivity.TRANSIENT_FAILURE,
                     what="a connection attempt failed")
                 assert not call.done()
                 late = await start_server([stack.router_service], f"127.0.0.1:{port}")

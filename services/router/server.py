@@ -80,7 +80,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if message.speculation not in SPECULATION:
             raise InvalidArgument("speculation", f"unknown value {message.speculation}")
         return self.router.make_request(self._prompt_ids(message), sampling_from_pb(sampling), message.request_id,
-                                        budget, text=self._text(message), speculation=SPECULATION[message.speculation])
+                                        budget, text=self._text(message), speculation=SPECULATION[message.speculation],
+                                        resume_ids=message.resume_ids.ids)
 
     async def Generate(self, request, context):
         ticket = await self.router.prepare(self._ticket, request)
@@ -95,7 +96,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def GenerateStream(self, request, context):
         ticket = await self.router.prepare(self._ticket, request)
-        text = TextStream(self.router)
+        text = TextStream(self.router, ticket.resumed)
         async for generation, step in self.router.generate(ticket):
             final = step.finish_reason is not None
             chunk = router_pb2.GenerateChunk(

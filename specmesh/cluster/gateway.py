@@ -77,6 +77,7 @@ class Ticket:
     request: Request
     budget: int  # at most this many tree nodes a step (0: plain decoding)
     speculation: str  # adaptive or fixed (ignored when the budget is 0)
+    resumed: tuple[int, ...] = ()  # the answer's first tokens, which the client has (the prompt ends with them)
 
 
 @dataclass
@@ -166,10 +167,12 @@ class Router:
 
     def make_request(
         self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str = "", max_tree_nodes: int | None = None,
-        text: str = "", speculation: str | None = None,
+        text: str = "", speculation: str | None = None, resume_ids: Sequence[int] = (),
     ) -> Ticket:
         """A validated request, its tree budget and speculation mode; ``text`` (the user's words, when
-        known) is what the request is classified by for routing."""
+        known) is what the request is classified by for routing; ``resume_ids``: the answer's first tokens,
+        which the client already has (a stream cut short): decoding goes on after them, and they count
+        against ``params.max_tokens``."""
         speculation = check_speculation(speculation or self.limits.speculation)
         if len(request_id) > MAX_REQUEST_ID:
             raise InvalidArgument("request_id", f"is {len(request_id)} characters; at most {MAX_REQUEST_ID}")
@@ -183,10 +186,18 @@ class Router:
         internal_id = f"{request_id}:{uuid.uuid4().hex}" if request_id else uuid.uuid4().hex
         if speculation == "off":
             budget = 0
-        request = Request(tuple(int(t) for t in prompt_ids), params, internal_id)
+        resumed = tuple(int(t) for t in resume_ids)
+        if resumed:
+            if len(resumed) >= params.max_tokens:
+                raise InvalidArgument("resume_ids", f"holds {len(resumed)} tokens: the answer of at most "
+                                      f"{params.max_tokens} tokens is already complete")
+            if any(t in self.card.eos_token_ids for t in resumed):
+                raise InvalidArgument("resume_ids", "holds an end-of-sequence token: the answer is already complete")
+            params = replace(params, max_tokens=params.max_tokens - len(resumed))
+        request = Request(tuple(int(t) for t in prompt_ids) + resumed, params, internal_id)
         validate_request(request, self.card.vocab_size, self.card.max_length, budget)  # first: decoding needs valid ids
         request = replace(request, kind=self.classify(text or self.decode(prompt_ids[-256:])))
-        return Ticket(request, budget, speculation)
+        return Ticket(request, budget, speculation, resumed)
 
     def _unique_drafters(self) -> list[AsyncDrafter]:
         """One drafter per name (a second with the same name — a replica — adds nothing to routing),
@@ -217,7 +228,7 @@ class Router:
             policy = FixedPolicy().begin(request.kind, 0)
         else:
             policy = self.policy.begin(request.kind, budget, fixed_budget=ticket.speculation == "fixed")
-        generation = Generation(request, len(request.prompt_ids))
+        generation = Generation(request, len(request.prompt_ids) - len(ticket.resumed), list(ticket.resumed))
         clock = None
         if self.metrics is not None:
             policy = MeteredRequest(policy, self.metrics)
@@ -246,10 +257,12 @@ class Router:
 class TextStream:
     """Incremental detokenization: the text of newly committed tokens, holding back a partial character."""
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, sent_tokens: Sequence[int] = ()) -> None:
+        """``sent_tokens``: tokens whose text the client has already (a resumed stream's), but for a
+        character they left unfinished."""
         self.router = router
-        self.tokens: list[int] = []
-        self.sent = 0  # characters already emitted
+        self.tokens: list[int] = list(sent_tokens)
+        self.sent = len(router.decode(self.tokens).rstrip("\ufffd"))  # characters already emitted
 
     def push(self, token_ids: Sequence[int], final: bool = False) -> str:
         self.tokens.extend(token_ids)

@@ -61,7 +61,8 @@ class ClusterSpec:
     draft_ahead: bool = False
     speculation: str = "adaptive"  # the router's default for requests: adaptive, fixed or off
     speculation_margin: float = SPECULATION_MARGIN  # adaptive's margin in a shared pass (the router's flag)
-    router_port: int = 0  # 0: a free port
+    routers: int = 1  # router processes; all serve the whole cluster (clients fail over between them)
+    router_port: int = 0  # the first router's (0: a free port; the others always take free ones)
     http_port: int | None = 0  # the router's OpenAI-compatible HTTP API (0: a free port; None: not served)
     api_keys_file: Path | None = None  # the router's API keys (besides $SPECMESH_API_KEYS; none: no authentication)
     api_keys: tuple[str, ...] = ()  # more keys, given to the router only (the first is the local clients')
@@ -81,6 +82,8 @@ class ClusterSpec:
     def __post_init__(self) -> None:
         check_margin(self.speculation_margin, "speculation_margin")
         check_precision(self.precision)  # else the router refuses it only once all is up
+        if self.routers < 1:
+            raise InvalidArgument("routers", f"must be >= 1, got {self.routers}")
         if self.kv_cache_gb is not None and not self.kv_cache_gb > 0:
             raise InvalidArgument("kv_cache_gb", f"must be > 0, got {self.kv_cache_gb}")
 
@@ -174,17 +177,32 @@ class LocalCluster:
         self.redis_url = self.spec.redis_url or self.redis.url
         self.verifiers: list[ServiceProcess] = []
         self.drafters: list[ServiceProcess] = []
-        self.router: ServiceProcess | None = None
+        self.routers: list[ServiceProcess] = []
         self.supervisor: Supervisor | None = None
         self.events: list[str] = []  # what the supervisor did, in order
-        self.http_url = ""  # the router's OpenAI API, once started (empty: not served)
+        self.http_urls: list[str] = []  # each router's OpenAI API, once started (empty: not served)
         # the router and verifiers tag their queue entries with a key of this cluster's own
         self.queue_key = os.environ.get(QUEUE_KEY) or new_key()
         self.tls = local_pki(self.log_dir / "pki") if self.spec.tls else None
 
     @property
+    def router(self) -> ServiceProcess | None:
+        """The first router."""
+        return self.routers[0] if self.routers else None
+
+    @property
     def router_address(self) -> str:
         return self.router.address
+
+    @property
+    def router_addresses(self) -> list[str]:
+        """Every router's, for a client that fails over between them."""
+        return [r.address for r in self.routers]
+
+    @property
+    def http_url(self) -> str:
+        """The first router's OpenAI API (empty: not served)."""
+        return self.http_urls[0] if self.http_urls else ""
 
     @property
     def redis_url_file(self) -> Path:
@@ -274,13 +292,18 @@ class LocalCluster:
                     "--speculation-margin", repr(spec.speculation_margin), "--local-drafters", ",".join(local)]
             if spec.api_keys_file is not None:
                 args += ["--api-keys-file", str(spec.api_keys_file)]
-            http_port = None if spec.http_port is None else spec.http_port or free_port()
-            args += ["--http-listen", "" if http_port is None else f"127.0.0.1:{http_port}"]
             scheme = "https" if self.tls is not None else "http"
-            self.http_url = "" if http_port is None else f"{scheme}://127.0.0.1:{http_port}/v1"
-            self.router = self._service("router", "router", args, 1, spec.router_port)
-            self.router.start()
-            self.router.wait_ready(timeout_s)
+            for index in range(spec.routers):
+                http_port = None if spec.http_port is None else (spec.http_port if index == 0 else 0) or free_port()
+                if http_port is not None:
+                    self.http_urls.append(f"{scheme}://127.0.0.1:{http_port}/v1")
+                http = ["--http-listen", "" if http_port is None else f"127.0.0.1:{http_port}"]
+                name = "router" if index == 0 else f"router-{index}"
+                self.routers.append(self._service(name, "router", args + http, 1, spec.router_port if index == 0 else 0))
+            for router in self.routers:
+                router.start()
+            for router in self.routers:
+                router.wait_ready(timeout_s)
         except BaseException:
             self.stop(clean=False)
             raise
@@ -293,14 +316,16 @@ class LocalCluster:
         """Whether the cluster can serve without ``part`` (it crash-loops)."""
         if part in self.verifiers:
             return all(self.supervisor.given_up(v.name) for v in self.verifiers)
-        return part is self.redis or part is self.router
+        if part in self.routers:
+            return all(self.supervisor.given_up(r.name) for r in self.routers)
+        return part is self.redis
 
     def _report(self, message: str) -> None:
         self.events.append(message)
         print(f"specmesh: {message}", flush=True)
 
     def processes(self) -> list[ServiceProcess]:
-        return [p for p in [self.router, *self.drafters, *self.verifiers] if p is not None]
+        return [*self.routers, *self.drafters, *self.verifiers]
 
     def stop(self, grace_s: float = 15.0, clean: bool = True) -> None:
         """SIGTERM (graceful: each drains) from the router down, then SIGKILL what is left. ``clean``: a

@@ -34,7 +34,7 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "chat", "prompt_ids", "sampling", "request_id", "max_tree_nodes", "speculation")
+    __slots__ = ("prompt", "chat", "prompt_ids", "sampling", "request_id", "max_tree_nodes", "speculation", "resume_ids")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,7 @@ class GenerateRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    RESUME_IDS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     chat: ChatMessages
     prompt_ids: _common_pb2.TokenIds
@@ -49,7 +50,8 @@ class GenerateRequest(_message.Message):
     request_id: str
     max_tree_nodes: int
     speculation: Speculation
-    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., max_tree_nodes: _Optional[int] = ..., speculation: _Optional[_Union[Speculation, str]] = ...) -> None: ...
+    resume_ids: _common_pb2.TokenIds
+    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., max_tree_nodes: _Optional[int] = ..., speculation: _Optional[_Union[Speculation, str]] = ..., resume_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens")
