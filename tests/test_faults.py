@@ -311,6 +311,21 @@ def test_drafter_sessions_stay_within_the_context_the_count_and_the_token_budget
     assert sessions.trim(now=100.0) and not sessions.trim(now=101.0)  # sessions ended: once, then not so soon
 
 
+def test_drafter_sessions_unused_for_long_end_as_their_router_is_gone():
+    now = [0.0]
+    sessions = DrafterSessions(NgramDrafter(), vocab_size=100, max_sessions=8, clock=lambda: now[0])
+    sessions.open("gone", [1, 2, 3])
+    sessions.open("live", [1, 2, 3])
+    now[0] = 30.0
+    assert sessions.end_idle(60.0) == 0
+    sessions.propose("live", [4], budget=2)  # drafted for since: it stays
+    now[0] = 61.0
+    assert sessions.end_idle(60.0) == 1 and len(sessions) == 1
+    with pytest.raises(NotFound):  # a router that does come back re-opens it
+        sessions.propose("gone", [4], budget=2)
+    sessions.propose("live", [5], budget=2)
+
+
 MEMORY_PROBE = """
 import gc, json, random, time, psutil
 from specmesh.drafters.ngram import NgramDrafter

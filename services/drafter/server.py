@@ -13,12 +13,15 @@ from typing import Sequence
 import redis.asyncio as aioredis
 
 from specmesh.cluster.discovery import RedisRegistry
-from specmesh.cluster.drafter_sessions import DEFAULT_SESSION_TOKENS, DEFAULT_TOTAL_TOKENS, DrafterSessions
+from specmesh.cluster.drafter_sessions import (
+    DEFAULT_IDLE_S, DEFAULT_SESSION_TOKENS, DEFAULT_TOTAL_TOKENS, DrafterSessions,
+)
 from specmesh.cluster.metrics import DrafterMetrics, serve_metrics
 from specmesh.cluster.serving import Service, TorchThread, env_default, run_service, start_server
 from specmesh.cluster.tls import TlsFiles, add_tls_flags
 from specmesh.cluster.wire import features_from_pb, tree_to_pb
 from specmesh.drafters.catalog import load_drafter
+from specmesh.errors import InvalidArgument
 from specmesh.runtime.loading import EMBEDDED_DEFAULT, configure_threads, load_target_parts, tokenizer_fingerprint
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
 
@@ -62,6 +65,14 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         await self._trim()
         return drafter_pb2.CloseSessionResponse()
 
+    async def end_idle(self, idle_s: float, every_s: float = 5.0) -> None:
+        """Now and then, end the sessions unused for ``idle_s`` (their routers are most likely gone)."""
+        while True:
+            await asyncio.sleep(every_s)
+            if await self._run(self.sessions.end_idle, idle_s):
+                self.metrics.sessions.labels(self.info.name).set(len(self.sessions))
+                await self._trim()
+
     async def Info(self, request, context):
         info = drafter_pb2.DrafterInfo()
         info.CopyFrom(self.info)
@@ -89,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the registry for --announce [SPECMESH_REDIS_URL]")
     parser.add_argument("--threads", type=int, default=int(env_default("threads", "1")), help="torch threads")
     parser.add_argument("--max-sessions", type=int, default=int(env_default("max_sessions", "1024")))
+    parser.add_argument("--session-idle-s", type=float, default=float(env_default("session_idle_s", str(DEFAULT_IDLE_S))),
+                        help="a session unused this long ends (its router is most likely gone; a live one re-opens "
+                             "it) [SPECMESH_SESSION_IDLE_S]")
     parser.add_argument("--max-tokens", type=int, default=int(env_default("max_tokens", str(DEFAULT_TOTAL_TOKENS))),
                         help="tokens all sessions may hold together; past it the least recently used end (each "
                              "session holds at most the target's context) [SPECMESH_MAX_TOKENS]")
@@ -109,6 +123,8 @@ def load(args: argparse.Namespace):
 
 async def serve(args: argparse.Namespace) -> None:
     tls = TlsFiles.from_flags(args.tls_cert, args.tls_key, args.tls_ca)  # first: a bad flag fails before loading
+    if not args.session_idle_s > 0:
+        raise InvalidArgument("session_idle_s", f"must be > 0, got {args.session_idle_s}")
     if tls is not None and tls.ca is None:
         log.warning("TLS without --tls-ca: any caller is answered; give the cluster's CA to require its certificates")
     torch_thread = TorchThread("draft")
@@ -137,7 +153,9 @@ async def serve(args: argparse.Namespace) -> None:
         announcing = asyncio.create_task(RedisRegistry(redis).heartbeat(args.announce, drafter.name, domains))
     metrics_note = f", metrics at {endpoint.url}" if endpoint else ""
     print(f"specmesh-drafter ready on port {server.port}{metrics_note}", flush=True)
+    sweeping = asyncio.create_task(servicer.end_idle(args.session_idle_s))
     await server.wait()
+    sweeping.cancel()
     if announcing is not None:  # withdrawn: routers stop sending new requests at once
         announcing.cancel()
         await asyncio.gather(announcing, return_exceptions=True)

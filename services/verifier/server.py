@@ -21,7 +21,8 @@ from specmesh.cluster.metrics import VerifierMetrics, serve_metrics
 from specmesh.cluster.pipeline.messages import ENV_KEY as QUEUE_KEY
 from specmesh.cluster.pipeline.messages import QueueKeys, QueueSigner, new_key
 from specmesh.cluster.pipeline.verifier_end import VerifierQueue
-from specmesh.cluster.pipeline.worker import VerifierWorker
+from specmesh.cluster.pipeline.worker import SESSION_IDLE_S, VerifierWorker
+from specmesh.errors import InvalidArgument
 from specmesh.cluster.serving import Server, Service, TorchThread, env_default, run_service, start_server
 from specmesh.cluster.tls import TlsFiles, add_tls_flags
 from specmesh.runtime.calibration import measure_pass_curve
@@ -87,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=int(env_default("threads", "0")) or None, help="torch threads")
     parser.add_argument("--max-sessions", type=int, default=int(env_default("max_sessions", "256")))
     parser.add_argument("--max-batch-rows", type=int, default=int(env_default("max_batch_rows", "2048")))
+    parser.add_argument("--session-idle-s", type=float, default=float(env_default("session_idle_s", str(SESSION_IDLE_S))),
+                        help="a KV session unused this long is freed (its router is most likely gone; a request that "
+                             "comes back resyncs) [SPECMESH_SESSION_IDLE_S]")
     parser.add_argument("--heartbeat-ttl", type=float, default=float(env_default("heartbeat_ttl", "3.0")), help="seconds")
     parser.add_argument("--device", default=env_default("device"))
     parser.add_argument("--dtype", default=env_default("dtype"))
@@ -120,6 +124,8 @@ def load_verifier(args: argparse.Namespace):
 
 async def serve(args: argparse.Namespace) -> None:
     tls = TlsFiles.from_flags(args.tls_cert, args.tls_key, args.tls_ca)  # first: a bad flag fails before loading
+    if not args.session_idle_s > 0:
+        raise InvalidArgument("session_idle_s", f"must be > 0, got {args.session_idle_s}")
     if tls is not None and tls.ca is None:
         log.warning("TLS without --tls-ca: any caller is answered; give the cluster's CA to require its certificates")
     torch_thread = TorchThread("verify")
@@ -135,7 +141,8 @@ async def serve(args: argparse.Namespace) -> None:
                           results_redis=BlockingRedis.from_url(args.redis_url, socket_timeout=5, socket_connect_timeout=2))
     metrics = VerifierMetrics()
     endpoint = serve_metrics(metrics, args.metrics_address)
-    worker = VerifierWorker(verifier, queue, torch_thread, max_batch_rows=args.max_batch_rows, metrics=metrics)
+    worker = VerifierWorker(verifier, queue, torch_thread, max_batch_rows=args.max_batch_rows, metrics=metrics,
+                            session_idle_s=args.session_idle_s)
     info = verifier_pb2.VerifierInfo(
         verifier_id=verifier_id, pool=args.pool, model=target.name, tokenizer_hash=tokenizer_fingerprint(target.tokenizer),
         vocab_size=runtime.vocab_size, max_length=runtime.max_length, max_sessions=args.max_sessions,

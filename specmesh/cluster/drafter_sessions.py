@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import ctypes
+import time
 from collections import OrderedDict
-from typing import Sequence
+from typing import Callable, Sequence
 
 from specmesh.drafters.base import Drafter
 from specmesh.errors import InvalidArgument, NotFound
@@ -14,6 +15,9 @@ from specmesh.tree import MAX_TREE_NODES
 DEFAULT_SESSION_TOKENS = 1 << 15  # without a target's context to go by
 DEFAULT_TOTAL_TOKENS = 1 << 20  # all sessions together (prompt lookup's index: ~0.8 KB a token)
 TRIM_EVERY_S = 5.0  # how often freed memory may be handed back to the system
+# A session unused this long has most likely lost its router (killed: it closes nothing); a live request
+# that drafts again after it is re-opened on NOT_FOUND, one prompt's prefill
+DEFAULT_IDLE_S = 60.0
 
 
 def trim_heap() -> None:
@@ -27,17 +31,21 @@ def trim_heap() -> None:
 class DrafterSessions:
     """The drafter's sessions, bounded three ways: no session grows past ``max_session_tokens`` (the
     target's context: no request is longer); past ``max_sessions`` sessions, or ``max_total_tokens``
-    tokens in all, the least recently used are ended (their routers re-open them on NOT_FOUND). Memory
-    freed by ended sessions goes back to the system (``trim``)."""
+    tokens in all, the least recently used are ended (their routers re-open them on NOT_FOUND). Sessions
+    idle for ``idle_s`` end too (``end_idle``). Memory freed by ended sessions goes back to the system
+    (``trim``)."""
 
     def __init__(self, drafter: Drafter, vocab_size: int, max_sessions: int,
-                 max_session_tokens: int = DEFAULT_SESSION_TOKENS, max_total_tokens: int = DEFAULT_TOTAL_TOKENS) -> None:
+                 max_session_tokens: int = DEFAULT_SESSION_TOKENS, max_total_tokens: int = DEFAULT_TOTAL_TOKENS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.drafter = drafter
+        self.clock = clock
         self.vocab_size = vocab_size
         self.max_sessions = max_sessions
         self.max_session_tokens = max_session_tokens
         self.max_total_tokens = max(max_total_tokens, max_session_tokens)
         self._sessions: OrderedDict[str, int] = OrderedDict()  # request -> tokens held, least recently used first
+        self._used: dict[str, float] = {}  # request -> when it was last opened or drafted for (monotonic)
         self.total_tokens = 0
         self._ended = 0  # sessions ended since the heap was last trimmed
         self._trimmed_at = 0.0
@@ -57,6 +65,7 @@ class DrafterSessions:
         """The session now holds ``tokens`` more; end the least recently used others past the bounds."""
         self._sessions[request_id] = self._sessions.get(request_id, 0) + tokens
         self._sessions.move_to_end(request_id)
+        self._used[request_id] = self.clock()
         self.total_tokens += tokens
         while len(self._sessions) > 1 and (len(self._sessions) > self.max_sessions
                                            or self.total_tokens > self.max_total_tokens):
@@ -64,6 +73,7 @@ class DrafterSessions:
 
     def _end(self, request_id: str) -> None:
         self.total_tokens -= self._sessions.pop(request_id)
+        self._used.pop(request_id, None)
         self._ended += 1
         self.drafter.end(request_id)
 
@@ -104,6 +114,14 @@ class DrafterSessions:
                 self.drafter.commit(request_id, list(committed))
         finally:
             self._end(request_id)
+
+    def end_idle(self, idle_s: float) -> int:
+        """End the sessions unused for ``idle_s`` seconds or more; how many ended."""
+        now = self.clock()
+        stale = [r for r in self._sessions if now - self._used[r] >= idle_s]
+        for request_id in stale:
+            self._end(request_id)
+        return len(stale)
 
     def trim_due(self, now: float) -> bool:
         """Sessions ended, and the last trim is ``TRIM_EVERY_S`` ago."""

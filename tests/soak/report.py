@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass, field
 from statistics import median
 from typing import Sequence
 
+from scipy.stats import chi2, chi2_contingency, ncx2
+
 FINE = ("OK", "EXPECTED", "CANCELLED_BY_CLIENT")  # answered, refused as it should be, or left by its client
 UNAVAILABLE = ("UNAVAILABLE", "HTTP_503", "STREAM_service_unavailable")
 MAX_MEMORY_GROWTH = 0.10  # between the first and the last fifth of the run
@@ -19,11 +21,20 @@ MAX_STREAM_ENTRIES = 1_000  # the jobs stream and every results stream stay belo
 
 @dataclass
 class Fault:
-    kind: str  # kill_verifier, kill_drafter, stop_verifier, stop_drafter, restart_redis, delay_redis
+    kind: str  # kill_verifier, kill_drafter, kill_router, stop_verifier, stop_drafter, restart_redis, delay_redis
     target: str
     start: float  # unix time
     end: float  # when it was over: the process back and ready, resumed, Redis back, the delay lifted
     explains: tuple[str, ...] = ()  # failure statuses it may cause (with 2 verifiers a verifier's death causes none)
+    recovered: float | None = None  # when every router served a request again after it (None: at ``end``)
+    via: str = ""  # a killed router's HTTP address: only requests sent there are its to explain
+
+    def explains_request(self, request: dict) -> bool:
+        """Whether this fault accounts for the request's failure: a status it causes, on its path, and the
+        request under way between the fault's start and the cluster's measured recovery."""
+        until = self.recovered if self.recovered is not None else self.end
+        return (request["status"] in self.explains and request["start"] <= until and request["end"] >= self.start
+                and (not self.via or request.get("via") == self.via))
 
 
 @dataclass
@@ -34,8 +45,8 @@ class Sample:
     streams: dict[str, int] = field(default_factory=dict)  # stream key -> entries
 
 
-def overlaps(request: dict, fault: Fault, grace_s: float) -> bool:
-    return request["start"] <= fault.end + grace_s and request["end"] >= fault.start
+def overlaps(request: dict, fault: Fault) -> bool:
+    return request["start"] <= fault.end and request["end"] >= fault.start
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -56,17 +67,78 @@ def memory_growth(samples: Sequence[Sample]) -> float | None:
     return last / first - 1
 
 
+def _bins(first: Sequence[int], second: Sequence[int], min_count: int) -> list[tuple[int, int]]:
+    """(count in first, count in second) per token, tokens seen fewer than ``min_count`` times in both
+    together pooled into one bin (a chi-square test needs expected counts of ~5 or more)."""
+    a, b = Counter(first), Counter(second)
+    common = [t for t in set(a) | set(b) if a[t] + b[t] >= min_count]
+    rest = (len(first) - sum(a[t] for t in common), len(second) - sum(b[t] for t in common))
+    return [(a[t], b[t]) for t in sorted(common)] + ([rest] if sum(rest) else [])
+
+
+def homogeneity(first: Sequence[int], second: Sequence[int], min_count: int = 10) -> tuple[float, int]:
+    """Pearson's chi-square test that two samples of tokens come from one distribution: (p-value, degrees
+    of freedom); (1.0, 0) when every token falls in one bin."""
+    table = _bins(first, second, min_count)
+    if len(table) < 2:
+        return 1.0, 0
+    result = chi2_contingency([[x for x, _ in table], [y for _, y in table]], correction=False)
+    return float(result.pvalue), int(result.dof)
+
+
+def detectable_shift(first: Sequence[int], second: Sequence[int], alpha: float, power: float = 0.8,
+                     min_count: int = 10) -> float | None:
+    """The test's power, stated as the smallest probability mass moved off the commonest token (onto the
+    others in proportion: a total-variation distance) that ``homogeneity`` finds at level ``alpha`` with
+    probability ``power``, for these sample sizes and the pooled distribution (noncentral chi-square).
+    None: one bin, nothing to test."""
+    table = _bins(first, second, min_count)
+    if len(table) < 2:
+        return None
+    n1, n2 = len(first), len(second)
+    pooled = [(x + y) / (n1 + n2) for x, y in table]
+    top = max(range(len(pooled)), key=pooled.__getitem__)
+    dof = len(table) - 1
+    critical = chi2.ppf(1 - alpha, dof)
+
+    def found(shift: float) -> float:
+        moved = [q * (1 + shift / (1 - pooled[top])) for q in pooled]
+        moved[top] = pooled[top] - shift
+        # the second sample drawn from ``moved``, the first from ``pooled``: the noncentrality of the statistic
+        mix = [(n1 * p + n2 * q) / (n1 + n2) for p, q in zip(pooled, moved)]
+        noncentrality = n1 * n2 / (n1 + n2) * sum((p - q) ** 2 / m for p, q, m in zip(pooled, moved, mix) if m > 0)
+        return 1 - ncx2.cdf(critical, dof, noncentrality)
+
+    low, high = 0.0, pooled[top]
+    if found(high) < power:
+        return None
+    for _ in range(40):
+        middle = (low + high) / 2
+        low, high = (middle, high) if found(middle) < power else (low, middle)
+    return high
+
+
 def summarize(requests: Sequence[dict], faults: Sequence[Fault], samples: Sequence[Sample], started: float,
-              ended: float, grace_s: float) -> dict:
+              ended: float) -> dict:
     """The report: ``sent``, ``completed``, ``failed`` by status, ``hung``, ``wrong_outputs``,
-    ``unexplained_failures`` (failures no overlapping fault explains), ``memory_growth_fraction``, latency
-    percentiles with and without faults, streams and memory, and ``passed``."""
+    ``explained`` (each failure a fault accounts for, with the fault), ``unexplained_failures`` (the rest),
+    ``memory_growth_fraction``, latency percentiles with and without faults, streams and memory, and
+    ``passed``."""
     failed = [r for r in requests if r["status"] not in FINE]
-    unexplained = [r for r in failed if r["status"] != "HUNG" and not any(
-        r["status"] in f.explains and overlaps(r, f, grace_s) for f in faults)]
+    explained, unexplained = [], []
+    for r in failed:
+        if r["status"] == "HUNG":  # counted apart: nothing excuses it
+            continue
+        fault = next((f for f in faults if f.explains_request(r)), None)
+        if fault is None:
+            unexplained.append(r)
+        else:
+            explained.append({**{k: r[k] for k in ("kind", "status", "start", "end")}, "fault": fault.kind,
+                              "fault_target": fault.target, "fault_start": fault.start,
+                              "fault_recovered": fault.recovered if fault.recovered is not None else fault.end})
     answered = [r for r in requests if r["status"] == "OK"]
-    during = [r["end"] - r["start"] for r in answered if any(overlaps(r, f, 0.0) for f in faults)]
-    calm = [r["end"] - r["start"] for r in answered if not any(overlaps(r, f, 0.0) for f in faults)]
+    during = [r["end"] - r["start"] for r in answered if any(overlaps(r, f) for f in faults)]
+    calm = [r["end"] - r["start"] for r in answered if not any(overlaps(r, f) for f in faults)]
     growth = memory_growth(samples)
     longest = max((n for s in samples for n in s.streams.values()), default=0)
     report = {
@@ -77,6 +149,7 @@ def summarize(requests: Sequence[dict], faults: Sequence[Fault], samples: Sequen
         "hung": sum(r["status"] == "HUNG" for r in requests),
         "wrong_outputs": sum(r["check"] == "wrong" for r in requests),
         "checked_outputs": sum(r["check"] == "ok" for r in requests),
+        "explained": explained,
         "unexplained_failures": len(unexplained),
         "unexplained": [{k: r[k] for k in ("kind", "status", "start", "end")} for r in unexplained[:20]],
         "outcomes_by_kind": {kind: dict(Counter(r["status"] for r in requests if r["kind"] == kind))

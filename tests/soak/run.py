@@ -1,9 +1,13 @@
-"""`make soak`: the whole cluster on one machine (Redis behind a delaying proxy, two verifiers, a drafter
-process, the router; supervised as `specmesh up` does) under sustained mixed traffic from locust, while
-faults arrive at random: kill -9 and SIGSTOP of verifiers and drafters, Redis restarted, the network
-to Redis slowed down. Writes a JSON report (default out/soak.json) and exits 1 unless nothing hung, no
-output was wrong, every failure is one a fault explains, memory grew < 10 %, the streams stayed short
-and, once the load is over, no request, KV cache or drafter session is held any more.
+"""`make soak`: the whole cluster on one machine (Redis behind a delaying proxy, two verifiers, every
+shipped drafter, two routers; supervised as `specmesh up` does) under sustained mixed traffic from
+locust, while faults arrive at random: kill -9 and SIGSTOP of verifiers and drafters, kill -9 of a
+router, Redis restarted, the network to Redis slowed down. After each fault a probe measures when every
+router serves again: a failure is excused only if its request was under way between the fault and that
+recovery, and only by a fault that causes its status (a router's death: the HTTP requests sent to it;
+SDK clients fail over and resume, so none of theirs). Writes a JSON report (default out/soak.json),
+every excused failure listed with its fault, and exits 1 unless nothing hung, no output was wrong,
+every failure is excused, memory grew < 10 %, the streams stayed short and, once the load is over, no
+request, KV cache or drafter session is held any more.
 
     python tests/soak/run.py --duration 180          # what CI runs (make soak)
     python tests/soak/run.py --duration 1800         # the 30-minute run (docs/soak.md)
@@ -22,20 +26,30 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
 import psutil
 import redis
 
 sys.path.insert(0, str(Path(__file__).parent))
 from proxy import DelayProxy  # noqa: E402
-from report import UNAVAILABLE, Fault, Sample, summarize  # noqa: E402
+from report import (  # noqa: E402
+    FINE, UNAVAILABLE, Fault, Sample, detectable_shift, homogeneity, overlaps, summarize,
+)
 
+from specmesh.bench.tune import TUNING_PROMPTS  # noqa: E402
 from specmesh.client import Client  # noqa: E402
-from specmesh.cluster.launcher import ClusterSpec, LocalCluster, ServiceProcess  # noqa: E402
+from specmesh.cluster.drafter_sessions import DEFAULT_IDLE_S as DRAFTER_IDLE_S  # noqa: E402
+from specmesh.cluster.launcher import DEFAULT_DRAFTERS, ClusterSpec, LocalCluster, ServiceProcess  # noqa: E402
+from specmesh.cluster.pipeline.worker import SESSION_IDLE_S as VERIFIER_IDLE_S  # noqa: E402
 from specmesh.cluster.redis_server import RedisServer  # noqa: E402
 from specmesh.prompts import encode_chat, mtbench_prompts  # noqa: E402
 
-JOB_TIMEOUT_S = 20.0  # the router's per-step limit: a failure up to this long after a fault is the fault's
-FAULT_KINDS = ("kill_verifier", "kill_drafter", "stop_verifier", "stop_drafter", "restart_redis", "delay_redis")
+JOB_TIMEOUT_S = 20.0  # the router's per-step limit
+FAULT_KINDS = ("kill_verifier", "kill_drafter", "kill_router", "stop_verifier", "stop_drafter", "restart_redis",
+               "delay_redis")
+LENGTHS = (24, 64, 128, 256)  # the greedy answers' max_tokens, in turn over the prompts
+ROUTER_DIED = ("HTTP_CONNECTION",)  # what a router's death does to the HTTP requests sent to it
+SESSION_IDLE_S = max(VERIFIER_IDLE_S, DRAFTER_IDLE_S)
 FAULT_S = 20.0  # about how long a fault lasts, a restarted model process's loading included
 QUIET_S = 20.0  # the load's last seconds are fault-free: the run ends on a calm cluster
 
@@ -45,41 +59,113 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--duration", type=float, default=180.0, help="seconds of load (default 180)")
     parser.add_argument("--users", type=int, default=6, help="concurrent clients (default 6)")
     parser.add_argument("--verifiers", type=int, default=2)
-    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--max-tokens", type=int, default=256, help="the longest greedy answer (default 256)")
     parser.add_argument("--fault-every", type=float, default=None,
                         help="mean seconds between faults (default: every kind once in a 3-minute run, at most 30)")
     parser.add_argument("--seed", type=int, default=0, help="the faults' random order and timing")
+    parser.add_argument("--sampling-draws", type=int, default=200,
+                        help="speculative and plain answers per prompt for the sampling check (default 200)")
     parser.add_argument("--out", default="out/soak.json")
     parser.add_argument("--log-dir", default="out/soak-logs")
     return parser
 
 
-def references(cluster: LocalCluster, count: int, max_tokens: int, temperature: float) -> dict:
-    """Greedy: plain decoding in this process (what every greedy answer must be). Seeded sampling without
-    speculation: the cluster's own answer before any fault (what every later answer must be)."""
+def soak_prompts(per_category: int = 2) -> list[tuple[str, str]]:
+    """(category, prompt): ``per_category`` held-out prompts of each category of the tuning prompts (what
+    the experts are for), and as many chat questions of MT-Bench."""
+    lines = [json.loads(line) for line in TUNING_PROMPTS.read_text().splitlines() if line.strip()]
+    chosen = [(c, [x["prompt"] for x in lines if x["category"] == c][:per_category])
+              for c in sorted({x["category"] for x in lines})]
+    every = mtbench_prompts()
+    chosen.append(("chat", [q.text for q in every[3 :: len(every) // per_category][:per_category]]))
+    return [(category, text) for category, texts in chosen for text in texts]
+
+
+def references(cluster: LocalCluster, max_tokens: int, temperature: float, sampled_tokens: int = 24) -> dict:
+    """Greedy: plain decoding in this process (what every greedy answer must be), each prompt with its own
+    length (``LENGTHS`` in turn, at most ``max_tokens``). Seeded sampling without speculation: the
+    cluster's own answer before any fault (what every later answer must be)."""
     from specmesh.runtime.loading import EMBEDDED_DEFAULT, load_hf_model
     from specmesh.runtime.target import target_runtime
     from specmesh.sampling import SamplingParams
     from specmesh.speculation.assembly import eos_token_ids
     from specmesh.speculation.engine import Request, SpeculativeEngine
 
-    every = mtbench_prompts()
-    prompts = [q.text for q in every[3 :: len(every) // count][:count]]
+    cases = soak_prompts()
     target = load_hf_model(EMBEDDED_DEFAULT, dtype="float32", device="cpu")
     engine = SpeculativeEngine(target_runtime(target), [], max_tree_nodes=0, eos_token_ids=eos_token_ids(target))
     greedy = []
-    for text in prompts:
-        (out,) = engine.generate([Request(tuple(encode_chat(target.tokenizer, text)), SamplingParams(max_tokens=max_tokens))])
-        greedy.append({"prompt": text, "tokens": out.token_ids,
+    for i, (category, text) in enumerate(cases):
+        length = min(LENGTHS[i % len(LENGTHS)], max_tokens)
+        (out,) = engine.generate([Request(tuple(encode_chat(target.tokenizer, text)), SamplingParams(max_tokens=length))])
+        greedy.append({"category": category, "prompt": text, "max_tokens": length, "tokens": out.token_ids,
                        "text": target.tokenizer.decode(out.token_ids, skip_special_tokens=True)})
     sampled = []
     with Client(cluster.router_address) as client:
-        for i, text in enumerate(prompts):
-            answer = client.generate(chat=[("user", text)], max_tokens=max_tokens, temperature=temperature,
+        for i, (_, text) in enumerate(cases):
+            answer = client.generate(chat=[("user", text)], max_tokens=sampled_tokens, temperature=temperature,
                                      seed=1000 + i, speculation="off")
             sampled.append({"prompt": text, "seed": 1000 + i, "tokens": list(answer.token_ids)})
-    return {"model": target.name, "max_tokens": max_tokens, "temperature": temperature, "greedy": greedy,
-            "sampled": sampled}
+    shortest = sorted((text for _, text in cases), key=len)[:2]  # prefilled many times over by the check
+    return {"model": target.name, "sampled_max_tokens": sampled_tokens, "temperature": temperature,
+            "greedy": greedy, "sampled": sampled, "distribution": {"prompts": shortest, "positions": 3}}
+
+
+def sampling_check(cluster: LocalCluster, refs: dict, requests: list[dict], draws: int) -> dict:
+    """Speculative sampling judged by its tokens' frequencies: at each of the first positions of each
+    distribution prompt, the speculative answers (the load's, topped up to ``draws`` on the calm cluster,
+    speculating every step) against as many plain ones (speculation off), by a chi-square test of
+    homogeneity at 1 % overall (Bonferroni), each test's power stated as the shift it finds 80 % of the time."""
+    import asyncio
+
+    from specmesh.client import AsyncClient
+
+    spec = refs["distribution"]
+    prompts, positions, temperature = spec["prompts"], spec["positions"], refs["temperature"]
+    loaded = [r for r in requests if r["kind"] == "grpc_sampling" and r["status"] == "OK"]
+    speculative = [[r["tokens"] for r in loaded if r["prompt_index"] == i] for i in range(len(prompts))]
+
+    async def draw(client, gate, prompt: str, speculation: str) -> list[int]:
+        async with gate:
+            answer = await client.generate(chat=[("user", prompt)], max_tokens=positions, temperature=temperature,
+                                           speculation=speculation)
+            return list(answer.token_ids)
+
+    async def top_up():
+        gate = asyncio.Semaphore(16)
+        async with AsyncClient(cluster.router_addresses, api_key=cluster.client_key) as client:
+            for i, prompt in enumerate(prompts):
+                more = max(draws - len(speculative[i]), 0)
+                speculative[i] += await asyncio.gather(*(draw(client, gate, prompt, "fixed") for _ in range(more)))
+            return [await asyncio.gather(*(draw(client, gate, p, "off") for _ in speculative[i]))
+                    for i, p in enumerate(prompts)]
+
+    plain = asyncio.run(top_up())
+    alpha = 0.01 / (len(prompts) * positions)
+    tests = []
+    for i in range(len(prompts)):
+        for position in range(positions):
+            a = [t[position] for t in speculative[i] if len(t) > position]
+            b = [t[position] for t in plain[i] if len(t) > position]
+            p_value, dof = homogeneity(a, b)
+            tests.append({"prompt": i, "position": position + 1, "speculative": len(a), "plain": len(b),
+                          "p_value": p_value, "dof": dof, "detectable_shift": detectable_shift(a, b, alpha)})
+    return {"alpha_each": alpha, "from_load": len(loaded), "tests": tests,
+            "passed": all(t["p_value"] >= alpha for t in tests)}
+
+
+def recovery(cluster: LocalCluster, timeout_s: float = 120.0) -> float:
+    """When every router answers a short plain request again (unix time; the timeout's end if never)."""
+    deadline = time.monotonic() + timeout_s
+    for address in cluster.router_addresses:
+        with Client(address, timeout_s=10.0, retries=0) as client:
+            while time.monotonic() < deadline:
+                try:
+                    client.generate(prompt_ids=[5, 6, 7], max_tokens=2, speculation="off")
+                    break
+                except grpc.RpcError:
+                    time.sleep(0.5)
+    return time.time()
 
 
 class Injector(threading.Thread):
@@ -111,8 +197,10 @@ class Injector(threading.Thread):
             except Exception as exc:  # the harness's own trouble: said, and the run goes on
                 print(f"soak: fault {kind} could not be made: {exc}", flush=True)
                 continue
+            fault.recovered = recovery(self.cluster)
             self.faults.append(fault)
-            print(f"soak: {fault.kind} {fault.target} ({fault.end - fault.start:.1f} s)", flush=True)
+            print(f"soak: {fault.kind} {fault.target} ({fault.end - fault.start:.1f} s, served again after "
+                  f"{fault.recovered - fault.start:.1f} s)", flush=True)
 
     def _victim(self, processes: list[ServiceProcess]) -> ServiceProcess:
         return self.rng.choice([p for p in processes if p.alive()])
@@ -131,6 +219,12 @@ class Injector(threading.Thread):
 
     def kill_drafter(self) -> Fault:
         return self._kill("kill_drafter", self._victim(self.cluster.drafters))
+
+    def kill_router(self) -> Fault:  # SDK clients fail over and resume; HTTP clients sent to it get an error
+        victim = self._victim(self.cluster.routers)
+        fault = self._kill("kill_router", victim)
+        fault.explains, fault.via = ROUTER_DIED, http_base(self.cluster, victim)
+        return fault
 
     def _pause(self, kind: str, victim: ServiceProcess, seconds: float) -> Fault:
         started = time.time()
@@ -216,14 +310,21 @@ def counters(cluster: LocalCluster) -> dict[str, float]:
     return totals
 
 
-def settled(cluster: LocalCluster, timeout_s: float = 30.0) -> dict[str, float]:
-    """``counters`` once nothing is held any more (closes are served within a second or so), or at the timeout."""
-    deadline = time.monotonic() + timeout_s
+def settled(cluster: LocalCluster, last_fault_end: float, timeout_s: float = 30.0) -> dict[str, float]:
+    """``counters`` once nothing is held any more, or at the timeout: 30 s (closes are served within a second
+    or so), and at least the sessions' idle limit after the last fault (a killed router closes nothing: its
+    requests' KV and drafter sessions are freed once idle that long)."""
+    deadline = time.monotonic() + max(timeout_s, last_fault_end + SESSION_IDLE_S + timeout_s - time.time())
     while True:
         found = counters(cluster)
         if not any(found[key] for key in HELD.values()) or time.monotonic() >= deadline:
             return found
         time.sleep(1.0)
+
+
+def http_base(cluster: LocalCluster, router: ServiceProcess) -> str:
+    """A router's HTTP API, as the locustfile addresses it."""
+    return cluster.http_urls[cluster.routers.index(router)].removesuffix("/v1")
 
 
 def main(argv=None) -> int:
@@ -234,19 +335,20 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     redis_server = RedisServer(log_path=log_dir / "redis.log").start()
     proxy = DelayProxy(redis_server.port).start()
-    spec = ClusterSpec(drafters=("ngram", "code"), verifiers=args.verifiers, job_timeout_s=JOB_TIMEOUT_S,
+    spec = ClusterSpec(drafters=DEFAULT_DRAFTERS, verifiers=args.verifiers, routers=2, job_timeout_s=JOB_TIMEOUT_S,
                        redis_url=f"redis://127.0.0.1:{proxy.port}/0", log_dir=log_dir)
     cluster = LocalCluster(spec)
     try:
         print("soak: starting the cluster ...", flush=True)
         cluster.start()
         print("soak: references (plain greedy in process, seeded sampling through the calm cluster) ...", flush=True)
-        refs = references(cluster, count=8, max_tokens=args.max_tokens, temperature=0.8)
+        refs = references(cluster, max_tokens=args.max_tokens, temperature=0.8)
         (log_dir / "references.json").write_text(json.dumps(refs))
         results = log_dir / "requests.jsonl"
         results.write_text("")
         env = {**os.environ, "SOAK_REFERENCES": str(log_dir / "references.json"), "SOAK_RESULTS": str(results),
-               "SOAK_ROUTER": cluster.router_address, "SOAK_HTTP": cluster.http_url.removesuffix("/v1")}
+               "SOAK_ROUTER": ",".join(cluster.router_addresses),
+               "SOAK_HTTP": ",".join(http_base(cluster, r) for r in cluster.routers)}
         started = time.time()
         sampler = Sampler(cluster, redis_server)
         # the faults themselves take ~90 s a round (two restarts of a model process among them)
@@ -269,9 +371,15 @@ def main(argv=None) -> int:
         sampler.stop.set()
         sampler.join()
         requests = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
-        report = summarize(requests, injector.faults, sampler.samples, started, ended, grace_s=JOB_TIMEOUT_S + 5)
+        report = summarize(requests, injector.faults, sampler.samples, started, ended)
+        kills = [f for f in injector.faults if f.kind == "kill_router"]
+        report["sdk_requests_lost_to_router_kills"] = sum(
+            r["api"] == "grpc" and r["status"] not in FINE and any(overlaps(r, f) for f in kills) for r in requests)
         report["restarts"] = cluster.supervisor.restarts if cluster.supervisor else {}
-        report["counters"] = settled(cluster)
+        print("soak: speculative sampling against plain sampling ...", flush=True)
+        report["sampling"] = sampling_check(cluster, refs, requests, args.sampling_draws)
+        report["passed"] = report["passed"] and report["sampling"]["passed"]
+        report["counters"] = settled(cluster, max((f.end for f in injector.faults), default=0.0))
         report["held_at_end"] = {key: report["counters"][key] for key in HELD.values()}
         report["passed"] = report["passed"] and not any(report["held_at_end"].values())
         out.write_text(json.dumps(report, indent=2))
@@ -279,9 +387,13 @@ def main(argv=None) -> int:
         cluster.stop()
         proxy.stop()
         redis_server.stop()
-    print(json.dumps({k: report[k] for k in ("sent", "completed", "failed", "hung", "wrong_outputs",
-                                              "unexplained_failures", "memory_growth_fraction", "longest_stream",
+    print(json.dumps({k: report[k] for k in ("sent", "completed", "failed", "hung", "wrong_outputs", "checked_outputs",
+                                              "unexplained_failures", "sdk_requests_lost_to_router_kills", "memory_growth_fraction", "longest_stream",
                                               "latency_s", "restarts", "counters", "held_at_end", "passed")}, indent=1))
+    for test in report["sampling"]["tests"]:
+        print(f"soak: sampling, prompt {test['prompt']} position {test['position']}: p = {test['p_value']:.3f} "
+              f"({test['speculative']} speculative, {test['plain']} plain; finds a shift of "
+              f"{test['detectable_shift'] or 0:.2f} 80 % of the time)", flush=True)
     print(f"soak: {'passed' if report['passed'] else 'FAILED'}; the report is {out}", flush=True)
     return 0 if report["passed"] else 1
 

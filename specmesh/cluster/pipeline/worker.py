@@ -35,11 +35,14 @@ PREFILL_SHARE = 0.5
 PREFILL_CHUNK_MS = 25.0
 ALONE_PREFILL_MS = 250.0
 HELD_READ_MS = 20  # a held prefill waits on a blocking read for the jobs that earn its credit, not a spin
+# A live request's session is used at every step, so one unused this long has lost its router (killed: it
+# closes nothing) or waited past any job timeout; a request that does come back pays a resync
+SESSION_IDLE_S = 60.0
 
 
 class VerifierWorker:
     def __init__(self, verifier: TreeVerifier, queue: VerifierQueue, torch_thread: TorchThread,
-                 max_batch_rows: int = 2048, max_jobs_per_read: int = 64, session_idle_s: float = 300.0,
+                 max_batch_rows: int = 2048, max_jobs_per_read: int = 64, session_idle_s: float = SESSION_IDLE_S,
                  metrics: VerifierMetrics | None = None) -> None:
         self.verifier = verifier
         self.metrics = metrics or VerifierMetrics()
@@ -47,7 +50,7 @@ class VerifierWorker:
         self.queue = queue
         self.max_batch_rows = max_batch_rows
         self.max_jobs_per_read = max_jobs_per_read
-        self.session_idle_s = session_idle_s  # a session unused this long lost its router: free it
+        self.session_idle_s = session_idle_s
         self.draining = False
         self.stopped = asyncio.Event()
         self.finished = asyncio.Event()
