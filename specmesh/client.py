@@ -78,7 +78,7 @@ def _addresses(address: str | Sequence[str]) -> list[str]:
 
 
 def _backoff_s(attempt: int, routers: int) -> float:
-    """Before the ``attempt``-th try (from 1): none while untried routers are left, then 0.2 s doubling."""
+    """Before try ``attempt`` (from 0): none while untried routers are left, then 0.2 s doubling."""
     if attempt == 0 or attempt % routers:
         return 0.0
     return min(0.2 * 2 ** (attempt // routers - 1), 5.0)

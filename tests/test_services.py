@@ -145,7 +145,7 @@ def test_a_resumed_stream_goes_on_from_the_tokens_the_client_has(redis_server, m
                 # the tiny model has no end-of-sequence token: one that its answer never holds becomes it
                 eos = next(t for t in range(3, 100) if t not in whole.token_ids)
                 stack.router.card = dataclasses.replace(stack.router.card, eos_token_ids=frozenset({eos}))
-                for ids in (whole.token_ids, [*whole.token_ids[:3], eos]):
+                for ids in (whole.token_ids, [*whole.token_ids[:3], eos], [5, -1]):
                     with pytest.raises(grpc.aio.AioRpcError) as err:
                         await stub.Generate(resumed(ids), timeout=10)
                     errors.append((err.value.code(), err.value.details()))
@@ -156,8 +156,9 @@ def test_a_resumed_stream_goes_on_from_the_tokens_the_client_has(redis_server, m
     head = tokenizer.decode(whole.token_ids[:7], skip_special_tokens=True)
     assert head + "".join(c.text for c in chunks) == whole.text
     assert chunks[-1].usage.completion_tokens == MAX_TOKENS and chunks[-1].usage.prompt_tokens == len(prompt)
-    for code, details in errors:
+    for code, details in errors[:2]:
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "resume_ids" in details and "complete" in details
+    assert errors[2][0] == grpc.StatusCode.INVALID_ARGUMENT and "resume_ids" in errors[2][1] and "-1" in errors[2][1]
 
 
 def test_invalid_arguments_are_refused_naming_the_field(redis_server, model, tokenizer):

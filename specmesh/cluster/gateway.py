@@ -188,6 +188,10 @@ class Router:
             budget = 0
         resumed = tuple(int(t) for t in resume_ids)
         if resumed:
+            outside = [t for t in resumed if not 0 <= t < self.card.vocab_size]
+            if outside:
+                raise InvalidArgument("resume_ids", f"token ids {outside[:5]} are outside the vocabulary "
+                                                    f"(0..{self.card.vocab_size - 1})")
             if len(resumed) >= params.max_tokens:
                 raise InvalidArgument("resume_ids", f"holds {len(resumed)} tokens: the answer of at most "
                                       f"{params.max_tokens} tokens is already complete")
