@@ -236,8 +236,7 @@ class _Routers:
 
     def fail_over(self, exc: grpc.RpcError, attempt: int) -> bool:
         """Whether a call that failed so on its ``attempt``-th try (from 0) goes on at the next router."""
-        return (len(self.stubs) > 1 and attempt < self.retries
-                and isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE)
+        return len(self.stubs) > 1 and attempt < self.retries and exc.code() == grpc.StatusCode.UNAVAILABLE
 
 
 class Client:

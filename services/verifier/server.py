@@ -22,9 +22,9 @@ from specmesh.cluster.pipeline.messages import ENV_KEY as QUEUE_KEY
 from specmesh.cluster.pipeline.messages import QueueKeys, QueueSigner, new_key
 from specmesh.cluster.pipeline.verifier_end import VerifierQueue
 from specmesh.cluster.pipeline.worker import SESSION_IDLE_S, VerifierWorker
-from specmesh.errors import InvalidArgument
 from specmesh.cluster.serving import Server, Service, TorchThread, env_default, run_service, start_server
 from specmesh.cluster.tls import TlsFiles, add_tls_flags
+from specmesh.errors import InvalidArgument
 from specmesh.runtime.calibration import measure_pass_curve
 from specmesh.runtime.loading import EMBEDDED_DEFAULT, configure_threads, load_hf_model, tokenizer_fingerprint
 from specmesh.runtime.precision import check_precision

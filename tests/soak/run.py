@@ -16,6 +16,7 @@ request, KV cache or drafter session is held any more.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import random
@@ -37,7 +38,7 @@ from report import (  # noqa: E402
 )
 
 from specmesh.bench.tune import TUNING_PROMPTS  # noqa: E402
-from specmesh.client import Client  # noqa: E402
+from specmesh.client import AsyncClient, Client  # noqa: E402
 from specmesh.cluster.drafter_sessions import DEFAULT_IDLE_S as DRAFTER_IDLE_S  # noqa: E402
 from specmesh.cluster.launcher import DEFAULT_DRAFTERS, ClusterSpec, LocalCluster, ServiceProcess  # noqa: E402
 from specmesh.cluster.pipeline.worker import SESSION_IDLE_S as VERIFIER_IDLE_S  # noqa: E402
@@ -116,10 +117,6 @@ def sampling_check(cluster: LocalCluster, refs: dict, requests: list[dict], draw
     distribution prompt, the speculative answers (the load's, topped up to ``draws`` on the calm cluster,
     speculating every step) against as many plain ones (speculation off), by a chi-square test of
     homogeneity at 1 % overall (Bonferroni), each test's power stated as the shift it finds 80 % of the time."""
-    import asyncio
-
-    from specmesh.client import AsyncClient
-
     spec = refs["distribution"]
     prompts, positions, temperature = spec["prompts"], spec["positions"], refs["temperature"]
     loaded = [r for r in requests if r["kind"] == "grpc_sampling" and r["status"] == "OK"]
