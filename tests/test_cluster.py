@@ -39,6 +39,7 @@ pytestmark = pytest.mark.slow
 MAX_TOKENS = 64
 NUM_PROMPTS = 20
 JOB_TIMEOUT_S = 12.0
+UNRESPONSIVE_S = 10.0  # the supervisor's patience with a process that says it is not serving
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +64,7 @@ def plain_outputs(questions):
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, plain_outputs):
     spec = ClusterSpec(drafters=("ngram", "code"), verifiers=2, routers=2, job_timeout_s=JOB_TIMEOUT_S, draft_ahead=True,
-                       log_dir=tmp_path_factory.mktemp("cluster-logs"))
+                       unresponsive_s=UNRESPONSIVE_S, log_dir=tmp_path_factory.mktemp("cluster-logs"))
     with LocalCluster(spec) as running:
         yield running
 
@@ -82,11 +83,13 @@ def metric_total(url: str, name: str, label: str = "") -> float:
                if line.startswith(name) and line[len(name)] in " {" and label in line)
 
 
-# what each kind of service counts for every request
-MOVING = {"router": ("specmesh_generated_tokens_total", "specmesh_target_steps_total", "specmesh_drafter_drafts_total",
-                     "specmesh_drafter_draft_tokens_total", "specmesh_routing_decisions_total"),
-          "drafter": ("specmesh_rpc_requests_total",),
-          "verifier": ("specmesh_verify_jobs_total", "specmesh_verify_batch_tokens_count")}
+# what each kind of service counts for every request: (metric, label filter); the drafters' RPCs are
+# counted by method, as the supervisor's health checks count too
+MOVING = {"router": [(name, "") for name in (
+              "specmesh_generated_tokens_total", "specmesh_target_steps_total", "specmesh_drafter_drafts_total",
+              "specmesh_drafter_draft_tokens_total", "specmesh_routing_decisions_total")],
+          "drafter": [("specmesh_rpc_requests_total", 'method="Propose"')],
+          "verifier": [("specmesh_verify_jobs_total", ""), ("specmesh_verify_batch_tokens_count", "")]}
 
 
 @pytest.mark.parametrize("concurrency", [1, 8])
@@ -95,8 +98,8 @@ def test_greedy_through_the_cluster_is_plain_greedy(cluster, questions, plain_ou
         found: dict[tuple[str, str], float] = {}
         for process in cluster.processes():
             kind = process.name.split("-")[0]
-            for name in MOVING[kind]:
-                found[kind, name] = found.get((kind, name), 0.0) + metric_total(process.metrics_url, name)
+            for name, label in MOVING[kind]:
+                found[kind, name] = found.get((kind, name), 0.0) + metric_total(process.metrics_url, name, label)
         return found
 
     def code_drafts():  # trees the router asked of the code expert (sessions open with the first one)
@@ -267,6 +270,25 @@ def test_the_verifiers_control_api_answers_the_cluster_only(cluster, monkeypatch
     monkeypatch.setenv("SPECMESH_QUEUE_KEY", cluster.queue_key)  # the operator's command, as docs/security.md shows
     assert main(["verifier", "info", "--address", address]) == 0
     assert json.loads(capsys.readouterr().out)["verifier_id"] == info["verifier_id"]
+
+
+def test_a_drained_verifier_that_stays_drained_is_restarted(cluster, questions, plain_outputs):
+    victim = cluster.verifiers[0]
+    victim.wait_ready(300)  # the earlier tests may have restarted it
+    drained = victim.popen
+    started = time.monotonic()
+    call_verifier(victim.address, "drain", QueueSigner(cluster.queue_key))  # a refusal raises
+    wait_until(lambda: not victim.serving(), timeout_s=10, what="the drained verifier says NOT_SERVING")
+    wait_until(lambda: victim.popen is not drained, timeout_s=UNRESPONSIVE_S + 30,
+               what="the supervisor kills the drained verifier and starts it again")
+    assert time.monotonic() - started >= UNRESPONSIVE_S - 3  # not before it had its time (probes every 2 s)
+    assert drained.wait(5) == -signal.SIGKILL
+    victim.wait_ready(300)
+    assert any(f"{victim.name} has not been serving" in e for e in cluster.events)
+    with Client(cluster.router_address) as client:
+        wait_until(lambda: client.info().verifiers == len(cluster.verifiers), timeout_s=120,
+                   what="the router sees the restarted verifier")
+        assert client.generate(chat=[("user", questions[5])], max_tokens=MAX_TOKENS).token_ids == plain_outputs[5]
 
 
 def test_the_clusters_redis_asks_for_a_password_that_no_command_line_shows(cluster):

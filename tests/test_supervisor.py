@@ -1,5 +1,6 @@
 """The supervisor on real processes: what dies is started again after a growing wait; a crash loop is
-reported and left down, and ends the cluster only when the part is one it cannot serve without."""
+reported and left down, and ends the cluster only when the part is one it cannot serve without; a
+process that has stopped serving is killed and started again, one still starting is left alone."""
 
 import subprocess
 import sys
@@ -18,6 +19,7 @@ class Part:
         self.code = code
         self.popen = None
         self.starts: list[float] = []
+        self.answers = True  # what its health check says (None: no answer)
 
     def start(self) -> None:
         self.popen = subprocess.Popen([sys.executable, "-c", self.code])
@@ -25,6 +27,9 @@ class Part:
 
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
+
+    def serving(self) -> bool | None:
+        return self.answers
 
     def kill(self) -> None:
         self.popen.kill()
@@ -66,3 +71,32 @@ def test_a_stopped_supervisor_restarts_nothing():
     part.kill()
     time.sleep(0.3)
     assert len(part.starts) == 1 and not supervisor.failed.is_set()
+
+
+def test_a_process_that_stops_serving_is_killed_and_started_again():
+    stuck, starting = Part("stuck", "import time; time.sleep(60)"), Part("starting", "import time; time.sleep(60)")
+    starting.answers = None  # silent, never served since its start: still starting, not judged
+    for part in (stuck, starting):
+        part.start()
+    said = []
+    supervisor = Supervisor(lambda: [stuck, starting], essential=lambda p: False, report=said.append,
+                            first_delay_s=0.05, every_s=0.02, unresponsive_s=0.5, probe_every_s=0.05).start()
+    try:
+        time.sleep(0.3)  # it serves: left alone
+        assert len(stuck.starts) == 1
+        first, stuck.answers = stuck.popen, None  # it hangs
+        went = time.monotonic()
+        wait_until(lambda: len(stuck.starts) == 2, what="the process that hangs is started again")
+        assert stuck.starts[1] - went >= 0.5 and first.returncode == -9
+        second, stuck.answers = stuck.popen, False  # it answers that it does not serve (drained), at once
+        went = time.monotonic()
+        wait_until(lambda: len(stuck.starts) == 3, what="the process that says it does not serve is started again")
+        assert stuck.starts[2] - went >= 0.5 and second.returncode == -9
+        assert sum("stuck has not been serving for" in line for line in said) == 2
+        assert len(starting.starts) == 1 and starting.alive()
+        assert supervisor.restarts == {"stuck": 2, "starting": 0}
+    finally:
+        supervisor.stop()
+        for part in (stuck, starting):
+            if part.alive():
+                part.kill()

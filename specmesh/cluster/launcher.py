@@ -76,6 +76,7 @@ class ClusterSpec:
     job_timeout_s: float = 30.0
     log_dir: Path | None = None  # None: a temporary directory, removed by ``stop(clean=True)``
     supervise: bool = True  # start again what dies (see specmesh.cluster.supervisor)
+    unresponsive_s: float = 30.0  # and kill, then start again, what has stopped serving this long
     redis_url: str | None = None  # a Redis of the caller's (not started, stopped or supervised here)
     extra_env: dict[str, str] = field(default_factory=dict)
 
@@ -84,6 +85,8 @@ class ClusterSpec:
         check_precision(self.precision)  # else the router refuses it only once all is up
         if self.routers < 1:
             raise InvalidArgument("routers", f"must be >= 1, got {self.routers}")
+        if not self.unresponsive_s > 0:
+            raise InvalidArgument("unresponsive_s", f"must be > 0, got {self.unresponsive_s}")
         if self.kv_cache_gb is not None and not self.kv_cache_gb > 0:
             raise InvalidArgument("kv_cache_gb", f"must be > 0, got {self.kv_cache_gb}")
 
@@ -98,6 +101,7 @@ class ServiceProcess:
     metrics_port: int = 0  # where its Prometheus metrics are served (0: not served)
     popen: subprocess.Popen | None = None
     credentials: grpc.ChannelCredentials | None = None  # to reach it when it serves TLS
+    _channel: grpc.Channel | None = field(default=None, repr=False)  # the supervisor's health checks
 
     @property
     def address(self) -> str:
@@ -128,6 +132,30 @@ class ServiceProcess:
         if self.alive():
             self.popen.send_signal(sig)
 
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        self.wait(10)
+
+    def channel(self) -> grpc.Channel:
+        return (grpc.secure_channel(self.address, self.credentials) if self.credentials is not None
+                else grpc.insecure_channel(self.address))
+
+    def serving(self, timeout_s: float = 1.0) -> bool | None:
+        """What its gRPC health check (the server's own, "") says now: a drained verifier says NOT_SERVING
+        (False); one starting or hung does not answer (None). A router without verifiers stays SERVING here."""
+        if self._channel is None:
+            self._channel = self.channel()
+        try:
+            answer = health_pb2_grpc.HealthStub(self._channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        except grpc.RpcError:
+            return None
+        return answer.status == health_pb2.HealthCheckResponse.SERVING
+
+    def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
     def wait(self, timeout_s: float) -> int | None:
         try:
             return self.popen.wait(timeout=timeout_s) if self.popen else None
@@ -143,9 +171,7 @@ class ServiceProcess:
     def wait_ready(self, timeout_s: float) -> None:
         """Until its gRPC health check says SERVING; fails early if the process dies."""
         deadline = time.monotonic() + timeout_s
-        channel = (grpc.secure_channel(self.address, self.credentials) if self.credentials is not None
-                   else grpc.insecure_channel(self.address))
-        with channel:
+        with self.channel() as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
                 if not self.alive():
@@ -309,7 +335,7 @@ class LocalCluster:
             raise
         if spec.supervise:
             self.supervisor = Supervisor(lambda: [*filter(None, [self.redis]), *self.processes()], self._essential,
-                                         self._report).start()
+                                         self._report, unresponsive_s=spec.unresponsive_s).start()
         return self
 
     def _essential(self, part) -> bool:
@@ -342,6 +368,8 @@ class LocalCluster:
                 process.wait(5)
         if self.supervisor is not None:
             self.supervisor.stop()
+        for process in self.processes():
+            process.close()
         if self.redis is not None:
             self.redis.stop()
         if clean and self.temporary and not self.keep_logs:

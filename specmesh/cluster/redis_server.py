@@ -88,6 +88,15 @@ class RedisServer:
         self.stop()
         raise Unavailable(f"redis-server did not answer on port {self.port} within {timeout_s:.0f} s")
 
+    def serving(self) -> bool | None:
+        """True if it answers a PING (None if not: starting, or hung)."""
+        return self._ping() or None
+
+    def kill(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+
     def _ping(self) -> bool:
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as plain:

@@ -3,8 +3,12 @@
 A process that crashes is restarted after a wait that doubles with each crash in the last ``window_s``
 (0.5 s, 1 s, 2 s ... at most ``max_delay_s``); more than ``max_restarts`` crashes in the window is a
 crash loop: it is reported and left down. If that process is one the cluster cannot serve without
-(``essential``), ``failed`` is set and the launcher shuts the cluster down. In Kubernetes the kubelet
-does this job (restartPolicy, CrashLoopBackOff) and the chart's probes decide when a pod is restarted.
+(``essential``), ``failed`` is set and the launcher shuts the cluster down.
+
+A process that is alive but does not serve (it says NOT_SERVING, as a drained verifier does; or, having
+served since its start, it no longer answers) for ``unresponsive_s`` is killed, then restarted as a crash:
+a liveness probe. In Kubernetes the kubelet does this job (restartPolicy, CrashLoopBackOff, the chart's
+liveness probes).
 """
 
 from __future__ import annotations
@@ -23,6 +27,12 @@ class Supervised(Protocol):
 
     def start(self) -> object: ...
 
+    def serving(self) -> bool | None:
+        """A short probe: True if it answers that it serves, False if it answers that it does not, None if
+        it does not answer (still starting, or hung)."""
+
+    def kill(self) -> None: ...
+
 
 @dataclass
 class Record:
@@ -30,12 +40,16 @@ class Record:
     restart_at: float | None = None  # when the next start is due (None: running, or given up)
     restarts: int = 0
     given_up: bool = False
+    served: bool = False  # it has answered as serving since its last start
+    unserving_since: float | None = None  # since when it has not served
+    probed_at: float = float("-inf")
 
 
 class Supervisor:
     def __init__(self, parts: Callable[[], Sequence[Supervised]], essential: Callable[[Supervised], bool],
                  report: Callable[[str], None] = print, max_restarts: int = 5, window_s: float = 60.0,
-                 first_delay_s: float = 0.5, max_delay_s: float = 10.0, every_s: float = 0.2) -> None:
+                 first_delay_s: float = 0.5, max_delay_s: float = 10.0, every_s: float = 0.2,
+                 unresponsive_s: float = 30.0, probe_every_s: float = 2.0) -> None:
         """``parts()``: the processes to watch (asked each round: the cluster may change); ``essential(p)``:
         whether the cluster can serve without ``p``; ``report``: where restarts and crash loops are said."""
         self.parts = parts
@@ -46,6 +60,8 @@ class Supervisor:
         self.first_delay_s = first_delay_s
         self.max_delay_s = max_delay_s
         self.every_s = every_s
+        self.unresponsive_s = unresponsive_s
+        self.probe_every_s = probe_every_s
         self.records: dict[str, Record] = {}
         self.failed = threading.Event()  # an essential process crash-loops: the cluster cannot serve
         self._hold = threading.Event()  # restart nothing more
@@ -90,7 +106,11 @@ class Supervisor:
                 continue
             if record.restart_at is None:
                 if part.alive():
-                    continue
+                    if not self._unresponsive(part, record, now):
+                        continue
+                    self.report(f"{part.name} has not been serving for {now - record.unserving_since:.0f} s: "
+                                f"killing it")
+                    part.kill()
                 record.crashes.append(now)
                 while record.crashes and record.crashes[0] < now - self.window_s:
                     record.crashes.popleft()
@@ -108,7 +128,24 @@ class Supervisor:
             if now >= record.restart_at:
                 record.restart_at = None
                 record.restarts += 1
+                record.served, record.unserving_since = False, None
                 try:
                     part.start()
                 except Exception as exc:  # it counts as the next crash at the next round
                     self.report(f"{part.name} could not be started again: {exc}")
+
+    def _unresponsive(self, part: Supervised, record: Record, now: float) -> bool:
+        """Whether ``part`` has not served for ``unresponsive_s``. Silence counts only once it has served
+        since its start: before, it is still starting (a start that never ends is its launcher's to time out)."""
+        if now - record.probed_at < self.probe_every_s:
+            return False
+        record.probed_at = now
+        serving = part.serving()
+        if serving is None and not record.served:
+            return False
+        if serving:
+            record.served, record.unserving_since = True, None
+            return False
+        if record.unserving_since is None:
+            record.unserving_since = now
+        return now - record.unserving_since >= self.unresponsive_s
