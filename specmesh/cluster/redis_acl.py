@@ -2,7 +2,8 @@
 (Redis 7 ACL selectors: a command allowed on one key pattern only).
 
 - router: posts jobs and closes (and looks whether one is still queued), reads results (and trims and drops the streams it read), reads the
-  verifiers' liveness and the drafters' registry. It cannot write a result.
+  verifiers' liveness and the drafters' registry, and the server's run id (INFO: a restart that emptied
+  the queue). It cannot write a result.
 - verifier: takes jobs (consumer group reads, acknowledgements, reclaiming), posts results, beats its
   heartbeat and keeps the member set. It cannot post a job or read a result.
 - drafter: announces itself in the registry (``--announce``), nothing else.
@@ -30,6 +31,7 @@ def role_rules(role: str, prefix: str = "specmesh") -> list[str]:
             f"(+smembers %R~{members})",
             f"(+exists +get %R~{alive})",
             f"(+scan %R~{drafters})",
+            "+info",
         ],
         "verifier": [
             f"(+xgroup|create +xreadgroup +xautoclaim +xpending +xclaim +xack +xdel +xlen +del %RW~{jobs})",

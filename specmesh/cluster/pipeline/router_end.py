@@ -412,9 +412,14 @@ class QueueVerifierClient:
             closed_on.clear()
 
     async def _watch_verifiers(self) -> None:
-        down_since = None
+        # a restart quicker than a round is seen by the server's run id, not as an error
+        down_since, seen_at, run_id = None, time.monotonic(), None
         while not self._stopping.is_set():
             try:
+                server = (await self.redis.info("server")).get("run_id")
+                if run_id is not None and server != run_id and down_since is None:
+                    down_since = seen_at
+                run_id, seen_at = server, time.monotonic()
                 members = [m.decode() for m in await self.redis.smembers(self.keys.members)]
                 beats = await asyncio.gather(*(self.redis.get(self.keys.alive(m)) for m in members))
                 self.alive = {m for m, beat in zip(members, beats) if beat is not None}

