@@ -430,17 +430,17 @@ def _redis_acl(args: argparse.Namespace) -> int:
     fresh passwords go to stderr."""
     import secrets
 
-    from specmesh.cluster.redis_acl import acl_line, admin_line
+    from specmesh.cluster.redis_acl import ROLES, acl_line, admin_line, redis_user
 
     lines = []
     if args.admin_password_env:
         lines.append(admin_line(_env_password(args.admin_password_env)))
-    for role in args.role or ("router", "verifier", "drafter"):
+    for role in args.role or ROLES:
         password = (_env_password(f"SPECMESH_REDIS_{role.upper()}_PASSWORD") if args.passwords_from_env
                     else secrets.token_urlsafe(24))
-        lines.append(acl_line(role, f"specmesh-{role}", password, args.prefix))
+        lines.append(acl_line(role, redis_user(role), password, args.prefix))
         if not args.passwords_from_env:
-            print(f"# {role}: SPECMESH_REDIS_URL=redis://specmesh-{role}:{password}@HOST:6379/0", file=sys.stderr)
+            print(f"# {role}: SPECMESH_REDIS_URL=redis://{redis_user(role)}:{password}@HOST:6379/0", file=sys.stderr)
     if args.output:
         Path(args.output).write_text("".join(f"{line}\n" for line in lines))
     else:

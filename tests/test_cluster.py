@@ -303,6 +303,29 @@ def test_the_clusters_redis_asks_for_a_password_that_no_command_line_shows(clust
     for process in [p for p in running if p.poll() is None]:  # those the kill tests left dead are gone
         command_line = Path(f"/proc/{process.pid}/cmdline").read_bytes()
         assert password.encode() not in command_line, process.args
+        assert not any(p.encode() in command_line for p in cluster.redis_passwords.values())
+
+
+def test_each_service_uses_redis_as_its_own_user_with_only_its_rights(cluster):
+    import redis
+    from redis.exceptions import NoPermissionError
+
+    users = {}
+    for process in cluster.processes():
+        environment = dict(line.split(b"=", 1) for line in
+                           Path(f"/proc/{process.popen.pid}/environ").read_bytes().split(b"\0") if b"=" in line)
+        url = environment[b"SPECMESH_REDIS_URL"].decode()
+        users[process.name] = url.split("//", 1)[1].split(":", 1)[0]
+        with redis.Redis.from_url(url) as own:
+            assert own.ping()
+            with pytest.raises(NoPermissionError):
+                own.flushall()  # no role may empty the queue
+            with pytest.raises(NoPermissionError):  # nor write what only another role writes
+                if users[process.name] == "specmesh-verifier":
+                    own.xadd("specmesh:default:jobs", {"job": b"forged"})
+                else:
+                    own.xadd("specmesh:results:r", {"result": b"forged"})
+    assert users == {p.name: f"specmesh-{p.name.split('-')[0]}" for p in cluster.processes()}
 
 
 def per_token_latency(client: Client, question: str) -> float:

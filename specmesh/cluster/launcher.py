@@ -31,6 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from specmesh.cluster.auth import ENV_KEYS
 from specmesh.cluster.pki import local_pki
 from specmesh.cluster.ports import free_port
+from specmesh.cluster.redis_acl import ROLES, acl_line, redis_user
 from specmesh.cluster.redis_server import RedisServer
 from specmesh.cluster.serving import PARENT_PID
 from specmesh.cluster.pipeline.messages import ENV_KEY as QUEUE_KEY
@@ -196,11 +197,13 @@ class LocalCluster:
         self.keep_logs = False  # set after a failure: a temporary log directory stays, for its logs
         self.log_dir = Path(self.spec.log_dir or tempfile.mkdtemp(prefix="specmesh-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        # the Redis started here asks for a password of this cluster's own: any local process could
-        # otherwise read and write the queue, or flush it
-        self.redis = None if self.spec.redis_url else RedisServer(log_path=self.log_dir / "redis.log",
-                                                                  password=new_key())
-        self.redis_url = self.spec.redis_url or self.redis.url
+        # the Redis started here asks for passwords of this cluster's own (any local process could otherwise
+        # read and write the queue, or flush it), one user per role with only the commands it needs
+        self.redis_passwords = {role: new_key() for role in ROLES}
+        self.redis = None if self.spec.redis_url else RedisServer(
+            log_path=self.log_dir / "redis.log", password=new_key(),
+            users=[acl_line(role, redis_user(role), password) for role, password in self.redis_passwords.items()])
+        self.redis_url = self.spec.redis_url or self.redis.url  # the operator's: every right
         self.verifiers: list[ServiceProcess] = []
         self.drafters: list[ServiceProcess] = []
         self.routers: list[ServiceProcess] = []
@@ -266,6 +269,8 @@ class LocalCluster:
         command = [sys.executable, "-m", f"specmesh.services.{module}", "--listen", f"127.0.0.1:{port}",
                    "--metrics-address", f"127.0.0.1:{metrics_port}", *args]
         env, credentials = self._env(threads), None
+        if self.redis is not None:  # the service's own user
+            env[REDIS_URL] = self.redis.url_for(redis_user(module), self.redis_passwords[module])
         if self.tls is not None:
             command += ["--tls-cert", str(self.tls.cert), "--tls-key", str(self.tls.key), "--tls-ca", str(self.tls.ca)]
             credentials = self.tls.channel_credentials()

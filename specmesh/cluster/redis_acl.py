@@ -46,6 +46,11 @@ def role_rules(role: str, prefix: str = "specmesh") -> list[str]:
     return rules[role]
 
 
+def redis_user(role: str) -> str:
+    """The user name a role connects as (the chart's and ``specmesh up``'s)."""
+    return f"specmesh-{role}"
+
+
 def acl_line(role: str, user: str, password: str, prefix: str = "specmesh") -> str:
     """One ``users.acl`` line: the user, on, its password, and nothing but its role's rules."""
     if not user or any(c.isspace() for c in user):

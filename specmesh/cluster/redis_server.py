@@ -64,15 +64,17 @@ class RedisServer:
     """``start()`` / ``stop()``; started again it keeps its port, empty (nothing is saved)."""
 
     def __init__(self, port: int | None = None, log_path: Path | None = None, extra_args: Sequence[str] = (),
-                 tls: TlsFiles | None = None, password: str | None = None) -> None:
+                 tls: TlsFiles | None = None, password: str | None = None, users: Sequence[str] = ()) -> None:
         """``extra_args``: more redis-server options (e.g. ``--aclfile users.acl``); ``tls``: serve TLS only
-        (clients must present a certificate from its CA), at ``rediss://``; ``password``: clients must
-        give it (``requirepass``, handed over on stdin: a command line is anyone's to read)."""
+        (clients must present a certificate from its CA), at ``rediss://``; ``password``: the default user's
+        (``requirepass``); ``users``: more users, as ACL lines (``specmesh.cluster.redis_acl.acl_line``).
+        Both are handed over on stdin: a command line is anyone's to read."""
         self.port = port or free_port()
         self.log_path = log_path
         self.extra_args = list(extra_args)
         self.tls = tls
         self.password = password
+        self.users = list(users)
         self.process: subprocess.Popen | None = None
 
     name = "redis"
@@ -85,6 +87,10 @@ class RedisServer:
         """With the password, if any (give it to services in their environment, not on a command line)."""
         credential = f":{quote(self.password, safe='')}@" if self.password else ""
         return f"{'rediss' if self.tls else 'redis'}://{credential}127.0.0.1:{self.port}/0"
+
+    def url_for(self, user: str, password: str) -> str:
+        """A user's URL (one of ``users``)."""
+        return f"{'rediss' if self.tls else 'redis'}://{quote(user, safe='')}:{quote(password, safe='')}@127.0.0.1:{self.port}/0"
 
     @property
     def address(self) -> str:
@@ -100,15 +106,16 @@ class RedisServer:
         if self.tls is not None:
             listen = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(self.tls.cert),
                       "--tls-key-file", str(self.tls.key), "--tls-ca-cert-file", str(self.tls.ca)]
-        config = ["-"] if self.password else []  # "-": the configuration on stdin, then the options
+        lines = [*([f"requirepass {self.password}"] if self.password else []), *self.users]
+        config = ["-"] if lines else []  # "-": the configuration on stdin, then the options
         command = [binary, *config, *listen, "--bind", "127.0.0.1", "--save", "",
                    "--appendonly", "no", "--daemonize", "no", *self.extra_args]
         output = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         # a session of its own: a terminal's Ctrl-C reaches the launcher, which stops Redis last
         self.process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, start_new_session=True,
-                                        stdin=subprocess.PIPE if self.password else subprocess.DEVNULL)
-        if self.password:
-            self.process.stdin.write(f"requirepass {self.password}\n".encode())
+                                        stdin=subprocess.PIPE if lines else subprocess.DEVNULL)
+        if lines:
+            self.process.stdin.write("".join(f"{line}\n" for line in lines).encode())
             self.process.stdin.close()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
