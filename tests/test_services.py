@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import json
 import sys
+import threading
 
 import grpc
 import pytest
@@ -276,6 +277,39 @@ def test_overload_is_resource_exhausted_and_cancel_frees_everything(redis_server
     # the stream held the router's only slot and a KV cache on the verifier until the client walked away
     assert held_at_cancel[0] == 1 and held_at_cancel[2] == 1, held_at_cancel
     assert len(again.token_ids) == 5
+
+
+def test_grpc_calls_left_before_their_first_answer_are_cancelled(redis_server, model, tokenizer):
+    """A burst of gRPC calls, streams and unary ones, cancelled while their first step waits for the
+    verifier: each is freed (its slot, drafter session and KV cache) and counted once as aborted."""
+    calls = 8  # of each kind
+
+    async def main():
+        async with ServiceStack(redis_server.url, model, tokenizer, NgramDrafter(), metrics=True) as stack:
+            verifier = stack.pool.workers[0]
+            hold = threading.Event()
+            busy = asyncio.ensure_future(verifier.torch_thread.run(hold.wait))  # no pass runs until it is set
+            try:
+                async with grpc.aio.insecure_channel(stack.address) as channel:
+                    stub = router_pb2_grpc.RouterStub(channel)
+                    message = generate_request(chat=CHAT, max_tokens=400)
+                    asking = [*(stub.GenerateStream(message) for _ in range(calls)),
+                              *(stub.Generate(message) for _ in range(calls))]
+                    await wait_until_async(lambda: stack.router.active == 2 * calls, what="the calls admitted")
+                    for call in asking:  # the clients leave before any answer
+                        call.cancel()
+                    await wait_until_async(lambda: stack.router.active == 0 and not stack.sessions, timeout_s=5.0,
+                                           what="the calls left before their first answer were freed")
+            finally:
+                hold.set()
+                await busy
+            await wait_until_async(lambda: verifier.verifier.num_sessions == 0, what="the verifier holds nothing")
+            registry = stack.router.metrics.registry
+            return {reason: registry.get_sample_value("specmesh_requests_finished_total", {"reason": reason})
+                    for reason in ("aborted", "length", "stop")}
+
+    finished = run(main())
+    assert finished == {"aborted": 2 * calls, "length": None, "stop": None}, finished
 
 
 def test_a_dead_drafter_costs_speculation_not_the_request(redis_server, model, tokenizer):
