@@ -311,6 +311,17 @@ def test_drafter_sessions_stay_within_the_context_the_count_and_the_token_budget
     assert sessions.trim(now=100.0) and not sessions.trim(now=101.0)  # sessions ended: once, then not so soon
 
 
+def test_a_drafter_session_opened_after_its_close_is_not_held():
+    """A client that leaves at once: the router's close of its request can run before the open it sent
+    first (two calls, no order between them); that open opens nothing."""
+    sessions = DrafterSessions(NgramDrafter(), vocab_size=100, max_sessions=8)
+    sessions.close("left", [])
+    sessions.open("left", [1, 2, 3])
+    assert len(sessions) == 0 and sessions.total_tokens == 0
+    sessions.open("other", [1, 2, 3])  # others open as ever
+    assert len(sessions) == 1
+
+
 def test_drafter_sessions_unused_for_long_end_as_their_router_is_gone():
     now = [0.0]
     sessions = DrafterSessions(NgramDrafter(), vocab_size=100, max_sessions=8, clock=lambda: now[0])

@@ -341,6 +341,17 @@ def test_a_calibrated_cost_model_starts_from_the_measured_curve():
     assert unchanged.pass_ms(1, 0, 1) == pytest.approx(25.0)
 
 
+def test_a_pass_curve_says_how_many_rows_fit_a_time():
+    from specmesh.runtime.calibration import PassCurve
+
+    cpu = PassCurve("cpu", tuple(curve(MEASURED_PASSES)))  # ~1.1 ms a row on 2 cores
+    assert 180 <= cpu.rows_within(250.0) <= 260
+    gpu = PassCurve("cuda", tuple(curve(GPU_PASSES)))
+    assert gpu.rows_within(250.0) > 3000  # rows nearly free: far past any batch cap
+    assert PassCurve("cpu", tuple(curve({(1, 0): 10.0}))).rows_within(250.0) is None  # one point is no line
+    assert PassCurve("cuda", tuple(curve({(1, 0): 9.0, (4, 0): 8.0}))).rows_within(250.0) is None  # flat
+
+
 def test_in_a_busy_batch_a_tree_pays_where_rows_are_nearly_free_and_not_where_they_are_dear():
     gpu, cpu = CostModel(), CostModel()
     gpu.calibrate(curve(GPU_PASSES))

@@ -142,7 +142,8 @@ async def serve(args: argparse.Namespace) -> None:
     metrics = VerifierMetrics()
     endpoint = serve_metrics(metrics, args.metrics_address)
     worker = VerifierWorker(verifier, queue, torch_thread, max_batch_rows=args.max_batch_rows, metrics=metrics,
-                            session_idle_s=args.session_idle_s)
+                            session_idle_s=args.session_idle_s, pass_curve=curve)
+    log.info("a pass holds at most %d rows", worker.max_batch_rows)
     info = verifier_pb2.VerifierInfo(
         verifier_id=verifier_id, pool=args.pool, model=target.name, tokenizer_hash=tokenizer_fingerprint(target.tokenizer),
         vocab_size=runtime.vocab_size, max_length=runtime.max_length, max_sessions=args.max_sessions,

@@ -46,6 +46,16 @@ class PassCurve:
     device: str  # "cpu", "cuda", ...
     samples: tuple[PassSample, ...]
 
+    def rows_within(self, ms: float) -> int | None:
+        """The most rows a pass of ``ms`` holds, by a straight line through the samples (ms = fixed +
+        per row × rows); None where rows cost nothing measurable (a flat curve) or it cannot tell."""
+        if len({s.rows for s in self.samples}) < 2:
+            return None
+        per_row, fixed = statistics.linear_regression([s.rows for s in self.samples], [s.ms for s in self.samples])
+        if per_row <= 0:
+            return None
+        return max(1, int((ms - fixed) / per_row))
+
 
 def _timed(runtime: TargetRuntime, batch: TreeBatch) -> float:
     started = time.perf_counter()

@@ -62,12 +62,17 @@ async def probe(cluster: LocalCluster, streams: int, words: int, leave_after_s: 
             request.cancel()
         await asyncio.gather(*asking, return_exceptions=True)
         left = time.perf_counter()
+        kinds = ("in_flight", "kv_sessions", "drafter_sessions")
+        freed: dict[str, float] = {}  # when each kind was last seen reaching 0
         while True:
             now = held(cluster)
-            if not (now["in_flight"] or now["kv_sessions"] or now["drafter_sessions"]) or time.perf_counter() - left > 60:
+            since = round(time.perf_counter() - left, 2)
+            freed = {k: freed.get(k, since) for k in kinds if not now[k]}
+            if len(freed) == len(kinds) or since > 60:
                 break
             await asyncio.sleep(0.05)
         report["freed_after_s"] = round(time.perf_counter() - left, 2)
+        report["each_freed_after_s"] = freed
         report["held_after"] = now
         await asyncio.sleep(3.0)
         report["generated_in_the_3_s_after"] = held(cluster)["generated"] - now["generated"]

@@ -20,6 +20,7 @@ from specmesh.cluster.pipeline.scheduling import PassRhythm, plan_batch
 from specmesh.cluster.pipeline.verifier_end import Entry, VerifierQueue
 from specmesh.cluster.serving import TorchThread
 from specmesh.errors import InvalidArgument
+from specmesh.runtime.calibration import PassCurve
 from specmesh.runtime.tree_verifier import TreeVerifier
 
 log = logging.getLogger("specmesh.verifier")
@@ -34,6 +35,9 @@ PROGRESS_EVERY_S = 1.0  # a prefill under way tells its router so this often (we
 PREFILL_SHARE = 0.5
 PREFILL_CHUNK_MS = 25.0
 ALONE_PREFILL_MS = 250.0
+# A pass the curve predicts longer than this holds fewer jobs (a burst of new requests' first chunks on
+# a CPU would take seconds): a step, and a client's leaving, wait for one pass at most this long.
+MAX_PASS_MS = 250.0
 HELD_READ_MS = 20  # a held prefill waits on a blocking read for the jobs that earn its credit, not a spin
 # A live request's session is used at every step, so one unused this long has lost its router (killed: it
 # closes nothing) or waited past any job timeout; a request that does come back pays a resync
@@ -43,12 +47,15 @@ SESSION_IDLE_S = 60.0
 class VerifierWorker:
     def __init__(self, verifier: TreeVerifier, queue: VerifierQueue, torch_thread: TorchThread,
                  max_batch_rows: int = 2048, max_jobs_per_read: int = 64, session_idle_s: float = SESSION_IDLE_S,
-                 metrics: VerifierMetrics | None = None) -> None:
+                 metrics: VerifierMetrics | None = None, pass_curve: PassCurve | None = None) -> None:
+        """``pass_curve``: the runtime's, measured; a pass then holds at most the rows it says take
+        ``MAX_PASS_MS`` (and ``max_batch_rows`` in any case)."""
         self.verifier = verifier
         self.metrics = metrics or VerifierMetrics()
         self.torch_thread = torch_thread
         self.queue = queue
-        self.max_batch_rows = max_batch_rows
+        within = pass_curve.rows_within(MAX_PASS_MS) if pass_curve is not None else None
+        self.max_batch_rows = min(max_batch_rows, within or max_batch_rows)
         self.max_jobs_per_read = max_jobs_per_read
         self.session_idle_s = session_idle_s
         self.draining = False
