@@ -253,7 +253,7 @@ async def speculate(
     rid = request.request_id
     pending: list[asyncio.Future] = []  # verification and draft-ahead in flight, cancelled on exit
     try:
-        await asyncio.gather(*(_guarded(d, "start", rid, stats, d.start(rid, request.prompt_ids)) for d in drafters))
+        await asyncio.gather(*(_guarded(d, "start", rid, stats, request.prompt_ids) for d in drafters))
         step = 0
         send_history = True  # the first job always prefills
         ahead: Draft | None = None  # a draft made during the last verification and confirmed by its verdict
@@ -322,11 +322,10 @@ async def speculate(
                           " ".join(f"{ms:.1f}" for ms in draft.drafter_ms), result.pass_ms, step_ms, result.batch_size)
             for drafter in drafters:  # also the last: history drafters keep answers
                 # bookkeeping, sent with the next proposal: one at a time costs no gather
-                await _guarded(drafter, "commit", rid, stats, drafter.commit(rid, new))
+                await _guarded(drafter, "commit", rid, stats, new)
                 layers = getattr(drafter, "feature_layers", ())
                 if layers and result.features is not None and finish_reason is None:
-                    await _guarded(drafter, "add_features", rid, stats,
-                                   drafter.add_features(rid, result.features.of_layers(layers)))
+                    await _guarded(drafter, "add_features", rid, stats, result.features.of_layers(layers))
             yield StepOutput(new, finish_reason, outcome)
             if finish_reason is not None:
                 return
@@ -339,10 +338,11 @@ async def speculate(
         await asyncio.shield(_release(drafters, verifier, rid))
 
 
-async def _guarded(drafter: AsyncDrafter, call: str, request_id: str, stats: SpeculationStats, coro):
-    """Await a drafter's call; if it raises, log it with its traceback, count it, and return None."""
+async def _guarded(drafter: AsyncDrafter, call: str, request_id: str, stats: SpeculationStats, *args):
+    """Await the drafter's ``call`` for the request; if it raises, log it with its traceback, count it, and
+    return None. The call is made here, not by the caller: one cancelled before this ran makes none."""
     try:
-        return await coro
+        return await getattr(drafter, call)(request_id, *args)
     except Exception:
         stats.drafter_failures += 1
         log.warning("drafter %s failed in %s for request %s; the request goes on without its draft",
@@ -361,7 +361,7 @@ async def _draft(
     async def timed(name: str) -> tuple[TokenTree, float]:
         started = time.perf_counter()
         drafter = drafters[name]
-        tree = await _guarded(drafter, "propose", request_id, stats, drafter.propose(request_id, plan.budget, assumed))
+        tree = await _guarded(drafter, "propose", request_id, stats, plan.budget, assumed)
         return tree if tree is not None else TokenTree(), (time.perf_counter() - started) * 1e3
 
     answers = await asyncio.gather(*(timed(n) for n in plan.drafters))
