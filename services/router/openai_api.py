@@ -311,7 +311,8 @@ class OpenAIFrontend:
 def openai_app(router: Router, live_verifiers: Callable[[], int], max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                access: Access | None = None) -> FastAPI:
     """The HTTP app over ``router``; ``live_verifiers()``: how many verifiers can take work now (health);
-    ``access``: every route but /health needs an API key (``Authorization: Bearer <key>``) within its limits."""
+    ``access``: every route but /health and /openapi.json needs an API key (``Authorization: Bearer <key>``)
+    within its limits."""
     frontend = OpenAIFrontend(router)
     guarded = [Depends(HTTPBearer(auto_error=False))] if access is not None else []  # documents it in the schema
     errors = {**ERROR_RESPONSES, **({401: UNAUTHORIZED} if access is not None else {})}
