@@ -20,7 +20,7 @@ failed=()
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 if [ -z "${SKIP_TESTS:-}" ]; then
-  timeout "${TEST_TIMEOUT:-300}" $PY -m pytest -q -p no:cacheprovider tests/test_paged_runtime.py >"$OUT/tests.txt" 2>&1 \
+  timeout "${TEST_TIMEOUT:-300}" $PY -m pytest -q -p no:cacheprovider tests/test_paged_runtime.py tests/test_tree_attention_kernel.py >"$OUT/tests.txt" 2>&1 \
     || failed+=(tests)
   tail -8 "$OUT/tests.txt"
 fi

@@ -1,4 +1,5 @@
-"""The Triton tree-attention kernel against its PyTorch reference, on CPU through Triton's interpreter."""
+"""The Triton tree-attention kernel against its PyTorch reference: on CPU through Triton's interpreter,
+and compiled on CUDA where TRITON_INTERPRET=0 (`make gpu-check`)."""
 
 import os
 
@@ -13,6 +14,9 @@ pytest.importorskip("triton", reason="Triton is not installed; the tree-attentio
 
 from specmesh.kernels.tree_attention_reference import tree_attention_reference  # noqa: E402
 from specmesh.kernels.tree_attention_triton import tree_attention_triton  # noqa: E402
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRETED else "cuda"
 
 
 def random_tree_mask(num_nodes: int, generator: torch.Generator) -> torch.Tensor:
@@ -33,7 +37,7 @@ def random_inputs(num_heads, num_kv_heads, num_queries, prefix_len, head_dim, dt
     key = torch.randn(num_kv_heads, num_keys, head_dim, generator=generator)  # [num_kv_heads, num_keys, head_dim]
     value = torch.randn(num_kv_heads, num_keys, head_dim, generator=generator)  # [num_kv_heads, num_keys, head_dim]
     tree_mask = random_tree_mask(num_queries, generator)  # [num_queries, num_queries]
-    return query.to(dtype), key.to(dtype), value.to(dtype), tree_mask
+    return (*(t.to(DEVICE, dtype) for t in (query, key, value)), tree_mask.to(DEVICE))
 
 
 @pytest.mark.parametrize("num_kv_heads", [4, 2, 1])
@@ -77,9 +81,8 @@ def test_each_node_equals_causal_attention_over_its_path():
 BF16_INTERPRETER_BUG = "Triton's interpreter multiplies bf16 bit patterns in tl.dot (triton-lang/triton#11584)"
 
 
-@pytest.mark.parametrize(
-    "dtype", [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.skip(reason=BF16_INTERPRETER_BUG))]
-)
+@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(
+    torch.bfloat16, marks=pytest.mark.skipif(INTERPRETED, reason=BF16_INTERPRETER_BUG + "; it runs on CUDA"))])
 def test_half_precision_returns_input_dtype(dtype):
     query, key, value, tree_mask = random_inputs(4, 2, 5, 3, 128, dtype=dtype, seed=3)
     scale = 128**-0.5
@@ -154,7 +157,7 @@ def test_bad_inputs_raise_value_error_naming_the_problem_before_any_launch(monke
 
 def test_keys_may_be_a_slice_of_a_larger_cache_buffer():
     query, key, value, tree_mask = random_inputs(4, 2, 5, 7, 16, seed=9)
-    buffer = torch.zeros(2, 2, 64, 16)  # [k/v, kv_heads, capacity, head_dim], like a KV session
+    buffer = torch.zeros(2, 2, 64, 16, device=DEVICE)  # [k/v, kv_heads, capacity, head_dim], like a KV session
     buffer[0, :, :12], buffer[1, :, :12] = key, value
     key_view, value_view = buffer[0, :, :12], buffer[1, :, :12]
     assert not key_view.is_contiguous() and key_view.stride(-1) == 1
