@@ -196,26 +196,38 @@ def test_every_projection_runs_on_blocks():
 
 @pytest.mark.parametrize("count", [1, 2])
 def test_tree_rows_score_exactly_as_plain_decoding_on_blocks(count, threads):
-    """On blocks every op is row-exact (linears, attention): a tree's rows give plain decoding's logits bit
-    for bit, so 8-bit activation rounding cannot turn last-bit differences into other tokens; on one thread
-    or two (the fused layer splits a pass's rows over the threads from 4 rows on)."""
+    """On blocks every op is row-exact (linears, attention): every row of every tree in a pass of several
+    gives the logits plain decoding gives at the end of that row's path, bit for bit, so 8-bit activation
+    rounding cannot turn last-bit differences into other tokens; on one thread or two (the fused layer
+    splits a pass's rows over the threads from 4 rows on)."""
     _, runtime = quantized_llama()
+    prompts = [[5, 17, 3, 44, 9, 12], [8, 2, 61, 7], [40, 41]]
+    trees = [TokenTree.from_paths([[30, 31, 32], [77, 5]]),  # a branch the chain's rows must not see
+             TokenTree.from_paths([[3, 3], [4], [5, 6, 7, 8]]), TokenTree.chain([])]
+    compiled = [compile_tree(prompt[-1], tree) for prompt, tree in zip(prompts, trees)]
+
+    def prefilled(prompt):
+        session = runtime.new_session()
+        prefill_sessions(runtime, [session], [prompt[:-1]])
+        return session
+
+    def alone(prompt, path) -> torch.Tensor:  # plain decoding: one row a pass, committing each
+        session = prefilled(prompt)
+        for token in path:
+            logits = runtime.forward(TreeBatch.build([session], [compile_tree(token, TokenTree.chain([]))]))[0]
+            session.keep_rows([0])
+        session.free()
+        return logits
+
     threads(1)
-    prompt = [5, 17, 3, 44, 9, 12]
-    plain = runtime.new_session()
-    prefill_sessions(runtime, [plain], [prompt[:-1]])
-    chain = [30, 31, 32]
-    expected = []
-    for token in [prompt[-1], *chain]:  # one row a pass, committing each
-        expected.append(runtime.forward(TreeBatch.build([plain], [compile_tree(token, TokenTree.chain([]))]))[0])
-        plain.keep_rows([0])
+    expected = [[alone(prompt, tree.input_ids[tree.mask[row]].tolist()) for row in range(tree.num_rows)]
+                for prompt, tree in zip(prompts, compiled)]
     threads(count)
-    tree_session = runtime.new_session()
-    prefill_sessions(runtime, [tree_session], [prompt[:-1]])
-    tree = TokenTree.from_paths([chain, [77, 5]])  # rows 0-3: root and chain; rows 4-5: a branch they must not see
-    logits = runtime.forward(TreeBatch.build([tree_session], [compile_tree(prompt[-1], tree)]))
-    for row in range(4):
-        assert torch.equal(logits[row], expected[row]), f"row {row}"
+    batch = TreeBatch.build([prefilled(p) for p in prompts], compiled)
+    logits = runtime.forward(batch)  # [total rows, vocab]
+    for i, rows in enumerate(expected):
+        for row, reference in enumerate(rows):
+            assert torch.equal(logits[batch.cu_rows[i] + row], reference), f"tree {i}, row {row}"
 
 
 def test_speculative_greedy_equals_plain_greedy_on_blocks():
@@ -229,11 +241,24 @@ def test_speculative_greedy_equals_plain_greedy_on_blocks():
     assert sum(len(o.token_ids) for o in outputs) > sum(o.stats.target_steps for o in outputs)
 
 
-def test_sampled_two_token_distribution_on_blocks():
-    """Speculative sampling on quantized weights follows the quantized model's own distribution."""
+def lying_rule(tree, target_probs, generator, draft_dists=None):
+    """A wrong acceptance rule for the decoy: deterministic guesses verified as if sampled from a uniform
+    q (accepted with min(1, p · vocab), nearly always)."""
+    from specmesh.acceptance import verify_mss
+
+    uniform = torch.full((target_probs.shape[1],), 1.0 / target_probs.shape[1], dtype=torch.float64)
+    return verify_mss(tree, target_probs, generator, {node: uniform for node in range(len(tree.tree))})
+
+
+@pytest.mark.parametrize("rule", ["exact", "lying"])
+def test_sampled_two_token_distribution_on_blocks(rule, monkeypatch):
+    """Speculative sampling on quantized weights follows the quantized model's own distribution; the
+    same test given a wrong acceptance rule (the decoy) must see it."""
     vocab, top_k = 32, 4
     _, runtime = quantized_llama(seed=3, vocab=vocab)
     prompt = [2, 9, 4, 2, 9]
+    if rule == "lying":
+        monkeypatch.setattr("specmesh.runtime.tree_verifier.verify_mss", lying_rule)
 
     def next_distribution(tokens):
         session = runtime.new_session()
@@ -262,7 +287,10 @@ def test_sampled_two_token_distribution_on_blocks():
             counts[pair] += 1
     total = sum(counts.values())
     pvalue = chisquare([counts[k] for k in exact], [exact[k] * total for k in exact]).pvalue
-    assert pvalue > 1e-3, f"speculative sampling on blocks changed the distribution (p = {pvalue:.2e})"
+    if rule == "exact":
+        assert pvalue > 1e-3, f"speculative sampling on blocks changed the distribution (p = {pvalue:.2e})"
+    else:
+        assert pvalue < 1e-6, f"the test failed to notice a wrong acceptance rule (p = {pvalue:.2e})"
 
 
 def test_any_llama_model_can_run_int8_weight_only():
