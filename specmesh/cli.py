@@ -565,7 +565,7 @@ def _distill(args: argparse.Namespace) -> int:
         return _distill_feature(args)
     if not args.domain:
         raise InvalidArgument("domain", "an expert is trained for one domain: give --domain")
-    from specmesh.distill.overlap import overlaps
+    from specmesh.distill.overlap import without_benchmark
     from specmesh.distill.pipeline import distill, synthesized_prompts
     from specmesh.distill.templates import DOMAINS, domain_prompts
     from specmesh.distill.train import TrainConfig
@@ -589,12 +589,7 @@ def _distill(args: argparse.Namespace) -> int:
                               f"or {GENERAL!r} (all but code and math), not {args.domain!r}")
     prompts = None
     if args.prompts:
-        given = load_prompts(args.prompts)
-        prompts = [p for p in given if not overlaps(p.text)]
-        if not prompts:
-            raise InvalidArgument("prompts", f"every prompt of {args.prompts} overlaps an MT-Bench question, the benchmark")
-        if len(prompts) < len(given):
-            print(f"{len(given) - len(prompts)} of {len(given)} prompts overlap an MT-Bench question and are left out")
+        prompts = without_benchmark(load_prompts(args.prompts))  # before loading the model: refused at once
     if prompts is None and not args.synthesize:
         prompts = domain_prompts(args.domain, args.count, args.seed)
     configure_threads(args.threads)
@@ -625,6 +620,7 @@ def _distill_feature(args: argparse.Namespace) -> int:
 
     from specmesh.distill.feature_pipeline import default_feature_layers, distill_feature
     from specmesh.distill.feature_train import FeatureTrainConfig
+    from specmesh.distill.overlap import without_benchmark
     from specmesh.distill.pipeline import target_written_requests
     from specmesh.distill.templates import DOMAINS, domain_prompts
     from specmesh.prompts import Prompt, load_prompts
@@ -650,7 +646,7 @@ def _distill_feature(args: argparse.Namespace) -> int:
         raise InvalidArgument("feature_layers", f"must be comma-separated integers, got {args.feature_layers!r}") from None
     check_feature_layers(layers, num_layers)
     if args.prompts:
-        prompts = load_prompts(args.prompts)
+        prompts = without_benchmark(load_prompts(args.prompts))  # before the store is recorded: refused at once
     else:  # every domain, interleaved: a store cut short is still balanced
         groups = [domain_prompts(domain, args.count, args.seed) for domain in DOMAINS]
         prompts = [p for group in itertools.zip_longest(*groups) for p in group if p is not None]

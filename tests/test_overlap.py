@@ -40,3 +40,22 @@ def test_a_benchmark_of_any_texts():
     assert bench.matches("two three four five six seven eight nine") == [1]
     assert bench.matches("one two three four five six seven") == []
     assert bench.matches("hi, THERE.") == [2] and not bench.overlaps("hi there you")
+
+
+def test_distill_and_distill_feature_filter_what_they_are_given_whatever_its_source():
+    import pytest
+
+    from specmesh.distill.feature_pipeline import distill_feature
+    from specmesh.distill.overlap import without_benchmark
+    from specmesh.distill.pipeline import distill
+    from specmesh.errors import InvalidArgument
+    from specmesh.prompts import Prompt
+
+    benchmark = [Prompt(q.text) for q in mtbench_prompts()[:3]]
+    clean = Prompt("Write a haiku about a lighthouse keeper who collects sea glass.")
+    assert without_benchmark([*benchmark, clean]) == [clean]
+    # every prompt overlaps: refused on entry, before the model (here: none) is touched
+    for train in (lambda prompts: distill(None, "code", prompts, None, None),
+                  lambda prompts: distill_feature(None, prompts, None, None, (), "")):
+        with pytest.raises(InvalidArgument, match="overlaps an MT-Bench question"):
+            train(benchmark)

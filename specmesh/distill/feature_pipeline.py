@@ -14,6 +14,7 @@ import torch
 
 from specmesh.distill.data import Example
 from specmesh.distill.evaluate import agreement_by_category, interface_hits
+from specmesh.distill.overlap import without_benchmark
 from specmesh.distill.feature_data import FeatureStore, FeatureStoreCard
 from specmesh.distill.feature_train import FeatureTrainConfig, build_feature_head, feature_hits, train_feature_head
 from specmesh.distill.pipeline import MTBENCH_ANSWER_TOKENS, target_step_ms
@@ -56,6 +57,7 @@ def mtbench_features(assembly: Assembly, layers: Sequence[int]) -> tuple[list[Ex
 
 def distill_feature(assembly: Assembly, prompts: Sequence[Prompt], out_dir: Path, config: FeatureTrainConfig,
                     layers: Sequence[int], command: str, max_answer_tokens: int = 128) -> FeatureSpec:
+    prompts = without_benchmark(prompts)  # whatever their source: nothing trained on is measured on
     store = feature_store(assembly, layers, "train")
     examples = store.record(assembly.runtime, assembly.target.tokenizer, prompts, max_answer_tokens,
                             eos_token_ids(assembly.target))

@@ -4,17 +4,22 @@ A text overlaps MT-Bench when it shares a run of ``SHINGLE`` words with any turn
 first turns the benchmark asks, and the follow-ups, which are its questions too), comparing words as
 lower-case runs of letters and digits, so case, punctuation and spacing make no difference; or when it is,
 word for word, a turn too short to hold such a run. Every prompt ``distill`` makes passes through here:
-templated ones are drawn again, target-written ones dropped.
+templated ones are drawn again, target-written ones dropped; and whatever prompts ``distill`` and
+``distill_feature`` are given, from any source, are filtered again on entry (``without_benchmark``).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import re
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
 
-from specmesh.prompts import mtbench_questions
+from specmesh.errors import InvalidArgument
+from specmesh.prompts import Prompt, mtbench_questions
+
+log = logging.getLogger("specmesh.distill")
 
 SHINGLE = 8  # words: sharing a run this long with a benchmark question is overlapping it
 
@@ -85,3 +90,15 @@ def overlaps(text: str) -> bool:
 def overlapped_questions(text: str) -> list[int]:
     """The ids of the MT-Bench questions ``text`` overlaps."""
     return mtbench().matches(text)
+
+
+def without_benchmark(prompts: Sequence[Prompt]) -> list[Prompt]:
+    """The training prompts less those that overlap an MT-Bench question (said in the log); none left is
+    an ``InvalidArgument``."""
+    kept = [p for p in prompts if not overlaps(p.text)]
+    if not kept:
+        raise InvalidArgument("prompts", f"every one of the {len(prompts)} prompts overlaps an MT-Bench question, the "
+                                         f"benchmark: nothing is left to train on")
+    if len(kept) < len(prompts):
+        log.warning("%d of %d prompts overlap an MT-Bench question and are left out", len(prompts) - len(kept), len(prompts))
+    return kept

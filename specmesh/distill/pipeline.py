@@ -18,6 +18,7 @@ from specmesh.distill.evaluate import (
     teacher_forced_hits,
     union_hits,
 )
+from specmesh.distill.overlap import without_benchmark
 from specmesh.distill.synthesis import classified_prompts, synthesize_requests
 from specmesh.distill.train import TrainConfig, build_student, train_student
 from specmesh.drafters.catalog import load_expert_for
@@ -100,6 +101,7 @@ def distill(
     boost_from: Sequence[str | Path] = (),
     max_answer_tokens: int = 128,
 ) -> ExpertSpec:
+    prompts = without_benchmark(prompts)  # whatever their source: nothing trained on is measured on
     out_dir.mkdir(parents=True, exist_ok=True)
     answers_file = out_dir / "answers.jsonl"
     examples = generate_examples(assembly.runtime, assembly.target.tokenizer, prompts, answers_file, max_answer_tokens,
