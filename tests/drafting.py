@@ -5,10 +5,11 @@ from __future__ import annotations
 import random
 from typing import Sequence
 
+from specmesh.drafters.base import DrafterBase
 from specmesh.tree import ROOT, TokenTree
 
 
-class OracleTreeDrafter:
+class OracleTreeDrafter(DrafterBase):
     """Proposes random trees; one branch follows a known continuation (``answers[prompt]``) for a random
     number of tokens, so acceptance lengths, branch choices and KV compaction vary from step to step."""
 

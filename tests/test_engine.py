@@ -8,6 +8,7 @@ from conftest import tiny_llama
 from drafting import OracleTreeDrafter
 from scipy.stats import chisquare
 
+from specmesh.drafters.base import DrafterBase
 from specmesh.drafters.model import ModelDrafter
 from specmesh.drafters.ngram import NgramDrafter
 from specmesh.errors import InvalidArgument
@@ -79,11 +80,10 @@ def test_model_and_ngram_drafters_together_are_lossless(tiny_model, runtime):
         assert out.token_ids == hf_greedy(tiny_model, prompt, MAX_TOKENS)
 
 
-class NoiseDrafter:
+class NoiseDrafter(DrafterBase):
     """Always wrong: random chains."""
 
     name = "noise"
-    kind = "model"
 
     def __init__(self, vocab_size: int) -> None:
         self.rng = random.Random(0)

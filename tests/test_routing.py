@@ -144,10 +144,13 @@ def test_a_team_is_expected_to_be_right_as_often_as_its_fused_trees_were():
 def test_drafters_register_by_what_they_advertise():
     from types import SimpleNamespace
 
+    from specmesh.drafters.ngram import NgramDrafter
+    from specmesh.speculation.loop import LocalDrafter
+
     router = ExpertRouter({})
-    router.register(SimpleNamespace(name="code", kind="expert", domain="code"))  # an in-process expert
+    router.register(SimpleNamespace(name="code", kind="expert", domains=("code",)))  # an in-process expert
     router.register(SimpleNamespace(name="remote-math", kind="expert", domains=("math", "reasoning")))  # a card
-    router.register(SimpleNamespace(name="ngram", kind="ngram"))
+    router.register(LocalDrafter(NgramDrafter()))  # no domain of its own
     assert router.domains == {"code": ("code",), "remote-math": ("math", "reasoning"), "ngram": (GENERAL,)}
     assert router.free == {"ngram"}
 

@@ -105,7 +105,7 @@ def test_shipped_experts_are_lossless(target, prompts, hf_outputs):
     runtime = LlamaRuntime(target.model)
     for name in experts:
         drafter = load_drafter(name, target, device=None, dtype=None)
-        assert drafter.name == name and drafter.domain == ("general" if name == "chat" else name)
+        assert drafter.name == name and drafter.domains == ("general" if name == "chat" else name,)
         engine = SpeculativeEngine(runtime, [drafter, NgramDrafter()], max_tree_nodes=8,
                                    eos_token_ids=eos_token_ids(target))
         chosen = range(0, len(prompts), 4)  # five prompts across the categories

@@ -129,12 +129,11 @@ async def serve(args: argparse.Namespace) -> None:
         log.warning("TLS without --tls-ca: any caller is answered; give the cluster's CA to require its certificates")
     torch_thread = TorchThread("draft")
     target, drafter = await torch_thread.run(load, args)
-    domains = [d for d in (args.domains or getattr(drafter, "domain", "") or "general").split(",") if d]
+    domains = [d for d in args.domains.split(",") if d] if args.domains else list(drafter.domains or ("general",))
     info = drafter_pb2.DrafterInfo(
-        name=drafter.name, kind=getattr(drafter, "kind", "model"), domains=domains, target=target.name,
+        name=drafter.name, kind=drafter.kind, domains=domains, target=target.name,
         tokenizer_hash=tokenizer_fingerprint(target.tokenizer), max_sessions=args.max_sessions,
-        feature_layers=getattr(drafter, "feature_layers", ()),
-        hidden_size=target.hidden_size if getattr(drafter, "feature_layers", ()) else 0,
+        feature_layers=drafter.feature_layers, hidden_size=target.hidden_size if drafter.feature_layers else 0,
     )
     metrics = DrafterMetrics()
     endpoint = serve_metrics(metrics, args.metrics_address)

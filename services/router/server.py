@@ -23,7 +23,7 @@ from specmesh.cluster.discovery import (
     kubernetes_api,
     pod_namespace,
 )
-from specmesh.cluster.gateway import IN_ROUTER, ModelCard, Router, RouterLimits, TextStream, watch_cluster
+from specmesh.cluster.gateway import ModelCard, Router, RouterLimits, TextStream, watch_cluster
 from specmesh.cluster.metrics import RouterMetrics, serve_metrics
 from specmesh.cluster.pipeline.messages import QueueKeys, QueueSigner
 from specmesh.cluster.pipeline.router_end import QueueVerifierClient
@@ -127,8 +127,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         limits = self.router.limits
         return router_pb2.RouterInfo(
             model=self._card(),
-            drafters=[router_pb2.DrafterStatus(address=getattr(d, "address", IN_ROUTER), name=d.name,
-                                               domains=getattr(d, "domains", (GENERAL,)), healthy=getattr(d, "healthy", True))
+            drafters=[router_pb2.DrafterStatus(address=d.address, name=d.name, domains=d.domains or (GENERAL,),
+                                               healthy=d.healthy)
                       for d in self.router.drafters],
             active_requests=self.router.active, max_concurrent_requests=limits.max_concurrent_requests,
             max_tree_nodes=limits.max_tree_nodes, verifiers=len(self.verifier_client.alive), version=__version__,

@@ -77,7 +77,7 @@ def drafter_report(assembly: Assembly, drafters: list, target_ms: float) -> tupl
     examples = mtbench_examples(assembly)
     rows, all_hits = [], []
     for drafter in tqdm(drafters, desc="drafters (teacher forcing)", unit="drafter"):
-        layers = getattr(drafter, "feature_layers", ())
+        layers = drafter.feature_layers
         if layers:  # the target's answers with their hidden states, from the runtime that serves (its precision)
             from specmesh.distill.feature_pipeline import mtbench_features
 
@@ -89,7 +89,7 @@ def drafter_report(assembly: Assembly, drafters: list, target_ms: float) -> tupl
         rows.append({
             "name": drafter.name,
             "kind": type(drafter).__name__,
-            "domain": getattr(drafter, "domain", "any"),
+            "domain": ",".join(drafter.domains) or "any",
             "agreement": agreement_by_category(feature_examples if layers else examples, hits),
             "cost_fraction": round(ms_per_guess / target_ms, 4),
             "expected_tokens_per_step": expected_tokens_per_step(hits),

@@ -110,9 +110,7 @@ class DrafterSessions:
         if committed:
             self.drafter.commit(request_id, list(committed))
         self._hold(request_id, len(committed))
-        if features is not None:
-            if not hasattr(self.drafter, "add_features"):
-                raise InvalidArgument("features", f"drafter {self.drafter.name!r} reads no features; send none")
+        if features is not None:  # a drafter that reads none refuses them (InvalidArgument)
             self.drafter.add_features(request_id, features)
         return self.drafter.propose(request_id, budget, list(assumed))
 

@@ -208,7 +208,7 @@ class Router:
         each advertising its domains to the policy."""
         unique: dict[str, AsyncDrafter] = {}
         for drafter in self.drafters:
-            if drafter.name not in unique or not getattr(unique[drafter.name], "healthy", True):
+            if drafter.name not in unique or not unique[drafter.name].healthy:
                 unique[drafter.name] = drafter
         for drafter in unique.values():
             self.policy.router.register(drafter)
@@ -223,7 +223,7 @@ class Router:
             raise ResourceExhausted(
                 f"{self.active} requests are in flight, the limit is {self.limits.max_concurrent_requests}; retry later"
             )
-        backlog = await self.verifier.backlog() if hasattr(self.verifier, "backlog") else 0
+        backlog = await self.verifier.backlog()
         raise_if_cancelled()  # a Redis call (specmesh.cancellation): a client gone by now is not admitted
         if backlog > self.limits.max_queue_backlog:
             raise ResourceExhausted(f"the verification queue holds {backlog} jobs; retry later")
@@ -277,9 +277,6 @@ class TextStream:
         return delta
 
 
-IN_ROUTER = "in-router"  # where a drafter that runs inside the router is
-
-
 async def watch_cluster(router: Router, verifier: QueueVerifierClient, metrics: RouterMetrics, every_s: float = 1.0,
                         server: Server | None = None, service: str = "") -> None:
     """Keep the cluster gauges current: queue depth, live verifiers, reachable drafters. With ``server``,
@@ -294,7 +291,7 @@ async def watch_cluster(router: Router, verifier: QueueVerifierClient, metrics: 
         metrics.verifiers_alive.set(len(verifier.alive))
         if server is not None and not server.stopping.is_set() and verifier.looked.is_set():
             await server.set_serving(bool(verifier.alive), [service])
-        now = {(d.name, getattr(d, "address", IN_ROUTER)): getattr(d, "healthy", True) for d in router.drafters}
+        now = {(d.name, d.address): d.healthy for d in router.drafters}
         for labels, healthy in now.items():
             metrics.drafter_up.labels(*labels).set(1 if healthy else 0)
         for labels in shown - set(now):  # a drafter that left (discovery) is not "down": its series goes

@@ -96,7 +96,7 @@ def interface_hits(drafter, examples: Sequence[Example],
     first guess the target's next token? (No guess counts as wrong.) Also the median ms per guess.
     A feature drafter also needs each example's ``features`` ([tokens - 1, layers, hidden]): it hears
     the prompt's at the start and one position more with each committed token, as in a run."""
-    layers = tuple(getattr(drafter, "feature_layers", ()))
+    layers = tuple(drafter.feature_layers)
     hits, times = [], []
     for number, example in enumerate(examples):
         request = f"eval-{number}"

@@ -13,13 +13,17 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence, runtime_checkable
 
+from specmesh.errors import InvalidArgument
+from specmesh.runtime.features import Features
 from specmesh.tree import TokenTree
 
 
 @runtime_checkable
 class Drafter(Protocol):
     name: str
-    kind: str  # "ngram", "history" (model-free: no model, next to no cost), "expert", "model"
+    kind: str  # "ngram", "history" (model-free: no model, next to no cost), "expert", "feature", "model"
+    domains: tuple[str, ...]  # the request kinds it is an expert in (empty: none in particular)
+    feature_layers: tuple[int, ...]  # the target layers whose hidden states it reads (empty: none)
 
     def start(self, request_id: str, prompt_ids: Sequence[int]) -> None:
         """Begin a request whose committed tokens so far are ``prompt_ids``."""
@@ -30,5 +34,20 @@ class Drafter(Protocol):
     def commit(self, request_id: str, new_token_ids: Sequence[int]) -> None:
         """The target committed these tokens after the previous ones."""
 
+    def add_features(self, request_id: str, features: Features) -> None:
+        """The target's hidden states of ``feature_layers`` at committed positions (feature drafters)."""
+
     def end(self, request_id: str) -> None:
         """Free everything held for the request (unknown ids are ignored)."""
+
+
+class DrafterBase:
+    """What a drafter is unless it says otherwise: a drafter class subclasses it and sets what differs."""
+
+    name: str
+    kind = "model"
+    domains: tuple[str, ...] = ()
+    feature_layers: tuple[int, ...] = ()
+
+    def add_features(self, request_id: str, features: Features) -> None:
+        raise InvalidArgument("features", f"drafter {self.name!r} reads no features; send none")

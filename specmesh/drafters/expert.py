@@ -21,6 +21,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from specmesh.drafters.base import DrafterBase
 from specmesh.drafters.shape import Step, common_prefix, confident_tree
 from specmesh.errors import InvalidArgument
 from specmesh.runtime.kv_cache import KVSession
@@ -184,7 +185,7 @@ class _Request:
     cached: list[int] = field(default_factory=list)  # tokens whose K/V the session holds
 
 
-class ExpertDrafter:
+class ExpertDrafter(DrafterBase):
     """Drafts a confidence-shaped tree (see ``shape.py``) with the expert on the lean runtime."""
 
     kind = "expert"
@@ -203,7 +204,7 @@ class ExpertDrafter:
         """``int8_weights``: approximate low-precision linears (None: where they pay, see ``drafter_int8``):
         ``DRAFTER_BLOCKS`` blocks where specmesh's kernel runs (a layer is one C++ call), else FBGEMM's int8."""
         self.name = name
-        self.domain = domain
+        self.domains = (domain,)
         weight = model.head.weight
         if int8_weights is None:
             int8_weights = drafter_int8(weight.device, weight.dtype)

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specmesh.drafters.base import DrafterBase
 from specmesh.drafters.shape import Step, confident_tree
 from specmesh.errors import InvalidArgument
 from specmesh.kernels.block_linear import quantize
@@ -272,7 +273,7 @@ class _Request:
     out: torch.Tensor | None = None  # while drafting: its output [hidden]
 
 
-class FeatureDrafter:
+class FeatureDrafter(DrafterBase):
     """Drafts a confidence-shaped tree (``shape.py``) from the target's features, one request at a time.
 
     Per request it holds the target features heard so far and a KV cache of its own entries over them.
@@ -290,7 +291,7 @@ class FeatureDrafter:
         from specmesh.drafters.expert import drafter_int8
 
         self.name = name
-        self.domain = "general"
+        self.domains = ("general",)
         self.model = model
         self.config = model.config
         self.feature_layers = model.config.feature_layers

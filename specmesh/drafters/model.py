@@ -13,6 +13,7 @@ from typing import Sequence
 
 import torch
 
+from specmesh.drafters.base import DrafterBase
 from specmesh.drafters.shape import Step, common_prefix, confident_tree
 from specmesh.errors import InvalidArgument
 from specmesh.tree import TokenTree
@@ -25,7 +26,7 @@ class _State:
     cached: list[int] = field(default_factory=list)  # tokens whose K/V the cache holds, in order
 
 
-class ModelDrafter:
+class ModelDrafter(DrafterBase):
     kind = "model"
 
     def __init__(self, model: torch.nn.Module, vocab_size: int, name: str = "model", max_depth: int = 8,

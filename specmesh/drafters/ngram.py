@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict, defaultdict
 from typing import Sequence
 
+from specmesh.drafters.base import DrafterBase
 from specmesh.tree import TokenTree
 
 
@@ -110,7 +111,7 @@ def tree_by_agreement(paths: list[list[int]], budget: int) -> TokenTree:
     )
 
 
-class NgramDrafter:
+class NgramDrafter(DrafterBase):
     """Prompt lookup over each request's own tokens."""
 
     kind = "ngram"
@@ -140,7 +141,7 @@ class NgramDrafter:
         self._indexes.pop(request_id, None)
 
 
-class HistoryDrafter:
+class HistoryDrafter(DrafterBase):
     """Lookup over earlier requests (prompt + answer) of this deployment, up to ``capacity_tokens``."""
 
     kind = "history"

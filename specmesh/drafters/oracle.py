@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from specmesh.drafters.base import DrafterBase
 from specmesh.errors import InvalidArgument
 from specmesh.tree import TokenTree
 
@@ -78,7 +79,7 @@ class _State:
     committed: list[int]
 
 
-class OracleDrafter:
+class OracleDrafter(DrafterBase):
     kind = "oracle"
 
     def __init__(self, path: str | Path, vocab_size: int, name: str = "oracle") -> None:

@@ -154,10 +154,8 @@ class ExpertRouter:
             self.free.discard(name)
 
     def register(self, drafter) -> None:
-        """A drafter object, by what it advertises: a remote drafter's card lists ``domains``, an
-        in-process expert names its ``domain``; model-free by its ``kind``."""
-        domains = getattr(drafter, "domains", None) or [d for d in [getattr(drafter, "domain", None)] if d]
-        self.add(drafter.name, domains or (GENERAL,), free=getattr(drafter, "kind", "") in MODEL_FREE_KINDS)
+        """A drafter (``AsyncDrafter``), by what it advertises: its ``domains``; model-free by its ``kind``."""
+        self.add(drafter.name, drafter.domains or (GENERAL,), free=drafter.kind in MODEL_FREE_KINDS)
 
     def prior(self, kind: str, name: str) -> float:
         domains = self.domains.get(name, ())

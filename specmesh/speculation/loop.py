@@ -94,11 +94,23 @@ class StepOutput:
     outcome: StepOutcome | None = None  # how the step went (budget, tree, timings), for the stream's timeline
 
 
+IN_PROCESS = "in-process"  # the address of a drafter that runs in the caller's process
+
+
 class AsyncDrafter(Protocol):
+    """A drafter as the loop calls it: in this process (``LocalDrafter``) or a service (``RemoteDrafter``).
+    A feature drafter reads the target's hidden states of ``feature_layers``: the loop asks the verifier
+    for them and hands each step's block over after the commit (``add_features``)."""
+
     name: str
-    # A feature drafter also has ``feature_layers`` (the target layers it reads) and
-    # ``async add_features(request_id, Features)``: the loop asks the verifier for those hidden states
-    # and hands each step's block over after the commit.
+    kind: str  # as ``Drafter.kind``
+    domains: tuple[str, ...]  # the request kinds it is an expert in (empty: none in particular)
+    feature_layers: tuple[int, ...]
+    address: str  # where it runs (``IN_PROCESS``, or its service's host:port)
+
+    @property
+    def healthy(self) -> bool:
+        """Whether it may be asked now (a service in back-off after failing is not)."""
 
     async def start(self, request_id: str, prompt_ids: Sequence[int]) -> None: ...
 
@@ -106,11 +118,16 @@ class AsyncDrafter(Protocol):
 
     async def commit(self, request_id: str, new_token_ids: Sequence[int]) -> None: ...
 
+    async def add_features(self, request_id: str, features: Features) -> None: ...
+
     async def end(self, request_id: str) -> None: ...
 
 
 class VerifierClient(Protocol):
     async def verify(self, job: VerifyJob) -> VerifyResult: ...
+
+    async def backlog(self) -> int:
+        """Jobs waiting for a verifier (0 where nothing queues)."""
 
     async def close(self, request_id: str) -> None: ...
 
@@ -127,8 +144,11 @@ class LocalDrafter:
     def __init__(self, drafter: Drafter) -> None:
         self.drafter = drafter
         self.name = drafter.name
-        self.kind = getattr(drafter, "kind", "model")
-        self.feature_layers: tuple[int, ...] = tuple(getattr(drafter, "feature_layers", ()))
+        self.kind = drafter.kind
+        self.domains = tuple(drafter.domains)
+        self.feature_layers = tuple(drafter.feature_layers)
+        self.address = IN_PROCESS
+        self.healthy = True
         self._context: dict[str, list[int]] = {}  # request -> every committed token
         self._stale: set[str] = set()  # requests whose session a failed call may have left inconsistent
 
@@ -246,7 +266,7 @@ async def speculate(
     if len(by_name) != len(drafters):
         raise ValueError(f"drafter names must be unique: {[d.name for d in drafters]}")
     stats.request_kind = policy.kind
-    feature_layers = tuple(sorted({n for d in drafters for n in getattr(d, "feature_layers", ())}))
+    feature_layers = tuple(sorted({n for d in drafters for n in d.feature_layers}))
     started = time.perf_counter()
     context = list(request.prompt_ids)  # every committed token; the last one is the next tree's root
     produced = 0
@@ -259,7 +279,7 @@ async def speculate(
         ahead: Draft | None = None  # a draft made during the last verification and confirmed by its verdict
         while True:
             room = request.params.max_tokens - produced
-            plan = policy.plan(room, [d.name for d in drafters if getattr(d, "healthy", True)], len(context))
+            plan = policy.plan(room, [d.name for d in drafters if d.healthy], len(context))
             step_started = time.perf_counter()
             if ahead is not None and plan.budget > 0:  # its drafting time was hidden behind the last verification
                 draft = Draft(ahead.plan, ahead.trees, ahead.fused.truncated(plan.budget).within_depth(room - 1))
@@ -323,7 +343,7 @@ async def speculate(
             for drafter in drafters:  # also the last: history drafters keep answers
                 # bookkeeping, sent with the next proposal: one at a time costs no gather
                 await _guarded(drafter, "commit", rid, stats, new)
-                layers = getattr(drafter, "feature_layers", ())
+                layers = drafter.feature_layers
                 if layers and result.features is not None and finish_reason is None:
                     await _guarded(drafter, "add_features", rid, stats, result.features.of_layers(layers))
             yield StepOutput(new, finish_reason, outcome)
