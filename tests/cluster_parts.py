@@ -2,7 +2,9 @@
 (drafter, router) on loopback ports, all on the test's event loop."""
 
 import asyncio
+import threading
 import uuid
+from contextlib import asynccontextmanager
 
 import redis.asyncio as aioredis
 from redis import Redis as BlockingRedis
@@ -160,3 +162,15 @@ def plain_greedy(model, prompt_ids, max_tokens: int) -> list[int]:
     """The model's plain greedy decoding in process: what every path through the cluster must give."""
     engine = SpeculativeEngine(LlamaRuntime(model), [], max_tree_nodes=0)
     return engine.generate([Request(tuple(prompt_ids), SamplingParams(max_tokens=max_tokens))])[0].token_ids
+
+
+@asynccontextmanager
+async def passes_held(worker: VerifierWorker):
+    """No verification pass runs inside (the worker's torch thread waits), as behind a long pass."""
+    hold = threading.Event()
+    busy = asyncio.ensure_future(worker.torch_thread.run(hold.wait))
+    try:
+        yield
+    finally:
+        hold.set()
+        await busy

@@ -12,7 +12,7 @@ import threading
 
 import httpx
 import pytest
-from cluster_parts import ServiceStack, plain_greedy
+from cluster_parts import ServiceStack, passes_held, plain_greedy
 from conftest import wait_until_async
 from openai import AsyncOpenAI, OpenAI, RateLimitError
 
@@ -223,9 +223,7 @@ def test_streams_left_before_their_first_chunk_are_cancelled(redis_server, model
     async def main():
         async with ServiceStack(redis_server.url, model, tokenizer, NgramDrafter(), http=True) as stack:
             verifier = stack.pool.workers[0]
-            hold = threading.Event()
-            busy = asyncio.ensure_future(verifier.torch_thread.run(hold.wait))  # no pass runs until it is set
-            try:
+            async with passes_held(verifier):
                 body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 400, "stream": True}
                 limits = httpx.Limits(max_connections=streams)
                 async with httpx.AsyncClient(base_url=stack.http_url.removesuffix("/v1"), timeout=30, limits=limits) as http:
@@ -236,9 +234,6 @@ def test_streams_left_before_their_first_chunk_are_cancelled(redis_server, model
                     await asyncio.gather(*asking, return_exceptions=True)
                     await wait_until_async(lambda: stack.router.active == 0 and not stack.sessions, timeout_s=5.0,
                                            what="the requests left before their first chunk were freed")  # no timeout's doing
-            finally:
-                hold.set()
-                await busy
             await wait_until_async(lambda: verifier.verifier.num_sessions == 0, what="the verifier holds nothing")
 
     run(main())

@@ -7,11 +7,10 @@ import asyncio
 import dataclasses
 import json
 import sys
-import threading
 
 import grpc
 import pytest
-from cluster_parts import ServiceStack, plain_greedy
+from cluster_parts import ServiceStack, passes_held, plain_greedy
 from conftest import wait_until_async
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -287,9 +286,7 @@ def test_grpc_calls_left_before_their_first_answer_are_cancelled(redis_server, m
     async def main():
         async with ServiceStack(redis_server.url, model, tokenizer, NgramDrafter(), metrics=True) as stack:
             verifier = stack.pool.workers[0]
-            hold = threading.Event()
-            busy = asyncio.ensure_future(verifier.torch_thread.run(hold.wait))  # no pass runs until it is set
-            try:
+            async with passes_held(verifier):
                 async with grpc.aio.insecure_channel(stack.address) as channel:
                     stub = router_pb2_grpc.RouterStub(channel)
                     message = generate_request(chat=CHAT, max_tokens=400)
@@ -300,9 +297,6 @@ def test_grpc_calls_left_before_their_first_answer_are_cancelled(redis_server, m
                         call.cancel()
                     await wait_until_async(lambda: stack.router.active == 0 and not stack.sessions, timeout_s=5.0,
                                            what="the calls left before their first answer were freed")
-            finally:
-                hold.set()
-                await busy
             await wait_until_async(lambda: verifier.verifier.num_sessions == 0, what="the verifier holds nothing")
             registry = stack.router.metrics.registry
             return {reason: registry.get_sample_value("specmesh_requests_finished_total", {"reason": reason})
