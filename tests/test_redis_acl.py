@@ -8,7 +8,7 @@ import asyncio
 import uuid
 
 import pytest
-from conftest import need
+from conftest import need, wait_until_async
 import redis.asyncio as aioredis
 from redis import Redis as BlockingRedis
 from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
@@ -125,3 +125,41 @@ def test_each_role_runs_the_pipeline_with_its_own_user_and_nothing_more(secured,
     assert tokens == reference
     assert all(refused.values()), refused
     assert anonymous_refused
+
+
+def test_a_router_user_made_before_info_was_its_own_still_watches_the_verifiers(secured, caplog):
+    """A Redis whose router user predates the router's INFO right (it reads the server's run id to see a
+    quick restart): the router says so once and watches the verifiers as before."""
+    from specmesh.cluster.redis_acl import CONNECTION, role_rules
+
+    password = "old-router-password-0123456789"
+    older = [rule for rule in role_rules("router") if rule != "+info"]
+    admin_url = url(secured, "router").replace(f"specmesh-router:{PASSWORDS['router']}@", f"default:{ADMIN}@")
+    with BlockingRedis.from_url(admin_url) as admin:
+        admin.execute_command("ACL", "SETUSER", "old-router", "on", f">{password}", "resetkeys", "resetchannels",
+                              "-@all", *CONNECTION.split(), *older)
+
+    async def main():
+        keys = QueueKeys(pool=uuid.uuid4().hex[:8])
+        router_redis = aioredis.Redis.from_url(
+            url(secured, "router").replace(f"specmesh-router:{PASSWORDS['router']}@", f"old-router:{password}@"))
+        verifier_redis = aioredis.Redis.from_url(url(secured, "verifier"))
+        client = QueueVerifierClient(router_redis, keys, "router-old", liveness_every_s=0.1)
+        queue = VerifierQueue(verifier_redis, keys, "v0", heartbeat_ttl_s=1.0,
+                              results_redis=BlockingRedis.from_url(url(secured, "verifier")))
+        await client.start()
+        try:
+            with pytest.raises(NoPermissionError):
+                await router_redis.info("server")
+            await queue.register()
+            await wait_until_async(lambda: client.alive == {"v0"}, what="the router sees the verifier")
+        finally:
+            await client.stop()
+            await queue.unregister()
+            for connection in (router_redis, verifier_redis):
+                await connection.aclose()
+            queue.results_redis.close()
+
+    with caplog.at_level("WARNING", logger="specmesh.cluster.pipeline"):
+        asyncio.run(main())
+    assert sum("refuses INFO" in r.getMessage() for r in caplog.records) == 1

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
+from redis.exceptions import NoPermissionError, ResponseError
 
 from specmesh.acceptance import Verdict
 from specmesh.cancellation import raise_if_cancelled
@@ -413,13 +413,20 @@ class QueueVerifierClient:
 
     async def _watch_verifiers(self) -> None:
         # a restart quicker than a round is seen by the server's run id, not as an error
-        down_since, seen_at, run_id = None, time.monotonic(), None
+        down_since, seen_at, run_id, readable = None, time.monotonic(), None, True
         while not self._stopping.is_set():
             try:
-                server = (await self.redis.info("server")).get("run_id")
-                if run_id is not None and server != run_id and down_since is None:
-                    down_since = seen_at
-                run_id, seen_at = server, time.monotonic()
+                if readable:
+                    try:
+                        server = (await self.redis.info("server")).get("run_id")
+                    except NoPermissionError:  # a user made before INFO was the router's: no run id, no harm
+                        log.warning("Redis refuses INFO to this router's user: a restart between two looks "
+                                    "goes unseen (`specmesh redis-acl` gives the router INFO)")
+                        readable, server = False, None
+                    if run_id is not None and server != run_id and down_since is None:
+                        down_since = seen_at
+                    run_id = server
+                seen_at = time.monotonic()
                 members = [m.decode() for m in await self.redis.smembers(self.keys.members)]
                 beats = await asyncio.gather(*(self.redis.get(self.keys.alive(m)) for m in members))
                 self.alive = {m for m, beat in zip(members, beats) if beat is not None}
