@@ -100,3 +100,23 @@ def test_a_process_that_stops_serving_is_killed_and_started_again():
         for part in (stuck, starting):
             if part.alive():
                 part.kill()
+
+
+def test_a_process_that_never_serves_again_is_a_crash_loop():
+    """Killed for not serving after every start (a verifier whose worker dies at once): after
+    ``max_restarts`` such kills in a row it is left down, and the cluster fails if it needs it."""
+    dead_on_arrival = Part("doa", "import time; time.sleep(60)")
+    dead_on_arrival.answers = False  # it answers, always NOT_SERVING
+    dead_on_arrival.start()
+    said = []
+    supervisor = Supervisor(lambda: [dead_on_arrival], essential=lambda p: True, report=said.append, max_restarts=2,
+                            window_s=0.1, first_delay_s=0.01, every_s=0.01, unresponsive_s=0.1,
+                            probe_every_s=0.01).start()  # a window too short to see the kills as a crash loop
+    try:
+        assert supervisor.failed.wait(30)
+        assert len(dead_on_arrival.starts) == 3 and not dead_on_arrival.alive()  # two restarts, three kills
+        assert any("doa stopped serving after each of 3 starts: a crash loop" in line for line in said)
+    finally:
+        supervisor.stop()
+        if dead_on_arrival.alive():
+            dead_on_arrival.kill()

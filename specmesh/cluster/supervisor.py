@@ -7,7 +7,8 @@ crash loop: it is reported and left down. If that process is one the cluster can
 
 A process that is alive but does not serve (it says NOT_SERVING, as a drained verifier does; or, having
 served since its start, it no longer answers) for ``unresponsive_s`` is killed, then restarted as a crash:
-a liveness probe. In Kubernetes the kubelet does this job (restartPolicy, CrashLoopBackOff, the chart's
+a liveness probe. A part killed so more than ``max_restarts`` times in a row, without serving for
+``unresponsive_s`` in between, is left down as a crash loop is. In Kubernetes the kubelet does this job (restartPolicy, CrashLoopBackOff, the chart's
 liveness probes).
 """
 
@@ -42,6 +43,8 @@ class Record:
     given_up: bool = False
     served: bool = False  # it has answered as serving since its last start
     unserving_since: float | None = None  # since when it has not served
+    serving_since: float | None = None  # since when it has served without a break
+    liveness_kills: int = 0  # killed for not serving, in a row (reset once it serves for unresponsive_s)
     probed_at: float = float("-inf")
 
 
@@ -111,16 +114,17 @@ class Supervisor:
                     self.report(f"{part.name} has not been serving for {now - record.unserving_since:.0f} s: "
                                 f"killing it")
                     part.kill()
+                    if part.alive():  # not gone yet: no second one on its port; tried again next round
+                        continue
+                    record.liveness_kills += 1
+                    if record.liveness_kills > self.max_restarts:
+                        self._give_up(part, record, f"stopped serving after each of {record.liveness_kills} starts")
+                        continue
                 record.crashes.append(now)
                 while record.crashes and record.crashes[0] < now - self.window_s:
                     record.crashes.popleft()
                 if len(record.crashes) > self.max_restarts:
-                    record.given_up = True
-                    essential = self.essential(part)
-                    self.report(f"{part.name} crashed {len(record.crashes)} times in {self.window_s:.0f} s: a crash "
-                                f"loop, left down{'; the cluster cannot serve without it' if essential else ''}")
-                    if essential:
-                        self.failed.set()
+                    self._give_up(part, record, f"crashed {len(record.crashes)} times in {self.window_s:.0f} s")
                     continue
                 delay = min(self.first_delay_s * 2 ** (len(record.crashes) - 1), self.max_delay_s)
                 record.restart_at = now + delay
@@ -128,11 +132,19 @@ class Supervisor:
             if now >= record.restart_at:
                 record.restart_at = None
                 record.restarts += 1
-                record.served, record.unserving_since = False, None
+                record.served, record.unserving_since, record.serving_since = False, None, None
                 try:
                     part.start()
                 except Exception as exc:  # it counts as the next crash at the next round
                     self.report(f"{part.name} could not be started again: {exc}")
+
+    def _give_up(self, part: Supervised, record: Record, why: str) -> None:
+        record.given_up = True
+        essential = self.essential(part)
+        self.report(f"{part.name} {why}: a crash loop, left down"
+                    f"{'; the cluster cannot serve without it' if essential else ''}")
+        if essential:
+            self.failed.set()
 
     def _unresponsive(self, part: Supervised, record: Record, now: float) -> bool:
         """Whether ``part`` has not served for ``unresponsive_s``. Silence counts only once it has served
@@ -145,7 +157,11 @@ class Supervisor:
             return False
         if serving:
             record.served, record.unserving_since = True, None
+            record.serving_since = now if record.serving_since is None else record.serving_since
+            if now - record.serving_since >= self.unresponsive_s:
+                record.liveness_kills = 0
             return False
+        record.serving_since = None
         if record.unserving_since is None:
             record.unserving_since = now
         return now - record.unserving_since >= self.unresponsive_s

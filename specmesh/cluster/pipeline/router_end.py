@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import redis.asyncio as aioredis
-from redis.exceptions import NoPermissionError, ResponseError
+from redis.exceptions import ResponseError
 
 from specmesh.acceptance import Verdict
 from specmesh.cancellation import raise_if_cancelled
@@ -419,9 +419,9 @@ class QueueVerifierClient:
                 if readable:
                     try:
                         server = (await self.redis.info("server")).get("run_id")
-                    except NoPermissionError:  # a user made before INFO was the router's: no run id, no harm
-                        log.warning("Redis refuses INFO to this router's user: a restart between two looks "
-                                    "goes unseen (`specmesh redis-acl` gives the router INFO)")
+                    except ResponseError as exc:  # a user made before INFO was the router's, or INFO renamed
+                        log.warning("Redis refuses INFO (%s): a restart between two looks goes unseen "
+                                    "(`specmesh redis-acl` gives the router INFO)", exc)
                         readable, server = False, None
                     if run_id is not None and server != run_id and down_since is None:
                         down_since = seen_at
