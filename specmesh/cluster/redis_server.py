@@ -85,17 +85,19 @@ class RedisServer:
     @property
     def url(self) -> str:
         """With the password, if any (give it to services in their environment, not on a command line)."""
-        credential = f":{quote(self.password, safe='')}@" if self.password else ""
-        return f"{'rediss' if self.tls else 'redis'}://{credential}127.0.0.1:{self.port}/0"
+        return self._url(f":{quote(self.password, safe='')}@" if self.password else "")
 
     def url_for(self, user: str, password: str) -> str:
         """A user's URL (one of ``users``)."""
-        return f"{'rediss' if self.tls else 'redis'}://{quote(user, safe='')}:{quote(password, safe='')}@127.0.0.1:{self.port}/0"
+        return self._url(f"{quote(user, safe='')}:{quote(password, safe='')}@")
 
     @property
     def address(self) -> str:
         """The URL without its password: what may be shown."""
-        return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}/0"
+        return self._url("")
+
+    def _url(self, credential: str) -> str:
+        return f"{'rediss' if self.tls else 'redis'}://{credential}127.0.0.1:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
         binary = redis_server_binary()

@@ -8,8 +8,8 @@ crash loop: it is reported and left down. If that process is one the cluster can
 A process that is alive but does not serve (it says NOT_SERVING, as a drained verifier does; or, having
 served since its start, it no longer answers) for ``unresponsive_s`` is killed, then restarted as a crash:
 a liveness probe. A part killed so more than ``max_restarts`` times in a row, without serving for
-``unresponsive_s`` in between, is left down as a crash loop is. In Kubernetes the kubelet does this job (restartPolicy, CrashLoopBackOff, the chart's
-liveness probes).
+``unresponsive_s`` in between, is left down as a crash loop is. In Kubernetes the kubelet does this
+job (restartPolicy, CrashLoopBackOff, the chart's liveness probes).
 """
 
 from __future__ import annotations

@@ -14,9 +14,9 @@ import torch
 
 from specmesh.distill.data import Example
 from specmesh.distill.evaluate import agreement_by_category, interface_hits
-from specmesh.distill.overlap import without_benchmark
 from specmesh.distill.feature_data import FeatureStore, FeatureStoreCard
 from specmesh.distill.feature_train import FeatureTrainConfig, build_feature_head, feature_hits, train_feature_head
+from specmesh.distill.overlap import without_benchmark
 from specmesh.distill.pipeline import MTBENCH_ANSWER_TOKENS, target_step_ms
 from specmesh.drafters.expert import round_to_stored, save_drafter, subset_for
 from specmesh.drafters.feature import FeatureDrafter, FeatureHead, FeatureSpec

@@ -15,28 +15,25 @@ import asyncio
 import json
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from specmesh.cluster.launcher import ClusterSpec, LocalCluster  # noqa: E402
+from specmesh.cluster.launcher import ClusterSpec, LocalCluster, ServiceProcess  # noqa: E402
 
 
-def sample(url: str, name: str) -> float:
-    """The sum of a metric's samples at ``url`` (every label set)."""
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + " ") or line.startswith(name + "{"))
+def total(process: ServiceProcess, sample: str) -> float:
+    """The sum of the process's samples named ``sample`` (every label set), as it serves them now."""
+    return sum(s.value for family in process.metrics() for s in family.samples if s.name == sample)
 
 
 def held(cluster: LocalCluster) -> dict[str, float]:
-    return {"in_flight": sample(cluster.router.metrics_url, "specmesh_requests_in_flight"),
-            "kv_sessions": sum(sample(v.metrics_url, "specmesh_kv_sessions") for v in cluster.verifiers),
-            "drafter_sessions": sum(sample(d.metrics_url, "specmesh_drafter_sessions") for d in cluster.drafters),
-            "generated": sample(cluster.router.metrics_url, "specmesh_generated_tokens_total")}
+    return {"in_flight": total(cluster.router, "specmesh_requests_in_flight"),
+            "kv_sessions": sum(total(v, "specmesh_kv_sessions") for v in cluster.verifiers),
+            "drafter_sessions": sum(total(d, "specmesh_drafter_sessions") for d in cluster.drafters),
+            "generated": total(cluster.router, "specmesh_generated_tokens_total")}
 
 
 async def probe(cluster: LocalCluster, streams: int, words: int, leave_after_s: float) -> dict:
