@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install model run test test-fast soak gpu-check bench tune proto dashboards classifier-data tuning-prompts clean
+.PHONY: install model run test test-fast soak gpu-check bench tune proto dashboards docs classifier-data tuning-prompts clean
 
 install: $(STAMP) model
 
@@ -63,6 +63,10 @@ proto: $(STAMP)
 # from the PromQL in specmesh/cluster/metrics.py; the tests fail while the files are out of date.
 dashboards: $(STAMP)
 	$(PY) deploy/grafana/generate.py
+
+# The flags tables of docs/operations.md, from the services' settings; the tests fail while they are out of date.
+docs: $(STAMP)
+	$(PY) -m specmesh.cluster.service_settings docs/operations.md
 
 # The request classifier's shipped examples (specmesh/speculation/request_kinds.jsonl), made from the
 # templated prompts; the tests fail while the file is out of date.

@@ -12,41 +12,26 @@ from pathlib import Path
 from typing import Sequence
 
 from specmesh.errors import InvalidArgument, SpecmeshError
-from specmesh.runtime.loading import EMBEDDED_DEFAULT
-from specmesh.runtime.precision import check_precision
 from specmesh.runtime.random_models import is_random
-from specmesh.speculation.policy import DEFAULT_FIXED_TREE_NODES, DEFAULT_TREE_NODES, SPECULATION_MARGIN
+from specmesh.cluster.service_settings import RouterSettings, VerifierSettings
+from specmesh.speculation.policy import DEFAULT_FIXED_TREE_NODES
 
 DEMO_PROMPT = "Write a Python function that checks whether a string is a palindrome, and explain it."
+# what `specmesh up` passes on to its routers and verifiers
+UP_ROUTER_SETTINGS = ("api_keys_file", "max_tree_nodes", "speculation", "speculation_margin", "draft_ahead")
+UP_VERIFIER_SETTINGS = ("precision", "kv_cache_gb", "batch_invariant")
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=EMBEDDED_DEFAULT,
-                        help=f"target: hub id, model directory, .gguf file, {EMBEDDED_DEFAULT!r} (default), or "
-                        "random:<architecture> (real shapes, random weights: `bench` measures the runtime's speed)")
+    """The target and drafters of a command that runs them in this process."""
+    VerifierSettings.add_flags(parser, ["model"], defaults=True, environment=False)
     parser.add_argument("--drafter", action="append", default=None,
                         help="drafter: ngram (prompt lookup), history, a shipped expert (code, math, writing, knowledge, "
                         "chat), a drafter directory, or a small model sharing the target's tokenizer; repeatable "
                         "(default: ngram)")
-    parser.add_argument("--tree-nodes", type=int, default=DEFAULT_TREE_NODES,
-                        help="the most tree nodes a step (adaptive picks fewer where they do not pay); 0 = no speculation "
-                        f"(default {DEFAULT_TREE_NODES})")
-    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: CUDA when present)")
-    parser.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: fp32 on CPU, bf16 on CUDA)")
-    parser.add_argument("--precision", default="shipped",
-                        help="shipped: a GGUF target computed on its own 4/8-bit blocks (CPU); fp32: on its weights "
-                        "de-quantized, token for token Hugging Face's output; q8_0: any Llama-family model rounded to "
-                        "8-bit blocks at load (default: shipped)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    parser.add_argument("--kv-cache-gb", type=float, default=None,
-                        help="the target's KV cache: every request's in one budget (on CUDA a paged pool); a request "
-                        "that does not fit is refused with RESOURCE_EXHAUSTED (default: half the GPU memory free "
-                        "after loading; a quarter of the machine's memory on CPU)")
-    parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
-                        help="CUDA (the default there): matrix products in Triton whose reduction is fixed by the "
-                        "weights, so that a request's logits never depend on the batch it is verified in; "
-                        "--no-batch-invariant puts cuBLAS under them (faster for large batches, exact only within "
-                        "a row bucket). CPU targets on their shipped blocks are batch-invariant always")
+    RouterSettings.add_flags(parser, ["max_tree_nodes"], defaults=True, environment=False)
+    VerifierSettings.add_flags(parser, ["device", "dtype", "precision", "threads", "kv_cache_gb", "batch_invariant"],
+                               defaults=True, environment=False)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,9 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--speculation", choices=("adaptive", "fixed", "off"), default=None,
-                     help="adaptive: drafters routed by the prompt's kind, tree budget chosen each step by goodput "
-                     "(default); fixed: routed, the whole budget every step; off: plain decoding")
+    RouterSettings.add_flags(gen, ["speculation"], environment=False)  # with --server: none, the router's
     gen.add_argument("--compare-plain", action="store_true",
                      help="also decode without speculation; report identity and the speed ratio")
     gen.add_argument("--server", metavar="HOST:PORT[,HOST:PORT...]",
@@ -76,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --server: connect over TLS, trusting this CA (\"\": the system's roots)")
 
     up = commands.add_parser("up", help="run the whole cluster on this machine, with a demo request")
-    up.add_argument("--model", default=EMBEDDED_DEFAULT, help="the target model")
+    VerifierSettings.add_flags(up, ["model"], defaults=True, environment=False)
     up.add_argument("--drafter", action="append", default=None,
                     help="a drafter service to start (ngram, history, code, math, writing, knowledge, chat, a directory, a model); "
                     "repeatable (default: ngram and every shipped expert)")
@@ -90,27 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--tls", action="store_true",
                     help="a CA of the cluster's own (in the log folder): TLS on the router's ports, mutual TLS between "
                          "the services; clients trust <log-dir>/pki/ca.crt")
-    up.add_argument("--api-keys-file", default=None,
-                    help="API keys the router requires (one a line; with $SPECMESH_API_KEYS). None: loopback only, "
-                         "no authentication")
-    up.add_argument("--tree-nodes", type=int, default=DEFAULT_TREE_NODES,
-                    help=f"the most tree nodes a step (default {DEFAULT_TREE_NODES})")
-    up.add_argument("--speculation", choices=("adaptive", "fixed", "off"), default="adaptive",
-                    help="the router's default for requests (default adaptive)")
-    up.add_argument("--speculation-margin", type=float, default=SPECULATION_MARGIN,
-                    help="adaptive: in a shared pass, the least predicted goodput gain a tree must promise, in shares "
-                    f"of one request's part of the batch's goodput (default {SPECULATION_MARGIN})")
-    up.add_argument("--precision", default="shipped",
-                    help="the verifiers': shipped (a GGUF target on its own blocks, CPU), fp32 or q8_0 "
-                    "(default shipped)")
-    up.add_argument("--kv-cache-gb", type=float, default=None,
-                    help="each verifier's KV cache budget (default: half the GPU memory free after loading; a "
-                    "quarter of the machine's memory on CPU)")
-    up.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
-                    help="CUDA verifiers: a request's logits never depend on its batch (the default there; "
-                    "--no-batch-invariant: cuBLAS, exact only within a row bucket)")
-    up.add_argument("--draft-ahead", action="store_true",
-                    help="draft the next tree while one verifies (pays when drafters have cores of their own)")
+    # the services' own settings, passed on when given
+    RouterSettings.add_flags(up, UP_ROUTER_SETTINGS, environment=False)
+    VerifierSettings.add_flags(up, UP_VERIFIER_SETTINGS, environment=False)
     up.add_argument("--demo-prompt", default=DEMO_PROMPT)
     up.add_argument("--max-tokens", type=int, default=96, help="of the demo request")
     up.add_argument("--no-demo", action="store_true")
@@ -175,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--kind", choices=("expert", "feature"), default="expert",
                       help="expert: a small LM over tokens, for --domain; feature: one head over the target's hidden "
                       "states, for every domain (trained on the templated prompts of all of them, and --synthesize)")
-    dist.add_argument("--target", default=EMBEDDED_DEFAULT, help="the target model (default: the embedded one)")
+    VerifierSettings.add_flags(dist, ["model"], defaults=True, environment=False)
     dist.add_argument("--domain",
                       help="code, math, writing, knowledge; general (every request not code or math: with --synthesize); "
                       "any name with --prompts (required for --kind expert)")
@@ -201,19 +166,17 @@ def build_parser() -> argparse.ArgumentParser:
                       help="an earlier drafter of the set, a shipped expert's name or a drafter directory: positions "
                       "it gets wrong weigh more (repeatable)")
     dist.add_argument("--seed", type=int, default=0)
-    dist.add_argument("--threads", type=int, default=None)
+    VerifierSettings.add_flags(dist, ["threads"], defaults=True, environment=False)
     dist.add_argument("--feature-layers", help="--kind feature: the target's layers read, comma-separated counts of "
                       "decoder layers (default: a low, the middle and the top one)")
     dist.add_argument("--epochs", type=float, default=4.0, help="--kind feature: passes over the answers (default 4)")
     dist.add_argument("--unroll", type=int, default=3,
                       help="--kind feature: drafting steps unrolled in training (training-time test; default 3)")
-    dist.add_argument("--precision", default="shipped",
-                      help="--kind feature: the target precision whose hidden states are read; that of the verifiers "
-                      "it will serve (default shipped)")
+    VerifierSettings.add_flags(dist, ["precision"], defaults=True, environment=False)  # --kind feature: the verifiers'
 
     prep = commands.add_parser("prepare", help="convert the embedded default model and build its quantized kernel once "
                                "(done by make install)")
-    prep.add_argument("--model", default=EMBEDDED_DEFAULT)
+    VerifierSettings.add_flags(prep, ["model"], defaults=True, environment=False)
     prep.add_argument("--every-cpu-kernel", action="store_true",
                       help="build the CPU kernels for every x86 CPU (AVX-512 VNNI, AVX-VNNI, AVX2, portable), not only "
                       "this one's: for an image that will run on other machines")
@@ -323,15 +286,12 @@ def _generate(args: argparse.Namespace) -> int:
 
     if (args.prompt is None) == (args.prompts is None):
         raise InvalidArgument("prompt", "give either a PROMPT or --prompts FILE.jsonl")
-    check_precision(args.precision)
     params = _sampling_params(args)
-    if args.tree_nodes < 0:
-        raise InvalidArgument("tree_nodes", f"must be >= 0, got {args.tree_nodes}")
     prompts = [Prompt(args.prompt)] if args.prompt is not None else load_prompts(args.prompts)
     configure_threads(args.threads)
     assembly = assemble(args.model, args.drafter or ["ngram"], device=args.device, dtype=args.dtype,
-                        precision=args.precision, kv_cache_gb=args.kv_cache_gb, batch_invariant=args.batch_invariant)
-    speculative = assembly.engine(args.tree_nodes, args.speculation or "adaptive")
+                        precision=args.precision, kv_cache_gb=args.kv_cache_gb or None, batch_invariant=args.batch_invariant)
+    speculative = assembly.engine(args.max_tree_nodes, args.speculation or "adaptive")
     plain = assembly.engine(0)
     classifier = default_classifier()
     tokenizer = assembly.target.tokenizer
@@ -410,7 +370,7 @@ def _generate_remote(args: argparse.Namespace) -> int:
         for number, prompt in enumerate(prompts, start=1):
             if len(prompts) > 1:
                 print(f"--- [{number}/{len(prompts)}] {prompt.category}")
-            tokens, elapsed, last = _stream_one(client, prompt.text, params, args.tree_nodes, echo=True,
+            tokens, elapsed, last = _stream_one(client, prompt.text, params, args.max_tree_nodes, echo=True,
                                                 speculation=args.speculation)
             stats = last.stats
             line = (f"[{len(tokens)} tokens, {len(tokens) / elapsed:.1f} tok/s, mean accepted length "
@@ -459,7 +419,8 @@ def _up(args: argparse.Namespace) -> int:
     from specmesh.cluster.launcher import DEFAULT_DRAFTERS, ClusterSpec, LocalCluster
 
     spec = ClusterSpec(model=args.model, drafters=tuple(args.drafter or DEFAULT_DRAFTERS), verifiers=args.verifiers,
-                       routers=args.routers, max_tree_nodes=args.tree_nodes, draft_ahead=args.draft_ahead, router_port=args.port,
+                       routers=args.routers, max_tree_nodes=args.max_tree_nodes, router_port=args.port,
+                       draft_ahead={"on": True, "off": False}.get(args.draft_ahead),
                        http_port=None if args.no_http else args.http_port,
                        api_keys_file=Path(args.api_keys_file) if args.api_keys_file else None, tls=args.tls,
                        log_dir=args.log_dir, speculation=args.speculation, speculation_margin=args.speculation_margin,
@@ -594,7 +555,7 @@ def _distill(args: argparse.Namespace) -> int:
         prompts = domain_prompts(args.domain, args.count, args.seed)
     configure_threads(args.threads)
     # fp32: the shipped experts were distilled from (and their answer caches hold) the fp32 target
-    assembly = assemble(args.target, drafters=[], dtype="float32", precision="fp32")
+    assembly = assemble(args.model, drafters=[], dtype="float32", precision="fp32")
     boost_from = [boost_directory(spec, assembly.target.name) for spec in args.boost_from]  # before any generation
     if prompts is None:
         prompts = synthesized_prompts(assembly, args.domain, args.synthesize, args.seed)
@@ -637,7 +598,7 @@ def _distill_feature(args: argparse.Namespace) -> int:
     if args.synthesize < 0:
         raise InvalidArgument("synthesize", f"must be >= 0, got {args.synthesize}")
     configure_threads(args.threads)
-    assembly = assemble(args.target, drafters=[], precision=args.precision)
+    assembly = assemble(args.model, drafters=[], precision=args.precision)
     num_layers = assembly.target.model.config.num_hidden_layers
     try:
         layers = (tuple(int(n) for n in args.feature_layers.split(",")) if args.feature_layers

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -33,14 +34,18 @@ BAD_INPUT = [
     (["generate", "hi", "--top-p", "0"], "top_p"),
     (["generate", "hi", "--top-p", "1.5"], "top_p"),
     (["generate", "hi", "--top-k", "-2"], "top_k"),
-    (["generate", "hi", "--tree-nodes", "-1"], "tree_nodes"),
+    (["generate", "hi", "--max-tree-nodes", "-1"], "max_tree_nodes"),
+    (["generate", "hi", "--max-tree-nodes", "1000"], "max_tree_nodes"),
+    (["generate", "hi", "--threads", "0"], "threads"),
+    (["up", "--kv-cache-gb", "-1"], "kv_cache_gb"),
+    (["up", "--draft-ahead", "sometimes"], "draft_ahead"),
     (["generate", "hi", "--model", "/no/such/model"], "model"),
     (["generate", "hi", "--model", "missing.gguf"], "model"),
     (["generate", "--prompts", "/no/such/file.jsonl"], "prompts"),
     (["generate", "hi", "--greedy", "--temperature", "0.5"], "temperature"),
     (["bench", "--concurrency", "1,x"], "concurrency"),
     (["bench", "--concurrency", "0"], "concurrency"),
-    (["bench", "--tree-nodes", "0"], "tree_nodes"),
+    (["bench", "--max-tree-nodes", "0"], "max_tree_nodes"),
     (["bench", "--fixed-tree-nodes", "0"], "fixed_tree_nodes"),
     (["bench", "--fixed-tree-nodes", "65"], "fixed_tree_nodes"),
     (["bench", "--limit", "0"], "limit"),
@@ -68,7 +73,6 @@ BAD_INPUT_FOR_THE_MODEL = [
     (["generate", ""], "prompt"),
     (["generate", "   "], "prompt"),
     (["generate", "hi", "--max-tokens", "1000000000"], "max_tokens"),
-    (["generate", "hi", "--tree-nodes", "1000"], "max_tree_nodes"),
     (["generate", "hi", "--drafter", "/no/such/drafter"], "drafter"),
     (["generate", "word " * 9000], "prompt"),
     (["distill", "--domain", "math", "--out", "unused", "--boost-from", "no-such-expert"], "boost_from"),
@@ -76,20 +80,21 @@ BAD_INPUT_FOR_THE_MODEL = [
 
 
 def one_error_line(args: list[str], capsys) -> str:
-    """Runs the command line in this process; returns its one ``specmesh: error:`` line."""
+    """Runs the command line in this process; returns its one ``specmesh[ COMMAND]: error:`` line."""
     with pytest.raises(SystemExit) as exited:
         main(args)
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
-    errors = [line for line in err.splitlines() if line.startswith("specmesh: error:")]
+    errors = [line for line in err.splitlines() if re.match(r"specmesh( [\w-]+)?: error:", line)]
     assert len(errors) == 1, err
     return errors[0]
 
 
 @pytest.mark.parametrize("args,argument", BAD_INPUT)
 def test_bad_input_is_one_clear_line(args, argument, capsys):
-    assert f"error: {argument}:" in one_error_line(args, capsys)
+    line = one_error_line(args, capsys)  # the setting's name: ours, or argparse's for a value it reads
+    assert f"error: {argument}:" in line or f"error: argument --{argument.replace('_', '-')}:" in line
 
 
 @pytest.mark.slow
@@ -151,12 +156,17 @@ def test_tune_refuses_prompts_the_bench_judges_on(tmp_path, capsys):
     assert "error: prompts: 1 of them (lines [2])" in error and "MT-Bench" in error
 
 
-def test_up_rejects_a_kv_cache_budget_that_is_not_positive():
+def test_a_cluster_spec_is_checked_as_its_services_check_their_settings():
     from specmesh.cluster.launcher import ClusterSpec
     from specmesh.errors import InvalidArgument
 
-    with pytest.raises(InvalidArgument, match="kv_cache_gb"):
-        ClusterSpec(model="m", kv_cache_gb=0)
+    for bad in ({"kv_cache_gb": -1}, {"precision": "int3"}, {"speculation_margin": -0.5}, {"max_tree_nodes": 65},
+                {"job_timeout_s": 0}):
+        with pytest.raises(InvalidArgument):
+            ClusterSpec(model="m", **bad)
+    spec = ClusterSpec(model="m", precision="fp32", draft_ahead=False, kv_cache_gb=2.5)
+    assert spec.verifier_flags() == ["--model", "m", "--precision", "fp32", "--kv-cache-gb", "2.5"]
+    assert spec.router_flags() == ["--model", "m", "--draft-ahead", "off"]  # the rest: the router's own defaults
 
 
 def read_until(process: subprocess.Popen, marker: str, lines: list[str], timeout_s: float = 600) -> None:
@@ -210,14 +220,16 @@ def test_up_restarts_a_killed_verifier_and_stops_cleanly(stop, tmp_path):
 
 
 def test_batch_invariant_products_are_the_default_and_can_be_turned_off(monkeypatch):
-    from specmesh.services.verifier.server import build_parser
+    from specmesh.cluster.service_settings import VerifierSettings
 
-    required = ["--model", "m"]
+    def parse(*argv):
+        return VerifierSettings.parse(["--model", "m", *argv], "specmesh-verifier", "").batch_invariant
+
     monkeypatch.delenv("SPECMESH_BATCH_INVARIANT", raising=False)
-    assert build_parser().parse_args(required).batch_invariant is None  # the runtime's default: on for CUDA
-    assert build_parser().parse_args([*required, "--no-batch-invariant"]).batch_invariant is False
+    assert parse() is None  # the runtime's default: on for CUDA
+    assert parse("--no-batch-invariant") is False
     monkeypatch.setenv("SPECMESH_BATCH_INVARIANT", "false")  # the chart's verifier.config.batchInvariant
-    assert build_parser().parse_args(required).batch_invariant is False
-    assert build_parser().parse_args([*required, "--batch-invariant"]).batch_invariant is True
+    assert parse() is False
+    assert parse("--batch-invariant") is True
     monkeypatch.setenv("SPECMESH_BATCH_INVARIANT", "true")
-    assert build_parser().parse_args(required).batch_invariant is True
+    assert parse() is True

@@ -370,7 +370,7 @@ def test_the_router_requires_api_keys_from_a_secret_and_serves_http(render):
 
 def test_tls_from_a_secret_in_every_service_with_probes_that_speak_it(render):
     docs = render("--set", "tls.enabled=true", "--set", "tls.secretName=specmesh-tls")
-    flags = _service_flags()
+    flags = _service_variables()
     specmesh = [w for w in workloads(docs) if component(w) in SPECMESH_COMPONENTS]
     assert {component(w) for w in specmesh} == set(SPECMESH_COMPONENTS)
     for workload in specmesh:
@@ -435,25 +435,22 @@ def test_network_policies_let_only_the_router_reach_drafters_and_verifiers(rende
     assert not [d for d in render("--set", "networkPolicy.enabled=false") if d["kind"] == "NetworkPolicy"]
 
 
-def _service_flags() -> dict[str, set[str]]:
-    """SPECMESH_* variables each service reads: its flags' env_default names (read from the source, so as
-    not to import the services)."""
-    flags = {}
-    shared = (ROOT / "specmesh" / "cluster" / "tls.py").read_text()  # add_tls_flags: every service's
-    for name in SPECMESH_COMPONENTS:
-        source = "".join(path.read_text() for path in (ROOT / "services" / name).glob("*.py")) + shared  # flags.py
-        flags[name] = {f"SPECMESH_{n.upper().replace('-', '_')}" for n in re.findall(r"env_default\(\s*\"([\w-]+)\"", source)}
-    return flags
+def _service_variables() -> dict[str, set[str]]:
+    """SPECMESH_* variables each service reads: its settings' (specmesh.cluster.service_settings)."""
+    from specmesh.cluster.service_settings import SERVICES
+    from specmesh.cluster.settings import env_name
+
+    return {name: {env_name(field) for field in SERVICES[name].model_fields} for name in SPECMESH_COMPONENTS}
 
 
-# Read outside the services' flags: the model cache (specmesh.runtime.loading.cache_root).
+# Read outside the services' settings: the model cache (specmesh.runtime.loading.cache_root).
 OTHER_VARIABLES = {"SPECMESH_CACHE"}
 
 
 @pytest.mark.parametrize("values", VALUES)
 def test_every_specmesh_variable_is_one_a_service_reads(render, values):
     """A misspelt SPECMESH_* variable would be ignored silently: each one set must be a service's flag."""
-    flags = _service_flags()
+    flags = _service_variables()
     for workload in workloads(render_values(render, values)):
         name = component(workload)
         if name not in SPECMESH_COMPONENTS:
@@ -463,6 +460,58 @@ def test_every_specmesh_variable_is_one_a_service_reads(render, values):
         assert not unknown, f"{workload['metadata']['name']} sets variables no flag reads: {sorted(unknown)}"
         # nor may Kubernetes add any: service links of a release called "specmesh" are SPECMESH_* variables
         assert workload["spec"]["template"]["spec"]["enableServiceLinks"] is False
+
+
+def _settings_of(container: dict, service: str):
+    """The settings the service would run with: its literal SPECMESH_* variables read by its settings class
+    (those from Secrets, field references or $(VAR) are left to their defaults)."""
+    from specmesh.cluster.service_settings import SERVICES
+
+    literal = {k: e["value"] for k, e in env_of(container).items()
+               if k.startswith("SPECMESH_") and "value" in e and "$(" not in e["value"] and k not in OTHER_VARIABLES}
+    with pytest.MonkeyPatch.context() as patch:
+        for key in [k for k in os.environ if k.startswith("SPECMESH_")]:
+            patch.delenv(key)
+        for key, value in literal.items():
+            patch.setenv(key, value)
+        return SERVICES[service]()
+
+
+def _changed(value):
+    """Another valid value of a config entry's kind, to see it arrive."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value + 1
+    if isinstance(value, float):  # fractions (a chance, a margin) stay fractions
+        return value * 2 if value >= 1 else value / 2
+    return {"auto": "off", "adaptive": "fixed", "shipped": "fp32"}[value]
+
+
+def test_every_chart_setting_reaches_its_flag_and_every_flag_note_names_a_real_one(render):
+    """Each <service>.config entry of values.yaml becomes the SPECMESH_* variable of a real setting of that
+    service, whose value arrives there (changed too); each "(--flag)" its comment names is that setting's."""
+    from specmesh.cluster.settings import flag_name
+
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    text = (CHART / "values.yaml").read_text()
+    for service in SPECMESH_COMPONENTS:
+        config = values[service]["config"]
+        changed = [f"{service}.config.{key}={_changed(value)}" for key, value in config.items()]
+        for setting, expected in (([], config), (changed, {k: _changed(v) for k, v in config.items()})):
+            args = [a for pair in (("--set", c) for c in setting) for a in pair]
+            (workload,) = [w for w in workloads(render(*args)) if component(w) == service][:1]
+            (container,) = containers(workload)
+            settings = _settings_of(container, service)
+            for key, value in expected.items():
+                field = re.sub(r"(?<!^)(?=[A-Z])", "_", key).lower()
+                assert field in type(settings).model_fields, f"{service}.config.{key}: no setting {field}"
+                assert getattr(settings, field) == value, f"{service}.config.{key}={value!r} did not arrive"
+        for key in config:  # its comment's "(--flag)" is its own flag
+            field = re.sub(r"(?<!^)(?=[A-Z])", "_", key).lower()
+            block = re.search(rf"((?:\n *#.*)+)\n *{key}:", text)  # the comment lines right above it
+            flags = re.findall(r"\((--[a-z-]+)\)", block.group(1)) if block else []
+            assert flags == [flag_name(field)], f"{service}.config.{key}'s comment names {flags}"
 
 
 @pytest.mark.parametrize("values", VALUES)

@@ -98,7 +98,7 @@ def test_distill_writes_a_drafter_directory_that_generate_uses(tiny_dir, tmp_pat
     env = {**os.environ, "SPECMESH_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
     out = tmp_path / "code-expert"
     result = subprocess.run(
-        [sys.executable, "-m", "specmesh", "distill", "--target", str(tiny_dir), "--domain", "code", "--count", "12",
+        [sys.executable, "-m", "specmesh", "distill", "--model", str(tiny_dir), "--domain", "code", "--count", "12",
          "--answer-tokens", "12", "--minutes", "0.05", "--subset-size", "64", "--layers", "1", "--out", str(out)],
         capture_output=True, text=True, timeout=600, env=env,
     )
@@ -118,7 +118,7 @@ def test_distill_writes_a_drafter_directory_that_generate_uses(tiny_dir, tmp_pat
     # Collective boost-tuning: the second expert learns from the first's misses.
     boosted = tmp_path / "math-expert"
     result = subprocess.run(
-        [sys.executable, "-m", "specmesh", "distill", "--target", str(tiny_dir), "--domain", "math", "--count", "8",
+        [sys.executable, "-m", "specmesh", "distill", "--model", str(tiny_dir), "--domain", "math", "--count", "8",
          "--answer-tokens", "8", "--minutes", "0.05", "--subset-size", "64", "--layers", "1", "--out", str(boosted),
          "--boost-from", str(out)],
         capture_output=True, text=True, timeout=600, env=env,

@@ -4,7 +4,6 @@ and their model passes should not stall the server."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import time
@@ -13,16 +12,14 @@ from typing import Sequence
 import redis.asyncio as aioredis
 
 from specmesh.cluster.discovery import RedisRegistry
-from specmesh.cluster.drafter_sessions import (
-    DEFAULT_IDLE_S, DEFAULT_SESSION_TOKENS, DEFAULT_TOTAL_TOKENS, DrafterSessions,
-)
+from specmesh.cluster.drafter_sessions import DEFAULT_SESSION_TOKENS, DrafterSessions
 from specmesh.cluster.metrics import DrafterMetrics, serve_metrics
-from specmesh.cluster.serving import Service, TorchThread, env_default, run_service, start_server
-from specmesh.cluster.tls import TlsFiles, add_tls_flags
+from specmesh.cluster.serving import Service, TorchThread, run_service, start_server
+from specmesh.cluster.service_settings import DrafterSettings
+from specmesh.cluster.tls import TlsFiles
 from specmesh.cluster.wire import features_from_pb, tree_to_pb
 from specmesh.drafters.catalog import load_drafter
-from specmesh.errors import InvalidArgument
-from specmesh.runtime.loading import EMBEDDED_DEFAULT, configure_threads, load_target_parts, tokenizer_fingerprint
+from specmesh.runtime.loading import configure_threads, load_target_parts, tokenizer_fingerprint
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
 
 log = logging.getLogger("specmesh.drafter")
@@ -81,55 +78,19 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specmesh-drafter", description="Serve one drafter over gRPC.")
-    parser.add_argument("--drafter", default=env_default("drafter", "ngram"),
-                        help="ngram, history, a shipped expert (code, math, writing, knowledge, chat), a drafter directory "
-                             "or a small HF model sharing the target's tokenizer [SPECMESH_DRAFTER]")
-    parser.add_argument("--target", default=env_default("target", EMBEDDED_DEFAULT),
-                        help="the target model drafted for (its tokenizer and embeddings are read) [SPECMESH_TARGET]")
-    parser.add_argument("--domains", default=env_default("domains"),
-                        help="comma-separated domains this drafter is good at (default: the expert's own, else general)")
-    parser.add_argument("--listen", default=env_default("listen", "127.0.0.1:50061"), help="host:port [SPECMESH_LISTEN]")
-    parser.add_argument("--metrics-address", default=env_default("metrics_address", "127.0.0.1:9402"),
-                        help="serve Prometheus metrics at http://ADDRESS/metrics ('' = off) [SPECMESH_METRICS_ADDRESS]")
-    parser.add_argument("--announce", default=env_default("announce"),
-                        help="host:port at which routers reach this drafter: announced in the Redis registry (with "
-                             "--redis-url) for routers started with --discovery redis [SPECMESH_ANNOUNCE]")
-    parser.add_argument("--redis-url", default=env_default("redis_url", "redis://127.0.0.1:6379/0"),
-                        help="the registry for --announce [SPECMESH_REDIS_URL]")
-    parser.add_argument("--threads", type=int, default=int(env_default("threads", "1")), help="torch threads")
-    parser.add_argument("--max-sessions", type=int, default=int(env_default("max_sessions", "1024")))
-    parser.add_argument("--session-idle-s", type=float, default=float(env_default("session_idle_s", str(DEFAULT_IDLE_S))),
-                        help="a session unused this long ends (its router is most likely gone; a live one re-opens "
-                             "it) [SPECMESH_SESSION_IDLE_S]")
-    parser.add_argument("--max-tokens", type=int, default=int(env_default("max_tokens", str(DEFAULT_TOTAL_TOKENS))),
-                        help="tokens all sessions may hold together; past it the least recently used end (each "
-                             "session holds at most the target's context) [SPECMESH_MAX_TOKENS]")
-    parser.add_argument("--device", default=env_default("device"),
-                        help="where the drafter runs: cpu, cuda, cuda:N or auto (default: an expert on the CPU, "
-                             "a model on CUDA when present) [SPECMESH_DEVICE]")
-    parser.add_argument("--dtype", default=env_default("dtype"))
-    add_tls_flags(parser, env_default)  # with --tls-ca: mutual TLS, only the cluster's router may call
-    parser.add_argument("--log-level", default=env_default("log_level", "INFO"))
-    return parser
-
-
-def load(args: argparse.Namespace):
+def load(args: DrafterSettings):
     configure_threads(args.threads)
-    target = load_target_parts(args.target)
+    target = load_target_parts(args.model)
     return target, load_drafter(args.drafter, target, args.device, args.dtype)
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(args: DrafterSettings) -> None:
     tls = TlsFiles.from_flags(args.tls_cert, args.tls_key, args.tls_ca)  # first: a bad flag fails before loading
-    if not args.session_idle_s > 0:
-        raise InvalidArgument("session_idle_s", f"must be > 0, got {args.session_idle_s}")
     if tls is not None and tls.ca is None:
         log.warning("TLS without --tls-ca: any caller is answered; give the cluster's CA to require its certificates")
     torch_thread = TorchThread("draft")
     target, drafter = await torch_thread.run(load, args)
-    domains = [d for d in args.domains.split(",") if d] if args.domains else list(drafter.domains or ("general",))
+    domains = args.domain_names or list(drafter.domains or ("general",))
     info = drafter_pb2.DrafterInfo(
         name=drafter.name, kind=drafter.kind, domains=domains, target=target.name,
         tokenizer_hash=tokenizer_fingerprint(target.tokenizer), max_sessions=args.max_sessions,
@@ -138,7 +99,7 @@ async def serve(args: argparse.Namespace) -> None:
     metrics = DrafterMetrics()
     endpoint = serve_metrics(metrics, args.metrics_address)
     sessions = DrafterSessions(drafter, target.vocab_size, args.max_sessions, target.max_length or DEFAULT_SESSION_TOKENS,
-                               args.max_tokens)
+                               args.max_held_tokens)
     servicer = DrafterServicer(sessions, info, torch_thread, metrics)
     server = await start_server(
         [Service(drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name,
@@ -164,4 +125,4 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_service("specmesh-drafter", build_parser(), serve, argv)
+    return run_service("specmesh-drafter", "Serve one drafter over gRPC.", DrafterSettings, serve, argv)

@@ -31,6 +31,7 @@ from specmesh import __version__
 from specmesh.cluster.auth import Access, Permit
 from specmesh.cluster.gateway import Generation, Router, TextStream
 from specmesh.cluster.serving import http_status_for
+from specmesh.cluster.service_settings import DEFAULT_MAX_BODY_BYTES
 from specmesh.cluster.stops import StopScanner, check_stops, tokens_through
 from specmesh.cluster.tls import TlsFiles
 from specmesh.errors import InvalidArgument, NotFound, SpecmeshError, Unauthenticated
@@ -58,7 +59,6 @@ from specmesh.services.router.openai_schema import (
 
 log = logging.getLogger("specmesh.router.http")
 
-DEFAULT_MAX_BODY_BYTES = 4 << 20  # a 4 MiB request is ~1M tokens of text: far past any context
 DRAIN_BYTES = 64 << 20
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
                409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error",

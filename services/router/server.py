@@ -3,7 +3,6 @@ Redis-backed verifier pool. The servicer only converts messages; ``specmesh.clus
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
@@ -29,13 +28,13 @@ from specmesh.cluster.pipeline.messages import QueueKeys, QueueSigner
 from specmesh.cluster.pipeline.router_end import QueueVerifierClient
 from specmesh.cluster.remote_drafter import RemoteDrafter
 from specmesh.cluster.serving import Service, run_service, start_server
+from specmesh.cluster.service_settings import RouterSettings
 from specmesh.cluster.tls import TlsFiles, channel_options
 from specmesh.cluster.wire import sampling_from_pb
 from specmesh.drafters.catalog import MODEL_FREE_DRAFTERS
 from specmesh.errors import InvalidArgument
 from specmesh.runtime.loading import configure_threads, load_target_parts, tokenizer_fingerprint
 from specmesh.services.router.convert import SPECULATION, stats_pb, trace_pb, usage_pb
-from specmesh.services.router.flags import build_parser, local_drafter_names
 from specmesh.services.router.openai_api import HttpServer, openai_app
 from specmesh.speculation.classifier import default_classifier
 from specmesh.speculation.expertise import GENERAL, RoutingConfig
@@ -141,7 +140,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 ROUTER_SERVICE = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(args: RouterSettings) -> None:
     configure_threads(1)
     policy = adaptive_policy({}, routing=RoutingConfig(max_drafters=args.max_drafters, explore=args.explore),
                              margin=args.speculation_margin)  # first: a bad flag fails before anything starts
@@ -161,7 +160,7 @@ async def serve(args: argparse.Namespace) -> None:
                                    on_forged=metrics.forged_results.inc, on_resend=metrics.resent_jobs.inc,
                                    on_pass_curve=policy.calibrate)
     await verifier.start()
-    local = [LocalDrafter(MODEL_FREE_DRAFTERS[name]()) for name in local_drafter_names(args.local_drafters)]
+    local = [LocalDrafter(MODEL_FREE_DRAFTERS[name]()) for name in args.local_drafter_names]
     drafters: list = [*local]
     credentials = tls.channel_credentials() if tls is not None and tls.ca is not None else None  # mTLS to drafters
     options = channel_options(args.tls_server_name) if credentials is not None else []
@@ -169,7 +168,7 @@ async def serve(args: argparse.Namespace) -> None:
                                                                 credentials=credentials, options=options),
                         card.tokenizer_hash,
                         hidden_size=target.hidden_size or None, num_layers=target.num_layers or None)
-    await remote.update(a.strip() for a in args.drafters.split(",") if a.strip())
+    await remote.update(args.drafter_addresses)
     discovery = None
     if args.discovery == "redis":
         discovery = asyncio.create_task(follow_registry(RedisRegistry(redis), remote))
@@ -177,7 +176,7 @@ async def serve(args: argparse.Namespace) -> None:
         watcher = KubernetesWatcher(kubernetes_api(), args.namespace or pod_namespace(), args.discovery_selector)
         discovery = asyncio.create_task(follow_kubernetes(watcher, remote))
     limits = RouterLimits(args.max_concurrent, args.max_queue_backlog, args.default_max_tokens, args.max_tree_nodes,
-                          draft_ahead=args.draft_ahead == "on", speculation=args.speculation)
+                          draft_ahead=args.drafts_ahead(), speculation=args.speculation)
     endpoint = serve_metrics(metrics, args.metrics_address)
     router = Router(target.tokenizer, card, drafters, verifier, limits, policy, default_classifier(), metrics)
     servicer = RouterServicer(router, verifier)
@@ -213,4 +212,5 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_service("specmesh-router", build_parser(), serve, argv)
+    return run_service("specmesh-router", "Serve the client API of a specmesh cluster.", RouterSettings, serve,
+                       argv)

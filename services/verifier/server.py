@@ -4,7 +4,6 @@ with a gRPC control API (Info, Drain) and Prometheus metrics.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
@@ -21,13 +20,12 @@ from specmesh.cluster.metrics import VerifierMetrics, serve_metrics
 from specmesh.cluster.pipeline.messages import ENV_KEY as QUEUE_KEY
 from specmesh.cluster.pipeline.messages import QueueKeys, QueueSigner, new_key
 from specmesh.cluster.pipeline.verifier_end import VerifierQueue
-from specmesh.cluster.pipeline.worker import SESSION_IDLE_S, VerifierWorker
-from specmesh.cluster.serving import Server, Service, TorchThread, env_default, run_service, start_server
-from specmesh.cluster.tls import TlsFiles, add_tls_flags
-from specmesh.errors import InvalidArgument
+from specmesh.cluster.pipeline.worker import VerifierWorker
+from specmesh.cluster.serving import Server, Service, TorchThread, run_service, start_server
+from specmesh.cluster.service_settings import VerifierSettings
+from specmesh.cluster.tls import TlsFiles
 from specmesh.runtime.calibration import measure_pass_curve
-from specmesh.runtime.loading import EMBEDDED_DEFAULT, configure_threads, load_hf_model, tokenizer_fingerprint
-from specmesh.runtime.precision import check_precision
+from specmesh.runtime.loading import configure_threads, load_hf_model, tokenizer_fingerprint
 from specmesh.runtime.target import target_runtime
 from specmesh.runtime.tree_verifier import TreeVerifier
 from specmesh.tree import MAX_TREE_NODES
@@ -76,56 +74,16 @@ async def follow_worker(worker: VerifierWorker, server: Server) -> None:
         log.error("the worker has stopped: health is NOT_SERVING")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specmesh-verifier", description="Serve the target model for verification.")
-    parser.add_argument("--model", default=env_default("model", EMBEDDED_DEFAULT), help="[SPECMESH_MODEL]")
-    parser.add_argument("--redis-url", default=env_default("redis_url", "redis://127.0.0.1:6379/0"), help="[SPECMESH_REDIS_URL]")
-    parser.add_argument("--pool", default=env_default("pool", "default"), help="verifier pool (one stream) [SPECMESH_POOL]")
-    parser.add_argument("--listen", default=env_default("listen", "127.0.0.1:50071"), help="control API host:port")
-    parser.add_argument("--metrics-address", default=env_default("metrics_address", "127.0.0.1:9401"),
-                        help="serve Prometheus metrics at http://ADDRESS/metrics ('' = off) [SPECMESH_METRICS_ADDRESS]")
-    parser.add_argument("--verifier-id", default=env_default("verifier_id"), help="default: host-pid-random")
-    parser.add_argument("--threads", type=int, default=int(env_default("threads", "0")) or None, help="torch threads")
-    parser.add_argument("--max-sessions", type=int, default=int(env_default("max_sessions", "256")))
-    parser.add_argument("--max-batch-rows", type=int, default=int(env_default("max_batch_rows", "2048")))
-    parser.add_argument("--session-idle-s", type=float, default=float(env_default("session_idle_s", str(SESSION_IDLE_S))),
-                        help="a KV session unused this long is freed (its router is most likely gone; a request that "
-                             "comes back resyncs) [SPECMESH_SESSION_IDLE_S]")
-    parser.add_argument("--heartbeat-ttl", type=float, default=float(env_default("heartbeat_ttl", "3.0")), help="seconds")
-    parser.add_argument("--device", default=env_default("device"))
-    parser.add_argument("--dtype", default=env_default("dtype"))
-    parser.add_argument("--precision", default=env_default("precision", "shipped"),
-                        help="shipped (a GGUF target on its own blocks, CPU), fp32 or q8_0 [SPECMESH_PRECISION]")
-    parser.add_argument("--kv-cache-gb", type=float, default=float(env_default("kv_cache_gb", "0")) or None,
-                        help="the target's KV cache budget (default: half the GPU memory free after loading; a "
-                        "quarter of the machine's memory on CPU) [SPECMESH_KV_CACHE_GB]")
-    invariant = env_default("batch_invariant", "")
-    parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,
-                        default=None if invariant == "" else invariant not in ("0", "false"),
-                        help="CUDA: a request's logits never depend on its batch (the default; "
-                        "--no-batch-invariant puts cuBLAS under the matrix products: faster for large batches, "
-                        "exact only within a row bucket) [SPECMESH_BATCH_INVARIANT]")
-    parser.add_argument("--queue-key-file", default=env_default("queue_key_file"),
-                        help="the key shared with the routers: only jobs tagged with it run, results are tagged "
-                             "with it (else $SPECMESH_QUEUE_KEY; neither: untagged) [SPECMESH_QUEUE_KEY_FILE]")
-    add_tls_flags(parser, env_default)  # with --tls-ca: the control API (Drain) answers the cluster's callers only
-    parser.add_argument("--log-level", default=env_default("log_level", "INFO"))
-    return parser
-
-
-def load_verifier(args: argparse.Namespace):
-    check_precision(args.precision)
+def load_verifier(args: VerifierSettings):
     configure_threads(args.threads)
     target = load_hf_model(args.model, dtype=args.dtype, device=args.device)
-    runtime = target_runtime(target, args.precision, args.kv_cache_gb, args.batch_invariant)
+    runtime = target_runtime(target, args.precision, args.kv_cache_gb or None, args.batch_invariant)
     log.info("target %s computed in %s", target.name, runtime.precision)
     return target, runtime, TreeVerifier(runtime, max_sessions=args.max_sessions, max_tree_nodes=MAX_TREE_NODES)
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(args: VerifierSettings) -> None:
     tls = TlsFiles.from_flags(args.tls_cert, args.tls_key, args.tls_ca)  # first: a bad flag fails before loading
-    if not args.session_idle_s > 0:
-        raise InvalidArgument("session_idle_s", f"must be > 0, got {args.session_idle_s}")
     if tls is not None and tls.ca is None:
         log.warning("TLS without --tls-ca: any caller is answered; give the cluster's CA to require its certificates")
     torch_thread = TorchThread("verify")
@@ -176,4 +134,5 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_service("specmesh-verifier", build_parser(), serve, argv)
+    return run_service("specmesh-verifier", "Serve the target model for verification.", VerifierSettings, serve,
+                       argv)

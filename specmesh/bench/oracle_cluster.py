@@ -124,19 +124,19 @@ def run_oracle_bench(args: argparse.Namespace) -> int:
         raise InvalidArgument("max_tokens", f"must be >= 1, got {args.max_tokens}")
     if args.sweep_rounds < 1:
         raise InvalidArgument("sweep_rounds", f"must be >= 1, got {args.sweep_rounds}")
-    if not 1 <= args.tree_nodes <= MAX_TREE_NODES or not 1 <= args.fixed_tree_nodes <= MAX_TREE_NODES:
-        raise InvalidArgument("tree_nodes", f"--tree-nodes and --fixed-tree-nodes must be in 1..{MAX_TREE_NODES}")
+    if not 1 <= args.max_tree_nodes <= MAX_TREE_NODES or not 1 <= args.fixed_tree_nodes <= MAX_TREE_NODES:
+        raise InvalidArgument("max_tree_nodes", f"--max-tree-nodes and --fixed-tree-nodes must be in 1..{MAX_TREE_NODES}")
     vocab = random_config(args.model).vocab_size
     per_set = max(2 * max(levels), 8)  # what the sweep sends at its highest concurrency
     prompt_sets = {p: random_prompts(vocab, per_set, seed=i) for i, p in enumerate(acceptances)}
     report: dict = {"model": args.model, "device": args.device or ("cuda" if torch.cuda.is_available() else "cpu"),
-                    "max_tokens": args.max_tokens, "tree_nodes": args.tree_nodes,
+                    "max_tokens": args.max_tokens, "tree_nodes": args.max_tree_nodes,
                     "fixed_tree_nodes": args.fixed_tree_nodes, "rounds": args.sweep_rounds, "acceptance": {}}
     failed = False
     with tempfile.TemporaryDirectory(prefix="specmesh-oracle-") as folder:
         oracle_file = Path(folder) / "oracle.jsonl"
         spec = ClusterSpec(model=args.model, drafters=(f"{PREFIX}{oracle_file}",), device=args.device, dtype=args.dtype,
-                           max_tree_nodes=max(args.tree_nodes, args.fixed_tree_nodes), job_timeout_s=JOB_TIMEOUT_S,
+                           max_tree_nodes=max(args.max_tree_nodes, args.fixed_tree_nodes), job_timeout_s=JOB_TIMEOUT_S,
                            batch_invariant=args.batch_invariant)
         print(f"starting the cluster: {args.model} (random weights), oracle drafter ...", flush=True)
         with LocalCluster(spec) as cluster:
@@ -150,14 +150,14 @@ def run_oracle_bench(args: argparse.Namespace) -> int:
                                             for prompt, answer in zip(prompts, answers[p])])
             first = acceptances[0]  # untimed: every batch shape's kernels compiled before anything is timed
             load_sweep(cluster, prompt_sets[first], min(args.max_tokens, 16), levels, args.fixed_tree_nodes,
-                       args.tree_nodes, rounds=1, policies=("fixed", "adaptive"), inputs=ids_input)
+                       args.max_tree_nodes, rounds=1, policies=("fixed", "adaptive"), inputs=ids_input)
             for p in acceptances:
                 print(f"oracle acceptance {p} ...", flush=True)
                 rows: list[dict] = []
                 controller: dict[str, dict] = {}
                 for level in levels:  # one level at a time, each written when done: a run stopped midway keeps them
                     rows += load_sweep(cluster, prompt_sets[p], args.max_tokens, [level], args.fixed_tree_nodes,
-                                       args.tree_nodes, rounds=args.sweep_rounds, inputs=ids_input, expected=answers[p])
+                                       args.max_tree_nodes, rounds=args.sweep_rounds, inputs=ids_input, expected=answers[p])
                     controller[str(level)] = controller_state(cluster)  # after the level's last round
                     report["acceptance"][str(p)] = {"load_sweep": rows, "vs_plain": summarize(rows),
                                                     "verdicts": adaptive_verdicts(rows), "controller": controller}
@@ -165,7 +165,7 @@ def run_oracle_bench(args: argparse.Namespace) -> int:
                         write_json(report, args.json_out)
                 failed |= any(r["answers_unlike_plain"] for r in rows)
                 report["acceptance"][str(p)]["timeline"] = asyncio.run(
-                    timeline(cluster, prompt_sets[p][0], args.max_tokens, args.tree_nodes))
+                    timeline(cluster, prompt_sets[p][0], args.max_tokens, args.max_tree_nodes))
     report["answers_unlike_plain"] = sum(r["answers_unlike_plain"] for a in report["acceptance"].values()
                                          for r in a["load_sweep"])
     _print(report)

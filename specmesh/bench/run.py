@@ -266,8 +266,8 @@ def run_bench(args: argparse.Namespace) -> int:
         raise InvalidArgument("max_tokens", f"must be >= 1, got {args.max_tokens}")
     if args.sweep_rounds < 1:
         raise InvalidArgument("sweep_rounds", f"must be >= 1, got {args.sweep_rounds}")
-    if args.tree_nodes < 1:
-        raise InvalidArgument("tree_nodes", f"the benchmark compares speculation: must be >= 1, got {args.tree_nodes}")
+    if args.max_tree_nodes < 1:
+        raise InvalidArgument("max_tree_nodes", f"the benchmark compares speculation: must be >= 1, got {args.max_tree_nodes}")
     if not 1 <= args.fixed_tree_nodes <= MAX_TREE_NODES:
         raise InvalidArgument("fixed_tree_nodes", f"must be in 1..{MAX_TREE_NODES}, got {args.fixed_tree_nodes}")
     concurrency = number_list("concurrency", args.concurrency, 1, MAX_CONCURRENCY) if args.concurrency else []
@@ -281,7 +281,7 @@ def run_bench(args: argparse.Namespace) -> int:
     prompts = prompts[: args.limit] if args.limit else prompts
     drafter_names = args.drafter or DEFAULT_DRAFTERS
     assembly = assemble(args.model, drafter_names, device=args.device, dtype=args.dtype, precision=args.precision,
-                        kv_cache_gb=getattr(args, "kv_cache_gb", None),
+                        kv_cache_gb=getattr(args, "kv_cache_gb", None) or None,
                         batch_invariant=getattr(args, "batch_invariant", None))
     quantized = assembly.runtime.precision != str(assembly.runtime.dtype).removeprefix("torch.")
     classifier = default_classifier()
@@ -301,9 +301,9 @@ def run_bench(args: argparse.Namespace) -> int:
     if quantized:  # the same runtime on the de-quantized weights: what computing as shipped gains
         engines["own_plain_fp32"] = SpeculativeEngine(make_runtime(assembly.target.model), [], 0, eos)
     for drafter in assembly.drafters:  # each drafter alone, the whole budget every step
-        engines[f"single:{drafter.name}"] = SpeculativeEngine(assembly.runtime, [drafter], args.tree_nodes, eos)
+        engines[f"single:{drafter.name}"] = SpeculativeEngine(assembly.runtime, [drafter], args.max_tree_nodes, eos)
     engines["router_fixed"] = assembly.engine(args.fixed_tree_nodes, "fixed")
-    engines["engine"] = assembly.engine(args.tree_nodes, "adaptive")
+    engines["engine"] = assembly.engine(args.max_tree_nodes, "adaptive")
     hf = {} if args.skip_baselines else hf_modes(assembly.drafters)
     llama_cpp = None if args.skip_baselines else llama_cpp_baseline(assembly)
     modes = list(hf) + (["llama_cpp_plain"] if llama_cpp else []) + list(engines)
@@ -336,7 +336,7 @@ def run_bench(args: argparse.Namespace) -> int:
                 return tokens, time.perf_counter() - started, len(tokens), None
             if mode in clients:
                 answer = clients[mode].generate(chat=[("user", prompt.text)], max_tokens=args.max_tokens,
-                                         max_tree_nodes=args.tree_nodes)
+                                         max_tree_nodes=args.max_tree_nodes)
                 seconds, stats_ = time.perf_counter() - started, answer.stats
                 records[mode].draft_s += stats_.draft_ms / 1e3
                 records[mode].transport_s += max(stats_.verify_ms - stats_.verifier_ms, 0.0) / 1e3
@@ -366,7 +366,7 @@ def run_bench(args: argparse.Namespace) -> int:
             all_identical += all(outputs[m] == outputs[references[m]] for m in modes if is_specmesh_mode(m))
         busy_s = _verifier_busy_s(cluster) - busy_before if cluster else 0.0
         drafting_s = _drafters_busy_s(cluster) - drafting_before if cluster else 0.0
-        load_rows = (load_sweep(cluster, prompts, args.max_tokens, concurrency, args.fixed_tree_nodes, args.tree_nodes,
+        load_rows = (load_sweep(cluster, prompts, args.max_tokens, concurrency, args.fixed_tree_nodes, args.max_tree_nodes,
                                 args.sweep_rounds)
                      if cluster and concurrency else [])
     machine["load_average_after"] = os.getloadavg()[0]
@@ -374,7 +374,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "machine": machine,
         "target": args.model,
         "drafter_set": list(drafter_names),
-        "tree_nodes": args.tree_nodes,
+        "tree_nodes": args.max_tree_nodes,
         "fixed_tree_nodes": args.fixed_tree_nodes,
         "max_tokens": args.max_tokens,
         "prompts": {"source": source, "count": len(prompts)},
@@ -709,8 +709,8 @@ def _start_cluster(args: argparse.Namespace, drafters, secure: bool = False) -> 
     from specmesh.cluster.pipeline.messages import new_key
 
     print(f"starting the local cluster{' (TLS, mutual TLS, API key)' if secure else ''} ...", flush=True)
-    # the cap admits the fixed-k requests of the load sweep; adaptive ones ask for --tree-nodes
-    cap = max(args.tree_nodes, args.fixed_tree_nodes)
+    # the cap admits the fixed-k requests of the load sweep; adaptive ones ask for --max-tree-nodes
+    cap = max(args.max_tree_nodes, args.fixed_tree_nodes)
     spec = ClusterSpec(model=args.model, drafters=tuple(drafters), max_tree_nodes=cap, dtype=args.dtype,
                        precision=args.precision, tls=secure, api_keys=(f"sk-{new_key()}",) if secure else ())
     return LocalCluster(spec).start()

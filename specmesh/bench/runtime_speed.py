@@ -252,7 +252,7 @@ def run_runtime_bench(args: argparse.Namespace) -> int:
         report["hf_step_ms"] = round(hf_step_ms(hf_model, contexts[0], device, repeats), 3)
 
     graphs = None if device.type == "cuda" else False
-    runtime = PagedLlamaRuntime(hf_model, kv_cache_gb=args.kv_cache_gb, graphs=graphs)
+    runtime = PagedLlamaRuntime(hf_model, kv_cache_gb=args.kv_cache_gb or None, graphs=graphs)
     report["batch_invariant_products"] = runtime.batch_invariant
     report["kv_pool_pages"] = runtime.pool.capacity_pages
     report.update(measure(runtime, contexts, device, repeats, limit_ms))
@@ -261,7 +261,7 @@ def run_runtime_bench(args: argparse.Namespace) -> int:
         del runtime
         torch.cuda.empty_cache()
         print("cuBLAS matrix products (--no-batch-invariant) ...", flush=True)
-        cublas = PagedLlamaRuntime(hf_model, kv_cache_gb=args.kv_cache_gb, batch_invariant=False)
+        cublas = PagedLlamaRuntime(hf_model, kv_cache_gb=args.kv_cache_gb or None, batch_invariant=False)
         report["cublas"] = measure(cublas, contexts, device, repeats, limit_ms, curve=False)
     _print(report)
     if args.json_out:

@@ -42,6 +42,7 @@ from specmesh.bench.run import (
 )
 from specmesh.client import Client
 from specmesh.cluster.launcher import DEFAULT_DRAFTERS, OPENMP_SPIN_COUNT, ClusterSpec, LocalCluster
+from specmesh.cluster.service_settings import RouterSettings
 from specmesh.distill.overlap import overlapped_questions
 from specmesh.errors import InvalidArgument
 from specmesh.prompts import Prompt, load_prompts
@@ -170,18 +171,18 @@ def margin_sweep(assembly: Assembly, requests: list[Request], warmup: Request, t
 
 def cluster_sweep(args: argparse.Namespace, drafters: tuple[str, ...], prompts: list[Prompt], warmup: Prompt,
                   rounds: int) -> dict[str, dict]:
-    """One local cluster per setting of ``CLUSTER_SETTINGS``, adaptive at ``args.tree_nodes``, one request
+    """One local cluster per setting of ``CLUSTER_SETTINGS``, adaptive at ``args.max_tree_nodes``, one request
     at a time; the settings in forward then mirrored order (``rounds`` passes), so drift hits all alike."""
     names = list(CLUSTER_SETTINGS)
     order = [n for r in range(rounds) for n in (names if r % 2 == 0 else names[::-1])]
     tokens, seconds = dict.fromkeys(names, 0), dict.fromkeys(names, 0.0)
     for name in tqdm(order, desc="cluster settings", unit="cluster"):
-        spec = ClusterSpec(model=args.model, drafters=drafters, max_tree_nodes=args.tree_nodes, dtype=args.dtype,
+        spec = ClusterSpec(model=args.model, drafters=drafters, max_tree_nodes=args.max_tree_nodes, dtype=args.dtype,
                            precision=args.precision, **CLUSTER_SETTINGS[name])
         with LocalCluster(spec) as cluster, Client(cluster.router_address, api_key=cluster.client_key) as client:
             def ask(prompt: Prompt) -> list[int]:
                 return client.generate(chat=[("user", prompt.text)], max_tokens=args.max_tokens,
-                                       max_tree_nodes=args.tree_nodes).token_ids
+                                       max_tree_nodes=args.max_tree_nodes).token_ids
 
             ask(warmup)
             for prompt in prompts:
@@ -205,19 +206,19 @@ def round_robin(prompts: list[Prompt]) -> list[Prompt]:
 
 def load_margin_sweep(args: argparse.Namespace, drafters: tuple[str, ...], prompts: list[Prompt], warmup: Prompt,
                       margins: list[float], levels: list[int], rounds: int) -> dict[str, dict]:
-    """One local cluster per margin; in each, at every concurrency, adaptive (up to ``args.tree_nodes``) and
+    """One local cluster per margin; in each, at every concurrency, adaptive (up to ``args.max_tree_nodes``) and
     no speculation over the same requests, ``rounds`` times in rotated order (bench/run.py's load sweep).
     Each margin is judged by adaptive's paired relative difference to plain decoding in its own cluster."""
     rows: dict[str, dict] = {}
     for margin in tqdm(margins, desc="margins under load", unit="cluster"):
-        spec = ClusterSpec(model=args.model, drafters=drafters, max_tree_nodes=args.tree_nodes, dtype=args.dtype,
+        spec = ClusterSpec(model=args.model, drafters=drafters, max_tree_nodes=args.max_tree_nodes, dtype=args.dtype,
                            precision=args.precision,
                            speculation_margin=margin)
         with LocalCluster(spec) as cluster:
             with Client(cluster.router_address, api_key=cluster.client_key) as client:
                 client.generate(chat=[("user", warmup.text)], max_tokens=args.max_tokens)
             runs = load_sweep(cluster, round_robin(prompts), args.max_tokens, levels, DEFAULT_FIXED_TREE_NODES,
-                              args.tree_nodes, rounds, MARGIN_LOAD_POLICIES)
+                              args.max_tree_nodes, rounds, MARGIN_LOAD_POLICIES)
         row = {}
         for level in levels:
             speeds = {r["policy"]: r["tokens_per_s_runs"] for r in runs if r["concurrency"] == level}
@@ -249,8 +250,8 @@ def run_tune(args: argparse.Namespace) -> int:
     for name in ("cluster_rounds", "load_rounds"):
         if getattr(args, name) < 1:
             raise InvalidArgument(name, f"must be >= 1, got {getattr(args, name)}")
-    if not 1 <= args.tree_nodes <= MAX_TREE_NODES:
-        raise InvalidArgument("tree_nodes", f"must be in 1..{MAX_TREE_NODES}, got {args.tree_nodes}")
+    if not 1 <= args.max_tree_nodes <= MAX_TREE_NODES:
+        raise InvalidArgument("max_tree_nodes", f"must be in 1..{MAX_TREE_NODES}, got {args.max_tree_nodes}")
     prompts = held_out(load_prompts(args.prompts or TUNING_PROMPTS))
     configure_threads(args.threads)
     drafters = tuple(args.drafter or DEFAULT_DRAFTERS)
@@ -260,7 +261,7 @@ def run_tune(args: argparse.Namespace) -> int:
                     "sweeps": sweeps, "best": {}}
     if "budget" in sweeps or "margin" in sweeps:
         assembly = assemble(args.model, drafters, device=args.device, dtype=args.dtype, precision=args.precision,
-                            kv_cache_gb=getattr(args, "kv_cache_gb", None),
+                            kv_cache_gb=getattr(args, "kv_cache_gb", None) or None,
                             batch_invariant=getattr(args, "batch_invariant", None))
         classifier, params = default_classifier(), SamplingParams(max_tokens=args.max_tokens)
         requests = [assembly.request(p.text, params, classifier) for p in prompts]
@@ -271,21 +272,22 @@ def run_tune(args: argparse.Namespace) -> int:
         report["best"] |= {"tree_nodes": max(caps, key=lambda n: rows[f"adaptive:{n}"]["tokens_per_s"]),
                            "fixed_tree_nodes": max(fixed, key=lambda k: rows[f"fixed:{k}"]["tokens_per_s"])}
     if "margin" in sweeps:
-        rows = margin_sweep(assembly, requests, warmup_request, args.tree_nodes, margins, args.batch)
-        report["margin_sweep"] = {"batch": args.batch, "tree_nodes": args.tree_nodes, "rows": rows}
+        rows = margin_sweep(assembly, requests, warmup_request, args.max_tree_nodes, margins, args.batch)
+        report["margin_sweep"] = {"batch": args.batch, "tree_nodes": args.max_tree_nodes, "rows": rows}
         report["best"]["margin"] = max(margins, key=lambda m: rows[f"margin:{m:g}"]["tokens_per_s"])
     if "cluster" in sweeps:
         rows = cluster_sweep(args, drafters, prompts, warmup, args.cluster_rounds)
-        report["cluster_sweep"] = {"tree_nodes": args.tree_nodes, "rounds": args.cluster_rounds, "rows": rows}
+        report["cluster_sweep"] = {"tree_nodes": args.max_tree_nodes, "rounds": args.cluster_rounds, "rows": rows}
         report["best"]["cluster_setting"] = max(rows, key=lambda n: rows[n]["tokens_per_s"])
     if "load" in sweeps:
         rows = load_margin_sweep(args, drafters, prompts, warmup, margins, levels, args.load_rounds)
-        report["load_margin_sweep"] = {"tree_nodes": args.tree_nodes, "rounds": args.load_rounds, "rows": rows}
+        report["load_margin_sweep"] = {"tree_nodes": args.max_tree_nodes, "rounds": args.load_rounds, "rows": rows}
         report["best"] |= {f"margin_at_concurrency_{level}": max(
             margins, key=lambda m: rows[f"margin:{m:g}"][f"concurrency:{level}"]["paired_vs_plain"]) for level in levels}
     report["shipped"] = {"tree_nodes": DEFAULT_TREE_NODES, "fixed_tree_nodes": DEFAULT_FIXED_TREE_NODES,
                          "margin": SPECULATION_MARGIN,
-                         "draft_ahead": ClusterSpec.draft_ahead, "openmp_spin_count": int(OPENMP_SPIN_COUNT)}
+                         "draft_ahead": RouterSettings().drafts_ahead(),  # as `specmesh up` runs it: no remote drafter
+                         "openmp_spin_count": int(OPENMP_SPIN_COUNT)}
     _print(report)
     if args.json_out:
         print(f"written to {write_json(report, args.json_out)}")

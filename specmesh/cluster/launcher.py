@@ -34,14 +34,14 @@ from specmesh.cluster.ports import free_port
 from specmesh.cluster.redis_acl import ROLES, acl_line, redis_user
 from specmesh.cluster.redis_server import RedisServer
 from specmesh.cluster.serving import PARENT_PID
+from specmesh.cluster.service_settings import DrafterSettings, RouterSettings, VerifierSettings
+from specmesh.cluster.settings import env_name
 from specmesh.cluster.pipeline.messages import ENV_KEY as QUEUE_KEY
 from specmesh.cluster.pipeline.messages import new_key
 from specmesh.cluster.supervisor import Supervisor
 from specmesh.errors import InvalidArgument, Unavailable
 from specmesh.runtime.loading import EMBEDDED_DEFAULT, cache_root
-from specmesh.runtime.precision import check_precision
 from specmesh.speculation.expertise import MODEL_FREE_KINDS
-from specmesh.speculation.policy import DEFAULT_TREE_NODES, SPECULATION_MARGIN, check_margin
 
 DEFAULT_DRAFTERS = ("ngram", "code", "math", "writing", "knowledge", "chat")
 
@@ -56,12 +56,17 @@ class ClusterSpec:
     model: str = EMBEDDED_DEFAULT
     drafters: Sequence[str] = DEFAULT_DRAFTERS
     verifiers: int = 1
-    max_tree_nodes: int = DEFAULT_TREE_NODES
-    # Drafting ahead overlaps drafting with verification; off because on one machine the two share the
-    # cores, where it cost more than it saved (docs/experiments/2026-11-22-draft-ahead-on-one-machine.md)
-    draft_ahead: bool = False
-    speculation: str = "adaptive"  # the router's default for requests: adaptive, fixed or off
-    speculation_margin: float = SPECULATION_MARGIN  # adaptive's margin in a shared pass (the router's flag)
+    # The services' settings (specmesh.cluster.service_settings); None: the service's own default
+    max_tree_nodes: int | None = None  # the router's
+    draft_ahead: bool | None = None  # the router's (its auto: off, as every drafter here is on this machine)
+    speculation: str | None = None  # the router's default for requests: adaptive, fixed or off
+    speculation_margin: float | None = None  # adaptive's margin in a shared pass (the router's)
+    job_timeout_s: float | None = None  # the router's
+    dtype: str | None = None  # the verifiers'
+    device: str | None = None  # the verifiers' (None: CUDA when present)
+    precision: str | None = None  # the verifiers' (see specmesh.runtime.precision.PRECISIONS)
+    kv_cache_gb: float | None = None  # each verifier's KV cache budget
+    batch_invariant: bool | None = None  # the verifiers' matrix products (CUDA; see PagedLlamaRuntime)
     routers: int = 1  # router processes; all serve the whole cluster (clients fail over between them)
     router_port: int = 0  # the first router's (0: a free port; the others always take free ones)
     http_port: int | None = 0  # the router's OpenAI-compatible HTTP API (0: a free port; None: not served)
@@ -69,12 +74,6 @@ class ClusterSpec:
     api_keys: tuple[str, ...] = ()  # more keys, given to the router only (the first is the local clients')
     tls: bool = False  # a CA of the cluster's own: TLS on the router's ports, mutual TLS inside
     cores: int = field(default_factory=lambda: os.cpu_count() or 1)
-    dtype: str | None = None
-    device: str | None = None  # the verifiers' (None: CUDA when present)
-    precision: str = "shipped"  # the verifiers' (see specmesh.runtime.precision.PRECISIONS)
-    kv_cache_gb: float | None = None  # each verifier's KV cache budget (None: its default)
-    batch_invariant: bool | None = None  # the verifiers' matrix products (CUDA; see PagedLlamaRuntime)
-    job_timeout_s: float = 30.0
     log_dir: Path | None = None  # None: a temporary directory, removed by ``stop(clean=True)``
     supervise: bool = True  # start again what dies (see specmesh.cluster.supervisor)
     unresponsive_s: float = 30.0  # and kill, then start again, what has stopped serving this long
@@ -82,14 +81,26 @@ class ClusterSpec:
     extra_env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        check_margin(self.speculation_margin, "speculation_margin")
-        check_precision(self.precision)  # else the router refuses it only once all is up
+        self.router_flags()  # a bad setting fails here, not once the cluster is half up
+        self.verifier_flags()
         if self.routers < 1:
             raise InvalidArgument("routers", f"must be >= 1, got {self.routers}")
         if not self.unresponsive_s > 0:
             raise InvalidArgument("unresponsive_s", f"must be > 0, got {self.unresponsive_s}")
-        if self.kv_cache_gb is not None and not self.kv_cache_gb > 0:
-            raise InvalidArgument("kv_cache_gb", f"must be > 0, got {self.kv_cache_gb}")
+
+    def router_flags(self) -> list[str]:
+        """Every router's flags from this spec (checked as the router checks them)."""
+        draft_ahead = None if self.draft_ahead is None else ("on" if self.draft_ahead else "off")
+        return RouterSettings.command_line(
+            model=self.model, max_tree_nodes=self.max_tree_nodes, draft_ahead=draft_ahead, speculation=self.speculation,
+            speculation_margin=self.speculation_margin, job_timeout=self.job_timeout_s,
+            api_keys_file=None if self.api_keys_file is None else str(self.api_keys_file))
+
+    def verifier_flags(self) -> list[str]:
+        """Every verifier's flags from this spec."""
+        return VerifierSettings.command_line(model=self.model, dtype=self.dtype, device=self.device,
+                                             precision=self.precision, kv_cache_gb=self.kv_cache_gb,
+                                             batch_invariant=self.batch_invariant)
 
 
 @dataclass
@@ -187,7 +198,8 @@ class ServiceProcess:
         raise Unavailable(f"{self.name} not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
 
 
-REDIS_URL = "SPECMESH_REDIS_URL"  # every service's --redis-url default
+REDIS_URL = env_name("redis_url")  # every service's --redis-url
+SERVICE_SETTINGS = {"router": RouterSettings, "verifier": VerifierSettings, "drafter": DrafterSettings}
 
 
 class LocalCluster:
@@ -266,43 +278,50 @@ class LocalCluster:
 
     def _service(self, name: str, module: str, args: list[str], threads: int, port: int = 0) -> ServiceProcess:
         port, metrics_port = port or free_port(), free_port()
-        command = [sys.executable, "-m", f"specmesh.services.{module}", "--listen", f"127.0.0.1:{port}",
-                   "--metrics-address", f"127.0.0.1:{metrics_port}", *args]
-        env, credentials = self._env(threads), None
+        tls = {} if self.tls is None else {"tls_cert": str(self.tls.cert), "tls_key": str(self.tls.key),
+                                           "tls_ca": str(self.tls.ca)}
+        command = [sys.executable, "-m", f"specmesh.services.{module}", *args,
+                   *SERVICE_SETTINGS[module].command_line(listen=f"127.0.0.1:{port}",
+                                                          metrics_address=f"127.0.0.1:{metrics_port}", **tls)]
+        env = self._env(threads)
+        credentials = self.tls.channel_credentials() if self.tls is not None else None
         if self.redis is not None:  # the service's own user
             env[REDIS_URL] = self.redis.url_for(redis_user(module), self.redis_passwords[module])
-        if self.tls is not None:
-            command += ["--tls-cert", str(self.tls.cert), "--tls-key", str(self.tls.key), "--tls-ca", str(self.tls.ca)]
-            credentials = self.tls.channel_credentials()
         if module == "router" and self.spec.api_keys:
             env[ENV_KEYS] = ",".join([*filter(None, [env.get(ENV_KEYS)]), *self.spec.api_keys])
         return ServiceProcess(name, command, port, self.log_dir / f"{name}.log", env, metrics_port,
                               credentials=credentials)
 
     def verifier_process(self, index: int) -> ServiceProcess:
-        spec = self.spec
-        threads = max(1, spec.cores // max(1, spec.verifiers))
-        args = ["--model", spec.model, "--threads", str(threads),
-                "--verifier-id", f"verifier-{index}"]
-        if spec.dtype:
-            args += ["--dtype", spec.dtype]
-        if spec.device:
-            args += ["--device", spec.device]
-        args += ["--precision", spec.precision]
-        if spec.kv_cache_gb is not None:
-            args += ["--kv-cache-gb", str(spec.kv_cache_gb)]
-        if spec.batch_invariant is not None:
-            args.append("--batch-invariant" if spec.batch_invariant else "--no-batch-invariant")
+        threads = max(1, self.spec.cores // max(1, self.spec.verifiers))
+        args = [*self.spec.verifier_flags(),
+                *VerifierSettings.command_line(threads=threads, verifier_id=f"verifier-{index}")]
         return self._service(f"verifier-{index}", "verifier", args, threads)
 
     def drafter_process(self, drafter: str) -> ServiceProcess:
-        args = ["--drafter", drafter, "--target", self.spec.model, "--threads", "1"]
+        args = DrafterSettings.command_line(drafter=drafter, model=self.spec.model, threads=1)
         return self._service(f"drafter-{Path(drafter).name}", "drafter", args, 1)
+
+    def router_process(self, index: int) -> ServiceProcess:
+        """Router ``index``, calling the drafter services started (``self.drafters``); the first on the spec's
+        ports, the others on free ones."""
+        spec = self.spec
+        http_port = None if spec.http_port is None else (spec.http_port if index == 0 else 0) or free_port()
+        if http_port is not None:
+            self.http_urls.append(f"{'https' if self.tls is not None else 'http'}://127.0.0.1:{http_port}/v1")
+        args = [*spec.router_flags(), *RouterSettings.command_line(
+            drafters=",".join(d.address for d in self.drafters), local_drafters=",".join(self.local_drafters),
+            http_listen="" if http_port is None else f"127.0.0.1:{http_port}")]
+        name = "router" if index == 0 else f"router-{index}"
+        return self._service(name, "router", args, 1, spec.router_port if index == 0 else 0)
+
+    @property
+    def local_drafters(self) -> list[str]:
+        """Model-free drafters need only the tokens the router holds: they run inside it, no network hop."""
+        return [d for d in self.spec.drafters if d in MODEL_FREE_KINDS]
 
     def start(self, timeout_s: float = 600.0) -> LocalCluster:
         spec = self.spec
-        # model-free drafters need only the tokens the router holds: they run inside it, no network hop
-        local = [d for d in spec.drafters if d in MODEL_FREE_KINDS]
         try:
             if self.redis is not None:
                 self.redis.start()
@@ -312,25 +331,12 @@ class LocalCluster:
                 with os.fdopen(handle, "w") as out:
                     out.write(self.redis_url + "\n")
             self.verifiers = [self.verifier_process(i) for i in range(spec.verifiers)]
-            self.drafters = [self.drafter_process(d) for d in spec.drafters if d not in local]
+            self.drafters = [self.drafter_process(d) for d in spec.drafters if d not in self.local_drafters]
             for process in [*self.verifiers, *self.drafters]:
                 process.start()
             for process in [*self.verifiers, *self.drafters]:
                 process.wait_ready(timeout_s)
-            args = ["--model", spec.model, "--max-tree-nodes", str(spec.max_tree_nodes),
-                    "--job-timeout", str(spec.job_timeout_s), "--drafters", ",".join(d.address for d in self.drafters),
-                    "--draft-ahead", "on" if spec.draft_ahead else "off", "--speculation", spec.speculation,
-                    "--speculation-margin", repr(spec.speculation_margin), "--local-drafters", ",".join(local)]
-            if spec.api_keys_file is not None:
-                args += ["--api-keys-file", str(spec.api_keys_file)]
-            scheme = "https" if self.tls is not None else "http"
-            for index in range(spec.routers):
-                http_port = None if spec.http_port is None else (spec.http_port if index == 0 else 0) or free_port()
-                if http_port is not None:
-                    self.http_urls.append(f"{scheme}://127.0.0.1:{http_port}/v1")
-                http = ["--http-listen", "" if http_port is None else f"127.0.0.1:{http_port}"]
-                name = "router" if index == 0 else f"router-{index}"
-                self.routers.append(self._service(name, "router", args + http, 1, spec.router_port if index == 0 else 0))
+            self.routers = [self.router_process(index) for index in range(spec.routers)]
             for router in self.routers:
                 router.start()
             for router in self.routers:

@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from specmesh.cluster.auth import Access, Permit
 from specmesh.cluster.metrics import ServiceMetrics
+from specmesh.cluster.settings import Settings
 from specmesh.cluster.tls import TlsFiles
 from specmesh.errors import InvalidArgument, NotFound, ResourceExhausted, SpecmeshError, Unauthenticated, Unavailable
 
@@ -274,11 +275,6 @@ def configure_logging(level: str = "INFO") -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
-def env_default(name: str, default: str | None = None) -> str | None:
-    """A flag's default from the environment (``SPECMESH_<NAME>``), as Kubernetes manifests set it."""
-    return os.environ.get(f"SPECMESH_{name.upper().replace('-', '_')}", default)
-
-
 class TorchThread:
     """One thread that does all of a service's torch work — loading, warming up, every pass.
 
@@ -311,9 +307,11 @@ def die_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def run_service(prog: str, parser, serve: Callable[..., Awaitable[None]], argv: Sequence[str] | None) -> int:
-    """A service's command line: parse flags, log, serve until SIGTERM; a bad flag exits 2 with its reason."""
-    args = parser.parse_args(argv)
+def run_service(prog: str, description: str, settings: type[Settings], serve: Callable[..., Awaitable[None]],
+                argv: Sequence[str] | None) -> int:
+    """A service's command line: its settings, logging, then serve until SIGTERM; a bad flag or variable exits
+    2 with its reason."""
+    args = settings.parse(argv, prog, description)
     configure_logging(args.log_level)
     die_with_parent()
     try:

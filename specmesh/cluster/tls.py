@@ -56,14 +56,3 @@ def channel_options(server_name: str | None) -> list[tuple[str, str]]:
     """gRPC options to expect ``server_name`` in the peer's certificate whatever address was dialled (a pod
     IP found by discovery is rarely among a certificate's names)."""
     return [("grpc.ssl_target_name_override", server_name)] if server_name else []
-
-
-def add_tls_flags(parser, env_default) -> None:
-    parser.add_argument("--tls-cert", default=env_default("tls_cert"),
-                        help="this service's certificate (PEM); with --tls-key: serve TLS [SPECMESH_TLS_CERT]")
-    parser.add_argument("--tls-key", default=env_default("tls_key"), help="its private key (PEM) [SPECMESH_TLS_KEY]")
-    parser.add_argument("--tls-ca", default=env_default("tls_ca"),
-                        help="the cluster's CA (PEM): peers must present a certificate it signed [SPECMESH_TLS_CA]")
-    parser.add_argument("--tls-server-name", default=env_default("tls_server_name"),
-                        help="the name the services this one calls have in their certificates, when they are dialled "
-                             "by address (discovered pod IPs) [SPECMESH_TLS_SERVER_NAME]")

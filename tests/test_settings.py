@@ -1,0 +1,137 @@
+"""Every setting declared once: each service's settings class makes its flags, binds its SPECMESH_*
+variables, writes the flags tables of docs/operations.md and the command lines `specmesh up` gives it;
+the `specmesh` commands take the same declarations for the same concepts."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specmesh.cli import build_parser
+from specmesh.cluster.launcher import ClusterSpec, LocalCluster
+from specmesh.cluster.service_settings import SERVICES, RouterSettings, VerifierSettings, with_flags_tables
+from specmesh.cluster.settings import env_name, flag_name
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Flags of `specmesh` commands named like a service setting but meaning something else, each with why.
+NOT_THE_SERVICE_SETTING = {
+    "--drafter": "the drafters to run (repeatable), where the drafter service serves exactly one",
+    "--tls-ca": "a client's: the CA it trusts, where a service's also checks its callers",
+    "--tls-cert": "a client's certificate (`specmesh verifier`), where a service's is also served",
+    "--tls-key": "the key of that client certificate",
+    "--tls-server-name": "the name a client expects, as a service's for the services it calls",
+    "--queue-key-file": "a client's: the credential of the control API, where a service also tags its queue entries",
+}
+
+
+@pytest.fixture
+def no_specmesh_environment(monkeypatch):
+    for key in [k for k in __import__("os").environ if k.startswith("SPECMESH_")]:
+        monkeypatch.delenv(key)
+
+
+def test_the_flags_tables_of_the_docs_are_the_settings():
+    """docs/operations.md's tables are written by `make docs`; one edited by hand fails here."""
+    text = (ROOT / "docs" / "operations.md").read_text()
+    assert with_flags_tables(text) == text, "docs/operations.md's flags tables are out of date: run `make docs`"
+    for name, settings in SERVICES.items():
+        assert f"<!-- flags:{name} -->\n{settings.flags_table()}<!-- /flags:{name} -->" in text
+
+
+@pytest.mark.parametrize("service", sorted(SERVICES))
+def test_a_services_command_line_is_its_settings(service, no_specmesh_environment):
+    settings = SERVICES[service]
+    parser = settings.parser(f"specmesh-{service}", "")
+    flags = {o for action in parser._actions for o in action.option_strings if o not in ("-h", "--help")}
+    expected = {flag_name(f) for f in settings.model_fields}
+    expected |= {"--no-" + flag_name(f)[2:] for f, i in settings.model_fields.items() if i.annotation in (bool, bool | None)}
+    assert flags == expected  # no flag declared by hand beside the settings
+    for action in parser._actions:  # each help says its variable and default
+        if action.dest in settings.model_fields:
+            assert f"[{env_name(action.dest)}]" in action.help and "(default: " in action.help
+
+
+def test_a_flag_wins_over_its_variable_which_wins_over_the_default(monkeypatch, no_specmesh_environment):
+    assert VerifierSettings.parse([], "v", "").max_sessions == 256
+    monkeypatch.setenv("SPECMESH_MAX_SESSIONS", "12")
+    assert VerifierSettings.parse([], "v", "").max_sessions == 12
+    assert VerifierSettings.parse(["--max-sessions", "7"], "v", "").max_sessions == 7
+
+
+@pytest.mark.parametrize("variable,value,reason", [
+    ("SPECMESH_MAX_SESSIONS", "-1", "--max-sessions (SPECMESH_MAX_SESSIONS): Input should be greater than 0"),
+    ("SPECMESH_PRECISION", "int3", "--precision (SPECMESH_PRECISION): Input should be 'shipped', 'fp32' or 'q8_0'"),
+    ("SPECMESH_BATCH_INVARIANT", "maybe", "--batch-invariant (SPECMESH_BATCH_INVARIANT): Input should be a valid "
+                                          "boolean"),
+])
+def test_a_bad_variable_stops_the_service_naming_its_flag_and_variable(variable, value, reason):
+    """Before anything loads: exit 2, one line."""
+    result = subprocess.run([sys.executable, "-m", "specmesh.services.verifier"], capture_output=True, text=True,
+                            env={"PATH": "/usr/bin:/bin", variable: value}, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert reason in result.stderr.strip().splitlines()[-1]
+
+
+def test_a_local_drafter_the_router_cannot_run_is_refused(no_specmesh_environment, capsys):
+    with pytest.raises(SystemExit):
+        RouterSettings.parse(["--local-drafters", "ngram,code"], "specmesh-router", "")
+    assert "--local-drafters (SPECMESH_LOCAL_DRAFTERS): Value error, code cannot run in the router" in \
+        capsys.readouterr().err
+
+
+def test_draft_ahead_is_on_when_a_drafter_is_across_the_network():
+    assert not RouterSettings(drafters="127.0.0.1:5001,[::1]:5002,localhost:5003").drafts_ahead()
+    assert not RouterSettings().drafts_ahead()  # the model-free drafters in the router only
+    assert RouterSettings(drafters="127.0.0.1:5001,10.0.0.7:5002").drafts_ahead()
+    assert RouterSettings(drafters="drafter-code.specmesh.svc:50061").drafts_ahead()
+    assert RouterSettings(discovery="redis").drafts_ahead()  # where they are is not known
+    assert not RouterSettings(drafters="10.0.0.7:5002", draft_ahead="off").drafts_ahead()
+    assert RouterSettings(draft_ahead="on").drafts_ahead()
+
+
+def test_the_launchers_command_lines_are_read_back_as_the_spec_says(tmp_path, no_specmesh_environment):
+    """What `specmesh up` starts is parsed by each service's own settings to the spec's values."""
+    spec = ClusterSpec(model="smollm2-135m-instruct", drafters=("ngram", "code"), precision="fp32", kv_cache_gb=1.5,
+                       batch_invariant=False, speculation="fixed", speculation_margin=0.25, max_tree_nodes=8,
+                       draft_ahead=True, job_timeout_s=12.5, log_dir=tmp_path, cores=4, verifiers=2, tls=True)
+    cluster = LocalCluster(spec)
+    cluster.drafters = [cluster.drafter_process("code")]
+    processes = {"verifier": cluster.verifier_process(1), "drafter": cluster.drafters[0],
+                 "router": cluster.router_process(0)}
+    read = {name: SERVICES[name].parse(p.command[3:], name, "") for name, p in processes.items()}
+    assert processes["router"].command[2] == "specmesh.services.router"
+    verifier, drafter, router = read["verifier"], read["drafter"], read["router"]
+    assert (verifier.model, verifier.precision, verifier.kv_cache_gb, verifier.batch_invariant, verifier.threads,
+            verifier.verifier_id) == (spec.model, "fp32", 1.5, False, 2, "verifier-1")
+    assert (drafter.model, drafter.drafter, drafter.threads) == (spec.model, "code", 1)
+    assert (router.speculation, router.speculation_margin, router.max_tree_nodes, router.draft_ahead,
+            router.job_timeout, router.local_drafters) == ("fixed", 0.25, 8, "on", 12.5, "ngram")
+    assert router.drafter_addresses == [cluster.drafters[0].address]
+    for settings in read.values():  # and the cluster's TLS, to each
+        assert settings.tls_ca == str(cluster.tls.ca) and settings.listen.startswith("127.0.0.1:")
+    default = LocalCluster(ClusterSpec(log_dir=tmp_path / "default"))
+    plain = RouterSettings.parse(default.router_process(0).command[3:], "r", "")
+    assert plain.draft_ahead == "auto" and not plain.drafts_ahead()  # off: every drafter is on this machine
+
+
+def test_the_specmesh_commands_declare_no_service_setting_again():
+    """A `specmesh` command's flag named like a service setting is that setting's own declaration (same
+    help), unless it means something else (NOT_THE_SERVICE_SETTING, each with why)."""
+    declared = {flag_name(f): i.description for s in SERVICES.values() for f, i in s.model_fields.items()}
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    checked = 0
+    for command, parser in commands.choices.items():
+        for action in parser._actions:
+            for flag in action.option_strings:
+                if flag not in declared or flag in NOT_THE_SERVICE_SETTING:
+                    continue
+                owners = {s.model_fields[action.dest].description for s in SERVICES.values()
+                          if action.dest in s.model_fields}
+                assert any((action.help or "").replace("%%", "%").startswith(d) for d in owners), f"specmesh {command} {flag} is declared by hand"
+                checked += 1
+    assert checked >= 20
