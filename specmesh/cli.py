@@ -227,6 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download weights at run time
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # the benchmarks record the command that ran
     try:
         if args.command == "generate":
             return _generate_remote(args) if args.server else _generate(args)

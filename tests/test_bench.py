@@ -19,6 +19,7 @@ from specmesh.bench.run import (
     best_setting,
     headline_lines,
     hf_modes,
+    llama_cpp_baseline,
     mode_order,
     mode_references,
     non_inferiority,
@@ -50,6 +51,10 @@ def test_bench_writes_the_summary_and_plots(tmp_path):
     # shipped precision (the default): specmesh's modes reproduce its plain decoding on the GGUF's blocks, and
     # the same runtime on the de-quantized weights reproduces Hugging Face's
     assert report["precision"] == "Q4_1+Q8_0"
+    assert report["provenance"]["command"].startswith("specmesh bench --limit 2") and report["provenance"]["commit"]
+    llama_cpp = report["llama_cpp"]  # what ran, or why nothing did: never silent
+    assert ("llama_cpp_plain" in report["modes"] and llama_cpp["version"]) if isinstance(llama_cpp, dict) else (
+        llama_cpp.startswith("not run: ") and "llama_cpp_plain" not in report["modes"])
     assert summary["greedy_identical_fraction"] == 1.0 and summary["greedy_reference"].startswith("own_plain")
     assert report["modes"]["own_plain_fp32"]["greedy_identical_fraction"] == 1.0
     assert summary["own_plain_speedup_vs_fp32"] > 1.0
@@ -260,3 +265,33 @@ def test_each_mode_is_held_to_its_own_reference():
     fp32 = mode_references(["hf_plain", "own_plain", "engine"], quantized=False)
     assert fp32 == dict.fromkeys(["hf_plain", "own_plain", "engine"], "hf_plain")
     assert mode_references(["own_plain", "engine"], quantized=False)["engine"] == "own_plain"  # baselines skipped
+
+
+@pytest.mark.slow
+def test_the_llama_cpp_baseline_decodes_the_shipped_gguf_and_says_how_it_was_built():
+    """Runs where the optional llama-cpp extra is installed (`pip install -e '.[llama-cpp]'`)."""
+    pytest.importorskip("llama_cpp", reason="the optional llama-cpp extra is not installed")
+    from specmesh.sampling import SamplingParams
+    from specmesh.speculation.assembly import assemble, eos_token_ids
+    from specmesh.speculation.loop import Request
+
+    assembly = assemble("smollm2-135m-instruct", [])
+    generate, build = llama_cpp_baseline(assembly)
+    assert build["version"] and build["system_info"]  # e.g. "CPU : SSE3 = 1 | AVX = 1 | ..."
+    prompt = tuple(assembly.target.tokenizer.encode("The capital of France is"))
+    eos = eos_token_ids(assembly.target)
+    first, again = generate(prompt, 8, eos), generate(prompt, 8, eos)
+    assert first == again and 0 < len(first) <= 8  # greedy, and no state carried between prompts
+    assert all(0 <= t < assembly.runtime.vocab_size for t in first)
+    (own,) = assembly.engine(0).generate([Request(prompt, SamplingParams(max_tokens=8))])
+    assert first[0] == own.token_ids[0]  # the same GGUF, plain greedy: the same first token
+
+
+def test_without_llama_cpp_the_bench_says_why(monkeypatch):
+    import sys
+    from types import SimpleNamespace
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if not installed
+    gguf = SimpleNamespace(target=SimpleNamespace(gguf="model.gguf"))
+    assert llama_cpp_baseline(gguf) == (None, "not run: llama-cpp-python is not installed")
+    assert llama_cpp_baseline(SimpleNamespace(target=SimpleNamespace(gguf=None)))[1].startswith("not run: ")

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from specmesh.bench.provenance import provenance
 from specmesh.bench.run import (
     MAX_CONCURRENCY,
     adaptive_verdicts,
@@ -129,7 +130,8 @@ def run_oracle_bench(args: argparse.Namespace) -> int:
     vocab = random_config(args.model).vocab_size
     per_set = max(2 * max(levels), 8)  # what the sweep sends at its highest concurrency
     prompt_sets = {p: random_prompts(vocab, per_set, seed=i) for i, p in enumerate(acceptances)}
-    report: dict = {"model": args.model, "device": args.device or ("cuda" if torch.cuda.is_available() else "cpu"),
+    report: dict = {"provenance": provenance(args.argv), "model": args.model,
+                    "device": args.device or ("cuda" if torch.cuda.is_available() else "cpu"),
                     "max_tokens": args.max_tokens, "tree_nodes": args.max_tree_nodes,
                     "fixed_tree_nodes": args.fixed_tree_nodes, "rounds": args.sweep_rounds, "acceptance": {}}
     failed = False

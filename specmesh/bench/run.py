@@ -30,6 +30,7 @@ import torch
 from scipy import stats
 from tqdm.auto import tqdm
 
+from specmesh.bench.provenance import provenance
 from specmesh.client import Client
 from specmesh.cluster.launcher import DEFAULT_DRAFTERS, ClusterSpec, LocalCluster
 from specmesh.drafters.catalog import MODEL_FREE_DRAFTERS, load_drafter, shipped_experts
@@ -152,15 +153,18 @@ LLAMA_CPP_CONTEXT = 4096  # tokens: the longest MT-Bench first turn and its answ
 
 def llama_cpp_baseline(assembly: Assembly):
     """llama.cpp's plain greedy decoding of the same GGUF file on the same threads, through the optional
-    ``llama-cpp-python`` (None when it is not installed or the target is not a GGUF file): a function
-    (prompt ids, max tokens, eos ids) -> output ids."""
+    ``llama-cpp-python``: a function (prompt ids, max tokens, eos ids) -> output ids (None when it is not
+    installed or the target is not a GGUF file), and what ran (its version and the CPU features it was
+    built with, llama.cpp's system info) or why nothing did."""
     if assembly.target.gguf is None:
-        return None
+        return None, "not run: the target is not a GGUF file"
     try:
+        import llama_cpp
         from llama_cpp import Llama
     except ImportError:
         print("llama.cpp baseline skipped: pip install llama-cpp-python to compare with it", flush=True)
-        return None
+        return None, "not run: llama-cpp-python is not installed"
+    build = {"version": llama_cpp.__version__, "system_info": llama_cpp.llama_print_system_info().decode().strip()}
     threads = torch.get_num_threads()
     model = Llama(model_path=str(assembly.target.gguf), n_ctx=LLAMA_CPP_CONTEXT, n_threads=threads,
                   n_threads_batch=threads, verbose=False)
@@ -174,7 +178,7 @@ def llama_cpp_baseline(assembly: Assembly):
                 break
         return tokens
 
-    return generate
+    return generate, build
 
 
 def mode_order(modes: list[str], index: int) -> list[str]:
@@ -305,7 +309,7 @@ def run_bench(args: argparse.Namespace) -> int:
     engines["router_fixed"] = assembly.engine(args.fixed_tree_nodes, "fixed")
     engines["engine"] = assembly.engine(args.max_tree_nodes, "adaptive")
     hf = {} if args.skip_baselines else hf_modes(assembly.drafters)
-    llama_cpp = None if args.skip_baselines else llama_cpp_baseline(assembly)
+    llama_cpp, llama_cpp_build = (None, "skipped") if args.skip_baselines else llama_cpp_baseline(assembly)
     modes = list(hf) + (["llama_cpp_plain"] if llama_cpp else []) + list(engines)
     with ExitStack() as cleanup:
         cluster = None
@@ -372,6 +376,7 @@ def run_bench(args: argparse.Namespace) -> int:
     machine["load_average_after"] = os.getloadavg()[0]
     report = {
         "machine": machine,
+        "provenance": provenance(args.argv),
         "target": args.model,
         "drafter_set": list(drafter_names),
         "tree_nodes": args.max_tree_nodes,
@@ -379,6 +384,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "max_tokens": args.max_tokens,
         "prompts": {"source": source, "count": len(prompts)},
         "precision": assembly.runtime.precision,
+        "llama_cpp": llama_cpp_build,
         "summary": _summary(records, len(prompts), all_identical, references["own_plain"], one_step_ms, busy_s, union,
                             drafting_s, len(cluster.drafters) if cluster else 0),
         "modes": {m: {"tokens_per_s": round(r.speed(), 2), "greedy_identical_fraction": round(r.identical / len(prompts), 4)}

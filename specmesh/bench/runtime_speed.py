@@ -19,6 +19,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from specmesh.bench.provenance import provenance
 from specmesh.errors import InvalidArgument
 from specmesh.runtime.llama import TreeBatch
 from specmesh.runtime.loading import configure_threads, pick_device, pick_dtype
@@ -238,6 +239,7 @@ def run_runtime_bench(args: argparse.Namespace) -> int:
     bandwidth = copy_bandwidth(device, 1024 if device.type == "cuda" else 256)
     limit_ms = nbytes / bandwidth * 1e3
     report: dict = {
+        "provenance": provenance(args.argv),
         "model": args.model, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": str(dtype).removeprefix("torch."), "context": context_len, "weight_bytes": nbytes,
         "copy_bandwidth_gbps": round(bandwidth / 1e9, 1), "streaming_limit_ms": round(limit_ms, 3),

@@ -30,6 +30,7 @@ from importlib.resources import files
 
 from tqdm.auto import tqdm
 
+from specmesh.bench.provenance import provenance
 from specmesh.bench.run import (
     MAX_CONCURRENCY,
     WARMUP_PROMPT,
@@ -256,7 +257,8 @@ def run_tune(args: argparse.Namespace) -> int:
     configure_threads(args.threads)
     drafters = tuple(args.drafter or DEFAULT_DRAFTERS)
     warmup = Prompt(WARMUP_PROMPT, "warm-up")
-    report: dict = {"target": args.model, "drafter_set": list(drafters), "max_tokens": args.max_tokens,
+    report: dict = {"provenance": provenance(args.argv), "target": args.model, "drafter_set": list(drafters),
+                    "max_tokens": args.max_tokens,
                     "prompts": {"source": str(args.prompts or TUNING_PROMPTS), "count": len(prompts)},
                     "sweeps": sweeps, "best": {}}
     if "budget" in sweeps or "margin" in sweeps:
