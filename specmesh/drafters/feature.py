@@ -53,6 +53,8 @@ class FeatureConfig:
     rope_theta: float
     rms_norm_eps: float
     subset_size: int
+    feature_norms: bool = True  # each target layer RMS-normed before they are fused (ours; EAGLE-3 fuses them raw)
+    fallback: bool = True  # the head's last output means "none of these" (ours; EAGLE-3's head has none)
 
     @classmethod
     def for_target(cls, config, feature_layers: Sequence[int], subset_size: int) -> FeatureConfig:
@@ -98,7 +100,8 @@ class FeatureHead(nn.Module):
         q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
         self.register_buffer("embedding", embedding.detach().clone(), persistent=False)  # [vocab, hidden]
         self.register_buffer("subset_ids", subset_ids.to(torch.long), persistent=False)  # [subset]
-        self.feature_norms = nn.ModuleList(RMSNorm(h, config.rms_norm_eps) for _ in range(layers))
+        self.feature_norms = nn.ModuleList(RMSNorm(h, config.rms_norm_eps) for _ in range(layers if config.feature_norms
+                                                                                       else 0))
         self.fuse = nn.Linear(layers * h, h, bias=False)  # the target's layers -> one feature
         self.embed_norm = RMSNorm(h, config.rms_norm_eps)
         self.input_norm = RMSNorm(h, config.rms_norm_eps)
@@ -108,14 +111,17 @@ class FeatureHead(nn.Module):
         self.gate_up = nn.Linear(h, 2 * config.intermediate_size, bias=False)
         self.down = nn.Linear(config.intermediate_size, h, bias=False)
         self.final_norm = RMSNorm(h, config.rms_norm_eps)
-        self.head = nn.Linear(h, len(subset_ids) + 1, bias=False)  # last row: the fallback class
+        self.head = nn.Linear(h, len(subset_ids) + config.fallback, bias=False)  # last row: the fallback class
 
     @property
-    def fallback(self) -> int:
-        return self.head.out_features - 1
+    def fallback(self) -> int | None:
+        """The output meaning "none of these" (None: the head has none)."""
+        return self.head.out_features - 1 if self.config.fallback else None
 
     def fused(self, features: torch.Tensor) -> torch.Tensor:
         """Target features [..., layers, hidden] -> g [..., hidden]."""
+        if not self.config.feature_norms:
+            return self.fuse(features.float().flatten(-2))
         normed = [norm(features[..., i, :].float()) for i, norm in enumerate(self.feature_norms)]
         return self.fuse(torch.cat(normed, dim=-1))
 
@@ -304,7 +310,8 @@ class FeatureDrafter(DrafterBase):
         self._one_call = blocks  # the decoder layer as one C++ call (kernels/cpu/llama_layer.cpp)
         self._fuse, self._qkv, self._out = pack(model.fuse), pack(model.qkv), pack(model.out)
         self._gate_up, self._down, self._head = pack(model.gate_up), pack(model.down), pack(model.head)
-        self._feature_norms = torch.stack([norm.weight.detach() for norm in model.feature_norms])  # [layers, hidden]
+        self._feature_norms = (torch.stack([norm.weight.detach() for norm in model.feature_norms])  # [layers, hidden]
+                               if model.config.feature_norms else None)
         self.subset_ids = model.subset_ids.tolist()
         self.max_depth, self.branch_below, self.branch_width, self.stop_below = max_depth, branch_below, branch_width, stop_below
         self._requests: dict[str, _Request] = {}
@@ -356,7 +363,7 @@ class FeatureDrafter(DrafterBase):
         with torch.no_grad():
             first = self._catch_up(state, [*state.committed, *assumed])
             return confident_tree(first, self._advance(state), budget, self.max_depth, self.branch_below,
-                                  self.branch_width, stop_index=len(self.subset_ids), stop_below=self.stop_below)
+                                  self.branch_width, stop_index=self.model.fallback, stop_below=self.stop_below)
 
     # -- drafting ----------------------------------------------------------------------------------
     def _catch_up(self, state: _Request, context: list[int]) -> Step:
@@ -388,6 +395,8 @@ class FeatureDrafter(DrafterBase):
     def _fused(self, features: torch.Tensor) -> torch.Tensor:
         # features [n, layers, hidden] -> g [n, hidden]: every layer's norm at once (one op each, not per layer)
         x = features.float()
+        if self._feature_norms is None:
+            return self._fuse(x.flatten(1))
         normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps) * self._feature_norms
         return self._fuse(normed.flatten(1))
 

@@ -1,0 +1,138 @@
+"""Published EAGLE-3 heads as feature drafters: ``--drafter eagle3:/path/to/checkpoint``.
+
+An EAGLE-3 head (Li et al. 2025) as SafeAILab/EAGLE and SpecForge publish it is the feature head of
+``feature.py`` in another layout, with two differences: the three target layers are fused raw (no norm
+of each), and its head covers a draft vocabulary without a "none of these" class. The checkpoint is a
+folder with ``config.json`` (a LlamaConfig: hidden size, heads, MLP size, ``vocab_size`` = the target's,
+``draft_vocab_size``) and its tensors (``model.safetensors`` or ``pytorch_model.bin``):
+
+    fc.weight                          [hidden, 3 * hidden]   the target's three layers, concatenated
+    midlayer.input_layernorm.weight    [hidden]               the next token's embedding (the target's)
+    midlayer.hidden_norm.weight        [hidden]               the fused feature, or the last output
+    midlayer.self_attn.{q,k,v}_proj    [.., 2 * hidden]       over [embedding, feature]
+    midlayer.self_attn.o_proj, midlayer.post_attention_layernorm, midlayer.mlp.{gate,up,down}_proj
+    norm.weight, lm_head.weight        [draft vocab, hidden]
+    d2t [draft vocab] int64            target id = draft id + d2t[draft id]
+    t2d [vocab] bool                   which target ids the draft vocabulary holds
+
+The layers read are the hidden states after layers (2, N/2, N-3) of an N-layer target, or those its
+config names (``eagle_config.eagle_aux_hidden_state_layer_ids``, SpecForge's count: the output of layer
+i, i.e. after i + 1 layers). A head made for another target is refused before it drafts: another hidden
+size, vocabulary, tokenizer (when the folder has one) or layers the target lacks.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from specmesh.drafters.feature import FeatureConfig, FeatureHead
+from specmesh.errors import InvalidArgument
+from specmesh.runtime.loading import TargetParts, tokenizer_fingerprint
+
+PREFIX = "eagle3:"
+LAYER = "midlayer."
+
+
+def read_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint folder: its safetensors files, else ``pytorch_model.bin`` (read with
+    ``weights_only``: no code in a pickle runs)."""
+    from safetensors.torch import load_file
+
+    files = sorted(directory.glob("*.safetensors"))
+    if files:
+        return {k: v for f in files for k, v in load_file(str(f)).items()}
+    binary = directory / "pytorch_model.bin"
+    if binary.is_file():
+        return torch.load(binary, map_location="cpu", weights_only=True)
+    raise InvalidArgument("drafter", f"{directory}: no *.safetensors nor pytorch_model.bin")
+
+
+def default_layers(num_layers: int) -> tuple[int, ...]:
+    """The target layers EAGLE-3 reads by default: a low, the middle and a high one."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def feature_layers(config: dict, num_layers: int) -> tuple[int, ...]:
+    named = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    return tuple(int(i) + 1 for i in named) if named else default_layers(num_layers)
+
+
+def load_eagle3(spec: str, target: TargetParts) -> FeatureHead:
+    """The head in ``eagle3:DIR`` over ``target``'s embeddings, in fp32, checked against the target."""
+    directory = Path(spec.removeprefix(PREFIX))
+    where = f"{PREFIX}{directory}"
+    if not (directory / "config.json").is_file():
+        raise InvalidArgument("drafter", f"{where}: no config.json (an EAGLE-3 checkpoint folder)")
+    config = json.loads((directory / "config.json").read_text())
+    tensors = read_tensors(directory)
+    names = ["fc.weight", "norm.weight", "lm_head.weight", *(LAYER + n for n in (
+        "input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight",
+        *(f"self_attn.{p}_proj.weight" for p in "qkvo"), *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down"))))]
+    missing = [n for n in names if n not in tensors]
+    if missing:
+        raise InvalidArgument("drafter", f"{where} is not an EAGLE-3 head in the published layout: no "
+                              f"{', '.join(missing[:4])}")
+    if config.get("norm_before_residual"):
+        raise InvalidArgument("drafter", f"{where}: norm_before_residual heads are not supported")
+    hidden, layers = int(config["hidden_size"]), feature_layers(config, target.num_layers)
+    fc = tensors["fc.weight"]
+    if hidden != target.hidden_size or tuple(fc.shape) != (hidden, len(layers) * target.hidden_size):
+        raise InvalidArgument("drafter", f"{where} reads hidden states of size {fc.shape[1] // len(layers)} into a "
+                              f"{hidden}-wide layer; this target's hidden states are {target.hidden_size}")
+    if not all(1 <= n <= target.num_layers for n in layers):
+        raise InvalidArgument("drafter", f"{where} reads layers {list(layers)}; this target has {target.num_layers}")
+    if int(config.get("vocab_size", -1)) != target.vocab_size:
+        raise InvalidArgument("drafter", f"{where} was made for a vocabulary of {config.get('vocab_size')} tokens; "
+                              f"this target's has {target.vocab_size}")
+    if (directory / "tokenizer.json").is_file() or (directory / "tokenizer_config.json").is_file():
+        from transformers import AutoTokenizer
+
+        if tokenizer_fingerprint(AutoTokenizer.from_pretrained(directory)) != tokenizer_fingerprint(target.tokenizer):
+            raise InvalidArgument("drafter", f"{where}'s tokenizer is not the target's ({target.name!r})")
+    subset = draft_to_target(tensors, target.vocab_size, where)
+    heads = int(config["num_attention_heads"])
+    head_config = FeatureConfig(
+        hidden_size=hidden, num_heads=heads, num_kv_heads=int(config.get("num_key_value_heads", heads)),
+        head_dim=int(config.get("head_dim") or hidden // heads), intermediate_size=int(config["intermediate_size"]),
+        feature_layers=layers, rope_theta=float(config.get("rope_theta", 10000.0)),
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)), subset_size=len(subset), feature_norms=False,
+        fallback=False)
+    model = FeatureHead(head_config, target.input_embeddings().float(), subset)
+    weight = lambda name: tensors[LAYER + name].float()  # noqa: E731
+    state = {
+        "fuse.weight": fc.float(), "embed_norm.weight": weight("input_layernorm.weight"),
+        "input_norm.weight": weight("hidden_norm.weight"),
+        "qkv.weight": torch.cat([weight(f"self_attn.{p}_proj.weight") for p in "qkv"]),
+        "out.weight": weight("self_attn.o_proj.weight"), "post_norm.weight": weight("post_attention_layernorm.weight"),
+        "gate_up.weight": torch.cat([weight("mlp.gate_proj.weight"), weight("mlp.up_proj.weight")]),
+        "down.weight": weight("mlp.down_proj.weight"), "final_norm.weight": tensors["norm.weight"].float(),
+        "head.weight": tensors["lm_head.weight"].float(),
+    }
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as exc:  # shapes that disagree with its own config
+        raise InvalidArgument("drafter", f"{where}: tensors do not match config.json: {str(exc).splitlines()[1:2]}") from None
+    return model.eval()
+
+
+def draft_to_target(tensors: dict[str, torch.Tensor], vocab_size: int, where: str) -> torch.Tensor:
+    """The target id of each draft id [draft vocab] from ``d2t`` (and ``t2d``, when given, must agree);
+    without a map the draft vocabulary is the target's."""
+    rows = tensors["lm_head.weight"].shape[0]
+    if "d2t" not in tensors:
+        if rows != vocab_size:
+            raise InvalidArgument("drafter", f"{where}: a draft vocabulary of {rows} tokens needs its d2t map")
+        return torch.arange(vocab_size)
+    d2t = tensors["d2t"].to(torch.long)
+    ids = torch.arange(d2t.shape[0]) + d2t
+    if d2t.shape != (rows,) or ids.min() < 0 or ids.max() >= vocab_size or not bool((ids[1:] > ids[:-1]).all()):
+        raise InvalidArgument("drafter", f"{where}: its d2t map does not name {rows} distinct ids of the target's "
+                              f"{vocab_size}-token vocabulary in order")
+    if "t2d" in tensors:
+        t2d = tensors["t2d"].to(torch.bool)
+        if t2d.shape != (vocab_size,) or not torch.equal(t2d.nonzero().flatten(), ids):
+            raise InvalidArgument("drafter", f"{where}: its t2d and d2t maps disagree")
+    return ids

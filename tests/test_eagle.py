@@ -1,0 +1,248 @@
+"""Published EAGLE-3 heads (``--drafter eagle3:DIR``): checkpoints written here in SafeAILab's and
+SpecForge's layout (their config keys, tensor names, shapes and dtypes) with random weights, for a
+random Llama target: the loaded head computes the published step, drafts losslessly (greedy and the
+distribution, with a decoy), and a head made for another target is refused."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import tiny_llama
+from scipy.stats import chisquare
+
+from specmesh.drafters.catalog import load_drafter
+from specmesh.drafters.feature import FeatureDrafter
+from specmesh.errors import InvalidArgument
+from specmesh.runtime.features import Features
+from specmesh.runtime.llama import LlamaRuntime, TreeBatch
+from specmesh.runtime.loading import TargetParts
+from specmesh.runtime.target import prefill_sessions
+from specmesh.sampling import SamplingParams
+from specmesh.speculation.engine import Request, SpeculativeEngine
+from specmesh.tree import TokenTree, compile_tree
+
+VOCAB, HIDDEN, LAYERS, DRAFT_VOCAB = 96, 64, 8, 40
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(vocab_size=VOCAB, layers=LAYERS, hidden=HIDDEN, seed=4)
+
+
+def parts(model, tokenizer=None) -> TargetParts:
+    return TargetParts("tiny", tokenizer, VOCAB, 512, (1,), lambda: model.get_input_embeddings().weight.detach(),
+                       HIDDEN, LAYERS)
+
+
+def write_head(directory: Path, *, fc_input: int = 3 * HIDDEN, vocab: int = VOCAB, draft_ids=None, seed: int = 0,
+               fmt: str = "safetensors", config_extra: dict | None = None, drop: str = "", t2d_ids=None,
+               two_guesses: bool = False) -> str:
+    """An EAGLE-3 checkpoint folder as published: config.json and fp16 tensors (int64 d2t, bool t2d)."""
+    heads, kv, inter = 4, 2, 2 * HIDDEN
+    head_dim = HIDDEN // heads
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: (torch.randn(*shape, generator=gen) * 0.2).half()  # noqa: E731
+    ids = torch.tensor(draft_ids if draft_ids is not None else sorted(random.Random(seed).sample(range(VOCAB), DRAFT_VOCAB)))
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[torch.tensor(t2d_ids if t2d_ids is not None else ids.tolist())] = True
+    tensors = {
+        "fc.weight": rand(HIDDEN, fc_input),
+        "midlayer.hidden_norm.weight": (1 + rand(HIDDEN).float() * 0.1).half(),
+        "midlayer.input_layernorm.weight": (1 + rand(HIDDEN).float() * 0.1).half(),
+        "midlayer.self_attn.q_proj.weight": rand(heads * head_dim, 2 * HIDDEN),
+        "midlayer.self_attn.k_proj.weight": rand(kv * head_dim, 2 * HIDDEN),
+        "midlayer.self_attn.v_proj.weight": rand(kv * head_dim, 2 * HIDDEN),
+        "midlayer.self_attn.o_proj.weight": rand(HIDDEN, heads * head_dim),
+        "midlayer.post_attention_layernorm.weight": torch.ones(HIDDEN).half(),
+        "midlayer.mlp.gate_proj.weight": rand(inter, HIDDEN),
+        "midlayer.mlp.up_proj.weight": rand(inter, HIDDEN),
+        "midlayer.mlp.down_proj.weight": rand(HIDDEN, inter),
+        "norm.weight": torch.ones(HIDDEN).half(),
+        "lm_head.weight": rand(len(ids), HIDDEN) * 4,
+        "d2t": ids - torch.arange(len(ids)),
+        "t2d": t2d,
+    }
+    if two_guesses:  # draft id 0 or 1, by the sign of one coordinate of the output, always confidently
+        tensors["lm_head.weight"].zero_()
+        tensors["lm_head.weight"][0, 0], tensors["lm_head.weight"][1, 0] = 30.0, -30.0
+    tensors.pop(drop, None)
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": HIDDEN,
+              "intermediate_size": inter, "num_attention_heads": heads, "num_key_value_heads": kv,
+              "num_hidden_layers": 1, "hidden_act": "silu", "vocab_size": vocab, "draft_vocab_size": len(ids),
+              "rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "tie_word_embeddings": False,
+              "torch_dtype": "float16", "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 0,
+              **(config_extra or {})}
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    if fmt == "safetensors":
+        from safetensors.torch import save_file
+
+        save_file(tensors, str(directory / "model.safetensors"))
+    else:
+        torch.save(tensors, directory / "pytorch_model.bin")
+    return f"eagle3:{directory}"
+
+
+def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
+                             pad_token_id=model.config.pad_token_id)
+    return out[0, len(prompt):].tolist()
+
+
+def test_the_loaded_head_computes_the_published_step(target, tmp_path):
+    """The step of SafeAILab's cnets.py, written here from the published equations and the checkpoint's own
+    tensors: fc over the raw layers; [input_layernorm(embedding), hidden_norm(g)] into q/k/v; the residual
+    is g; the final norm and the draft-vocabulary head; draft id -> target id through d2t."""
+    spec = write_head(tmp_path / "head")
+    drafter = load_drafter(spec, parts(target), None, None)
+    assert isinstance(drafter, FeatureDrafter) and drafter.feature_layers == (2, 4, 5)
+    from safetensors.torch import load_file
+
+    t = {k: v.float() for k, v in load_file(str(tmp_path / "head" / "model.safetensors")).items()}
+    rms = lambda x, w: F.rms_norm(x, (HIDDEN,), w, 1e-5)  # noqa: E731
+    features = torch.randn(1, 3, HIDDEN)  # the target's layers 2, 4, 5 at position 0
+    tokens = [5, 17]  # position 0 holds 5; the embedding of 17 is read there
+    g = features.flatten(1) @ t["fc.weight"].T
+    embedding = target.get_input_embeddings().weight.detach()
+    x = torch.cat([rms(embedding[[17]], t["midlayer.input_layernorm.weight"]),
+                   rms(g, t["midlayer.hidden_norm.weight"])], -1)
+    v = (x @ t["midlayer.self_attn.v_proj.weight"].T).view(1, 2, 16).repeat_interleave(2, 1)  # one key: attention = v
+    h = g + v.flatten(1) @ t["midlayer.self_attn.o_proj.weight"].T
+    m = rms(h, t["midlayer.post_attention_layernorm.weight"])
+    out = h + (F.silu(m @ t["midlayer.mlp.gate_proj.weight"].T) * (m @ t["midlayer.mlp.up_proj.weight"].T)) \
+        @ t["midlayer.mlp.down_proj.weight"].T
+    expected = (rms(out, t["norm.weight"]) @ t["lm_head.weight"].T).softmax(-1)[0]
+    drafter = FeatureDrafter(drafter.model, drafter.name, int8_weights=False)  # exact fp32 linears, to compare
+    drafter.start("r", tokens)
+    drafter.add_features("r", Features(0, features, (2, 4, 5)))
+    with torch.no_grad():
+        step = drafter._catch_up(drafter._requests["r"], tokens)
+    assert torch.allclose(step.probs, expected, atol=1e-4)
+    d2t = t["d2t"].long()
+    assert list(step.token_ids) == (torch.arange(DRAFT_VOCAB) + d2t).tolist()
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+def test_a_published_head_drafts_and_greedy_output_is_plain_decodings(target, tmp_path, fmt):
+    drafter = load_drafter(write_head(tmp_path / "head", fmt=fmt, draft_ids=list(range(DRAFT_VOCAB))),
+                           parts(target), None, None)
+    engine = SpeculativeEngine(LlamaRuntime(target), drafters=[drafter], max_tree_nodes=6)
+    prompts = [[random.Random(i).randrange(2, VOCAB) for _ in range(3 + 2 * i)] for i in range(5)]
+    outputs = engine.generate([Request(tuple(p), SamplingParams(max_tokens=MAX_TOKENS)) for p in prompts])
+    for prompt, out in zip(prompts, outputs):
+        assert out.token_ids == hf_greedy(target, prompt, MAX_TOKENS)
+    assert sum(o.stats.drafted_nodes for o in outputs) > 0, "the head should have drafted"
+    assert not drafter._requests  # every session ended
+
+
+def test_the_layers_a_specforge_config_names_are_read(target, tmp_path):
+    spec = write_head(tmp_path / "head", config_extra={"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 3, 6],
+                                                                        "use_aux_hidden_state": True}})
+    assert load_drafter(spec, parts(target), None, None).feature_layers == (1, 4, 7)  # the output of layer i
+
+
+def _tokenizer(words: list[str]):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token=words[0])
+
+
+@pytest.mark.parametrize("case,message", [
+    ("hidden", "reads hidden states of size 32"),
+    ("vocabulary", "a vocabulary of 100 tokens"),
+    ("d2t outside", "d2t map does not name"),
+    ("d2t unordered", "d2t map does not name"),
+    ("t2d", "t2d and d2t maps disagree"),
+    ("layers", "reads layers [1, 4, 12]"),
+    ("tensor", "not an EAGLE-3 head in the published layout: no midlayer.hidden_norm.weight"),
+    ("tokenizer", "tokenizer is not the target's"),
+])
+def test_a_head_made_for_another_target_is_refused(target, tmp_path, case, message):
+    ours = _tokenizer([f"w{i}" for i in range(VOCAB)])
+    directory = tmp_path / "head"
+    spec = {
+        "hidden": lambda: write_head(directory, fc_input=3 * 32),
+        "vocabulary": lambda: write_head(directory, vocab=100),
+        "d2t outside": lambda: write_head(directory, draft_ids=[*range(DRAFT_VOCAB - 1), VOCAB + 3],
+                                          t2d_ids=list(range(DRAFT_VOCAB))),
+        "d2t unordered": lambda: write_head(directory, draft_ids=[3, 2, *range(4, DRAFT_VOCAB + 2)]),
+        "t2d": lambda: write_head(directory, t2d_ids=list(range(50, 50 + DRAFT_VOCAB))),
+        "layers": lambda: write_head(directory, config_extra={"eagle_config": {"eagle_aux_hidden_state_layer_ids":
+                                                                                [0, 3, 11]}}),
+        "tensor": lambda: write_head(directory, drop="midlayer.hidden_norm.weight"),
+        "tokenizer": lambda: write_head(directory),
+    }[case]()
+    if case == "tokenizer":  # the folder carries a tokenizer of as many tokens, but other ones
+        _tokenizer([f"v{i}" for i in range(VOCAB)]).save_pretrained(directory)
+    with pytest.raises(InvalidArgument, match="drafter") as refused:
+        load_drafter(spec, parts(target, ours), None, None)
+    assert message in str(refused.value)
+    if case == "tokenizer":  # the target's own tokenizer in the folder is accepted
+        ours.save_pretrained(directory)
+        assert load_drafter(spec, parts(target, ours), None, None).feature_layers == (2, 4, 5)
+
+
+def lying_rule(tree, target_probs, generator, draft_dists=None):
+    """The decoy: deterministic guesses verified as if drawn from a uniform q (accepted nearly always)."""
+    from specmesh.acceptance import verify_mss
+
+    uniform = torch.full((target_probs.shape[1],), 1.0 / target_probs.shape[1], dtype=torch.float64)
+    return verify_mss(tree, target_probs, generator, {node: uniform for node in range(len(tree.tree))})
+
+
+@pytest.mark.parametrize("rule", ["exact", "lying"])
+def test_sampling_with_a_published_head_keeps_the_targets_distribution(target, tmp_path, rule, monkeypatch):
+    """Two sampled tokens (top-4, temperature 1) through the head against the target's exact two-token
+    distribution; the same test given a wrong acceptance rule (the decoy) must see it. The head's final norm
+    guesses one of two tokens, both likely after the likeliest first token."""
+    runtime = LlamaRuntime(target)
+    prompt, top_k = [2, 9, 4, 2, 9], 4
+    if rule == "lying":
+        monkeypatch.setattr("specmesh.runtime.tree_verifier.verify_mss", lying_rule)
+
+    def next_distribution(tokens):
+        session = runtime.new_session()
+        prefill_sessions(runtime, [session], [tokens[:-1]])
+        logits = runtime.forward(TreeBatch.build([session], [compile_tree(tokens[-1], TokenTree.chain([]))]))[0]
+        session.free()
+        probs = torch.softmax(logits.double(), -1)
+        keep = probs.topk(top_k).indices
+        return keep, probs[keep] / probs[keep].sum()
+
+    exact = {}
+    keep, p1 = next_distribution(prompt)
+    for x, px in zip(keep.tolist(), p1.tolist()):
+        keep2, p2 = next_distribution(prompt + [x])
+        for y, py in zip(keep2.tolist(), p2.tolist()):
+            exact[(x, y)] = px * py
+    # a feature head drafts from the prefill's features on: it guesses the second token, here one of the
+    # two likeliest after the likeliest first token (draft ids 0 and 1)
+    guessed = sorted(next_distribution(prompt + [int(keep[0])])[0][:2].tolist())
+    draft_ids = [*guessed, *[i for i in range(VOCAB) if i > guessed[1]]][:DRAFT_VOCAB]
+    drafter = load_drafter(write_head(tmp_path / "head", draft_ids=draft_ids, two_guesses=True), parts(target),
+                           None, None)
+    engine = SpeculativeEngine(runtime, drafters=[drafter], max_tree_nodes=4)
+    counts = dict.fromkeys(exact, 0)
+    for batch in range(24):
+        requests = [Request(tuple(prompt), SamplingParams(temperature=1.0, top_k=top_k, max_tokens=3,
+                                                          seed=batch * 100 + i)) for i in range(50)]
+        for out in engine.generate(requests):
+            pair = tuple(out.token_ids[:2])  # of three: with one token left, no tree would be drafted
+            assert pair in counts, f"sampled {pair}, outside the target's top-{top_k} support"
+            counts[pair] += 1
+    total = sum(counts.values())
+    pvalue = chisquare([counts[k] for k in exact], [exact[k] * total for k in exact]).pvalue
+    if rule == "exact":
+        assert pvalue > 1e-3, f"speculative sampling with the head changed the distribution (p = {pvalue:.2e})"
+    else:
+        assert pvalue < 1e-6, f"the test failed to notice a wrong acceptance rule (p = {pvalue:.2e})"
