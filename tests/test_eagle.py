@@ -40,31 +40,31 @@ def parts(model, tokenizer=None) -> TargetParts:
                        HIDDEN, LAYERS)
 
 
-def write_head(directory: Path, *, fc_input: int = 3 * HIDDEN, vocab: int = VOCAB, draft_ids=None, seed: int = 0,
+def write_head(directory: Path, *, hidden: int = HIDDEN, heads: int = 4, kv: int = 2, inter: int = 2 * HIDDEN,
+               fc_input: int | None = None, vocab: int = VOCAB, draft_ids=None, seed: int = 0,
                fmt: str = "safetensors", config_extra: dict | None = None, drop: str = "", t2d_ids=None,
                two_guesses: bool = False) -> str:
     """An EAGLE-3 checkpoint folder as published: config.json and fp16 tensors (int64 d2t, bool t2d)."""
-    heads, kv, inter = 4, 2, 2 * HIDDEN
-    head_dim = HIDDEN // heads
+    head_dim = hidden // heads
     gen = torch.Generator().manual_seed(seed)
     rand = lambda *shape: (torch.randn(*shape, generator=gen) * 0.2).half()  # noqa: E731
-    ids = torch.tensor(draft_ids if draft_ids is not None else sorted(random.Random(seed).sample(range(VOCAB), DRAFT_VOCAB)))
+    ids = torch.tensor(draft_ids if draft_ids is not None else sorted(random.Random(seed).sample(range(vocab), DRAFT_VOCAB)))
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[torch.tensor(t2d_ids if t2d_ids is not None else ids.tolist())] = True
     tensors = {
-        "fc.weight": rand(HIDDEN, fc_input),
-        "midlayer.hidden_norm.weight": (1 + rand(HIDDEN).float() * 0.1).half(),
-        "midlayer.input_layernorm.weight": (1 + rand(HIDDEN).float() * 0.1).half(),
-        "midlayer.self_attn.q_proj.weight": rand(heads * head_dim, 2 * HIDDEN),
-        "midlayer.self_attn.k_proj.weight": rand(kv * head_dim, 2 * HIDDEN),
-        "midlayer.self_attn.v_proj.weight": rand(kv * head_dim, 2 * HIDDEN),
-        "midlayer.self_attn.o_proj.weight": rand(HIDDEN, heads * head_dim),
-        "midlayer.post_attention_layernorm.weight": torch.ones(HIDDEN).half(),
-        "midlayer.mlp.gate_proj.weight": rand(inter, HIDDEN),
-        "midlayer.mlp.up_proj.weight": rand(inter, HIDDEN),
-        "midlayer.mlp.down_proj.weight": rand(HIDDEN, inter),
-        "norm.weight": torch.ones(HIDDEN).half(),
-        "lm_head.weight": rand(len(ids), HIDDEN) * 4,
+        "fc.weight": rand(hidden, fc_input or 3 * hidden),
+        "midlayer.hidden_norm.weight": (1 + rand(hidden).float() * 0.1).half(),
+        "midlayer.input_layernorm.weight": (1 + rand(hidden).float() * 0.1).half(),
+        "midlayer.self_attn.q_proj.weight": rand(heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.k_proj.weight": rand(kv * head_dim, 2 * hidden),
+        "midlayer.self_attn.v_proj.weight": rand(kv * head_dim, 2 * hidden),
+        "midlayer.self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+        "midlayer.post_attention_layernorm.weight": torch.ones(hidden).half(),
+        "midlayer.mlp.gate_proj.weight": rand(inter, hidden),
+        "midlayer.mlp.up_proj.weight": rand(inter, hidden),
+        "midlayer.mlp.down_proj.weight": rand(hidden, inter),
+        "norm.weight": torch.ones(hidden).half(),
+        "lm_head.weight": rand(len(ids), hidden) * 4,
         "d2t": ids - torch.arange(len(ids)),
         "t2d": t2d,
     }
@@ -72,7 +72,7 @@ def write_head(directory: Path, *, fc_input: int = 3 * HIDDEN, vocab: int = VOCA
         tensors["lm_head.weight"].zero_()
         tensors["lm_head.weight"][0, 0], tensors["lm_head.weight"][1, 0] = 30.0, -30.0
     tensors.pop(drop, None)
-    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": HIDDEN,
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": hidden,
               "intermediate_size": inter, "num_attention_heads": heads, "num_key_value_heads": kv,
               "num_hidden_layers": 1, "hidden_act": "silu", "vocab_size": vocab, "draft_vocab_size": len(ids),
               "rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "tie_word_embeddings": False,
@@ -246,3 +246,19 @@ def test_sampling_with_a_published_head_keeps_the_targets_distribution(target, t
         assert pvalue > 1e-3, f"speculative sampling with the head changed the distribution (p = {pvalue:.2e})"
     else:
         assert pvalue < 1e-6, f"the test failed to notice a wrong acceptance rule (p = {pvalue:.2e})"
+
+
+@pytest.mark.slow
+def test_specmesh_generate_drafts_with_a_published_head_for_the_embedded_target(tmp_path):
+    """The command line end to end: a random head in the published layout for SmolLM2-135M (576 wide, 30
+    layers, 9 heads over 3 KV heads): `specmesh generate --drafter eagle3:DIR --compare-plain`."""
+    import subprocess
+    import sys
+
+    spec = write_head(tmp_path / "smollm2-eagle3", hidden=576, heads=9, kv=3, inter=1536, vocab=49152,
+                      draft_ids=sorted(random.Random(1).sample(range(49152), 2000)))
+    result = subprocess.run([sys.executable, "-m", "specmesh", "generate", "Count from one to ten.", "--drafter", spec,
+                             "--max-tokens", "24", "--compare-plain"], capture_output=True, text=True, timeout=600,
+                            env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "outputs identical" in result.stdout, result.stdout
