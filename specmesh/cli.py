@@ -174,6 +174,21 @@ def build_parser() -> argparse.ArgumentParser:
                       help="--kind feature: drafting steps unrolled in training (training-time test; default 3)")
     VerifierSettings.add_flags(dist, ["precision"], defaults=True, environment=False)  # --kind feature: the verifiers'
 
+    cards = commands.add_parser("drafters", help="check drafters against a target: whether each fits, what a "
+                                "drafted token costs against the target's step, how often it guesses right")
+    cards.add_argument("action", choices=("check",))
+    VerifierSettings.add_flags(cards, ["model"], defaults=True, environment=False)
+    cards.add_argument("--drafter", action="append", required=True,
+                       help="a drafter as --drafter of `generate` takes it (eagle3:DIR too); repeatable")
+    cards.add_argument("--prompts", help="JSONL prompts whose greedy answers the drafters are checked on (default: "
+                       "MT-Bench first turns)")
+    cards.add_argument("--limit", type=int, default=None, help="only the first N prompts")
+    cards.add_argument("--max-tokens", type=int, default=64, help="tokens of each answer (default 64)")
+    cards.add_argument("--drafter-device", default=None, help="where the drafters run (default: their own choice)")
+    cards.add_argument("--json", dest="json_out", help="write the cards here")
+    VerifierSettings.add_flags(cards, ["device", "dtype", "precision", "threads", "kv_cache_gb", "batch_invariant"],
+                               defaults=True, environment=False)
+
     prep = commands.add_parser("prepare", help="convert the embedded default model and build its quantized kernel once "
                                "(done by make install)")
     VerifierSettings.add_flags(prep, ["model"], defaults=True, environment=False)
@@ -249,6 +264,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from specmesh.bench.tune import run_tune
 
             return run_tune(args)
+        if args.command == "drafters":
+            from specmesh.bench.drafter_card import run_check
+
+            return run_check(args)
         if args.command == "distill":
             return _distill(args)
         if args.command == "redis-acl":
