@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import tiny_llama
 from drafting import OracleTreeDrafter
-from scipy.stats import chisquare
+from sampled_distribution import lying_rule, next_distribution, sampled_pairs_pvalue, two_token_distribution
 
 from specmesh.kernels.block_linear import (
     FORMATS,
@@ -241,15 +241,6 @@ def test_speculative_greedy_equals_plain_greedy_on_blocks():
     assert sum(len(o.token_ids) for o in outputs) > sum(o.stats.target_steps for o in outputs)
 
 
-def lying_rule(tree, target_probs, generator, draft_dists=None):
-    """A wrong acceptance rule for the decoy: deterministic guesses verified as if sampled from a uniform
-    q (accepted with min(1, p · vocab), nearly always)."""
-    from specmesh.acceptance import verify_mss
-
-    uniform = torch.full((target_probs.shape[1],), 1.0 / target_probs.shape[1], dtype=torch.float64)
-    return verify_mss(tree, target_probs, generator, {node: uniform for node in range(len(tree.tree))})
-
-
 @pytest.mark.parametrize("rule", ["exact", "lying"])
 def test_sampled_two_token_distribution_on_blocks(rule, monkeypatch):
     """Speculative sampling on quantized weights follows the quantized model's own distribution; the
@@ -259,34 +250,12 @@ def test_sampled_two_token_distribution_on_blocks(rule, monkeypatch):
     prompt = [2, 9, 4, 2, 9]
     if rule == "lying":
         monkeypatch.setattr("specmesh.runtime.tree_verifier.verify_mss", lying_rule)
-
-    def next_distribution(tokens):
-        session = runtime.new_session()
-        prefill_sessions(runtime, [session], [tokens[:-1]])
-        logits = runtime.forward(TreeBatch.build([session], [compile_tree(tokens[-1], TokenTree.chain([]))]))[0]
-        probs = torch.softmax(logits.double(), -1)
-        keep = probs.topk(top_k).indices
-        return keep, probs[keep] / probs[keep].sum()
-
-    exact = {}
-    keep, p1 = next_distribution(prompt)
-    for x, px in zip(keep.tolist(), p1.tolist()):
-        keep2, p2 = next_distribution(prompt + [x])
-        for y, py in zip(keep2.tolist(), p2.tolist()):
-            exact[(x, y)] = px * py
-    answers = {tuple(prompt): [int(keep[0]), int(next_distribution(prompt + [int(keep[0])])[0][0])]}
+    exact = two_token_distribution(runtime, prompt, top_k)
+    keep = next_distribution(runtime, prompt, top_k)[0]
+    answers = {tuple(prompt): [int(keep[0]), int(next_distribution(runtime, prompt + [int(keep[0])], top_k)[0][0])]}
     drafter = OracleTreeDrafter(answers, vocab_size=vocab, seed=1)
     engine = SpeculativeEngine(runtime, drafters=[drafter], max_tree_nodes=6)
-    counts = dict.fromkeys(exact, 0)
-    params = dict(temperature=1.0, top_k=top_k, max_tokens=2)
-    for batch in range(30):
-        requests = [Request(tuple(prompt), SamplingParams(seed=batch * 100 + i, **params)) for i in range(50)]
-        for out in engine.generate(requests):
-            pair = tuple(out.token_ids[:2])
-            assert pair in counts, f"sampled {pair}, outside the model's top-{top_k} support"
-            counts[pair] += 1
-    total = sum(counts.values())
-    pvalue = chisquare([counts[k] for k in exact], [exact[k] * total for k in exact]).pvalue
+    pvalue = sampled_pairs_pvalue(engine, prompt, exact, top_k, batches=30)
     if rule == "exact":
         assert pvalue > 1e-3, f"speculative sampling on blocks changed the distribution (p = {pvalue:.2e})"
     else:

@@ -13,18 +13,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import tiny_llama
-from scipy.stats import chisquare
+from sampled_distribution import lying_rule, next_distribution, sampled_pairs_pvalue, two_token_distribution
 
 from specmesh.drafters.catalog import load_drafter
 from specmesh.drafters.feature import FeatureDrafter
 from specmesh.errors import InvalidArgument
 from specmesh.runtime.features import Features
-from specmesh.runtime.llama import LlamaRuntime, TreeBatch
+from specmesh.runtime.llama import LlamaRuntime
 from specmesh.runtime.loading import TargetParts
-from specmesh.runtime.target import prefill_sessions
 from specmesh.sampling import SamplingParams
 from specmesh.speculation.engine import Request, SpeculativeEngine
-from specmesh.tree import TokenTree, compile_tree
 
 VOCAB, HIDDEN, LAYERS, DRAFT_VOCAB = 96, 64, 8, 40
 MAX_TOKENS = 12
@@ -192,14 +190,6 @@ def test_a_head_made_for_another_target_is_refused(target, tmp_path, case, messa
         assert load_drafter(spec, parts(target, ours), None, None).feature_layers == (2, 4, 5)
 
 
-def lying_rule(tree, target_probs, generator, draft_dists=None):
-    """The decoy: deterministic guesses verified as if drawn from a uniform q (accepted nearly always)."""
-    from specmesh.acceptance import verify_mss
-
-    uniform = torch.full((target_probs.shape[1],), 1.0 / target_probs.shape[1], dtype=torch.float64)
-    return verify_mss(tree, target_probs, generator, {node: uniform for node in range(len(tree.tree))})
-
-
 @pytest.mark.parametrize("rule", ["exact", "lying"])
 def test_sampling_with_a_published_head_keeps_the_targets_distribution(target, tmp_path, rule, monkeypatch):
     """Two sampled tokens (top-4, temperature 1) through the head against the target's exact two-token
@@ -209,39 +199,17 @@ def test_sampling_with_a_published_head_keeps_the_targets_distribution(target, t
     prompt, top_k = [2, 9, 4, 2, 9], 4
     if rule == "lying":
         monkeypatch.setattr("specmesh.runtime.tree_verifier.verify_mss", lying_rule)
-
-    def next_distribution(tokens):
-        session = runtime.new_session()
-        prefill_sessions(runtime, [session], [tokens[:-1]])
-        logits = runtime.forward(TreeBatch.build([session], [compile_tree(tokens[-1], TokenTree.chain([]))]))[0]
-        session.free()
-        probs = torch.softmax(logits.double(), -1)
-        keep = probs.topk(top_k).indices
-        return keep, probs[keep] / probs[keep].sum()
-
-    exact = {}
-    keep, p1 = next_distribution(prompt)
-    for x, px in zip(keep.tolist(), p1.tolist()):
-        keep2, p2 = next_distribution(prompt + [x])
-        for y, py in zip(keep2.tolist(), p2.tolist()):
-            exact[(x, y)] = px * py
+    exact = two_token_distribution(runtime, prompt, top_k)
     # a feature head drafts from the prefill's features on: it guesses the second token, here one of the
     # two likeliest after the likeliest first token (draft ids 0 and 1)
-    guessed = sorted(next_distribution(prompt + [int(keep[0])])[0][:2].tolist())
+    first = int(next_distribution(runtime, prompt, top_k)[0][0])
+    guessed = sorted(next_distribution(runtime, prompt + [first], top_k)[0][:2].tolist())
     draft_ids = [*guessed, *[i for i in range(VOCAB) if i > guessed[1]]][:DRAFT_VOCAB]
     drafter = load_drafter(write_head(tmp_path / "head", draft_ids=draft_ids, two_guesses=True), parts(target),
                            None, None)
     engine = SpeculativeEngine(runtime, drafters=[drafter], max_tree_nodes=4)
-    counts = dict.fromkeys(exact, 0)
-    for batch in range(24):
-        requests = [Request(tuple(prompt), SamplingParams(temperature=1.0, top_k=top_k, max_tokens=3,
-                                                          seed=batch * 100 + i)) for i in range(50)]
-        for out in engine.generate(requests):
-            pair = tuple(out.token_ids[:2])  # of three: with one token left, no tree would be drafted
-            assert pair in counts, f"sampled {pair}, outside the target's top-{top_k} support"
-            counts[pair] += 1
-    total = sum(counts.values())
-    pvalue = chisquare([counts[k] for k in exact], [exact[k] * total for k in exact]).pvalue
+    # three tokens, the first two counted: with one token left no tree would be drafted
+    pvalue = sampled_pairs_pvalue(engine, prompt, exact, top_k, batches=24, max_tokens=3)
     if rule == "exact":
         assert pvalue > 1e-3, f"speculative sampling with the head changed the distribution (p = {pvalue:.2e})"
     else:
