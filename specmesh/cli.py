@@ -169,6 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
     VerifierSettings.add_flags(dist, ["threads"], defaults=True, environment=False)
     dist.add_argument("--feature-layers", help="--kind feature: the target's layers read, comma-separated counts of "
                       "decoder layers (default: a low, the middle and the top one)")
+    dist.add_argument("--format", choices=("specmesh", "eagle3"), default="specmesh",
+                      help="--kind feature: write a specmesh drafter directory, or an EAGLE-3 checkpoint in the "
+                      "published layout (served as --drafter eagle3:DIR, read by other engines too; its default "
+                      "layers are EAGLE-3's, 2, N/2 and N-3)")
     dist.add_argument("--epochs", type=float, default=4.0, help="--kind feature: passes over the answers (default 4)")
     dist.add_argument("--unroll", type=int, default=3,
                       help="--kind feature: drafting steps unrolled in training (training-time test; default 3)")
@@ -533,6 +537,8 @@ def boost_directory(spec: str, target_name: str) -> Path:
 
 def _distill(args: argparse.Namespace) -> int:
     feature = args.kind == "feature"
+    if args.format != "specmesh" and not feature:
+        raise InvalidArgument("format", f"{args.format} is a layout of feature heads: add --kind feature")
     args.minutes = args.minutes if args.minutes is not None else (0.0 if feature else 10.0)
     args.learning_rate = args.learning_rate if args.learning_rate is not None else (1e-3 if feature else 2e-3)
     args.batch_tokens = args.batch_tokens if args.batch_tokens is not None else (4096 if feature else 2048)
@@ -600,6 +606,7 @@ def _distill_feature(args: argparse.Namespace) -> int:
     import shlex
 
     from specmesh.distill.feature_pipeline import default_feature_layers, distill_feature
+    from specmesh.drafters.eagle import default_layers as eagle3_layers
     from specmesh.distill.feature_train import FeatureTrainConfig
     from specmesh.distill.overlap import without_benchmark
     from specmesh.distill.pipeline import target_written_requests
@@ -622,7 +629,7 @@ def _distill_feature(args: argparse.Namespace) -> int:
     num_layers = assembly.target.model.config.num_hidden_layers
     try:
         layers = (tuple(int(n) for n in args.feature_layers.split(",")) if args.feature_layers
-                  else default_feature_layers(num_layers))
+                  else eagle3_layers(num_layers) if args.format == "eagle3" else default_feature_layers(num_layers))
     except ValueError:
         raise InvalidArgument("feature_layers", f"must be comma-separated integers, got {args.feature_layers!r}") from None
     check_feature_layers(layers, num_layers)
@@ -637,9 +644,11 @@ def _distill_feature(args: argparse.Namespace) -> int:
     config = FeatureTrainConfig(subset_size=args.subset_size, unroll=args.unroll, epochs=args.epochs, minutes=args.minutes,
                                 learning_rate=args.learning_rate, tokens_per_batch=args.batch_tokens, seed=args.seed)
     command = "specmesh " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["distill"] else "specmesh distill --kind feature"
-    spec = distill_feature(assembly, prompts, Path(args.out), config, sorted(layers), command, args.answer_tokens)
+    spec = distill_feature(assembly, prompts, Path(args.out), config, sorted(layers), command, args.answer_tokens,
+                           eagle3=args.format == "eagle3")
     measured = spec.measured
-    print(f"feature drafter {spec.name} (layers {list(layers)}) written to {args.out}")
+    served = f" (serve it as --drafter eagle3:{args.out})" if args.format == "eagle3" else ""
+    print(f"feature drafter {spec.name} (layers {list(layers)}) written to {args.out}{served}")
     print(f"  MT-Bench agreement: {measured['mtbench_agreement']}")
     print(f"  by depth past the last feature: {measured['mtbench_agreement_by_depth']}")
     print(f"  cost {measured['cost_ms']} ms for a first guess = {measured['cost_fraction']:.3f} of a target step; "

@@ -67,6 +67,7 @@ BAD_INPUT = [
     (["distill", "--domain", "code", "--out", "unused", "--synthesize", "-5"], "synthesize"),
     (["distill", "--domain", "code", "--out", "unused", "--synthesize", "50", "--prompts", "p.jsonl"], "synthesize"),
     (["distill", "--domain", "poetry", "--out", "unused", "--synthesize", "50"], "domain"),
+    (["distill", "--domain", "code", "--out", "unused", "--format", "eagle3"], "format"),
 ]
 # Refused once the embedded model's tokenizer or context is known.
 BAD_INPUT_FOR_THE_MODEL = [

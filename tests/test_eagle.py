@@ -230,3 +230,36 @@ def test_specmesh_generate_drafts_with_a_published_head_for_the_embedded_target(
                             env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
     assert result.returncode == 0, result.stderr[-2000:]
     assert "outputs identical" in result.stdout, result.stdout
+
+
+def test_a_head_trained_in_the_published_layout_round_trips_with_its_agreement(target, tmp_path):
+    """`distill --kind feature --format eagle3`'s head and writer: trained without feature norms or a
+    fallback class on the target's greedy answers, written as an EAGLE-3 checkpoint, loaded back as
+    eagle3:DIR: the same guesses (teacher-forced agreement equal), accepted in a run, greedy == plain."""
+    from specmesh.distill.data import Example, target_answers
+    from specmesh.distill.feature_train import FeatureTrainConfig, build_feature_head, feature_hits, train_feature_head
+    from specmesh.drafters.eagle import write_eagle3
+    from specmesh.drafters.expert import round_to_stored
+
+    layers = (2, 4, 5)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(2, VOCAB) for _ in range(rng.randint(2, 16))] for _ in range(72)]
+    answers = target_answers(LlamaRuntime(target), prompts, MAX_TOKENS, feature_layers=layers)
+    examples = [Example("", "tiny", tuple(p), tuple(a.tokens)) for p, a in zip(prompts, answers)]
+    head = build_feature_head(target, layers, torch.arange(2, VOCAB - 10), eagle3=True)  # 10 ids outside it
+    held, held_features = examples[64:], [a.features for a in answers[64:]]
+    rate = lambda hits: sum(map(sum, hits)) / sum(map(len, hits))  # noqa: E731
+    untrained = rate(feature_hits(head, held, held_features)[0])
+    train_feature_head(head, examples[:64], [a.features for a in answers[:64]],
+                       FeatureTrainConfig(epochs=40, unroll=2, learning_rate=3e-3, tokens_per_batch=4096))
+    round_to_stored(head)  # fp16, as written
+    write_eagle3(head, tmp_path / "trained", VOCAB, 512, card={"measured": "here"})
+    drafter = load_drafter(f"eagle3:{tmp_path / 'trained'}", parts(target), None, None)
+    ours = feature_hits(head, held, held_features)[0]
+    assert feature_hits(drafter.model, held, held_features)[0] == ours
+    assert rate(ours) > untrained, "the head should have learned"
+    engine = SpeculativeEngine(LlamaRuntime(target), drafters=[drafter], max_tree_nodes=6)
+    outputs = engine.generate([Request(tuple(p), SamplingParams(max_tokens=MAX_TOKENS)) for p in prompts[64:]])
+    for prompt, out in zip(prompts[64:], outputs):
+        assert out.token_ids == hf_greedy(target, prompt, MAX_TOKENS)
+    assert sum(o.stats.accepted_tokens for o in outputs) > 0

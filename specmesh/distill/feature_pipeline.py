@@ -19,6 +19,7 @@ from specmesh.distill.feature_train import FeatureTrainConfig, build_feature_hea
 from specmesh.distill.overlap import without_benchmark
 from specmesh.distill.pipeline import MTBENCH_ANSWER_TOKENS, target_step_ms
 from specmesh.drafters.expert import round_to_stored, save_drafter, subset_for
+from specmesh.drafters.eagle import write_eagle3
 from specmesh.drafters.feature import FeatureDrafter, FeatureHead, FeatureSpec
 from specmesh.prompts import Prompt, mtbench_prompts
 from specmesh.runtime.features import Features
@@ -56,7 +57,9 @@ def mtbench_features(assembly: Assembly, layers: Sequence[int]) -> tuple[list[Ex
 
 
 def distill_feature(assembly: Assembly, prompts: Sequence[Prompt], out_dir: Path, config: FeatureTrainConfig,
-                    layers: Sequence[int], command: str, max_answer_tokens: int = 128) -> FeatureSpec:
+                    layers: Sequence[int], command: str, max_answer_tokens: int = 128, eagle3: bool = False) -> FeatureSpec:
+    """Train a feature head on the target's answers to ``prompts`` and write it to ``out_dir``: as a specmesh
+    drafter directory, or (``eagle3``) as a published EAGLE-3 checkpoint (``--drafter eagle3:DIR``)."""
     prompts = without_benchmark(prompts)  # whatever their source: nothing trained on is measured on
     store = feature_store(assembly, layers, "train")
     examples = store.record(assembly.runtime, assembly.target.tokenizer, prompts, max_answer_tokens,
@@ -69,7 +72,7 @@ def distill_feature(assembly: Assembly, prompts: Sequence[Prompt], out_dir: Path
     bench, bench_features = mtbench_features(assembly, layers)
     vocab = assembly.target.model.config.vocab_size
     subset = subset_for([t for i in train_ids for t in examples[i].response_ids], vocab, config.subset_size)
-    model = build_feature_head(assembly.target.model, layers, subset)
+    model = build_feature_head(assembly.target.model, layers, subset, eagle3=eagle3)
 
     def validate(head: FeatureHead) -> dict:
         hits = feature_hits(head, bench, bench_features)[0]
@@ -93,7 +96,10 @@ def distill_feature(assembly: Assembly, prompts: Sequence[Prompt], out_dir: Path
                                    "steps": result.steps, "epochs": round(result.epochs, 2),
                                    "seconds": round(result.seconds, 1), "history": result.history},
     )
-    save_drafter(model, spec, out_dir)
+    if eagle3:
+        write_eagle3(model, out_dir, vocab, target.model.config.max_position_embeddings, target.tokenizer, asdict(spec))
+    else:
+        save_drafter(model, spec, out_dir)
     return spec
 
 

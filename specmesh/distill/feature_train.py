@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -45,16 +45,21 @@ class FeatureTrainResult:
     history: list[dict]  # validation measurements along the way
 
 
-def build_feature_head(target_model: torch.nn.Module, feature_layers: Sequence[int], subset_ids: torch.Tensor) -> FeatureHead:
+def build_feature_head(target_model: torch.nn.Module, feature_layers: Sequence[int], subset_ids: torch.Tensor,
+                       eagle3: bool = False) -> FeatureHead:
     """A head that starts as the target's own reading of its top layer: the fused feature is the (normed)
     last layer read, the residual branches add nothing, the final norm and head rows are the target's.
-    Its first guesses are then the target's next token, one position early: a sensible scale to learn from."""
+    Its first guesses are then the target's next token, one position early: a sensible scale to learn from.
+    ``eagle3``: in EAGLE-3's published layout (the layers fused raw, no fallback class)."""
     config = FeatureConfig.for_target(target_model.config, feature_layers, len(subset_ids))
+    if eagle3:
+        config = replace(config, feature_norms=False, fallback=False)
     inner = target_model.model
     model = FeatureHead(config, inner.embed_tokens.weight.detach().float().cpu(), subset_ids)
     hidden = config.hidden_size
     with torch.no_grad():
-        model.head.weight.copy_(subset_head_rows(target_model.lm_head.weight, subset_ids))
+        rows = subset_head_rows(target_model.lm_head.weight, subset_ids)
+        model.head.weight.copy_(rows if config.fallback else rows[:-1])
         model.final_norm.weight.copy_(inner.norm.weight.detach().float())
         model.fuse.weight.zero_()
         top = len(feature_layers) - 1  # the layers are ascending: the last is the highest
@@ -67,9 +72,10 @@ def build_feature_head(target_model: torch.nn.Module, feature_layers: Sequence[i
 
 
 def batch_tensors(examples: Sequence[Example], features: Sequence[torch.Tensor], subset_index: dict[int, int],
-                  fallback: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  outside: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded features [batch, T, layers, hidden], next ids [batch, T] and labels [batch, T]: the subset
-    index of the token after next where that token is part of the answer, else IGNORE."""
+    index of the token after next where that token is part of the answer (``outside`` for a token not in
+    the subset: the fallback class, IGNORE, or an index no guess takes), else IGNORE."""
     length = max(f.shape[0] for f in features)
     batch = len(examples)
     layers, hidden = features[0].shape[1:]
@@ -83,7 +89,7 @@ def batch_tensors(examples: Sequence[Example], features: Sequence[torch.Tensor],
         next_ids[row, :n] = torch.tensor(ids[1:])
         answer_from = len(example.prompt_ids)
         for t in range(max(0, answer_from - 2), n - 1):  # position t predicts ids[t + 2]
-            labels[row, t] = subset_index.get(ids[t + 2], fallback)
+            labels[row, t] = subset_index.get(ids[t + 2], outside)
     return x, next_ids, labels
 
 
@@ -112,7 +118,7 @@ def unroll_loss(model: FeatureHead, x, next_ids, labels, unroll: int, decay: flo
         wanted = labels[valid]  # [n]: the head runs on labelled positions only (it is most of the cost)
         logits = model.logits(out[valid])  # [n, subset + 1]
         total = total + decay**j * F.cross_entropy(logits, wanted)
-        right = (logits.argmax(-1) == wanted) & (wanted != model.fallback)
+        right = (logits.argmax(-1) == wanted) & (wanted != _outside(model))
         counts.append((int(right.sum()), int(wanted.numel())))
     return total, counts
 
@@ -145,7 +151,7 @@ def train_feature_head(model: FeatureHead, examples: Sequence[Example], features
                     planned = step
                     break
                 x, next_ids, labels = batch_tensors([examples[i] for i in group], [features[i] for i in group],
-                                                    subset_index, model.fallback)
+                                                    subset_index, _outside(model, IGNORE))
                 loss, counts = unroll_loss(model, x, next_ids, labels, config.unroll, config.decay)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
@@ -175,6 +181,14 @@ def _validated(model: FeatureHead, validate) -> dict:
 
 
 @torch.no_grad()
+def _outside(model: FeatureHead, without_fallback: int | None = None) -> int:
+    """The label of a token outside the head's subset: its fallback class; for a head without one (EAGLE-3's
+    layout) ``without_fallback`` (IGNORE in training), else an index no guess takes (a miss when measured)."""
+    if model.fallback is not None:
+        return model.fallback
+    return without_fallback if without_fallback is not None else model.head.out_features
+
+
 def feature_hits(model: FeatureHead, examples: Sequence[Example], features: Sequence[torch.Tensor],
                  steps: int = 1, tokens_per_batch: int = 8192) -> list[list[list[bool]]]:
     """Teacher-forced hits: per unrolled step, per example, per answer token (all but the first, which the
@@ -185,13 +199,13 @@ def feature_hits(model: FeatureHead, examples: Sequence[Example], features: Sequ
     lengths = [f.shape[0] for f in features]
     for group in batches(range(len(examples)), lengths, tokens_per_batch):
         x, next_ids, labels = batch_tensors([examples[i] for i in group], [features[i] for i in group],
-                                            subset_index, model.fallback)
+                                            subset_index, _outside(model))
         outputs = model.unrolled(x, next_ids, steps)
         for j, out in enumerate(outputs):
             guessed = model.logits(out).argmax(-1)
             for row, i in enumerate(group):
                 first = len(examples[i].prompt_ids) - 1  # predicts the answer's second token
                 valid = labels[row, first:] != IGNORE
-                right = (guessed[row, first:] == labels[row, first:]) & (labels[row, first:] != model.fallback)
+                right = (guessed[row, first:] == labels[row, first:]) & (labels[row, first:] != _outside(model))
                 hits[j][i] = right[valid].tolist()
     return hits

@@ -136,3 +136,52 @@ def draft_to_target(tensors: dict[str, torch.Tensor], vocab_size: int, where: st
         if t2d.shape != (vocab_size,) or not torch.equal(t2d.nonzero().flatten(), ids):
             raise InvalidArgument("drafter", f"{where}: its t2d and d2t maps disagree")
     return ids
+
+
+def write_eagle3(model: FeatureHead, directory: Path, vocab_size: int, max_position_embeddings: int,
+                 tokenizer=None, card: dict | None = None) -> None:
+    """``model`` (a head in EAGLE-3's form: ``feature_norms`` and ``fallback`` off) as a published EAGLE-3
+    checkpoint that ``load_eagle3`` and other engines read; the target's ``tokenizer`` beside it (so a
+    loader can check it) and ``card`` (what specmesh measured) in ``specmesh.json``."""
+    from safetensors.torch import save_file
+
+    c = model.config
+    if c.feature_norms or c.fallback:
+        raise InvalidArgument("format", "EAGLE-3's layout has no per-layer feature norms and no fallback class: "
+                              "train the head with --format eagle3")
+    q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    state = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+    q, k, v = state["qkv.weight"].split([q_size, kv_size, kv_size])
+    gate, up = state["gate_up.weight"].chunk(2)
+    subset = model.subset_ids.cpu()
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[subset] = True
+    tensors = {"fc.weight": state["fuse.weight"], "norm.weight": state["final_norm.weight"],
+               "lm_head.weight": state["head.weight"],
+               LAYER + "input_layernorm.weight": state["embed_norm.weight"],
+               LAYER + "hidden_norm.weight": state["input_norm.weight"],
+               LAYER + "self_attn.q_proj.weight": q, LAYER + "self_attn.k_proj.weight": k,
+               LAYER + "self_attn.v_proj.weight": v, LAYER + "self_attn.o_proj.weight": state["out.weight"],
+               LAYER + "post_attention_layernorm.weight": state["post_norm.weight"],
+               LAYER + "mlp.gate_proj.weight": gate, LAYER + "mlp.up_proj.weight": up,
+               LAYER + "mlp.down_proj.weight": state["down.weight"]}
+    tensors = {name: t.half().contiguous() for name, t in tensors.items()}
+    tensors |= {"d2t": (subset - torch.arange(len(subset))).to(torch.long), "t2d": t2d}
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size, "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim, "num_hidden_layers": 1, "hidden_act": "silu",
+        "vocab_size": vocab_size, "draft_vocab_size": len(subset), "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta, "max_position_embeddings": max_position_embeddings,
+        "tie_word_embeddings": False, "torch_dtype": "float16",
+        # SpecForge's count (the output of layer i): the hidden state after i + 1 layers
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [n - 1 for n in c.feature_layers],
+                         "use_aux_hidden_state": True},
+    }
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(tensors, str(directory / "model.safetensors"))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+    if card is not None:
+        (directory / "specmesh.json").write_text(json.dumps(card, indent=2) + "\n")
