@@ -77,6 +77,15 @@ def test_a_bad_variable_stops_the_service_naming_its_flag_and_variable(variable,
     assert reason in result.stderr.strip().splitlines()[-1]
 
 
+def test_a_renamed_variable_is_refused_with_its_new_name(monkeypatch, capsys, no_specmesh_environment):
+    from specmesh.cluster.service_settings import DrafterSettings
+
+    monkeypatch.setenv("SPECMESH_TARGET", "smollm2-135m-instruct")  # what the chart set before `--model`
+    with pytest.raises(SystemExit):
+        DrafterSettings.parse([], "specmesh-drafter", "")
+    assert "SPECMESH_TARGET is now SPECMESH_MODEL (--model)" in capsys.readouterr().err
+
+
 def test_a_local_drafter_the_router_cannot_run_is_refused(no_specmesh_environment, capsys):
     with pytest.raises(SystemExit):
         RouterSettings.parse(["--local-drafters", "ngram,code"], "specmesh-router", "")

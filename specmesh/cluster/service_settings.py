@@ -155,6 +155,7 @@ class VerifierSettings(ServiceSettings):
 
 
 class DrafterSettings(ServiceSettings):
+    renamed = {"target": "model"}
     model: str = setting(EMBEDDED_DEFAULT, "the target drafted for: its tokenizer and input embeddings are read, "
                          "not its weights")
     redis_url: str = setting("redis://127.0.0.1:6379/0", "the registry for --announce")

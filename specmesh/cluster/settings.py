@@ -8,9 +8,10 @@ A flag given wins over its variable, which wins over the default.
 from __future__ import annotations
 
 import argparse
+import os
 import types
 import typing
-from typing import Annotated, Any, Iterable, Literal, Self, Sequence
+from typing import Annotated, Any, ClassVar, Iterable, Literal, Self, Sequence
 
 from pydantic import Field, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
@@ -60,6 +61,7 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True, validate_default=True,
                                       protected_namespaces=())
+    renamed: ClassVar[dict[str, str]] = {}  # an old setting's name -> its new one
 
     @classmethod
     def add_flags(cls, parser: argparse.ArgumentParser, names: Iterable[str] | None = None, *,
@@ -97,6 +99,9 @@ class Settings(BaseSettings):
         its flag and variable."""
         parser = cls.parser(prog, description)
         given = {name: value for name, value in vars(parser.parse_args(argv)).items() if value is not None}
+        for old, new in cls.renamed.items():  # an old deployment's variable would otherwise be ignored
+            if env_name(old) in os.environ:
+                parser.error(f"{env_name(old)} is now {env_name(new)} ({flag_name(new)})")
         try:
             return cls(**given)
         except ValidationError as exc:
