@@ -128,12 +128,12 @@ def draft_to_target(tensors: dict[str, torch.Tensor], vocab_size: int, where: st
         return torch.arange(vocab_size)
     d2t = tensors["d2t"].to(torch.long)
     ids = torch.arange(d2t.shape[0]) + d2t
-    if d2t.shape != (rows,) or ids.min() < 0 or ids.max() >= vocab_size or not bool((ids[1:] > ids[:-1]).all()):
+    if d2t.shape != (rows,) or ids.min() < 0 or ids.max() >= vocab_size or ids.unique().numel() != rows:
         raise InvalidArgument("drafter", f"{where}: its d2t map does not name {rows} distinct ids of the target's "
-                              f"{vocab_size}-token vocabulary in order")
+                              f"{vocab_size}-token vocabulary")
     if "t2d" in tensors:
         t2d = tensors["t2d"].to(torch.bool)
-        if t2d.shape != (vocab_size,) or not torch.equal(t2d.nonzero().flatten(), ids):
+        if t2d.shape != (vocab_size,) or not torch.equal(t2d.nonzero().flatten(), ids.sort().values):
             raise InvalidArgument("drafter", f"{where}: its t2d and d2t maps disagree")
     return ids
 
@@ -153,7 +153,8 @@ def write_eagle3(model: FeatureHead, directory: Path, vocab_size: int, max_posit
     state = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
     q, k, v = state["qkv.weight"].split([q_size, kv_size, kv_size])
     gate, up = state["gate_up.weight"].chunk(2)
-    subset = model.subset_ids.cpu()
+    subset, order = model.subset_ids.cpu().sort()  # draft ids in the target's order, as published heads have them
+    state["head.weight"] = state["head.weight"][order]
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
     t2d[subset] = True
     tensors = {"fc.weight": state["fuse.weight"], "norm.weight": state["final_norm.weight"],
