@@ -83,6 +83,14 @@ def tiny_llama(vocab_size: int = 96, layers: int = 2, seed: int = 0, hidden: int
     return model
 
 
+def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
+    """Hugging Face's own greedy continuation of ``prompt``: the reference losslessness is judged by."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
+                             pad_token_id=model.config.pad_token_id)
+    return out[0, len(prompt):].tolist()
+
+
 @pytest.fixture(scope="session")
 def tiny_model():
     return tiny_llama()

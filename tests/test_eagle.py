@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_llama
+from conftest import hf_greedy, tiny_llama
 from sampled_distribution import lying_rule, next_distribution, sampled_pairs_pvalue, two_token_distribution
 
 from specmesh.drafters.catalog import load_drafter
@@ -85,13 +85,6 @@ def write_head(directory: Path, *, hidden: int = HIDDEN, heads: int = 4, kv: int
     else:
         torch.save(tensors, directory / "pytorch_model.bin")
     return f"eagle3:{directory}"
-
-
-def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
-                             pad_token_id=model.config.pad_token_id)
-    return out[0, len(prompt):].tolist()
 
 
 def test_the_loaded_head_computes_the_published_step(target, tmp_path):

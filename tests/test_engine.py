@@ -4,7 +4,7 @@ import random
 
 import pytest
 import torch
-from conftest import tiny_llama
+from conftest import hf_greedy, tiny_llama
 from drafting import OracleTreeDrafter
 from scipy.stats import chisquare
 
@@ -19,15 +19,6 @@ from specmesh.speculation.policy import adaptive_policy
 from specmesh.tree import TokenTree
 
 MAX_TOKENS = 24
-
-
-def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
-            pad_token_id=model.config.pad_token_id,
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 def ragged_prompts(count: int, vocab: int, seed: int) -> list[list[int]]:

@@ -10,7 +10,7 @@ import grpc
 import pytest
 import torch
 from cluster_parts import ServiceStack
-from conftest import tiny_llama
+from conftest import hf_greedy, tiny_llama
 
 from specmesh.client import AsyncClient
 from specmesh.cluster.remote_drafter import RemoteDrafter
@@ -142,13 +142,6 @@ def trained(tiny_model):
     train_feature_head(head, examples, [a.features for a in answers],
                        FeatureTrainConfig(epochs=60, unroll=2, learning_rate=3e-3, tokens_per_batch=4096))
     return head
-
-
-def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
-                             pad_token_id=model.config.pad_token_id)
-    return out[0, len(prompt):].tolist()
 
 
 def test_the_verifier_returns_the_hidden_states_of_what_it_committed(tiny_model):
