@@ -444,7 +444,7 @@ def _up(args: argparse.Namespace) -> int:
 
     spec = ClusterSpec(model=args.model, drafters=tuple(args.drafter or DEFAULT_DRAFTERS), verifiers=args.verifiers,
                        routers=args.routers, max_tree_nodes=args.max_tree_nodes, router_port=args.port,
-                       draft_ahead={"on": True, "off": False}.get(args.draft_ahead),
+                       draft_ahead=args.draft_ahead,
                        http_port=None if args.no_http else args.http_port,
                        api_keys_file=Path(args.api_keys_file) if args.api_keys_file else None, tls=args.tls,
                        log_dir=args.log_dir, speculation=args.speculation, speculation_margin=args.speculation_margin,

@@ -165,7 +165,7 @@ def test_a_cluster_spec_is_checked_as_its_services_check_their_settings():
                 {"job_timeout_s": 0}):
         with pytest.raises(InvalidArgument):
             ClusterSpec(model="m", **bad)
-    spec = ClusterSpec(model="m", precision="fp32", draft_ahead=False, kv_cache_gb=2.5)
+    spec = ClusterSpec(model="m", precision="fp32", draft_ahead="off", kv_cache_gb=2.5)
     assert spec.verifier_flags() == ["--model", "m", "--precision", "fp32", "--kv-cache-gb", "2.5"]
     assert spec.router_flags() == ["--model", "m", "--draft-ahead", "off"]  # the rest: the router's own defaults
 

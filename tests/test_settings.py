@@ -107,7 +107,7 @@ def test_the_launchers_command_lines_are_read_back_as_the_spec_says(tmp_path, no
     """What `specmesh up` starts is parsed by each service's own settings to the spec's values."""
     spec = ClusterSpec(model="smollm2-135m-instruct", drafters=("ngram", "code"), precision="fp32", kv_cache_gb=1.5,
                        batch_invariant=False, speculation="fixed", speculation_margin=0.25, max_tree_nodes=8,
-                       draft_ahead=True, job_timeout_s=12.5, log_dir=tmp_path, cores=4, verifiers=2, tls=True)
+                       draft_ahead="on", job_timeout_s=12.5, log_dir=tmp_path, cores=4, verifiers=2, tls=True)
     cluster = LocalCluster(spec)
     cluster.drafters = [cluster.drafter_process("code")]
     processes = {"verifier": cluster.verifier_process(1), "drafter": cluster.drafters[0],

@@ -61,7 +61,7 @@ TUNING_PROMPTS = files("specmesh.bench") / "tuning_prompts.jsonl"  # `make tunin
 LIBGOMP_DEFAULT_SPIN = "300000"
 CLUSTER_SETTINGS = {
     "shipped": {},
-    "draft_ahead": {"draft_ahead": True},
+    "draft_ahead": {"draft_ahead": "on"},
     f"spin_{LIBGOMP_DEFAULT_SPIN}": {"extra_env": {"GOMP_SPINCOUNT": LIBGOMP_DEFAULT_SPIN}},
 }
 
@@ -288,7 +288,7 @@ def run_tune(args: argparse.Namespace) -> int:
             margins, key=lambda m: rows[f"margin:{m:g}"][f"concurrency:{level}"]["paired_vs_plain"]) for level in levels}
     report["shipped"] = {"tree_nodes": DEFAULT_TREE_NODES, "fixed_tree_nodes": DEFAULT_FIXED_TREE_NODES,
                          "margin": SPECULATION_MARGIN,
-                         "draft_ahead": RouterSettings().drafts_ahead(),  # as `specmesh up` runs it: no remote drafter
+                         "draft_ahead": RouterSettings.model_construct().drafts_ahead(),  # as `specmesh up` runs it
                          "openmp_spin_count": int(OPENMP_SPIN_COUNT)}
     _print(report)
     if args.json_out:

@@ -34,7 +34,7 @@ from specmesh.cluster.ports import free_port
 from specmesh.cluster.redis_acl import ROLES, acl_line, redis_user
 from specmesh.cluster.redis_server import RedisServer
 from specmesh.cluster.serving import PARENT_PID
-from specmesh.cluster.service_settings import DrafterSettings, RouterSettings, VerifierSettings
+from specmesh.cluster.service_settings import SERVICES, DrafterSettings, RouterSettings, VerifierSettings
 from specmesh.cluster.settings import env_name
 from specmesh.cluster.pipeline.messages import ENV_KEY as QUEUE_KEY
 from specmesh.cluster.pipeline.messages import new_key
@@ -58,7 +58,7 @@ class ClusterSpec:
     verifiers: int = 1
     # The services' settings (specmesh.cluster.service_settings); None: the service's own default
     max_tree_nodes: int | None = None  # the router's
-    draft_ahead: bool | None = None  # the router's (its auto: off, as every drafter here is on this machine)
+    draft_ahead: str | None = None  # the router's: auto (off here, every drafter being on this machine), on, off
     speculation: str | None = None  # the router's default for requests: adaptive, fixed or off
     speculation_margin: float | None = None  # adaptive's margin in a shared pass (the router's)
     job_timeout_s: float | None = None  # the router's
@@ -90,10 +90,9 @@ class ClusterSpec:
 
     def router_flags(self) -> list[str]:
         """Every router's flags from this spec (checked as the router checks them)."""
-        draft_ahead = None if self.draft_ahead is None else ("on" if self.draft_ahead else "off")
         return RouterSettings.command_line(
-            model=self.model, max_tree_nodes=self.max_tree_nodes, draft_ahead=draft_ahead, speculation=self.speculation,
-            speculation_margin=self.speculation_margin, job_timeout=self.job_timeout_s,
+            model=self.model, max_tree_nodes=self.max_tree_nodes, draft_ahead=self.draft_ahead,
+            speculation=self.speculation, speculation_margin=self.speculation_margin, job_timeout=self.job_timeout_s,
             api_keys_file=None if self.api_keys_file is None else str(self.api_keys_file))
 
     def verifier_flags(self) -> list[str]:
@@ -199,7 +198,6 @@ class ServiceProcess:
 
 
 REDIS_URL = env_name("redis_url")  # every service's --redis-url
-SERVICE_SETTINGS = {"router": RouterSettings, "verifier": VerifierSettings, "drafter": DrafterSettings}
 
 
 class LocalCluster:
@@ -281,7 +279,7 @@ class LocalCluster:
         tls = {} if self.tls is None else {"tls_cert": str(self.tls.cert), "tls_key": str(self.tls.key),
                                            "tls_ca": str(self.tls.ca)}
         command = [sys.executable, "-m", f"specmesh.services.{module}", *args,
-                   *SERVICE_SETTINGS[module].command_line(listen=f"127.0.0.1:{port}",
+                   *SERVICES[module].command_line(listen=f"127.0.0.1:{port}",
                                                           metrics_address=f"127.0.0.1:{metrics_port}", **tls)]
         env = self._env(threads)
         credentials = self.tls.channel_credentials() if self.tls is not None else None
