@@ -11,11 +11,11 @@ import hashlib
 from pathlib import Path
 
 from specmesh.bench.provenance import provenance
-from specmesh.bench.run import verify_cost_curve, write_json
+from specmesh.bench.run import write_json
 from specmesh.distill.data import generate_examples
 from specmesh.distill.evaluate import agreement_by_category, expected_tokens_per_step, interface_hits
 from specmesh.distill.feature_pipeline import feature_store, mtbench_features
-from specmesh.distill.pipeline import mtbench_examples
+from specmesh.distill.pipeline import mtbench_examples, target_step_ms
 from specmesh.drafters.catalog import load_drafter
 from specmesh.errors import InvalidArgument
 from specmesh.prompts import load_prompts
@@ -68,7 +68,7 @@ def run_check(args: argparse.Namespace) -> int:
     assembly = assemble(args.model, [], device=args.device, dtype=args.dtype, precision=args.precision,
                         kv_cache_gb=args.kv_cache_gb or None, batch_invariant=args.batch_invariant)
     context = [int(t) % assembly.runtime.vocab_size for t in range(100, 100 + STEP_CONTEXT)]
-    step_ms = verify_cost_curve(assembly.runtime, context)[1]
+    step_ms = target_step_ms(assembly, context)
     report = {"provenance": provenance(args.argv), "target": assembly.target.name,
               "precision": assembly.runtime.precision, "target_step_ms": round(step_ms, 3),
               "prompts": args.prompts or "MT-Bench first turns", "max_tokens": args.max_tokens,
