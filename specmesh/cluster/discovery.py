@@ -27,12 +27,11 @@ from typing import Callable, Iterable, Sequence
 from specmesh.cluster.backoff import unreachable_node
 from specmesh.cluster.backoff import REDIS_DOWN
 from specmesh.cluster.remote_drafter import RemoteDrafter
+from specmesh.cluster.service_settings import DEFAULT_SELECTOR
 from specmesh.errors import InvalidArgument
 
 log = logging.getLogger("specmesh.cluster.discovery")
 
-DISCOVERY_MODES = ("static", "redis", "kubernetes")
-DEFAULT_SELECTOR = "specmesh.io/role=drafter"
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 

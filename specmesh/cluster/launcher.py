@@ -280,7 +280,7 @@ class LocalCluster:
                                            "tls_ca": str(self.tls.ca)}
         command = [sys.executable, "-m", f"specmesh.services.{module}", *args,
                    *SERVICES[module].command_line(listen=f"127.0.0.1:{port}",
-                                                          metrics_address=f"127.0.0.1:{metrics_port}", **tls)]
+                                                  metrics_address=f"127.0.0.1:{metrics_port}", **tls)]
         env = self._env(threads)
         credentials = self.tls.channel_credentials() if self.tls is not None else None
         if self.redis is not None:  # the service's own user

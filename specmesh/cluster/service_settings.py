@@ -1,6 +1,7 @@
 """What each service takes: the router's, the verifier's and the drafter's settings, each declared once
 (``specmesh.cluster.settings``): their flags, ``SPECMESH_*`` variables, the launcher's command lines and
-the flags tables of docs/operations.md all come from these fields."""
+the flags tables of docs/operations.md all come from these fields. It imports no service machinery (every
+`specmesh` command reads it); the machinery takes its defaults from here."""
 
 from __future__ import annotations
 
@@ -9,9 +10,7 @@ from typing import Literal
 
 from pydantic import field_validator
 
-from specmesh.cluster.discovery import DEFAULT_SELECTOR, DISCOVERY_MODES
 from specmesh.cluster.drafter_sessions import DEFAULT_IDLE_S, DEFAULT_TOTAL_TOKENS
-from specmesh.cluster.pipeline.worker import SESSION_IDLE_S
 from specmesh.cluster.settings import Settings, setting
 from specmesh.errors import InvalidArgument
 from specmesh.runtime.loading import EMBEDDED_DEFAULT
@@ -21,6 +20,11 @@ from specmesh.speculation.policy import DEFAULT_TREE_NODES, SPECULATION_MARGIN, 
 from specmesh.tree import MAX_TREE_NODES
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # a 4 MiB request is ~1M tokens of text: far past any context
+DISCOVERY_MODES = ("static", "redis", "kubernetes")
+DEFAULT_SELECTOR = "specmesh.io/role=drafter"  # the drafter Services' label (kubernetes discovery)
+# A verifier's KV session unused this long is freed: a live request uses it every step, so one unused this long
+# has lost its router (killed: it closes nothing) or waited past any job timeout; one that comes back resyncs
+SESSION_IDLE_S = 60.0
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 

@@ -19,6 +19,7 @@ from specmesh.cluster.pipeline.messages import encode_error, encode_result
 from specmesh.cluster.pipeline.scheduling import PassRhythm, plan_batch
 from specmesh.cluster.pipeline.verifier_end import Entry, VerifierQueue
 from specmesh.cluster.serving import TorchThread
+from specmesh.cluster.service_settings import SESSION_IDLE_S
 from specmesh.errors import InvalidArgument
 from specmesh.runtime.calibration import PassCurve
 from specmesh.runtime.tree_verifier import TreeVerifier
@@ -39,9 +40,6 @@ ALONE_PREFILL_MS = 250.0
 # a CPU would take seconds): a step, and a client's leaving, wait for one pass at most this long.
 MAX_PASS_MS = 250.0
 HELD_READ_MS = 20  # a held prefill waits on a blocking read for the jobs that earn its credit, not a spin
-# A live request's session is used at every step, so one unused this long has lost its router (killed: it
-# closes nothing) or waited past any job timeout; a request that does come back pays a resync
-SESSION_IDLE_S = 60.0
 
 
 class VerifierWorker:
