@@ -30,7 +30,7 @@ def answers(assembly: Assembly, prompts_file: str | None, max_tokens: int, layer
     drafter reads ``layers``."""
     if prompts_file is None:
         if layers:
-            return mtbench_features(assembly, layers)
+            return mtbench_features(assembly, layers, max_tokens)
         return mtbench_examples(assembly, max_tokens), None
     prompts = load_prompts(prompts_file)
     digest = hashlib.sha256(Path(prompts_file).read_bytes()).hexdigest()[:12]

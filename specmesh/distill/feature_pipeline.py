@@ -48,10 +48,11 @@ def feature_store(assembly: Assembly, layers: Sequence[int], purpose: str) -> Fe
     return FeatureStore(cache_root() / "features" / name, card)
 
 
-def mtbench_features(assembly: Assembly, layers: Sequence[int]) -> tuple[list[Example], list[torch.Tensor]]:
+def mtbench_features(assembly: Assembly, layers: Sequence[int],
+                     max_tokens: int = MTBENCH_ANSWER_TOKENS) -> tuple[list[Example], list[torch.Tensor]]:
     """The target's greedy answers to MT-Bench's first turns with their features: the evaluation set."""
-    store = feature_store(assembly, layers, f"mtbench{MTBENCH_ANSWER_TOKENS}")
-    examples = store.record(assembly.runtime, assembly.target.tokenizer, mtbench_prompts(), MTBENCH_ANSWER_TOKENS,
+    store = feature_store(assembly, layers, f"mtbench{max_tokens}")
+    examples = store.record(assembly.runtime, assembly.target.tokenizer, mtbench_prompts(), max_tokens,
                             eos_token_ids(assembly.target))
     return examples, list(store.features(examples))
 
