@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU checks (`make gpu-check`): the kernels and CUDA graphs compiled on a CUDA machine, the tile ladder
-# of the batch-invariant products, the target runtime's speed on random weights of real architectures
-# (`specmesh bench --model random:...`), whose lossless and batch-invariance checks fail the run, then the
-# whole cluster on the device with the oracle drafter (`--oracle-acceptance`), which fails the run when a
-# speculative answer differs from plain decoding. SKIP_TESTS, SKIP_TILES, SKIP_ORACLE and MODELS= narrow it.
+# of the batch-invariant products, an EAGLE-3 head's cost per drafted token on the 8B shape (its greedy
+# check fails the run), the target runtime's speed on random weights of real architectures (`specmesh bench
+# --model random:...`), whose lossless and batch-invariance checks fail the run, then the whole cluster on
+# the device with the oracle drafter (`--oracle-acceptance`), which fails the run when a speculative answer
+# differs from plain decoding. SKIP_TESTS, SKIP_TILES, SKIP_HEAD, SKIP_ORACLE and MODELS= narrow it.
 # Runs from the repository root without installing: a package shim maps `specmesh.kernels` to kernels/
 # (PYTHONSAFEPATH keeps the un-mapped folder in the working directory off the import path).
 # Results (JSON, logs) go to $OUT (default ./gpu-results). Exit 1 if any step failed.
@@ -28,6 +29,11 @@ if [ -z "${SKIP_TILES:-}" ]; then
   timeout 300 $PY -m specmesh.bench.invariant_tiles --model llama-3-8b --json "$OUT/tiles-llama-3-8b.json" \
     >"$OUT/tiles.txt" 2>&1 || failed+=(tiles)
   tail -4 "$OUT/tiles.txt"
+fi
+if [ -z "${SKIP_HEAD:-}" ]; then
+  timeout 300 $PY -m specmesh.bench.head_cost --model random:llama-3-8b --device cuda \
+    --json "$OUT/head-cost-llama-3-8b.json" >"$OUT/head-cost.txt" 2>&1 || failed+=(head-cost)
+  grep -v -i warn "$OUT/head-cost.txt" | tail -10
 fi
 for model in ${MODELS-llama-3-8b llama-3.2-1b qwen2.5-0.5b}; do
   timeout "${BENCH_TIMEOUT:-420}" $PY -m specmesh bench --model "random:$model" --device cuda --repeats "${REPEATS:-30}" \

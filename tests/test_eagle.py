@@ -133,6 +133,36 @@ def test_a_published_head_drafts_and_greedy_output_is_plain_decodings(target, tm
     assert not drafter._requests  # every session ended
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fixed_shape_step_cuda_replays_drafts_as_the_eager_step(target, tmp_path, dtype):
+    """On CUDA a guess is one fixed-shape entry over the request's whole cache, captured as a graph
+    (``static_entries``); run eagerly here, it proposes the trees of the variable-shape step (bf16, as
+    drafted on CUDA, included), and greedy output stays plain decoding's."""
+    head = load_drafter(write_head(tmp_path / "head", draft_ids=list(range(DRAFT_VOCAB))), parts(target),
+                        None, None).model
+    static, eager = (FeatureDrafter(head, "h", int8_weights=False, dtype=dtype, static_entries=flag)
+                     for flag in (True, False))
+    features = torch.randn(40, 3, HIDDEN)
+    for drafter in (static, eager):
+        drafter.start("r", list(range(5, 25)))
+        drafter.add_features("r", Features(0, features[:19], (2, 4, 5)))
+    position = 19
+    for step in (1, 1, 1, 1, 2, 2, 3):  # new features a step: one (a fixed-shape entry) or several (eager)
+        trees = [drafter.propose("r", 8, assumed=[9]) for drafter in (static, eager)]
+        assert trees[0].tokens == trees[1].tokens and trees[0].parents == trees[1].parents
+        assert trees[0].draft_probs == pytest.approx(trees[1].draft_probs, abs=1e-5)
+        for drafter in (static, eager):
+            drafter.commit("r", [7] * step)
+            drafter.add_features("r", Features(position, features[position : position + step], (2, 4, 5)))
+        position += step
+    engine = SpeculativeEngine(LlamaRuntime(target), drafters=[static], max_tree_nodes=6)
+    prompts = [[random.Random(i).randrange(2, VOCAB) for _ in range(3 + 2 * i)] for i in range(4)]
+    outputs = engine.generate([Request(tuple(p), SamplingParams(max_tokens=MAX_TOKENS)) for p in prompts])
+    for prompt, out in zip(prompts, outputs):
+        assert out.token_ids == hf_greedy(target, prompt, MAX_TOKENS)
+    assert sum(o.stats.drafted_nodes for o in outputs) > 0
+
+
 def test_the_layers_a_specforge_config_names_are_read(target, tmp_path):
     spec = write_head(tmp_path / "head", config_extra={"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 3, 6],
                                                                         "use_aux_hidden_state": True}})
@@ -257,3 +287,19 @@ def test_a_head_trained_in_the_published_layout_round_trips_with_its_agreement(t
     for prompt, out in zip(prompts[64:], outputs):
         assert out.token_ids == hf_greedy(target, prompt, MAX_TOKENS)
     assert sum(o.stats.accepted_tokens for o in outputs) > 0
+
+
+def test_the_head_cost_bench_times_a_head_of_the_targets_shape(tmp_path):
+    """`python -m specmesh.bench.head_cost` (the GPU must-show's measurement) on a random SmolLM2-shaped
+    target: a head of its shape in the published layout, read back through `eagle3:`, its proposals
+    timed, and greedy output checked against plain decoding."""
+    from specmesh.bench.head_cost import main
+
+    assert main(["--model", "random:smollm2-135m", "--device", "cpu", "--repeats", "8", "--draft-vocab", "4000",
+                 "--json", str(tmp_path / "cost.json")]) == 0
+    report = json.loads((tmp_path / "cost.json").read_text())
+    assert report["feature_layers"] == [2, 15, 27] and report["draft_vocab"] == 4000
+    assert report["greedy_equal"] == [True, True, True] and report["target_step_ms"] > 0
+    assert [row["budget"] for row in report["proposals"]] == [1, 8, 16]
+    assert all(row["nodes"] >= 1 and 0 < row["vs_step"] for row in report["proposals"])
+    assert report["provenance"]["command"].startswith("python -m specmesh.bench.head_cost")

@@ -10,6 +10,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Sequence
 
+import torch
+
 from specmesh.distill.data import Example, generate_examples, recorded_soft_labels
 from specmesh.distill.evaluate import (
     agreement_by_category,
@@ -44,13 +46,17 @@ MTBENCH_ANSWER_TOKENS = 64
 
 
 def target_step_ms(assembly: Assembly, context: Sequence[int], steps: int = 30) -> float:
-    """Median milliseconds of one plain decode step of the target (one token, KV cached)."""
+    """Median milliseconds of one plain decode step of the target (one token, KV cached), to its end on the
+    device (a CUDA pass returns once queued)."""
     runtime = assembly.runtime
     session = prefilled_session(runtime, context[:-1])
+    finish = torch.cuda.synchronize if runtime.device.type == "cuda" else (lambda: None)
     times = []
     for _ in range(steps):
+        finish()
         started = time.perf_counter()
         runtime.forward(TreeBatch.build([session], [compile_tree(context[-1], TokenTree())]))
+        finish()
         times.append(time.perf_counter() - started)
     session.free()
     return statistics.median(times[5:]) * 1e3

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specmesh.drafters.base import DrafterBase
+from specmesh.drafters.graphed_entry import GraphedEntry
 from specmesh.drafters.shape import Step, confident_tree
 from specmesh.errors import InvalidArgument
 from specmesh.kernels.block_linear import quantize
@@ -127,7 +128,7 @@ class FeatureHead(nn.Module):
 
     def step_inputs(self, g: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
         """g [..., hidden], next_ids [...] -> the attention's input [..., 2 * hidden]."""
-        return torch.cat([self.embed_norm(self.embedding[next_ids].float()), self.input_norm(g)], dim=-1)
+        return torch.cat([self.embed_norm(self.embedding[next_ids].to(g.dtype)), self.input_norm(g)], dim=-1)
 
     def project(self, x: torch.Tensor, positions: torch.Tensor):
         """x [..., 2 * hidden] -> q [..., heads, head_dim], k and v [..., kv_heads, head_dim], q and k rotated."""
@@ -275,8 +276,10 @@ class _Request:
     fed: int = 0  # of those, entries in the cache (the real ones, kept between proposals)
     keys: torch.Tensor | None = None  # [2, kv_heads, capacity, head_dim]: real entries, then scratch
     last_out: torch.Tensor | None = None  # the output hidden state of the last real entry [hidden]
+    last_step: Step | None = None  # the distribution after it, where it was computed with it
     position: int = 0  # while drafting: the position of the last entry fed
     out: torch.Tensor | None = None  # while drafting: its output [hidden]
+    graph: GraphedEntry | None = None  # on CUDA: the one-entry step over ``keys``
 
 
 class FeatureDrafter(DrafterBase):
@@ -285,23 +288,29 @@ class FeatureDrafter(DrafterBase):
     Per request it holds the target features heard so far and a KV cache of its own entries over them.
     A proposal feeds the new real entries, then drafts in feature space: past the last target feature,
     every position (committed tokens without features yet, assumed tokens, guesses) reads the head's own
-    previous output. Linears are pre-packed (int8 on a CPU where it pays), as the experts'.
+    previous output. Linears are pre-packed (int8 on a CPU where it pays), as the experts'; on CUDA the head
+    drafts in bf16 (a guess streams every weight once: half of fp32's bytes).
     """
 
     kind = "feature"
 
     def __init__(self, model: FeatureHead, name: str, max_depth: int = 8, branch_below: float = 0.6,
-                 branch_width: int = 2, stop_below: float = 0.0, int8_weights: bool | None = None) -> None:
+                 branch_width: int = 2, stop_below: float = 0.0, int8_weights: bool | None = None,
+                 dtype: torch.dtype | None = None, static_entries: bool | None = None) -> None:
         """``int8_weights``: approximate 8-bit linears on a CPU (None: where they pay), as Q8_0 blocks
-        where specmesh's kernel runs (Q4_0 was 12% faster a guess and 0.006 less agreement)."""
-        from specmesh.drafters.expert import drafter_int8
+        where specmesh's kernel runs (Q4_0 was 12% faster a guess and 0.006 less agreement). ``dtype``: the
+        head's compute precision (None: bf16 on CUDA, fp32 on a CPU). ``static_entries``: one-entry steps in
+        fixed shapes, captured as CUDA graphs on a GPU (None: on CUDA; on a CPU they run eagerly)."""
+        from specmesh.drafters.expert import drafter_dtype, drafter_int8
 
+        device = model.head.weight.device
+        self.dtype = dtype or (drafter_dtype(device) if device.type == "cuda" else torch.float32)
+        model = model.to(self.dtype)
         self.name = name
         self.domains = ("general",)
         self.model = model
         self.config = model.config
         self.feature_layers = model.config.feature_layers
-        device = model.head.weight.device
         if int8_weights is None:
             int8_weights = drafter_int8(device, model.head.weight.dtype)
         blocks = int8_weights and block_kernel_available(device)
@@ -316,6 +325,7 @@ class FeatureDrafter(DrafterBase):
         self.max_depth, self.branch_below, self.branch_width, self.stop_below = max_depth, branch_below, branch_width, stop_below
         self._requests: dict[str, _Request] = {}
         self._rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._static_entries = device.type == "cuda" if static_entries is None else static_entries
 
     # -- the Drafter interface ----------------------------------------------------------------------
     def start(self, request_id: str, prompt_ids: Sequence[int]) -> None:
@@ -373,20 +383,74 @@ class FeatureDrafter(DrafterBase):
         if state.fed < state.known:
             start = state.first + state.fed
             block, state.pending = state.pending, None  # fed once: the cache holds what they gave
-            outs = self._entries(state, self._fused(block), context[start + 1 : start + 1 + block.shape[0]], start)
-            state.fed, state.last_out = state.known, outs[-1]
-        out = state.last_out
+            step = None
+            if self._static_entries and block.shape[0] == 1:  # the usual step's one new feature
+                last, step = self._entry(state, self._fused(block)[0], context[start + 1], start)
+            else:
+                following = context[start + 1 : start + 1 + block.shape[0]]
+                last = self._entries(state, self._fused(block), following, start)[-1]
+            state.fed, state.last_out, state.last_step = state.known, last, step
+        out, step = state.last_out, state.last_step
         for position in range(state.first + state.fed, len(context) - 1):  # scratch: rewritten next proposal
-            out = self._entries(state, out.unsqueeze(0), [context[position + 1]], position)[-1]
+            out, step = self._entry(state, out, context[position + 1], position)
         state.position, state.out = len(context) - 1, out
-        return self._step(out)
+        return step or self._step(out)
 
     def _advance(self, state: _Request):
         def advance(token: int) -> Step:  # the guess follows the last fed token: one more scratch entry
-            state.out = self._entries(state, state.out.unsqueeze(0), [token], state.position)[-1]
+            state.out, step = self._entry(state, state.out, token, state.position)
             state.position += 1
-            return self._step(state.out)
+            return step
         return advance
+
+    def _entry(self, state: _Request, g: torch.Tensor, token: int, position: int) -> tuple[torch.Tensor, Step]:
+        """One entry (g [hidden] and the token after it, at ``position``): its output [hidden] and the next
+        distribution. On CUDA a captured graph per request and cache (~45 kernels replayed as one)."""
+        if not self._static_entries:
+            out = self._entries(state, g.unsqueeze(0), [token], position)[-1]
+            return out, self._step(out)
+        index = position - state.first
+        self._reserve(state, index + 1)
+        if state.graph is None or state.graph.keys is not state.keys:
+            tables = self._rope(state.first + state.keys.shape[2])
+            state.graph = GraphedEntry(self._one_entry, state.keys, tables)
+        out, probs, top = state.graph.run(g.unsqueeze(0), token, position, index)
+        values, indices = top.tolist()  # the step's one read from the device
+        return out[0].clone(), Step(probs, self.subset_ids, list(zip(map(int, indices), values)))
+
+    def _one_entry(self, keys: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor], g: torch.Tensor,
+                   token: torch.Tensor, position: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``_entries`` of one entry in fixed shapes (graph-capturable): keys [2, kv_heads, capacity, head_dim],
+        g [1, hidden], token, position and cache index [1] -> its output [1, hidden], the next distribution
+        [outputs] (fp32) and its top ``branch_width`` [2 (p, index), width]; the entry attends to cache indices
+        0..index."""
+        m = self.model
+        q, k, v = self._split(self._qkv(m.step_inputs(g, token)))
+        cos, sin = (t.index_select(0, position).unsqueeze(1) for t in tables)  # [1, 1, head_dim]
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        keys[0].index_copy_(1, index, k.transpose(0, 1))
+        keys[1].index_copy_(1, index, v.transpose(0, 1))
+        visible = (torch.arange(keys.shape[2], device=keys.device) <= index).unsqueeze(0)  # [1, capacity]
+        attended = F.scaled_dot_product_attention(q.transpose(0, 1), keys[0], keys[1], attn_mask=visible,
+                                                  enable_gqa=True)  # [heads, 1, head_dim]
+        out = self._finish(g, attended.transpose(0, 1).reshape(1, -1))
+        probs = self._head(m.final_norm(out))[0].float().softmax(-1)
+        top = probs.topk(min(self.branch_width, probs.shape[0]))
+        return out, probs, torch.stack([top.values, top.indices.float()])  # indices < 2 ** 24: exact in fp32
+
+    def _split(self, qkv: torch.Tensor):
+        """qkv [n, q + 2 kv] -> q [n, heads, head_dim], k and v [n, kv_heads, head_dim]."""
+        c = self.config
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        return (qkv[:, :q_size].unflatten(-1, (c.num_heads, c.head_dim)),
+                qkv[:, q_size : q_size + kv_size].unflatten(-1, (c.num_kv_heads, c.head_dim)),
+                qkv[:, q_size + kv_size :].unflatten(-1, (c.num_kv_heads, c.head_dim)))
+
+    def _finish(self, g: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """g [n, hidden], attended [n, heads * head_dim] -> the entries' outputs [n, hidden]."""
+        h = g + self._out(attended)
+        gate, up = self._gate_up(self.model.post_norm(h)).chunk(2, dim=-1)
+        return h + self._down(F.silu(gate) * up)
 
     def _step(self, out: torch.Tensor) -> Step:
         normed = self.model.final_norm(out.unsqueeze(0))
@@ -396,9 +460,9 @@ class FeatureDrafter(DrafterBase):
         # features [n, layers, hidden] -> g [n, hidden]: every layer's norm at once (one op each, not per layer)
         x = features.float()
         if self._feature_norms is None:
-            return self._fuse(x.flatten(1))
+            return self._fuse(x.flatten(1).to(self.dtype))
         normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps) * self._feature_norms
-        return self._fuse(normed.flatten(1))
+        return self._fuse(normed.flatten(1).to(self.dtype))
 
     def _entries(self, state: _Request, g: torch.Tensor, next_ids: Sequence[int], start: int) -> torch.Tensor:
         """Feed entries at positions start.. (g [n, hidden], the tokens after each); write their K/V at those
@@ -418,12 +482,7 @@ class FeatureDrafter(DrafterBase):
                 cos[start : start + n].contiguous(), sin[start : start + n].contiguous(), [state.keys], [offset],
                 [0, n], [mask], c.num_heads, c.num_kv_heads, c.intermediate_size, c.rms_norm_eps, c.head_dim ** -0.5,
                 m.embed_norm(m.embedding[ids].float()).contiguous())
-        x = m.step_inputs(g, ids)
-        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        qkv = self._qkv(x)
-        q = qkv[:, :q_size].unflatten(-1, (c.num_heads, c.head_dim))
-        k = qkv[:, q_size : q_size + kv_size].unflatten(-1, (c.num_kv_heads, c.head_dim))
-        v = qkv[:, q_size + kv_size :].unflatten(-1, (c.num_kv_heads, c.head_dim))
+        q, k, v = self._split(self._qkv(m.step_inputs(g, ids)))
         cos, sin = cos[start : start + n].unsqueeze(1), sin[start : start + n].unsqueeze(1)  # [n, 1, head_dim]
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         state.keys[0, :, offset : offset + n] = k.transpose(0, 1)
@@ -432,16 +491,15 @@ class FeatureDrafter(DrafterBase):
         mask = None if n == 1 else torch.ones(n, offset + n, dtype=torch.bool, device=g.device).tril(offset)  # causal
         attended = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask,
                                                   enable_gqa=True)  # [heads, n, head_dim]
-        h = g + self._out(attended.transpose(0, 1).reshape(n, -1))
-        gate, up = self._gate_up(m.post_norm(h)).chunk(2, dim=-1)
-        return h + self._down(F.silu(gate) * up)
+        return self._finish(g, attended.transpose(0, 1).reshape(n, -1))
 
     def _rope(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [>= length, head_dim], computed once and grown by doubling."""
         if self._rope_tables is None or self._rope_tables[0].shape[0] < length:
             size = max(length, 2 * (0 if self._rope_tables is None else self._rope_tables[0].shape[0]), 1024)
             positions = torch.arange(size, device=self.model.head.weight.device)
-            self._rope_tables = rope_tables(positions, self.config.head_dim, self.config.rope_theta)
+            self._rope_tables = tuple(t.to(self.dtype) for t in rope_tables(positions, self.config.head_dim,
+                                                                            self.config.rope_theta))
         return self._rope_tables
 
     def _reserve(self, state: _Request, length: int) -> None:
@@ -450,7 +508,7 @@ class FeatureDrafter(DrafterBase):
         if length <= capacity:
             return
         grown = torch.zeros(2, c.num_kv_heads, max(length, 2 * capacity, 64), c.head_dim,
-                            device=self.model.head.weight.device)
+                            device=self.model.head.weight.device, dtype=self.dtype)
         if state.keys is not None:
             grown[:, :, :capacity] = state.keys
         state.keys = grown

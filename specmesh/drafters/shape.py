@@ -22,6 +22,7 @@ class Step(NamedTuple):
 
     probs: torch.Tensor  # [outputs]
     token_ids: Sequence[int] | None  # output index -> token id (None: indices are token ids)
+    ranked: list[tuple[int, float]] | None = None  # the top outputs (index, p), where the drafter read them
 
 
 def confident_tree(
@@ -41,9 +42,10 @@ def confident_tree(
     for depth in range(1, max_depth + 1):
         if len(tokens) >= budget:
             break
-        probs, token_ids = step
-        top = probs.topk(min(branch_width, probs.shape[-1]))
-        ranked = [(int(i), float(p)) for p, i in zip(top.values, top.indices)]
+        probs, token_ids, ranked = step
+        if ranked is None:
+            top = probs.topk(min(branch_width, probs.shape[-1]))
+            ranked = list(zip(top.indices.tolist(), top.values.tolist()))  # two reads from a GPU, not one per number
         if ranked[0][0] == stop_index:
             break  # the drafter expects something it cannot name: say nothing more
         ranked = [(i, p) for i, p in ranked if i != stop_index]
