@@ -183,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     cards.add_argument("action", choices=("check",))
     VerifierSettings.add_flags(cards, ["model"], defaults=True, environment=False)
     cards.add_argument("--drafter", action="append", required=True,
-                       help="a drafter as --drafter of `generate` takes it (eagle3:DIR too); repeatable")
+                       help="a drafter as --drafter of `generate` takes it (eagle3:DIR, eagle:DIR too); repeatable")
     cards.add_argument("--prompts", help="JSONL prompts whose greedy answers the drafters are checked on (default: "
                        "MT-Bench first turns)")
     cards.add_argument("--limit", type=int, default=None, help="only the first N prompts")

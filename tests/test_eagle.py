@@ -5,6 +5,7 @@ distribution, with a decoy), and a head made for another target is refused."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -33,9 +34,10 @@ def target():
     return tiny_llama(vocab_size=VOCAB, layers=LAYERS, hidden=HIDDEN, seed=4)
 
 
-def parts(model, tokenizer=None) -> TargetParts:
+def parts(model, tokenizer=None, output_head: bool = True) -> TargetParts:
     return TargetParts("tiny", tokenizer, VOCAB, 512, (1,), lambda: model.get_input_embeddings().weight.detach(),
-                       HIDDEN, LAYERS)
+                       HIDDEN, LAYERS, (lambda: (model.model.norm.weight.detach(),
+                                                 model.get_output_embeddings().weight.detach())) if output_head else None)
 
 
 def write_head(directory: Path, *, hidden: int = HIDDEN, heads: int = 4, kv: int = 2, inter: int = 2 * HIDDEN,
@@ -240,14 +242,19 @@ def test_sampling_with_a_published_head_keeps_the_targets_distribution(target, t
 
 
 @pytest.mark.slow
-def test_specmesh_generate_drafts_with_a_published_head_for_the_embedded_target(tmp_path):
-    """The command line end to end: a random head in the published layout for SmolLM2-135M (576 wide, 30
-    layers, 9 heads over 3 KV heads): `specmesh generate --drafter eagle3:DIR --compare-plain`."""
+@pytest.mark.parametrize("layout", ["eagle3", "eagle"])
+def test_specmesh_generate_drafts_with_a_published_head_for_the_embedded_target(tmp_path, layout):
+    """The command line end to end: a random head in a published layout for SmolLM2-135M (576 wide, 30
+    layers, 9 heads over 3 KV heads): `specmesh generate --drafter eagle3:DIR --compare-plain` (and eagle:,
+    which reads the target's final norm and LM head)."""
     import subprocess
     import sys
 
-    spec = write_head(tmp_path / "smollm2-eagle3", hidden=576, heads=9, kv=3, inter=1536, vocab=49152,
-                      draft_ids=sorted(random.Random(1).sample(range(49152), 2000)))
+    if layout == "eagle3":
+        spec = write_head(tmp_path / "smollm2-eagle3", hidden=576, heads=9, kv=3, inter=1536, vocab=49152,
+                          draft_ids=sorted(random.Random(1).sample(range(49152), 2000)))
+    else:
+        spec = write_eagle_head(tmp_path / "smollm2-eagle", hidden=576, vocab=49152)
     result = subprocess.run([sys.executable, "-m", "specmesh", "generate", "Count from one to ten.", "--drafter", spec,
                              "--max-tokens", "24", "--compare-plain"], capture_output=True, text=True, timeout=600,
                             env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
@@ -303,3 +310,126 @@ def test_the_head_cost_bench_times_a_head_of_the_targets_shape(tmp_path):
     assert [row["budget"] for row in report["proposals"]] == [1, 8, 16]
     assert all(row["nodes"] >= 1 and 0 < row["vs_step"] for row in report["proposals"])
     assert report["provenance"]["command"].startswith("python -m specmesh.bench.head_cost")
+
+
+# -- EAGLE-1/2 heads (``eagle:DIR``) --------------------------------------------------------------------
+
+def write_eagle_head(directory: Path, *, hidden: int = HIDDEN, fc_input: int | None = None, vocab: int = VOCAB,
+                     bias: bool = True, prefix: str = "", fmt: str = "safetensors", drop: str = "",
+                     layers: int = 1, seed: int = 0) -> str:
+    """An EAGLE-1/2 checkpoint folder as SafeAILab publishes it: a LlamaConfig of one layer, fp16 tensors
+    (``fc`` over [embedding, feature], layer 0 without an input norm, the target's embeddings beside)."""
+    heads, kv, inter = 4, 2, 2 * hidden
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: (torch.randn(*shape, generator=gen) * 0.2).half()  # noqa: E731
+    tensors = {"fc.weight": rand(hidden, fc_input or 2 * hidden), "embed_tokens.weight": rand(vocab, hidden)}
+    if bias:
+        tensors["fc.bias"] = rand(hidden)
+    for layer in range(layers):
+        p = f"layers.{layer}."
+        tensors |= {p + "self_attn.q_proj.weight": rand(hidden, hidden), p + "self_attn.k_proj.weight": rand(hidden // 2, hidden),
+                    p + "self_attn.v_proj.weight": rand(hidden // 2, hidden), p + "self_attn.o_proj.weight": rand(hidden, hidden),
+                    p + "post_attention_layernorm.weight": (1 + rand(hidden).float() * 0.1).half(),
+                    p + "mlp.gate_proj.weight": rand(inter, hidden), p + "mlp.up_proj.weight": rand(inter, hidden),
+                    p + "mlp.down_proj.weight": rand(hidden, inter)}
+    tensors = {prefix + name: t for name, t in tensors.items() if name != drop}
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+              "intermediate_size": inter, "num_attention_heads": heads, "num_key_value_heads": kv,
+              "num_hidden_layers": layers, "hidden_act": "silu", "vocab_size": vocab, "rms_norm_eps": 1e-5,
+              "max_position_embeddings": 2048, "torch_dtype": "float16", "bias": bias}
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    if fmt == "safetensors":
+        from safetensors.torch import save_file
+
+        save_file(tensors, str(directory / "model.safetensors"))
+    else:
+        torch.save(tensors, directory / "pytorch_model.bin")
+    return f"eagle:{directory}"
+
+
+def test_an_eagle_head_computes_the_published_step(target, tmp_path):
+    """SafeAILab's EAGLE-1/2 step from the published equations and the checkpoint's tensors: the target's
+    final norm over its last layer; fc over [embedding, feature] (with its bias) is the layer's input and
+    residual, no input norm; the output goes to the target's own LM head unnormed."""
+    spec = write_eagle_head(tmp_path / "head")
+    norm = 1 + 0.3 * torch.randn(HIDDEN)  # a final norm that is not all ones, so that it counts
+    lm_head = target.get_output_embeddings().weight.detach()
+    drafter = load_drafter(spec, dataclasses.replace(parts(target), output_head=lambda: (norm, lm_head)), None, None)
+    assert isinstance(drafter, FeatureDrafter) and drafter.feature_layers == (LAYERS,)
+    from safetensors.torch import load_file
+
+    t = {k: v.float() for k, v in load_file(str(tmp_path / "head" / "model.safetensors")).items()}
+    w = lambda name: t["layers.0." + name]  # noqa: E731
+    features = torch.randn(1, 1, HIDDEN)  # the target's last layer at position 0, before its final norm
+    tokens = [5, 17]
+    g = F.rms_norm(features[:, 0], (HIDDEN,), norm, target.config.rms_norm_eps)
+    embedding = target.get_input_embeddings().weight.detach()  # the target's, not the checkpoint's copy
+    x = torch.cat([embedding[[17]], g], -1) @ t["fc.weight"].T + t["fc.bias"]
+    v = (x @ w("self_attn.v_proj.weight").T).view(1, 2, 16).repeat_interleave(2, 1)  # one key: attention = v
+    h = x + v.flatten(1) @ w("self_attn.o_proj.weight").T
+    m = F.rms_norm(h, (HIDDEN,), w("post_attention_layernorm.weight"), 1e-5)
+    out = h + (F.silu(m @ w("mlp.gate_proj.weight").T) * (m @ w("mlp.up_proj.weight").T)) @ w("mlp.down_proj.weight").T
+    expected = (out @ lm_head.T).softmax(-1)[0]
+    drafter = FeatureDrafter(drafter.model, drafter.name, int8_weights=False)  # exact fp32 linears, to compare
+    drafter.start("r", tokens)
+    drafter.add_features("r", Features(0, features, (LAYERS,)))
+    with torch.no_grad():
+        step = drafter._catch_up(drafter._requests["r"], tokens)
+    assert torch.allclose(step.probs, expected, atol=1e-5)
+    assert list(step.token_ids) == list(range(VOCAB))
+
+
+@pytest.mark.parametrize("fmt,prefix,bias", [("safetensors", "", True), ("bin", "model.", False)])
+def test_an_eagle_head_drafts_and_greedy_output_is_plain_decodings(target, tmp_path, fmt, prefix, bias):
+    drafter = load_drafter(write_eagle_head(tmp_path / "head", fmt=fmt, prefix=prefix, bias=bias), parts(target),
+                           None, None)
+    engine = SpeculativeEngine(LlamaRuntime(target), drafters=[drafter], max_tree_nodes=6)
+    prompts = [[random.Random(i).randrange(2, VOCAB) for _ in range(3 + 2 * i)] for i in range(5)]
+    outputs = engine.generate([Request(tuple(p), SamplingParams(max_tokens=MAX_TOKENS)) for p in prompts])
+    for prompt, out in zip(prompts, outputs):
+        assert out.token_ids == hf_greedy(target, prompt, MAX_TOKENS)
+    assert sum(o.stats.drafted_nodes for o in outputs) > 0, "the head should have drafted"
+    static = FeatureDrafter(drafter.model, drafter.name, int8_weights=False, static_entries=True)  # as on CUDA
+    engine = SpeculativeEngine(LlamaRuntime(target), drafters=[static], max_tree_nodes=6)
+    for prompt, out in zip(prompts, engine.generate([Request(tuple(p), SamplingParams(max_tokens=MAX_TOKENS))
+                                                     for p in prompts])):
+        assert out.token_ids == hf_greedy(target, prompt, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("case,message", [
+    ("hidden", "reads hidden states of size 48"),
+    ("vocabulary", "a vocabulary of 100 tokens"),
+    ("tensor", "not an EAGLE head in the published layout: no layers.0.mlp.down_proj.weight"),
+    ("two layers", "more than one decoder layer"),
+    ("no head", "drafts through the target's LM head"),
+])
+def test_an_eagle_head_made_for_another_target_is_refused(target, tmp_path, case, message):
+    directory = tmp_path / "head"
+    spec = {
+        "hidden": lambda: write_eagle_head(directory, fc_input=2 * 48),
+        "vocabulary": lambda: write_eagle_head(directory, vocab=100),
+        "tensor": lambda: write_eagle_head(directory, drop="layers.0.mlp.down_proj.weight"),
+        "two layers": lambda: write_eagle_head(directory, layers=2),
+        "no head": lambda: write_eagle_head(directory),
+    }[case]()
+    with pytest.raises(InvalidArgument, match="drafter") as refused:
+        load_drafter(spec, parts(target, output_head=case != "no head"), None, None)
+    assert message in str(refused.value)
+
+
+def test_the_training_layer_scales_fold_into_fc_exactly(target):
+    """`--format eagle3` trains with each target layer divided by its RMS and folds the scales into fc
+    before writing: the folded head computes the same feature from raw hidden states."""
+    from specmesh.distill.feature_train import build_feature_head, layer_rms
+
+    features = [torch.randn(7, 3, HIDDEN) * torch.tensor([0.5, 20.0, 300.0]).view(1, 3, 1) for _ in range(4)]
+    scales = layer_rms(features)
+    assert torch.allclose(scales, torch.tensor([0.5, 20.0, 300.0]), rtol=0.1)
+    head = build_feature_head(target, (2, 4, 5), torch.arange(DRAFT_VOCAB), eagle3=True)
+    torch.nn.init.normal_(head.fuse.weight)
+    head.feature_scales.copy_(scales)
+    trained = head.fused(features[0])
+    head.fold_feature_scales()
+    assert torch.equal(head.feature_scales, torch.ones(3))
+    assert torch.allclose(head.fused(features[0]), trained, rtol=1e-4, atol=1e-4)

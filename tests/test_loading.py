@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import tiny_llama
 from transformers import AutoTokenizer
 
@@ -75,6 +76,18 @@ def test_every_shipped_expert_loads_for_its_target():
             drafter.commit("r", [token])
         drafter.end("r")
         assert max(sizes) <= 4 and sum(sizes) > 0, (name, sizes)
+
+
+@pytest.mark.slow  # the embedded target
+def test_a_drafter_node_reads_the_targets_output_head_alone():
+    """What an EAGLE-1/2 head drafts through, read from the target's files without loading the model:
+    the final norm and the LM head (SmolLM2 ties it to its input embeddings), as the model holds them."""
+    from specmesh.runtime.loading import load_hf_model, load_target_parts
+
+    norm, head = load_target_parts(EMBEDDED_DEFAULT).output_head()
+    model = load_hf_model(EMBEDDED_DEFAULT).model
+    assert torch.equal(norm, model.model.norm.weight.detach().float())
+    assert torch.equal(head, model.get_output_embeddings().weight.detach().float())
 
 
 def test_a_directory_without_config_is_refused(tmp_path):

@@ -15,7 +15,13 @@ import torch
 from specmesh.distill.data import Example
 from specmesh.distill.evaluate import agreement_by_category, interface_hits
 from specmesh.distill.feature_data import FeatureStore, FeatureStoreCard
-from specmesh.distill.feature_train import FeatureTrainConfig, build_feature_head, feature_hits, train_feature_head
+from specmesh.distill.feature_train import (
+    FeatureTrainConfig,
+    build_feature_head,
+    feature_hits,
+    layer_rms,
+    train_feature_head,
+)
 from specmesh.distill.overlap import without_benchmark
 from specmesh.distill.pipeline import MTBENCH_ANSWER_TOKENS, target_step_ms
 from specmesh.drafters.expert import round_to_stored, save_drafter, subset_for
@@ -74,6 +80,8 @@ def distill_feature(assembly: Assembly, prompts: Sequence[Prompt], out_dir: Path
     vocab = assembly.target.model.config.vocab_size
     subset = subset_for([t for i in train_ids for t in examples[i].response_ids], vocab, config.subset_size)
     model = build_feature_head(assembly.target.model, layers, subset, eagle3=eagle3)
+    if eagle3:
+        model.feature_scales.copy_(layer_rms([features[i] for i in train_ids]))
 
     def validate(head: FeatureHead) -> dict:
         hits = feature_hits(head, bench, bench_features)[0]
@@ -81,6 +89,7 @@ def distill_feature(assembly: Assembly, prompts: Sequence[Prompt], out_dir: Path
 
     result = train_feature_head(model, [examples[i] for i in train_ids], [features[i] for i in train_ids], config,
                                 validate=validate)
+    model.fold_feature_scales()
     round_to_stored(model)
     held_examples = [examples[i] for i in sorted(held)]
     held_hits = feature_hits(model, held_examples, [features[i] for i in sorted(held)])[0]

@@ -71,6 +71,14 @@ def build_feature_head(target_model: torch.nn.Module, feature_layers: Sequence[i
     return model
 
 
+def layer_rms(features: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Each target layer's RMS over ``features`` (each [tokens, layers, hidden]) -> [layers]: the fixed scales
+    a head without per-layer norms trains under (layers' scales differ by orders of magnitude)."""
+    squares = sum(f.float().pow(2).sum(dim=(0, 2)) for f in features)
+    count = sum(f.shape[0] * f.shape[2] for f in features)
+    return (squares / count).sqrt().clamp_min(1e-6)
+
+
 def batch_tensors(examples: Sequence[Example], features: Sequence[torch.Tensor], subset_index: dict[int, int],
                   outside: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded features [batch, T, layers, hidden], next ids [batch, T] and labels [batch, T]: the subset

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from specmesh.drafters.base import Drafter
+from specmesh.drafters.eagle import EAGLE_PREFIX, load_eagle, load_eagle3
 from specmesh.drafters.eagle import PREFIX as EAGLE3_PREFIX
-from specmesh.drafters.eagle import load_eagle3
 from specmesh.drafters.expert import ExpertDrafter, ExpertModel, ExpertSpec, drafter_dtype, load_expert
 from specmesh.drafters.feature import (
     FeatureDrafter,
@@ -79,8 +79,8 @@ def load_feature_for(directory: str | Path, target: LoadedModel | TargetParts, d
 
 def load_drafter(spec: str, target: LoadedModel | TargetParts, device: str | None, dtype: str | None) -> Drafter:
     """A model-free drafter (``ngram``, ``history``), a shipped expert's name (``code``), a drafter
-    directory made by ``specmesh distill``, a published EAGLE-3 head (``eagle3:DIR``), or a small LM
-    sharing the target's tokenizer."""
+    directory made by ``specmesh distill``, a published EAGLE-3 or EAGLE-1/2 head (``eagle3:DIR``,
+    ``eagle:DIR``), or a small LM sharing the target's tokenizer."""
     target = parts_of(target) if isinstance(target, LoadedModel) else target
     if spec in MODEL_FREE_DRAFTERS:
         return MODEL_FREE_DRAFTERS[spec]()
@@ -89,10 +89,11 @@ def load_drafter(spec: str, target: LoadedModel | TargetParts, device: str | Non
             raise InvalidArgument("drafter", f"{spec!r}: the oracle drafter measures random:<architecture> targets "
                                   f"only, not {target.name!r}")
         return OracleDrafter(spec.removeprefix(ORACLE_PREFIX), target.vocab_size)
-    if spec.startswith(EAGLE3_PREFIX):  # a published EAGLE-3 head
-        head = load_eagle3(spec, target)
-        return FeatureDrafter(head.to(pick_device(device) if device is not None else head.head.weight.device),
-                              name=f"{EAGLE3_PREFIX}{Path(spec.removeprefix(EAGLE3_PREFIX)).name}")
+    for prefix, load in ((EAGLE3_PREFIX, load_eagle3), (EAGLE_PREFIX, load_eagle)):  # published EAGLE heads
+        if spec.startswith(prefix):
+            head = load(spec, target)
+            return FeatureDrafter(head.to(pick_device(device) if device is not None else head.head.weight.device),
+                                  name=f"{prefix}{Path(spec.removeprefix(prefix)).name}")
     directory = expert_directory(spec, target.name)
     if directory is not None and is_feature_drafter(directory):
         return FeatureDrafter(load_feature_for(directory, target, device), name=Path(directory).name)

@@ -1,4 +1,4 @@
-"""Published EAGLE-3 heads as feature drafters: ``--drafter eagle3:/path/to/checkpoint``.
+"""Published EAGLE heads as feature drafters: ``--drafter eagle3:/path/to/checkpoint`` and ``eagle:``.
 
 An EAGLE-3 head (Li et al. 2025) as SafeAILab/EAGLE and SpecForge publish it is the feature head of
 ``feature.py`` in another layout, with two differences: the three target layers are fused raw (no norm
@@ -19,6 +19,17 @@ The layers read are the hidden states after layers (2, N/2, N-3) of an N-layer t
 config names (``eagle_config.eagle_aux_hidden_state_layer_ids``, SpecForge's count: the output of layer
 i, i.e. after i + 1 layers). A head made for another target is refused before it drafts: another hidden
 size, vocabulary, tokenizer (when the folder has one) or layers the target lacks.
+
+An EAGLE-1/2 head (SafeAILab/EAGLE, ``eagle:DIR``) reads the target's last hidden state after its final
+norm, one decoder layer deep, and drafts through the target's own LM head:
+
+    fc.weight [hidden, 2 * hidden] (fc.bias)   [embedding of the next token, feature] -> the layer's input
+    layers.0.self_attn.{q,k,v,o}_proj, layers.0.post_attention_layernorm, layers.0.mlp.{gate,up,down}_proj
+                                               a Llama layer without an input norm; its output is the next
+                                               feature, read unnormed by the target's LM head
+
+(``embed_tokens.weight``, when shipped, is the target's and is not read.) As a feature drafter it reads
+the hidden state after the target's N layers and applies the target's final norm itself.
 """
 
 from __future__ import annotations
@@ -33,7 +44,9 @@ from specmesh.errors import InvalidArgument
 from specmesh.runtime.loading import TargetParts, tokenizer_fingerprint
 
 PREFIX = "eagle3:"
+EAGLE_PREFIX = "eagle:"
 LAYER = "midlayer."
+EAGLE_LAYER = "layers.0."
 
 
 def read_tensors(directory: Path) -> dict[str, torch.Tensor]:
@@ -79,19 +92,9 @@ def load_eagle3(spec: str, target: TargetParts) -> FeatureHead:
         raise InvalidArgument("drafter", f"{where}: norm_before_residual heads are not supported")
     hidden, layers = int(config["hidden_size"]), feature_layers(config, target.num_layers)
     fc = tensors["fc.weight"]
-    if hidden != target.hidden_size or tuple(fc.shape) != (hidden, len(layers) * target.hidden_size):
-        raise InvalidArgument("drafter", f"{where} reads hidden states of size {fc.shape[1] // len(layers)} into a "
-                              f"{hidden}-wide layer; this target's hidden states are {target.hidden_size}")
+    check_target(directory, where, config, target, fc, len(layers))
     if not all(1 <= n <= target.num_layers for n in layers):
         raise InvalidArgument("drafter", f"{where} reads layers {list(layers)}; this target has {target.num_layers}")
-    if int(config.get("vocab_size", -1)) != target.vocab_size:
-        raise InvalidArgument("drafter", f"{where} was made for a vocabulary of {config.get('vocab_size')} tokens; "
-                              f"this target's has {target.vocab_size}")
-    if (directory / "tokenizer.json").is_file() or (directory / "tokenizer_config.json").is_file():
-        from transformers import AutoTokenizer
-
-        if tokenizer_fingerprint(AutoTokenizer.from_pretrained(directory)) != tokenizer_fingerprint(target.tokenizer):
-            raise InvalidArgument("drafter", f"{where}'s tokenizer is not the target's ({target.name!r})")
     subset = draft_to_target(tensors, target.vocab_size, where)
     heads = int(config["num_attention_heads"])
     head_config = FeatureConfig(
@@ -110,6 +113,74 @@ def load_eagle3(spec: str, target: TargetParts) -> FeatureHead:
         "gate_up.weight": torch.cat([weight("mlp.gate_proj.weight"), weight("mlp.up_proj.weight")]),
         "down.weight": weight("mlp.down_proj.weight"), "final_norm.weight": tensors["norm.weight"].float(),
         "head.weight": tensors["lm_head.weight"].float(),
+    }
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as exc:  # shapes that disagree with its own config
+        raise InvalidArgument("drafter", f"{where}: tensors do not match config.json: {str(exc).splitlines()[1:2]}") from None
+    return model.eval()
+
+
+def check_target(directory: Path, where: str, config: dict, target: TargetParts, fc: torch.Tensor,
+                 features: int) -> None:
+    """Refuse a head made for another target: its fc reads ``features`` hidden states of another size, or
+    its vocabulary or (when the folder has one) tokenizer is not the target's."""
+    hidden = int(config["hidden_size"])
+    if hidden != target.hidden_size or tuple(fc.shape) != (hidden, features * target.hidden_size):
+        raise InvalidArgument("drafter", f"{where} reads hidden states of size {fc.shape[1] // features} into a "
+                              f"{hidden}-wide layer; this target's hidden states are {target.hidden_size}")
+    if int(config.get("vocab_size", -1)) != target.vocab_size:
+        raise InvalidArgument("drafter", f"{where} was made for a vocabulary of {config.get('vocab_size')} tokens; "
+                              f"this target's has {target.vocab_size}")
+    if (directory / "tokenizer.json").is_file() or (directory / "tokenizer_config.json").is_file():
+        from transformers import AutoTokenizer
+
+        if tokenizer_fingerprint(AutoTokenizer.from_pretrained(directory)) != tokenizer_fingerprint(target.tokenizer):
+            raise InvalidArgument("drafter", f"{where}'s tokenizer is not the target's ({target.name!r})")
+
+
+def load_eagle(spec: str, target: TargetParts) -> FeatureHead:
+    """The EAGLE-1/2 head in ``eagle:DIR`` over ``target``'s embeddings, final norm and LM head, in fp32,
+    checked against the target."""
+    directory = Path(spec.removeprefix(EAGLE_PREFIX))
+    where = f"{EAGLE_PREFIX}{directory}"
+    if not (directory / "config.json").is_file():
+        raise InvalidArgument("drafter", f"{where}: no config.json (an EAGLE checkpoint folder)")
+    config = json.loads((directory / "config.json").read_text())
+    tensors = {name.removeprefix("model."): t for name, t in read_tensors(directory).items()}
+    names = ["fc.weight", *(EAGLE_LAYER + n for n in (
+        "post_attention_layernorm.weight", *(f"self_attn.{p}_proj.weight" for p in "qkvo"),
+        *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down"))))]
+    missing = [n for n in names if n not in tensors]
+    if missing:
+        raise InvalidArgument("drafter", f"{where} is not an EAGLE head in the published layout: no "
+                              f"{', '.join(missing[:4])}")
+    if any(name.startswith("layers.1.") for name in tensors) or int(config.get("num_hidden_layers", 1)) != 1:
+        raise InvalidArgument("drafter", f"{where}: heads of more than one decoder layer are not supported")
+    fc = tensors["fc.weight"]
+    check_target(directory, where, config, target, fc, 2)  # fc reads [embedding, feature]
+    if target.output_head is None:
+        raise InvalidArgument("drafter", f"{where} drafts through the target's LM head, which {target.name!r} "
+                              "does not provide here")
+    final_norm, lm_head = target.output_head()
+    hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    head_config = FeatureConfig(
+        hidden_size=hidden, num_heads=heads, num_kv_heads=int(config.get("num_key_value_heads", heads)),
+        head_dim=int(config.get("head_dim") or hidden // heads), intermediate_size=int(config["intermediate_size"]),
+        feature_layers=(target.num_layers,), rope_theta=float(config.get("rope_theta", 10000.0)),
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)), subset_size=target.vocab_size, feature_norms=True,
+        fallback=False, mix="fc", mix_bias="fc.bias" in tensors, final_norm=False)
+    model = FeatureHead(head_config, target.input_embeddings().float(), torch.arange(target.vocab_size))
+    weight = lambda name: tensors[EAGLE_LAYER + name].float()  # noqa: E731
+    state = {
+        "feature_norms.0.weight": final_norm.float().cpu(),  # the target's own final norm, applied here
+        "fuse.weight": torch.eye(hidden), "mix.weight": fc.float(),
+        **({"mix.bias": tensors["fc.bias"].float()} if "fc.bias" in tensors else {}),
+        "qkv.weight": torch.cat([weight(f"self_attn.{p}_proj.weight") for p in "qkv"]),
+        "out.weight": weight("self_attn.o_proj.weight"), "post_norm.weight": weight("post_attention_layernorm.weight"),
+        "gate_up.weight": torch.cat([weight("mlp.gate_proj.weight"), weight("mlp.up_proj.weight")]),
+        "down.weight": weight("mlp.down_proj.weight"), "final_norm.weight": torch.ones(hidden),
+        "head.weight": lm_head.float().cpu(),
     }
     try:
         model.load_state_dict(state)

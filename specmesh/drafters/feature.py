@@ -56,6 +56,11 @@ class FeatureConfig:
     subset_size: int
     feature_norms: bool = True  # each target layer RMS-normed before they are fused (ours; EAGLE-3 fuses them raw)
     fallback: bool = True  # the head's last output means "none of these" (ours; EAGLE-3's head has none)
+    # how a step reads its token and g: "norms" (ours, EAGLE-3): attention over [norm(embedding), norm(g)], g
+    # the residual; "fc" (EAGLE-1/2): x = fc([embedding, g]) is the attention's input, unnormed, and the residual
+    mix: str = "norms"
+    mix_bias: bool = False  # "fc" with a bias (some EAGLE-1 checkpoints)
+    final_norm: bool = True  # RMS-norm the output before the head (EAGLE-1/2 give it to the target's head raw)
 
     @classmethod
     def for_target(cls, config, feature_layers: Sequence[int], subset_size: int) -> FeatureConfig:
@@ -103,10 +108,15 @@ class FeatureHead(nn.Module):
         self.register_buffer("subset_ids", subset_ids.to(torch.long), persistent=False)  # [subset]
         self.feature_norms = nn.ModuleList(RMSNorm(h, config.rms_norm_eps) for _ in range(layers if config.feature_norms
                                                                                        else 0))
+        # without norms, while training: each layer divided by a fixed scale (its RMS), folded into fuse after
+        self.register_buffer("feature_scales", torch.ones(layers), persistent=False)  # [layers]
         self.fuse = nn.Linear(layers * h, h, bias=False)  # the target's layers -> one feature
-        self.embed_norm = RMSNorm(h, config.rms_norm_eps)
-        self.input_norm = RMSNorm(h, config.rms_norm_eps)
-        self.qkv = nn.Linear(2 * h, q_size + 2 * kv_size, bias=False)
+        if config.mix == "fc":
+            self.mix = nn.Linear(2 * h, h, bias=config.mix_bias)  # [embedding, g] -> the layer's input
+        else:
+            self.embed_norm = RMSNorm(h, config.rms_norm_eps)
+            self.input_norm = RMSNorm(h, config.rms_norm_eps)
+        self.qkv = nn.Linear(h if config.mix == "fc" else 2 * h, q_size + 2 * kv_size, bias=False)
         self.out = nn.Linear(q_size, h, bias=False)
         self.post_norm = RMSNorm(h, config.rms_norm_eps)
         self.gate_up = nn.Linear(h, 2 * config.intermediate_size, bias=False)
@@ -122,13 +132,30 @@ class FeatureHead(nn.Module):
     def fused(self, features: torch.Tensor) -> torch.Tensor:
         """Target features [..., layers, hidden] -> g [..., hidden]."""
         if not self.config.feature_norms:
-            return self.fuse(features.float().flatten(-2))
+            return self.fuse((features.float() / self.feature_scales.unsqueeze(-1)).flatten(-2))
         normed = [norm(features[..., i, :].float()) for i, norm in enumerate(self.feature_norms)]
         return self.fuse(torch.cat(normed, dim=-1))
 
-    def step_inputs(self, g: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
-        """g [..., hidden], next_ids [...] -> the attention's input [..., 2 * hidden]."""
-        return torch.cat([self.embed_norm(self.embedding[next_ids].to(g.dtype)), self.input_norm(g)], dim=-1)
+    def fold_feature_scales(self) -> None:
+        """Fold the training-time layer scales into ``fuse``: the same map over raw features, as drafting
+        and EAGLE-3's layout read them."""
+        with torch.no_grad():
+            per_column = self.feature_scales.repeat_interleave(self.config.hidden_size)  # [layers * hidden]
+            self.fuse.weight /= per_column
+            self.feature_scales.fill_(1.0)
+
+    def step_inputs(self, g: torch.Tensor, next_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """g [..., hidden], next_ids [...] -> the attention's input [..., 2 * hidden] ("norms") or [..., hidden]
+        ("fc"), and the residual [..., hidden]."""
+        embedded = self.embedding[next_ids].to(g.dtype)
+        if self.config.mix == "fc":
+            x = self.mix(torch.cat([embedded, g], dim=-1))
+            return x, x
+        return torch.cat([self.embed_norm(embedded), self.input_norm(g)], dim=-1), g
+
+    def final(self, out: torch.Tensor) -> torch.Tensor:
+        """A step's output [..., hidden] as its head reads it."""
+        return self.final_norm(out) if self.config.final_norm else out
 
     def project(self, x: torch.Tensor, positions: torch.Tensor):
         """x [..., 2 * hidden] -> q [..., heads, head_dim], k and v [..., kv_heads, head_dim], q and k rotated."""
@@ -142,14 +169,14 @@ class FeatureHead(nn.Module):
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
         return rotate(q, cos, sin), rotate(k, cos, sin), v
 
-    def finish(self, g: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-        """g [..., hidden], attended [..., heads * head_dim] -> the step's output hidden state [..., hidden]."""
-        h = g + self.out(attended)
+    def finish(self, residual: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """residual [..., hidden], attended [..., heads * head_dim] -> the step's output hidden state."""
+        h = residual + self.out(attended)
         gate, up = self.gate_up(self.post_norm(h)).chunk(2, dim=-1)
         return h + self.down(F.silu(gate) * up)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
-        return self.head(self.final_norm(out))
+        return self.head(self.final(out))
 
     def unrolled(self, features: torch.Tensor, next_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
         """Training-time test. features [batch, T, layers, hidden] (right-padded), next_ids [batch, T]: the
@@ -166,7 +193,8 @@ class FeatureHead(nn.Module):
         keys: list[tuple[torch.Tensor, torch.Tensor]] = []  # per step: k, v [batch, kv_heads, T, head_dim]
         outputs = []
         for j in range(steps):
-            q, k, v = self.project(self.step_inputs(g, next_ids), positions)
+            x, residual = self.step_inputs(g, next_ids)
+            q, k, v = self.project(x, positions)
             q = q.transpose(1, 2)  # [batch, heads, T, head_dim]
             keys.append((k.transpose(1, 2).repeat_interleave(groups, 1), v.transpose(1, 2).repeat_interleave(groups, 1)))
             k0, v0 = keys[0]
@@ -182,7 +210,7 @@ class FeatureHead(nn.Module):
             attended = weights[..., :length] @ v0
             for i, vi in enumerate(values):
                 attended = attended + weights[..., length + i : length + i + 1] * vi
-            out = self.finish(g, attended.transpose(1, 2).flatten(-2))  # [batch, T, hidden]
+            out = self.finish(residual, attended.transpose(1, 2).flatten(-2))  # [batch, T, hidden]
             outputs.append(out)
             g = _shift(out.unsqueeze(1), 1).squeeze(1)  # step j+1 at p reads this step's output at p-1
         return outputs
@@ -316,7 +344,8 @@ class FeatureDrafter(DrafterBase):
         blocks = int8_weights and block_kernel_available(device)
         pack = lambda layer: (BlockLinear(quantize(layer.weight.detach(), "Q8_0")) if blocks  # noqa: E731
                               else linear_for(layer.weight.detach(), None, int8=int8_weights))
-        self._one_call = blocks  # the decoder layer as one C++ call (kernels/cpu/llama_layer.cpp)
+        # the decoder layer as one C++ call (kernels/cpu/llama_layer.cpp), which takes the "norms" step's inputs
+        self._one_call = blocks and model.config.mix == "norms"
         self._fuse, self._qkv, self._out = pack(model.fuse), pack(model.qkv), pack(model.out)
         self._gate_up, self._down, self._head = pack(model.gate_up), pack(model.down), pack(model.head)
         self._feature_norms = (torch.stack([norm.weight.detach() for norm in model.feature_norms])  # [layers, hidden]
@@ -425,7 +454,8 @@ class FeatureDrafter(DrafterBase):
         [outputs] (fp32) and its top ``branch_width`` [2 (p, index), width]; the entry attends to cache indices
         0..index."""
         m = self.model
-        q, k, v = self._split(self._qkv(m.step_inputs(g, token)))
+        x, residual = m.step_inputs(g, token)
+        q, k, v = self._split(self._qkv(x))
         cos, sin = (t.index_select(0, position).unsqueeze(1) for t in tables)  # [1, 1, head_dim]
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         keys[0].index_copy_(1, index, k.transpose(0, 1))
@@ -433,8 +463,8 @@ class FeatureDrafter(DrafterBase):
         visible = (torch.arange(keys.shape[2], device=keys.device) <= index).unsqueeze(0)  # [1, capacity]
         attended = F.scaled_dot_product_attention(q.transpose(0, 1), keys[0], keys[1], attn_mask=visible,
                                                   enable_gqa=True)  # [heads, 1, head_dim]
-        out = self._finish(g, attended.transpose(0, 1).reshape(1, -1))
-        probs = self._head(m.final_norm(out))[0].float().softmax(-1)
+        out = self._finish(residual, attended.transpose(0, 1).reshape(1, -1))
+        probs = self._head(m.final(out))[0].float().softmax(-1)
         top = probs.topk(min(self.branch_width, probs.shape[0]))
         return out, probs, torch.stack([top.values, top.indices.float()])  # indices < 2 ** 24: exact in fp32
 
@@ -446,14 +476,14 @@ class FeatureDrafter(DrafterBase):
                 qkv[:, q_size : q_size + kv_size].unflatten(-1, (c.num_kv_heads, c.head_dim)),
                 qkv[:, q_size + kv_size :].unflatten(-1, (c.num_kv_heads, c.head_dim)))
 
-    def _finish(self, g: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-        """g [n, hidden], attended [n, heads * head_dim] -> the entries' outputs [n, hidden]."""
-        h = g + self._out(attended)
+    def _finish(self, residual: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """residual [n, hidden], attended [n, heads * head_dim] -> the entries' outputs [n, hidden]."""
+        h = residual + self._out(attended)
         gate, up = self._gate_up(self.model.post_norm(h)).chunk(2, dim=-1)
         return h + self._down(F.silu(gate) * up)
 
     def _step(self, out: torch.Tensor) -> Step:
-        normed = self.model.final_norm(out.unsqueeze(0))
+        normed = self.model.final(out.unsqueeze(0))
         return Step(self._head(normed)[0].float().softmax(-1), self.subset_ids)
 
     def _fused(self, features: torch.Tensor) -> torch.Tensor:
@@ -482,7 +512,8 @@ class FeatureDrafter(DrafterBase):
                 cos[start : start + n].contiguous(), sin[start : start + n].contiguous(), [state.keys], [offset],
                 [0, n], [mask], c.num_heads, c.num_kv_heads, c.intermediate_size, c.rms_norm_eps, c.head_dim ** -0.5,
                 m.embed_norm(m.embedding[ids].float()).contiguous())
-        q, k, v = self._split(self._qkv(m.step_inputs(g, ids)))
+        x, residual = m.step_inputs(g, ids)
+        q, k, v = self._split(self._qkv(x))
         cos, sin = cos[start : start + n].unsqueeze(1), sin[start : start + n].unsqueeze(1)  # [n, 1, head_dim]
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         state.keys[0, :, offset : offset + n] = k.transpose(0, 1)
@@ -491,7 +522,7 @@ class FeatureDrafter(DrafterBase):
         mask = None if n == 1 else torch.ones(n, offset + n, dtype=torch.bool, device=g.device).tril(offset)  # causal
         attended = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask,
                                                   enable_gqa=True)  # [heads, n, head_dim]
-        return self._finish(g, attended.transpose(0, 1).reshape(n, -1))
+        return self._finish(residual, attended.transpose(0, 1).reshape(n, -1))
 
     def _rope(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [>= length, head_dim], computed once and grown by doubling."""

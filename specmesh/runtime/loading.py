@@ -179,6 +179,8 @@ class TargetParts:
     input_embeddings: Callable[[], torch.Tensor]  # [vocab, hidden], read on first use
     hidden_size: int = 0
     num_layers: int = 0
+    # (final norm [hidden], LM head [vocab, hidden]), read on first use: EAGLE-1/2 heads read through them
+    output_head: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 def _eos_ids(generation_config, tokenizer) -> tuple[int, ...]:
@@ -194,6 +196,7 @@ def parts_of(loaded: LoadedModel) -> TargetParts:
         loaded.name, loaded.tokenizer, config.vocab_size, int(getattr(config, "max_position_embeddings", 2048)),
         _eos_ids(loaded.model.generation_config, loaded.tokenizer),
         lambda: loaded.model.get_input_embeddings().weight.detach(), config.hidden_size, config.num_hidden_layers,
+        lambda: (loaded.model.model.norm.weight.detach(), loaded.model.get_output_embeddings().weight.detach()),
     )
 
 
@@ -215,31 +218,47 @@ def load_target_parts(model: str) -> TargetParts:
     except OSError:
         generation_config = None
     directory = Path(source)
+    tied = getattr(config, "tie_word_embeddings", False)
 
     def embeddings() -> torch.Tensor:
-        from safetensors import safe_open
-
         if not directory.is_dir():  # a hub id: only the whole model is at hand
             return load_hf_model(model).model.get_input_embeddings().weight.detach()
-        wanted = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight")
-        tied = getattr(config, "tie_word_embeddings", False)
-        fallback = None
-        for file in sorted(directory.glob("*.safetensors")):
-            with safe_open(str(file), "pt") as weights:
-                for key in weights.keys():
-                    if key.endswith(wanted):
-                        return weights.get_tensor(key).float()
-                    if tied and key == "lm_head.weight":
-                        fallback = weights.get_tensor(key).float()
-        if fallback is None:
+        found = _read_tensors(directory, {"embed": ("embed_tokens.weight", "wte.weight", "word_embeddings.weight"),
+                                          "head": ("lm_head.weight",) if tied else ()})
+        if "embed" not in found and "head" not in found:
             raise InvalidArgument("target", f"no input embeddings found in {directory}")
-        return fallback
+        return found.get("embed", found.get("head"))
+
+    def output_head() -> tuple[torch.Tensor, torch.Tensor]:
+        if not directory.is_dir():
+            loaded = load_hf_model(model).model
+            return loaded.model.norm.weight.detach(), loaded.get_output_embeddings().weight.detach()
+        found = _read_tensors(directory, {"norm": ("model.norm.weight",), "head": ("lm_head.weight",),
+                                          "embed": ("embed_tokens.weight",) if tied else ()})
+        if "norm" not in found or not ({"head", "embed"} & found.keys()):
+            raise InvalidArgument("target", f"no final norm and LM head found in {directory}")
+        return found["norm"], found.get("head", found.get("embed"))
 
     return TargetParts(
         model, tokenizer, config.vocab_size, int(getattr(config, "max_position_embeddings", 2048)),
         _eos_ids(generation_config, tokenizer), embeddings, getattr(config, "hidden_size", 0),
-        getattr(config, "num_hidden_layers", 0),
+        getattr(config, "num_hidden_layers", 0), output_head,
     )
+
+
+def _read_tensors(directory: Path, wanted: dict[str, tuple[str, ...]]) -> dict[str, torch.Tensor]:
+    """The tensors of a model's safetensors files whose names end with any of ``wanted[key]``, in fp32, by
+    key (read alone: a drafter node does not hold the target's weights)."""
+    from safetensors import safe_open
+
+    found: dict[str, torch.Tensor] = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as weights:
+            for name in weights.keys():
+                for key, suffixes in wanted.items():
+                    if key not in found and suffixes and name.endswith(suffixes):
+                        found[key] = weights.get_tensor(name).float()
+    return found
 
 
 def _random_parts(model: str) -> TargetParts:
