@@ -40,6 +40,28 @@ def parts(model, tokenizer=None, output_head: bool = True) -> TargetParts:
                                                  model.get_output_embeddings().weight.detach())) if output_head else None)
 
 
+def assert_greedy_is_plain(target, drafter, prompts: int = 5) -> None:
+    """Greedy speculative decoding with ``drafter`` gives Hugging Face's greedy tokens, and it drafted."""
+    engine = SpeculativeEngine(LlamaRuntime(target), drafters=[drafter], max_tree_nodes=6)
+    prompt_ids = [[random.Random(i).randrange(2, VOCAB) for _ in range(3 + 2 * i)] for i in range(prompts)]
+    outputs = engine.generate([Request(tuple(p), SamplingParams(max_tokens=MAX_TOKENS)) for p in prompt_ids])
+    for prompt, out in zip(prompt_ids, outputs):
+        assert out.token_ids == hf_greedy(target, prompt, MAX_TOKENS)
+    assert sum(o.stats.drafted_nodes for o in outputs) > 0, "the head should have drafted"
+
+
+def save_checkpoint(directory: Path, config: dict, tensors: dict[str, torch.Tensor], fmt: str) -> None:
+    """A published checkpoint folder: config.json and the tensors as safetensors or pytorch_model.bin."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    if fmt == "safetensors":
+        from safetensors.torch import save_file
+
+        save_file(tensors, str(directory / "model.safetensors"))
+    else:
+        torch.save(tensors, directory / "pytorch_model.bin")
+
+
 def write_head(directory: Path, *, hidden: int = HIDDEN, heads: int = 4, kv: int = 2, inter: int = 2 * HIDDEN,
                fc_input: int | None = None, vocab: int = VOCAB, draft_ids=None, seed: int = 0,
                fmt: str = "safetensors", config_extra: dict | None = None, drop: str = "", t2d_ids=None,
@@ -78,14 +100,7 @@ def write_head(directory: Path, *, hidden: int = HIDDEN, heads: int = 4, kv: int
               "rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "tie_word_embeddings": False,
               "torch_dtype": "float16", "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 0,
               **(config_extra or {})}
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(config, indent=2))
-    if fmt == "safetensors":
-        from safetensors.torch import save_file
-
-        save_file(tensors, str(directory / "model.safetensors"))
-    else:
-        torch.save(tensors, directory / "pytorch_model.bin")
+    save_checkpoint(directory, config, tensors, fmt)
     return f"eagle3:{directory}"
 
 
@@ -126,12 +141,7 @@ def test_the_loaded_head_computes_the_published_step(target, tmp_path):
 def test_a_published_head_drafts_and_greedy_output_is_plain_decodings(target, tmp_path, fmt):
     drafter = load_drafter(write_head(tmp_path / "head", fmt=fmt, draft_ids=list(range(DRAFT_VOCAB))),
                            parts(target), None, None)
-    engine = SpeculativeEngine(LlamaRuntime(target), drafters=[drafter], max_tree_nodes=6)
-    prompts = [[random.Random(i).randrange(2, VOCAB) for _ in range(3 + 2 * i)] for i in range(5)]
-    outputs = engine.generate([Request(tuple(p), SamplingParams(max_tokens=MAX_TOKENS)) for p in prompts])
-    for prompt, out in zip(prompts, outputs):
-        assert out.token_ids == hf_greedy(target, prompt, MAX_TOKENS)
-    assert sum(o.stats.drafted_nodes for o in outputs) > 0, "the head should have drafted"
+    assert_greedy_is_plain(target, drafter)
     assert not drafter._requests  # every session ended
 
 
@@ -157,12 +167,7 @@ def test_the_fixed_shape_step_cuda_replays_drafts_as_the_eager_step(target, tmp_
             drafter.commit("r", [7] * step)
             drafter.add_features("r", Features(position, features[position : position + step], (2, 4, 5)))
         position += step
-    engine = SpeculativeEngine(LlamaRuntime(target), drafters=[static], max_tree_nodes=6)
-    prompts = [[random.Random(i).randrange(2, VOCAB) for _ in range(3 + 2 * i)] for i in range(4)]
-    outputs = engine.generate([Request(tuple(p), SamplingParams(max_tokens=MAX_TOKENS)) for p in prompts])
-    for prompt, out in zip(prompts, outputs):
-        assert out.token_ids == hf_greedy(target, prompt, MAX_TOKENS)
-    assert sum(o.stats.drafted_nodes for o in outputs) > 0
+    assert_greedy_is_plain(target, static)
 
 
 def test_the_layers_a_specforge_config_names_are_read(target, tmp_path):
@@ -337,14 +342,7 @@ def write_eagle_head(directory: Path, *, hidden: int = HIDDEN, fc_input: int | N
               "intermediate_size": inter, "num_attention_heads": heads, "num_key_value_heads": kv,
               "num_hidden_layers": layers, "hidden_act": "silu", "vocab_size": vocab, "rms_norm_eps": 1e-5,
               "max_position_embeddings": 2048, "torch_dtype": "float16", "bias": bias}
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(config, indent=2))
-    if fmt == "safetensors":
-        from safetensors.torch import save_file
-
-        save_file(tensors, str(directory / "model.safetensors"))
-    else:
-        torch.save(tensors, directory / "pytorch_model.bin")
+    save_checkpoint(directory, config, tensors, fmt)
     return f"eagle:{directory}"
 
 
@@ -384,17 +382,9 @@ def test_an_eagle_head_computes_the_published_step(target, tmp_path):
 def test_an_eagle_head_drafts_and_greedy_output_is_plain_decodings(target, tmp_path, fmt, prefix, bias):
     drafter = load_drafter(write_eagle_head(tmp_path / "head", fmt=fmt, prefix=prefix, bias=bias), parts(target),
                            None, None)
-    engine = SpeculativeEngine(LlamaRuntime(target), drafters=[drafter], max_tree_nodes=6)
-    prompts = [[random.Random(i).randrange(2, VOCAB) for _ in range(3 + 2 * i)] for i in range(5)]
-    outputs = engine.generate([Request(tuple(p), SamplingParams(max_tokens=MAX_TOKENS)) for p in prompts])
-    for prompt, out in zip(prompts, outputs):
-        assert out.token_ids == hf_greedy(target, prompt, MAX_TOKENS)
-    assert sum(o.stats.drafted_nodes for o in outputs) > 0, "the head should have drafted"
-    static = FeatureDrafter(drafter.model, drafter.name, int8_weights=False, static_entries=True)  # as on CUDA
-    engine = SpeculativeEngine(LlamaRuntime(target), drafters=[static], max_tree_nodes=6)
-    for prompt, out in zip(prompts, engine.generate([Request(tuple(p), SamplingParams(max_tokens=MAX_TOKENS))
-                                                     for p in prompts])):
-        assert out.token_ids == hf_greedy(target, prompt, MAX_TOKENS)
+    assert_greedy_is_plain(target, drafter)
+    assert_greedy_is_plain(target, FeatureDrafter(drafter.model, drafter.name, int8_weights=False,
+                                                  static_entries=True))  # the fixed-shape step, as on CUDA
 
 
 @pytest.mark.parametrize("case,message", [
