@@ -17,8 +17,9 @@ from typing import Sequence
 import torch
 
 ROOT = -1
-# The most nodes any one tree may have, on the wire and in a verification pass.
-MAX_TREE_NODES = 64
+# The most nodes any one tree may have, on the wire and in a verification pass: SpecExec-sized trees,
+# for targets whose pass costs about the same for a thousand rows as for one (weights streamed per pass)
+MAX_TREE_NODES = 1024
 
 
 @dataclass(frozen=True)

@@ -61,21 +61,11 @@ def tiny_llama(vocab_size: int = 96, layers: int = 2, seed: int = 0, hidden: int
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-5,
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=1,
-        tie_word_embeddings=False,
-        **overrides,
-    )
+    config = LlamaConfig(**{
+        "vocab_size": vocab_size, "hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": layers,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
+        "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 1, "tie_word_embeddings": False, **overrides,
+    })
     model = LlamaForCausalLM(config).eval()
     # Random init gives near-uniform logits; sharpen them so greedy paths are meaningful and ties rare.
     with torch.no_grad():

@@ -15,8 +15,11 @@ class OracleTreeDrafter(DrafterBase):
 
     name = "oracle-tree"
 
-    def __init__(self, answers: dict[tuple[int, ...], list[int]], vocab_size: int, seed: int = 0) -> None:
+    def __init__(self, answers: dict[tuple[int, ...], list[int]], vocab_size: int, seed: int = 0,
+                 full: bool = False) -> None:
+        """``full``: every tree has ``budget`` nodes (random ones around the right path)."""
         self.answers = answers
+        self.full = full
         self.vocab_size = vocab_size
         self.rng = random.Random(seed)
         self.contexts: dict[str, tuple[int, list[int]]] = {}  # request -> (prompt length, committed tokens)
@@ -39,10 +42,12 @@ class OracleTreeDrafter(DrafterBase):
         tokens: list[int] = []
         parents: list[int] = []
         # a random tree first, then splice the true path in below a random existing node or the root
-        for i in range(rng.randint(0, budget)):
+        right = rng.randint(0, len(truth)) if self.full else None
+        for i in range(budget - right if self.full else rng.randint(0, budget)):
             tokens.append(rng.randrange(self.vocab_size))
             parents.append(rng.randint(-1, i - 1))
-        right = rng.randint(0, len(truth))
+        if right is None:
+            right = rng.randint(0, len(truth))
         parent = ROOT
         for token in truth[:right]:
             if len(tokens) >= budget:

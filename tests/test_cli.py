@@ -35,7 +35,7 @@ BAD_INPUT = [
     (["generate", "hi", "--top-p", "1.5"], "top_p"),
     (["generate", "hi", "--top-k", "-2"], "top_k"),
     (["generate", "hi", "--max-tree-nodes", "-1"], "max_tree_nodes"),
-    (["generate", "hi", "--max-tree-nodes", "1000"], "max_tree_nodes"),
+    (["generate", "hi", "--max-tree-nodes", "1025"], "max_tree_nodes"),
     (["generate", "hi", "--threads", "0"], "threads"),
     (["up", "--kv-cache-gb", "-1"], "kv_cache_gb"),
     (["up", "--draft-ahead", "sometimes"], "draft_ahead"),
@@ -47,7 +47,7 @@ BAD_INPUT = [
     (["bench", "--concurrency", "0"], "concurrency"),
     (["bench", "--max-tree-nodes", "0"], "max_tree_nodes"),
     (["bench", "--fixed-tree-nodes", "0"], "fixed_tree_nodes"),
-    (["bench", "--fixed-tree-nodes", "65"], "fixed_tree_nodes"),
+    (["bench", "--fixed-tree-nodes", "1025"], "fixed_tree_nodes"),
     (["bench", "--limit", "0"], "limit"),
     (["tune", "--tree-nodes-candidates", "8,0"], "tree_nodes"),
     (["tune", "--fixed-tree-nodes-candidates", "4,x"], "fixed_tree_nodes"),
@@ -161,7 +161,7 @@ def test_a_cluster_spec_is_checked_as_its_services_check_their_settings():
     from specmesh.cluster.launcher import ClusterSpec
     from specmesh.errors import InvalidArgument
 
-    for bad in ({"kv_cache_gb": -1}, {"precision": "int3"}, {"speculation_margin": -0.5}, {"max_tree_nodes": 65},
+    for bad in ({"kv_cache_gb": -1}, {"precision": "int3"}, {"speculation_margin": -0.5}, {"max_tree_nodes": 1025},
                 {"job_timeout_s": 0}):
         with pytest.raises(InvalidArgument):
             ClusterSpec(model="m", **bad)

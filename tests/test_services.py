@@ -22,6 +22,7 @@ from specmesh.cluster.serving import Service, TorchThread, start_server
 from specmesh.drafters.ngram import HistoryDrafter, NgramDrafter
 from specmesh.cluster.drafter_sessions import DrafterSessions
 from specmesh.services.drafter.server import DrafterServicer
+from specmesh.tree import MAX_TREE_NODES
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc, router_pb2, router_pb2_grpc
 
 MAX_TOKENS = 20
@@ -121,7 +122,7 @@ BAD_REQUESTS = [
     (dict(prompt="hi", top_k=-3), "top_k"),
     (dict(prompt="hi", max_tokens=-5), "max_tokens"),
     (dict(prompt="hi", max_tokens=10**6), "max_tokens"),
-    (dict(prompt="hi", max_tree_nodes=65), "max_tree_nodes"),
+    (dict(prompt="hi", max_tree_nodes=MAX_TREE_NODES + 1), "max_tree_nodes"),
     (dict(prompt="hi", request_id="x" * 500), "request_id"),
 ]
 
@@ -197,7 +198,7 @@ def test_drafter_service_errors(redis_server, model, tokenizer):
                     (stub.Propose, drafter_pb2.ProposeRequest(request_id="nobody", budget=4)),
                     (stub.OpenSession, drafter_pb2.OpenSessionRequest(request_id="r", prompt_ids=[])),
                     (stub.OpenSession, drafter_pb2.OpenSessionRequest(request_id="r", prompt_ids=[1, 10**8])),
-                    (stub.Propose, drafter_pb2.ProposeRequest(request_id="r", budget=999)),
+                    (stub.Propose, drafter_pb2.ProposeRequest(request_id="r", budget=MAX_TREE_NODES + 1)),
                 ]:
                     try:
                         await call(message, timeout=10)

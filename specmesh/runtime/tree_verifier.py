@@ -30,7 +30,7 @@ from specmesh.runtime.features import MAX_PROMPT_FEATURES, Features
 from specmesh.runtime.llama import TreeBatch, check_feature_layers
 from specmesh.runtime.target import TargetRuntime, prefill_sessions, score_with_features
 from specmesh.sampling import SamplingParams, target_probabilities
-from specmesh.tree import CompiledTree, TokenTree, compile_tree
+from specmesh.tree import MAX_TREE_NODES, CompiledTree, TokenTree, compile_tree
 
 _MASK64 = (1 << 64) - 1
 log = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ class TreeVerifier:
     budget (``verify(..., prefill_ms=)``): then a long history is cached a chunk per call, the job coming
     back ``prefilling`` until its tree can be verified, so that other requests' steps go on between."""
 
-    def __init__(self, runtime: TargetRuntime, max_sessions: int = 256, max_tree_nodes: int = 64) -> None:
+    def __init__(self, runtime: TargetRuntime, max_sessions: int = 256, max_tree_nodes: int = MAX_TREE_NODES) -> None:
         if max_sessions < 1:
             raise InvalidArgument("max_sessions", f"must be >= 1, got {max_sessions}")
         self.runtime = runtime

@@ -26,7 +26,8 @@ import numpy as np
 
 from specmesh.runtime.calibration import PassSample
 
-DEFAULT_BUDGETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+# tree sizes the controller weighs (up to a request's cap): beyond 64 only where passes are flat in rows
+DEFAULT_BUDGETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 
 
 def expected_tokens(acceptance: float | Sequence[float], nodes: int) -> float:
