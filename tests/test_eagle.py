@@ -423,3 +423,34 @@ def test_the_training_layer_scales_fold_into_fc_exactly(target):
     head.fold_feature_scales()
     assert torch.equal(head.feature_scales, torch.ones(3))
     assert torch.allclose(head.fused(features[0]), trained, rtol=1e-4, atol=1e-4)
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+
+
+def test_a_head_with_rope_scaling_rotates_as_its_target_does(target, tmp_path):
+    """Llama-3.1's heads carry its RoPE scaling (llama3): the head's rotations are the ones transformers
+    computes for that config, at short and long positions alike, and it drafts losslessly; a scaling that
+    changes with the length is refused."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from specmesh.drafters.feature import rope_tables
+
+    spec = write_head(tmp_path / "head", draft_ids=list(range(DRAFT_VOCAB)),
+                      config_extra={"rope_scaling": LLAMA3_ROPE, "rope_theta": 500000.0})
+    drafter = load_drafter(spec, parts(target), None, None)
+    assert drafter.config.rope_scaling == LLAMA3_ROPE and drafter.config.rope_theta == 500000.0
+    head_dim = HIDDEN // 4
+    reference = LlamaRotaryEmbedding(LlamaConfig(hidden_size=HIDDEN, num_attention_heads=4, rope_theta=500000.0,
+                                                 rope_scaling=LLAMA3_ROPE, max_position_embeddings=512))
+    positions = torch.tensor([0, 3, 40, 300, 511])
+    cos, sin = reference(torch.zeros(1, 1, head_dim), positions.unsqueeze(0))
+    ours = rope_tables(positions, head_dim, 500000.0, LLAMA3_ROPE)
+    assert torch.allclose(ours[0], cos[0], atol=1e-6) and torch.allclose(ours[1], sin[0], atol=1e-6)
+    assert not torch.allclose(ours[0], rope_tables(positions, head_dim, 500000.0)[0], atol=1e-3)  # it matters
+    assert_greedy_is_plain(target, drafter)
+    dynamic = write_head(tmp_path / "dynamic", config_extra={"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})
+    with pytest.raises(InvalidArgument, match="RoPE scaling 'dynamic' is not supported"):
+        load_drafter(dynamic, parts(target), None, None)

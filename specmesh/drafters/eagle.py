@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from specmesh.drafters.feature import FeatureConfig, FeatureHead
+from specmesh.drafters.feature import FeatureConfig, FeatureHead, rope_scaling_of
 from specmesh.errors import InvalidArgument
 from specmesh.runtime.loading import TargetParts, tokenizer_fingerprint
 
@@ -100,7 +100,7 @@ def load_eagle3(spec: str, target: TargetParts) -> FeatureHead:
     head_config = FeatureConfig(
         hidden_size=hidden, num_heads=heads, num_kv_heads=int(config.get("num_key_value_heads", heads)),
         head_dim=int(config.get("head_dim") or hidden // heads), intermediate_size=int(config["intermediate_size"]),
-        feature_layers=layers, rope_theta=float(config.get("rope_theta", 10000.0)),
+        feature_layers=layers, rope_theta=rope_theta_of(config), rope_scaling=rope_scaling_of(config),
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)), subset_size=len(subset), feature_norms=False,
         fallback=False)
     model = FeatureHead(head_config, target.input_embeddings().float(), subset)
@@ -119,6 +119,11 @@ def load_eagle3(spec: str, target: TargetParts) -> FeatureHead:
     except RuntimeError as exc:  # shapes that disagree with its own config
         raise InvalidArgument("drafter", f"{where}: tensors do not match config.json: {str(exc).splitlines()[1:2]}") from None
     return model.eval()
+
+
+def rope_theta_of(config: dict) -> float:
+    """A checkpoint config's RoPE base (``rope_theta``, or inside transformers 5's ``rope_parameters``)."""
+    return float(config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta") or 10000.0)
 
 
 def check_target(directory: Path, where: str, config: dict, target: TargetParts, fc: torch.Tensor,
@@ -167,7 +172,7 @@ def load_eagle(spec: str, target: TargetParts) -> FeatureHead:
     head_config = FeatureConfig(
         hidden_size=hidden, num_heads=heads, num_kv_heads=int(config.get("num_key_value_heads", heads)),
         head_dim=int(config.get("head_dim") or hidden // heads), intermediate_size=int(config["intermediate_size"]),
-        feature_layers=(target.num_layers,), rope_theta=float(config.get("rope_theta", 10000.0)),
+        feature_layers=(target.num_layers,), rope_theta=rope_theta_of(config), rope_scaling=rope_scaling_of(config),
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)), subset_size=target.vocab_size, feature_norms=True,
         fallback=False, mix="fc", mix_bias="fc.bias" in tensors, final_norm=False)
     model = FeatureHead(head_config, target.input_embeddings().float(), torch.arange(target.vocab_size))
@@ -245,6 +250,7 @@ def write_eagle3(model: FeatureHead, directory: Path, vocab_size: int, max_posit
         "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim, "num_hidden_layers": 1, "hidden_act": "silu",
         "vocab_size": vocab_size, "draft_vocab_size": len(subset), "rms_norm_eps": c.rms_norm_eps,
         "rope_theta": c.rope_theta, "max_position_embeddings": max_position_embeddings,
+        **({"rope_scaling": c.rope_scaling} if c.rope_scaling else {}),
         "tie_word_embeddings": False, "torch_dtype": "float16",
         # SpecForge's count (the output of layer i): the hidden state after i + 1 layers
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [n - 1 for n in c.feature_layers],

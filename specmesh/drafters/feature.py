@@ -22,6 +22,7 @@ and layers, the architecture, measured agreement and cost, the command that made
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -61,6 +62,7 @@ class FeatureConfig:
     mix: str = "norms"
     mix_bias: bool = False  # "fc" with a bias (some EAGLE-1 checkpoints)
     final_norm: bool = True  # RMS-norm the output before the head (EAGLE-1/2 give it to the target's head raw)
+    rope_scaling: dict | None = None  # a RoPE scaling whose frequencies do not depend on the length (llama3, ...)
 
     @classmethod
     def for_target(cls, config, feature_layers: Sequence[int], subset_size: int) -> FeatureConfig:
@@ -70,7 +72,25 @@ class FeatureConfig:
         heads = config.num_attention_heads
         return cls(config.hidden_size, heads, config.num_key_value_heads,
                    getattr(config, "head_dim", None) or config.hidden_size // heads, config.intermediate_size,
-                   tuple(int(n) for n in feature_layers), float(theta), float(config.rms_norm_eps), subset_size)
+                   tuple(int(n) for n in feature_layers), float(theta), float(config.rms_norm_eps), subset_size,
+                   rope_scaling=rope_scaling_of({"rope_parameters": rope}))
+
+
+STATIC_ROPE_TYPES = ("linear", "llama3", "yarn")  # scalings whose frequencies do not depend on the length
+
+
+def rope_scaling_of(config: dict) -> dict | None:
+    """A checkpoint config's RoPE scaling (``rope_scaling``, or transformers 5's ``rope_parameters``)
+    without its theta; None for plain RoPE. Refuses a scaling that varies with the length."""
+    scaling = dict(config.get("rope_scaling") or config.get("rope_parameters") or {})
+    scaling.pop("rope_theta", None)
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind not in STATIC_ROPE_TYPES:
+        raise InvalidArgument("drafter", f"RoPE scaling {kind!r} is not supported in a feature head (only "
+                              f"{', '.join(STATIC_ROPE_TYPES)})")
+    return {**scaling, "rope_type": kind}
 
 
 class RMSNorm(nn.Module):
@@ -83,12 +103,31 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
-def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [...] -> cos, sin [..., head_dim] (Llama's rotation of the two halves)."""
-    inverse = theta ** -(torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
-    angles = positions.float().unsqueeze(-1) * inverse  # [..., head_dim / 2]
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float,
+                scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [...] -> cos, sin [..., head_dim] (Llama's rotation of the two halves), with ``scaling``'s
+    frequencies and attention factor where the head has one."""
+    inverse, factor = _inverse_frequencies(head_dim, theta, json.dumps(scaling, sort_keys=True) if scaling else "")
+    angles = positions.float().unsqueeze(-1) * inverse.to(positions.device)  # [..., head_dim / 2]
     angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos(), angles.sin()
+    return angles.cos() * factor, angles.sin() * factor
+
+
+@functools.lru_cache(maxsize=16)
+def _inverse_frequencies(head_dim: int, theta: float, scaling: str) -> tuple[torch.Tensor, float]:
+    """[head_dim / 2] fp32 and the attention factor: plain RoPE's, or transformers' own for a scaling (its
+    JSON), computed as the target model computes them."""
+    if not scaling:
+        return theta ** -(torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim), 1.0
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    parameters = json.loads(scaling)
+    longest = int(parameters.get("original_max_position_embeddings", 8192) * parameters.get("factor", 1.0))
+    config = LlamaConfig(hidden_size=head_dim, num_attention_heads=1, head_dim=head_dim, rope_theta=theta,
+                         rope_scaling=parameters, max_position_embeddings=max(longest, 1))
+    inverse, factor = ROPE_INIT_FUNCTIONS[parameters["rope_type"]](config, "cpu")
+    return inverse.float(), float(factor)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -165,7 +204,7 @@ class FeatureHead(nn.Module):
         q = qkv[..., :q_size].unflatten(-1, (c.num_heads, c.head_dim))
         k = qkv[..., q_size : q_size + kv_size].unflatten(-1, (c.num_kv_heads, c.head_dim))
         v = qkv[..., q_size + kv_size :].unflatten(-1, (c.num_kv_heads, c.head_dim))
-        cos, sin = rope_tables(positions, c.head_dim, c.rope_theta)
+        cos, sin = rope_tables(positions, c.head_dim, c.rope_theta, c.rope_scaling)
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
         return rotate(q, cos, sin), rotate(k, cos, sin), v
 
@@ -529,8 +568,9 @@ class FeatureDrafter(DrafterBase):
         if self._rope_tables is None or self._rope_tables[0].shape[0] < length:
             size = max(length, 2 * (0 if self._rope_tables is None else self._rope_tables[0].shape[0]), 1024)
             positions = torch.arange(size, device=self.model.head.weight.device)
-            self._rope_tables = tuple(t.to(self.dtype) for t in rope_tables(positions, self.config.head_dim,
-                                                                            self.config.rope_theta))
+            c = self.config
+            self._rope_tables = tuple(t.to(self.dtype) for t in rope_tables(positions, c.head_dim, c.rope_theta,
+                                                                            c.rope_scaling))
         return self._rope_tables
 
     def _reserve(self, state: _Request, length: int) -> None:
