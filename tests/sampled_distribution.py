@@ -56,3 +56,11 @@ def sampled_pairs_pvalue(engine, prompt: list[int], exact: dict, top_k: int, bat
             counts[pair] += 1
     total = sum(counts.values())
     return chisquare([counts[k] for k in exact], [exact[k] * total for k in exact]).pvalue
+
+
+def judge(rule: str, pvalue: float, what: str) -> None:
+    """The exact rule must keep the distribution (p > 1e-3); the decoy must be seen (p < 1e-6)."""
+    if rule == "exact":
+        assert pvalue > 1e-3, f"{what} changed the distribution (p = {pvalue:.2e})"
+    else:
+        assert pvalue < 1e-6, f"the test failed to notice a wrong acceptance rule (p = {pvalue:.2e})"
