@@ -19,7 +19,7 @@ from specmesh.speculation.policy import DEFAULT_FIXED_TREE_NODES
 DEMO_PROMPT = "Write a Python function that checks whether a string is a palindrome, and explain it."
 # what `specmesh up` passes on to its routers and verifiers
 UP_ROUTER_SETTINGS = ("api_keys_file", "max_tree_nodes", "speculation", "speculation_margin", "draft_ahead")
-UP_VERIFIER_SETTINGS = ("precision", "kv_cache_gb", "batch_invariant")
+UP_VERIFIER_SETTINGS = ("precision", "kv_cache_gb", "batch_invariant", "offload")
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", nargs="?", help="the user message (chat template applied)")
     gen.add_argument("--prompts", help="JSONL file: one {'prompt': ..., 'category': ...} a line")
     _add_model_args(gen)
+    VerifierSettings.add_flags(gen, ["offload"], defaults=True, environment=False)
     gen.add_argument("--greedy", action="store_true", help="greedy decoding (the default unless --temperature > 0)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -314,7 +315,8 @@ def _generate(args: argparse.Namespace) -> int:
     prompts = [Prompt(args.prompt)] if args.prompt is not None else load_prompts(args.prompts)
     configure_threads(args.threads)
     assembly = assemble(args.model, args.drafter or ["ngram"], device=args.device, dtype=args.dtype,
-                        precision=args.precision, kv_cache_gb=args.kv_cache_gb or None, batch_invariant=args.batch_invariant)
+                        precision=args.precision, kv_cache_gb=args.kv_cache_gb or None, batch_invariant=args.batch_invariant,
+                        offload=args.offload)
     speculative = assembly.engine(args.max_tree_nodes, args.speculation or "adaptive")
     plain = assembly.engine(0)
     classifier = default_classifier()
@@ -448,7 +450,8 @@ def _up(args: argparse.Namespace) -> int:
                        http_port=None if args.no_http else args.http_port,
                        api_keys_file=Path(args.api_keys_file) if args.api_keys_file else None, tls=args.tls,
                        log_dir=args.log_dir, speculation=args.speculation, speculation_margin=args.speculation_margin,
-                       precision=args.precision, kv_cache_gb=args.kv_cache_gb, batch_invariant=args.batch_invariant)
+                       precision=args.precision, kv_cache_gb=args.kv_cache_gb, batch_invariant=args.batch_invariant,
+                       offload=args.offload)
     cluster = LocalCluster(spec)
     print(f"starting Redis, {spec.verifiers} verifier(s), drafters {', '.join(spec.drafters)} (model-free ones "
           "inside the router) and the router "

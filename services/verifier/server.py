@@ -25,8 +25,8 @@ from specmesh.cluster.serving import Server, Service, TorchThread, run_service, 
 from specmesh.cluster.service_settings import VerifierSettings
 from specmesh.cluster.tls import TlsFiles
 from specmesh.runtime.calibration import measure_pass_curve
-from specmesh.runtime.loading import configure_threads, load_hf_model, tokenizer_fingerprint
-from specmesh.runtime.target import target_runtime
+from specmesh.runtime.loading import configure_threads, tokenizer_fingerprint
+from specmesh.runtime.target import load_target
 from specmesh.runtime.tree_verifier import TreeVerifier
 from specmesh.tree import MAX_TREE_NODES
 from specmesh.v1 import verifier_pb2, verifier_pb2_grpc
@@ -76,8 +76,8 @@ async def follow_worker(worker: VerifierWorker, server: Server) -> None:
 
 def load_verifier(args: VerifierSettings):
     configure_threads(args.threads)
-    target = load_hf_model(args.model, dtype=args.dtype, device=args.device)
-    runtime = target_runtime(target, args.precision, args.kv_cache_gb or None, args.batch_invariant)
+    target, runtime = load_target(args.model, args.dtype, args.device, args.precision, args.kv_cache_gb or None,
+                                  args.batch_invariant, args.offload)
     log.info("target %s computed in %s", target.name, runtime.precision)
     return target, runtime, TreeVerifier(runtime, max_sessions=args.max_sessions, max_tree_nodes=MAX_TREE_NODES)
 

@@ -153,6 +153,9 @@ class VerifierSettings(ServiceSettings):
         "never depend on the batch it is verified in; --no-batch-invariant puts cuBLAS under them (faster for large "
         "batches, exact only within a row bucket). CPU targets on their shipped blocks are batch-invariant always",
         shown="on for CUDA")
+    offload: bool = setting(False, "keep the target's decoder layers in host memory and stream them to the device a "
+                            "layer at a time (targets larger than the device's memory; a pass then costs about the "
+                            "same for a thousand rows as for one; no CUDA graphs, no GGUF blocks)")
     queue_key_file: str | None = setting(None, "the queue's HMAC key shared with the routers: only jobs tagged with "
                                          "it run, results are tagged with it (else $SPECMESH_QUEUE_KEY; neither: "
                                          "untagged)")

@@ -33,11 +33,12 @@ _WEIGHT_LEFT_MAX_ROWS = 3
 class PackedLinear:
     """y = x @ weight.T + bias for x [rows, in_features] -> [rows, out_features]."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True) -> None:
+        """``pack=False``: compute from ``weight`` itself (a buffer refilled between calls)."""
         self.weight = weight.detach()  # [out_features, in_features]
         self.bias = bias.detach() if bias is not None else None  # [out_features]
         self.out_features, self.in_features = self.weight.shape
-        self.packed = _pack_onednn(self.weight)
+        self.packed = _pack_onednn(self.weight) if pack else None
         if self.packed is not None:
             self.weight = None  # the packed copy replaces it; keep one copy in memory
 

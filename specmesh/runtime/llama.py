@@ -144,7 +144,7 @@ class LlamaRuntime:
         head = head_weight if head_weight is not None else hf_model.lm_head.weight
         self.lm_head = self._linear(["lm_head.weight"], [head])  # hidden -> outputs
         self.rotary = inner.rotary_emb  # HF's module: knows the model's RoPE variant and scaling
-        self.layers = [self._fuse_layer(index, layer) for index, layer in enumerate(inner.layers)]
+        self.layers = self._build_layers(inner.layers)
         # On blocks, activations are rounded to 8 bits (a step function): every row must then be computed
         # exactly as it would be alone, attention included, or last-bit differences become other tokens.
         self.exact_rows = isinstance(self.lm_head, BlockLinear) or any(
@@ -167,6 +167,9 @@ class LlamaRuntime:
                 return BlockLinear(BlockWeight.cat(blocks) if len(blocks) > 1 else blocks[0], bias)
         stacked = torch.cat([w.detach() for w in weights]) if len(weights) > 1 else weights[0].detach()
         return linear_for(stacked, bias, int8=self.int8_weights)
+
+    def _build_layers(self, layers: Sequence[torch.nn.Module]) -> Sequence[_Layer]:
+        return [self._fuse_layer(index, layer) for index, layer in enumerate(layers)]
 
     def _fuse_layer(self, index: int, layer: torch.nn.Module) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp

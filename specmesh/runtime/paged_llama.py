@@ -26,8 +26,9 @@ import torch
 from specmesh.errors import InvalidArgument
 from specmesh.kernels.paged_tree_attention import ancestor_table, group_bound, row_groups, rows_per_group
 from specmesh.runtime.kv_pool import PAGE_SIZE, TRASH_PAGE, KVPool, PagedSession
-from specmesh.runtime.linear import InvariantLinear
+from specmesh.runtime.linear import InvariantLinear, PackedLinear
 from specmesh.runtime.llama import LlamaRuntime, Scores, TreeBatch, check_feature_layers
+from specmesh.runtime.offload import StreamedLayers
 
 log = logging.getLogger(__name__)
 
@@ -117,13 +118,21 @@ class PagedLlamaRuntime(LlamaRuntime):
     ``ResourceExhausted`` from ``forward`` before anything is written."""
 
     def __init__(self, hf_model: torch.nn.Module, kv_cache_gb: float | None = None, graphs: bool | None = None,
-                 page_size: int = PAGE_SIZE, attention: str | None = None, batch_invariant: bool | None = None) -> None:
+                 page_size: int = PAGE_SIZE, attention: str | None = None, batch_invariant: bool | None = None,
+                 offload: str | torch.device | None = None) -> None:
         """``attention``: "triton" (the default on CUDA; on a CPU only under ``TRITON_INTERPRET=1``, for tests:
         attention and the fused elementwise kernels) or "reference" (PyTorch ops, the default elsewhere; its
         attention is not batch-invariant). ``batch_invariant`` (default: on CUDA): the matrix products in
         Triton with a reduction fixed by the weights' shapes, so that a request's logits never depend on the
-        rest of its batch; off, cuBLAS (exact only within a row bucket)."""
-        cuda = next(hf_model.parameters()).device.type == "cuda"
+        rest of its batch; off, cuBLAS (exact only within a row bucket). ``offload``: the device to compute on
+        while the decoder layers stay where ``hf_model`` holds them (host memory), streamed a layer at a time
+        (``offload.py``); the embeddings, final norm and LM head move to that device. No CUDA graphs then."""
+        self.offload = offload is not None
+        if self.offload:
+            inner = hf_model.model
+            for module in (inner.embed_tokens, inner.norm, inner.rotary_emb, hf_model.lm_head):
+                module.to(offload)
+        cuda = hf_model.get_input_embeddings().weight.device.type == "cuda"
         # read by _linear, which the base class calls
         self.batch_invariant = cuda if batch_invariant is None else batch_invariant
         super().__init__(hf_model)
@@ -135,9 +144,11 @@ class PagedLlamaRuntime(LlamaRuntime):
         self.fused_ops = self.attention == "triton"
         if kv_cache_gb is not None and not kv_cache_gb > 0:
             raise InvalidArgument("kv_cache_gb", f"must be > 0, got {kv_cache_gb}")
-        self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        self.graphs = self.device.type == "cuda" and not self.offload if graphs is None else graphs
         if self.graphs and self.device.type != "cuda":
             raise InvalidArgument("graphs", "CUDA graphs need a CUDA device")
+        if self.graphs and self.offload:
+            raise InvalidArgument("graphs", "an offloaded pass streams its layers eagerly: no CUDA graphs")
         positions = torch.arange(self.max_length, device=self.device)
         probe = self.embed[:1]
         cos, sin = zip(*(self.rotary(probe, chunk.unsqueeze(0)) for chunk in positions.split(8192)))
@@ -159,7 +170,27 @@ class PagedLlamaRuntime(LlamaRuntime):
             return free * DEFAULT_KV_FRACTION / 2**30
         return DEFAULT_CPU_KV_GB
 
+    def _build_layers(self, layers):
+        if not self.offload:
+            return super()._build_layers(layers)
+        self._host_layers = True  # _linear keeps the weights as they are, where they are
+        try:
+            host = super()._build_layers(layers)
+        finally:
+            self._host_layers = False
+        return StreamedLayers(host, self.device, self._slot_linear)
+
+    def _slot_linear(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        return InvariantLinear(weight, bias) if self.batch_invariant else PackedLinear(weight, bias, pack=False)
+
+    def _computed_layers(self):
+        """The decoder layers as a pass computes them: streamed to the device when offloaded."""
+        return self.layers.streamed() if self.offload else self.layers
+
     def _linear(self, names, weights, bias=None):
+        if getattr(self, "_host_layers", False):
+            return PackedLinear(torch.cat([w.detach() for w in weights]) if len(weights) > 1 else weights[0].detach(),
+                                bias, pack=False)
         if not self.batch_invariant:
             return super()._linear(names, weights, bias)
         return InvariantLinear(torch.cat([w.detach() for w in weights]) if len(weights) > 1 else weights[0], bias)
@@ -243,7 +274,7 @@ class PagedLlamaRuntime(LlamaRuntime):
             return self._fused_step(x, inputs, logits, wanted, captured)
         cos = self.cos[inputs.positions].unsqueeze(1)  # [rows, 1, head_dim]
         sin = self.sin[inputs.positions].unsqueeze(1)
-        for index, layer in enumerate(self.layers):
+        for index, layer in enumerate(self._computed_layers()):
             q, k, v = self._attention_inputs(layer, x, cos, sin)
             self.pool.k[index].index_copy_(0, inputs.slots, k)
             self.pool.v[index].index_copy_(0, inputs.slots, v)
@@ -262,7 +293,7 @@ class PagedLlamaRuntime(LlamaRuntime):
 
         rows, q_size = x.shape[0], self.num_heads * self.head_dim
         delta = None  # what the last layer adds to the residual stream
-        for index, layer in enumerate(self.layers):
+        for index, layer in enumerate(self._computed_layers()):
             x, h = add_rms_norm(x, delta, layer.input_norm, self.eps)
             q = rope_and_cache(layer.qkv(h), inputs.positions, self.cos, self.sin, inputs.slots, self.pool.k[index],
                                self.pool.v[index], self.num_heads)  # [rows, heads, head_dim]

@@ -15,7 +15,7 @@ from specmesh.kernels.cpu_ops import KernelUnavailable, build_every_path, load_c
 from specmesh.runtime.gguf import check_block_weights, load_block_weights
 from specmesh.runtime.hf import HFRuntime
 from specmesh.runtime.llama import LlamaRuntime, Scores, TreeBatch, lean_unsupported
-from specmesh.runtime.loading import LoadedModel, cache_root, resolve_model_dir
+from specmesh.runtime.loading import LoadedModel, cache_root, load_hf_model, pick_device, pick_dtype, resolve_model_dir
 from specmesh.runtime.precision import check_precision
 from specmesh.tree import TokenTree, compile_tree
 
@@ -114,6 +114,29 @@ def target_runtime(loaded: LoadedModel, precision: str = "shipped", kv_cache_gb:
     ``PagedLlamaRuntime``."""
     return make_runtime(loaded.model, block_weights=shipped_blocks(loaded, precision), kv_cache_gb=kv_cache_gb,
                         batch_invariant=batch_invariant)
+
+
+def load_target(model: str, dtype: str | None = None, device: str | None = None, precision: str = "shipped",
+                kv_cache_gb: float | None = None, batch_invariant: bool | None = None,
+                offload: bool = False) -> tuple[LoadedModel, TargetRuntime]:
+    """The target loaded and the runtime it is served with (``target_runtime``). ``offload``: its decoder
+    layers stay in host memory, in the compute device's dtype, streamed to ``device`` a layer at a time
+    (``offload.py``); its own weights, never GGUF blocks or ``q8_0``."""
+    if not offload:
+        loaded = load_hf_model(model, dtype=dtype, device=device)
+        return loaded, target_runtime(loaded, precision, kv_cache_gb, batch_invariant)
+    check_precision(precision)
+    if precision == "q8_0":
+        raise InvalidArgument("precision", "an offloaded target streams its own weights: q8_0 does not apply")
+    compute = pick_device(device)
+    loaded = load_hf_model(model, dtype=pick_dtype(dtype, compute), device="cpu")
+    reason = lean_unsupported(loaded.model.config)
+    if reason:
+        raise InvalidArgument("offload", f"no streamed runtime for this model: {reason}")
+    from specmesh.runtime.paged_llama import PagedLlamaRuntime
+
+    return loaded, PagedLlamaRuntime(loaded.model, kv_cache_gb=kv_cache_gb, batch_invariant=batch_invariant,
+                                     offload=compute)
 
 
 PREFILL_CHUNK = 512  # tokens per session per prefill pass: bounds the attention scores' memory

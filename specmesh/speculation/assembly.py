@@ -9,8 +9,8 @@ from specmesh.drafters.base import Drafter
 from specmesh.drafters.catalog import load_drafter
 from specmesh.prompts import encode_chat
 from specmesh.runtime.calibration import PassCurve, measure_pass_curve
-from specmesh.runtime.loading import LoadedModel, load_hf_model, parts_of
-from specmesh.runtime.target import TargetRuntime, target_runtime
+from specmesh.runtime.loading import LoadedModel, parts_of
+from specmesh.runtime.target import TargetRuntime, load_target
 from specmesh.sampling import SamplingParams
 from specmesh.speculation.classifier import RequestClassifier
 from specmesh.speculation.engine import Request, SpeculativeEngine
@@ -63,9 +63,9 @@ def eos_token_ids(model: LoadedModel) -> list[int]:
 def assemble(
     model: str, drafters: Sequence[str] = ("ngram",), device: str | None = None, dtype: str | None = None,
     precision: str = "shipped", kv_cache_gb: float | None = None, batch_invariant: bool | None = None,
+    offload: bool = False,
 ) -> Assembly:
     """The target (in ``precision``: see ``runtime.target.PRECISIONS``; its KV cache within ``kv_cache_gb``;
-    ``batch_invariant``: see ``PagedLlamaRuntime``) and the named drafters."""
-    target = load_hf_model(model, dtype=dtype, device=device)
-    runtime = target_runtime(target, precision, kv_cache_gb, batch_invariant)
+    ``batch_invariant``: see ``PagedLlamaRuntime``; ``offload``: see ``load_target``) and the named drafters."""
+    target, runtime = load_target(model, dtype, device, precision, kv_cache_gb, batch_invariant, offload)
     return Assembly(target, runtime, [load_drafter(d, target, device, dtype) for d in drafters])

@@ -1,0 +1,99 @@
+"""The offloaded target (``--offload``): decoder layers in host memory, streamed to the compute device a
+layer at a time through two slots. On a CPU the same path copies host to host: its passes equal the
+resident runtime's bit for bit, and speculation on it is lossless (judged against its own plain decoding,
+greedy and sampled, with trees up to 256 nodes)."""
+
+import copy
+
+import pytest
+import torch
+from conftest import tiny_llama
+from drafting import OracleTreeDrafter
+from sampled_distribution import judge, lying_rule, sampled_pairs_pvalue, two_token_distribution
+
+from specmesh.errors import InvalidArgument
+from specmesh.runtime.llama import TreeBatch
+from specmesh.runtime.offload import StreamedLayers, layer_tensors
+from specmesh.runtime.paged_llama import PagedLlamaRuntime
+from specmesh.runtime.target import prefill_sessions
+from specmesh.sampling import SamplingParams
+from specmesh.speculation.engine import Request, SpeculativeEngine
+from specmesh.tree import TokenTree, compile_tree
+
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(vocab_size=VOCAB, layers=3, seed=5, max_position_embeddings=2048)
+
+
+def offloaded(model) -> PagedLlamaRuntime:
+    return PagedLlamaRuntime(copy.deepcopy(model), offload="cpu")
+
+
+def test_each_layer_reaches_its_slot_before_it_computes(model):
+    runtime = offloaded(model)
+    layers = runtime.layers
+    assert isinstance(layers, StreamedLayers) and len(layers) == 3 and not runtime.graphs
+    seen = []
+    for index, slot in enumerate(layers.streamed()):
+        assert all(torch.equal(a, b) for a, b in zip(layer_tensors(slot), layer_tensors(layers[index])))
+        seen.append(id(slot))
+    assert seen[0] == seen[2] != seen[1]  # two slots, in turn
+
+
+def test_an_offloaded_pass_equals_the_resident_one_bit_for_bit(model):
+    trees = [TokenTree((3, 4, 5), (-1, 0, -1), (1.0,) * 3), TokenTree.chain([7, 8]), TokenTree()]
+    logits = []
+    for runtime in (PagedLlamaRuntime(model), offloaded(model)):
+        sessions = [runtime.new_session() for _ in trees]
+        prefill_sessions(runtime, sessions, [[5, 6, 7, 8], [9, 10], list(range(20, 60))])
+        logits.append(runtime.forward(TreeBatch.build(sessions, [compile_tree(11, t) for t in trees])))
+    assert torch.equal(*logits)
+
+
+@pytest.mark.parametrize("nodes", [8, 256])
+def test_speculation_on_the_offloaded_target_is_its_plain_decoding(model, nodes):
+    runtime = offloaded(model)
+    prompts = [[5 + i, 17, 3 * i + 2, 40] for i in range(3)]
+    requests = lambda: [Request(tuple(p), SamplingParams(max_tokens=16)) for p in prompts]  # noqa: E731
+    plain = SpeculativeEngine(runtime, drafters=[], max_tree_nodes=0).generate(requests())
+    answers = {tuple(p): out.token_ids for p, out in zip(prompts, plain)}
+    drafter = OracleTreeDrafter(answers, VOCAB, seed=nodes, full=True)
+    outputs = SpeculativeEngine(runtime, drafters=[drafter], max_tree_nodes=nodes).generate(requests())
+    assert [out.token_ids for out in outputs] == [answers[tuple(p)] for p in prompts]
+    assert sum(len(o.token_ids) for o in outputs) > sum(o.stats.target_steps for o in outputs)
+
+
+@pytest.mark.parametrize("rule", ["exact", "lying"])
+def test_sampling_on_the_offloaded_target_keeps_its_distribution(rule, monkeypatch):
+    vocab, top_k, prompt = 32, 4, [2, 9, 4, 2, 9]
+    runtime = PagedLlamaRuntime(tiny_llama(vocab_size=vocab, seed=3), offload="cpu")
+    if rule == "lying":
+        monkeypatch.setattr("specmesh.runtime.tree_verifier.verify_mss", lying_rule)
+    exact = two_token_distribution(runtime, prompt, top_k)
+    drafter = OracleTreeDrafter({tuple(prompt): list(max(exact, key=exact.get))}, vocab, seed=1)
+    engine = SpeculativeEngine(runtime, drafters=[drafter], max_tree_nodes=6)
+    judge(rule, sampled_pairs_pvalue(engine, prompt, exact, top_k, batches=20, max_tokens=3),
+          "speculative sampling on the offloaded target")
+
+
+def test_an_offloaded_target_is_not_captured_in_graphs(model):
+    with pytest.raises(InvalidArgument, match="graphs"):
+        PagedLlamaRuntime(copy.deepcopy(model), offload="cpu", graphs=True)
+
+
+@pytest.mark.slow  # the embedded target
+def test_specmesh_generate_serves_the_embedded_target_offloaded():
+    """`specmesh generate --offload --compare-plain`: the GGUF's de-quantized layers streamed from host
+    memory; speculative and plain decoding on them give the same tokens."""
+    import os
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "specmesh", "generate", "Count from one to ten.", "--offload",
+                             "--max-tokens", "24", "--compare-plain"], capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "outputs identical" in result.stdout, result.stdout
