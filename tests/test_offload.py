@@ -33,7 +33,9 @@ def offloaded(model) -> PagedLlamaRuntime:
 
 
 def test_each_layer_reaches_its_slot_before_it_computes(model):
-    runtime = offloaded(model)
+    copied = copy.deepcopy(model)
+    runtime = PagedLlamaRuntime(copied, offload="cpu")
+    assert all(p.numel() == 0 for p in copied.model.layers.parameters())  # one copy of the weights: the runtime's
     layers = runtime.layers
     assert isinstance(layers, StreamedLayers) and len(layers) == 3 and not runtime.graphs
     seen = []

@@ -39,14 +39,21 @@ def layer_over(layer: _Layer, tensors: list[torch.Tensor], linear: SlotLinear) -
     return _Layer(input_norm, linears[0], linears[1], post_norm, linears[2], linears[3])
 
 
+def host_layer(layer: _Layer, device: torch.device, linear: SlotLinear) -> _Layer:
+    """``layer`` as it waits in host memory: its tensors pinned where ``device`` is a GPU (so that copies
+    run asynchronously), as they are on a CPU."""
+    if device.type != "cuda":
+        return layer
+    return layer_over(layer, [t.pin_memory() for t in layer_tensors(layer)], linear)
+
+
 class StreamedLayers:
-    """``host`` layers (their tensors pinned where the device is a GPU) computed on ``device`` through two
-    slots. Indexing gives the host layers (shapes, kinds); ``streamed()`` gives each layer on the device."""
+    """``host`` layers (see ``host_layer``) computed on ``device`` through two slots. Indexing gives the
+    host layers (shapes, kinds); ``streamed()`` gives each layer on the device."""
 
     def __init__(self, host: list[_Layer], device: torch.device, linear: SlotLinear) -> None:
         cuda = device.type == "cuda"
-        self.host = [layer_over(layer, [t.pin_memory() for t in layer_tensors(layer)], linear) if cuda else layer
-                     for layer in host]
+        self.host = host
         first = layer_tensors(self.host[0])
         self.slots = [layer_over(self.host[0], [torch.empty_like(t, device=device) for t in first], linear)
                       for _ in range(2)]

@@ -28,7 +28,7 @@ from specmesh.kernels.paged_tree_attention import ancestor_table, group_bound, r
 from specmesh.runtime.kv_pool import PAGE_SIZE, TRASH_PAGE, KVPool, PagedSession
 from specmesh.runtime.linear import InvariantLinear, PackedLinear
 from specmesh.runtime.llama import LlamaRuntime, Scores, TreeBatch, check_feature_layers
-from specmesh.runtime.offload import StreamedLayers
+from specmesh.runtime.offload import StreamedLayers, host_layer
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,8 @@ class PagedLlamaRuntime(LlamaRuntime):
         Triton with a reduction fixed by the weights' shapes, so that a request's logits never depend on the
         rest of its batch; off, cuBLAS (exact only within a row bucket). ``offload``: the device to compute on
         while the decoder layers stay where ``hf_model`` holds them (host memory), streamed a layer at a time
-        (``offload.py``); the embeddings, final norm and LM head move to that device. No CUDA graphs then."""
+        (``offload.py``); the embeddings, final norm and LM head move to that device, and ``hf_model``'s
+        decoder layers are emptied (the runtime holds their weights, once). No CUDA graphs then."""
         self.offload = offload is not None
         if self.offload:
             inner = hf_model.model
@@ -173,9 +174,13 @@ class PagedLlamaRuntime(LlamaRuntime):
     def _build_layers(self, layers):
         if not self.offload:
             return super()._build_layers(layers)
+        host = []
         self._host_layers = True  # _linear keeps the weights as they are, where they are
         try:
-            host = super()._build_layers(layers)
+            for index, layer in enumerate(layers):
+                host.append(host_layer(self._fuse_layer(index, layer), self.device, self._slot_linear))
+                for parameter in layer.parameters():  # held by the runtime now: one copy in host memory
+                    parameter.data = parameter.data.new_empty(0)
         finally:
             self._host_layers = False
         return StreamedLayers(host, self.device, self._slot_linear)
