@@ -107,7 +107,8 @@ def test_the_launchers_command_lines_are_read_back_as_the_spec_says(tmp_path, no
     """What `specmesh up` starts is parsed by each service's own settings to the spec's values."""
     spec = ClusterSpec(model="smollm2-135m-instruct", drafters=("ngram", "code"), precision="fp32", kv_cache_gb=1.5,
                        batch_invariant=False, speculation="fixed", speculation_margin=0.25, max_tree_nodes=8,
-                       draft_ahead="on", job_timeout_s=12.5, log_dir=tmp_path, cores=4, verifiers=2, tls=True)
+                       draft_ahead="on", job_timeout_s=12.5, log_dir=tmp_path, cores=4, verifiers=2, tls=True,
+                       offload=True)
     cluster = LocalCluster(spec)
     cluster.drafters = [cluster.drafter_process("code")]
     processes = {"verifier": cluster.verifier_process(1), "drafter": cluster.drafters[0],
@@ -116,7 +117,7 @@ def test_the_launchers_command_lines_are_read_back_as_the_spec_says(tmp_path, no
     assert processes["router"].command[2] == "specmesh.services.router"
     verifier, drafter, router = read["verifier"], read["drafter"], read["router"]
     assert (verifier.model, verifier.precision, verifier.kv_cache_gb, verifier.batch_invariant, verifier.threads,
-            verifier.verifier_id) == (spec.model, "fp32", 1.5, False, 2, "verifier-1")
+            verifier.verifier_id, verifier.offload) == (spec.model, "fp32", 1.5, False, 2, "verifier-1", True)
     assert (drafter.model, drafter.drafter, drafter.threads) == (spec.model, "code", 1)
     assert (router.speculation, router.speculation_margin, router.max_tree_nodes, router.draft_ahead,
             router.job_timeout, router.local_drafters) == ("fixed", 0.25, 8, "on", 12.5, "ngram")
