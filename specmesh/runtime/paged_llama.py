@@ -162,6 +162,9 @@ class PagedLlamaRuntime(LlamaRuntime):
         self._graph_memory = torch.cuda.graph_pool_handle() if self.graphs else None
         log.info("KV pool: %d pages of %d positions (%.2f GiB), %s", self.pool.capacity_pages, page_size,
                  self.pool.num_pages * self.pool.page_bytes / 2**30, "CUDA graphs" if self.graphs else "eager")
+        if self.offload:
+            log.info("decoder layers in host memory (%.2f GiB), streamed to %s a layer at a time",
+                     len(self.layers) * self.layers.layer_bytes / 2**30, self.device)
 
     def _kv_budget_gb(self, kv_cache_gb: float | None) -> float:
         if kv_cache_gb is not None:
