@@ -35,6 +35,12 @@ class KVPool:
         self.v = torch.zeros_like(self.k)
         self._free = list(range(self.num_pages - 1, TRASH_PAGE, -1))  # a stack: low pages first
 
+    def move(self, source: torch.Tensor, target: torch.Tensor) -> None:
+        """Copy every layer's K/V from slots ``source`` to slots ``target`` ([n] each)."""
+        source, target = source.to(self.k.device), target.to(self.k.device)
+        for cache in (self.k, self.v):  # index_select copies first: overlapping moves are safe
+            cache.index_copy_(1, target, cache.index_select(1, source))
+
     @property
     def free_pages(self) -> int:
         return len(self._free)
@@ -114,10 +120,7 @@ class PagedSession:
         if not rows:
             return
         if rows != list(range(len(rows))):  # the accepted path is not already in place
-            source = self.slots(self.length, rows[-1] + 1)[torch.tensor(rows)].to(self.pool.k.device)
-            target = self.slots(self.length, len(rows)).to(self.pool.k.device)
-            for cache in (self.pool.k, self.pool.v):  # index_select copies first: overlapping moves are safe
-                cache.index_copy_(1, target, cache.index_select(1, source))
+            self.pool.move(self.slots(self.length, rows[-1] + 1)[torch.tensor(rows)], self.slots(self.length, len(rows)))
         self.length += len(rows)
         self._trim()
 

@@ -278,9 +278,13 @@ class LlamaRuntime:
 
     def _finish_layer(self, layer: _Layer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         # x [rows, hidden], attended [rows, heads, head_dim]: the output projection and the MLP, with residuals
-        x = x + layer.out(attended.reshape(x.shape[0], -1))
+        x = x + self._reduce(layer.out(attended.reshape(x.shape[0], -1)))
         gate, up = layer.gate_up(self._norm(x, layer.post_norm)).chunk(2, dim=-1)
-        return x + layer.down(F.silu(gate) * up)
+        return x + self._reduce(layer.down(F.silu(gate) * up))
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """A projection's output summed over the ranks that hold the rest of it (tensor parallelism)."""
+        return partial
 
     def _fused_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: TreeBatch,
                       tree_masks: list[torch.Tensor], captured: dict[int, torch.Tensor],

@@ -117,6 +117,8 @@ class PagedLlamaRuntime(LlamaRuntime):
     graphs on a GPU with ``graphs=True``). Sessions are ``PagedSession``; a full pool raises
     ``ResourceExhausted`` from ``forward`` before anything is written."""
 
+    pool_type: type[KVPool] = KVPool
+
     def __init__(self, hf_model: torch.nn.Module, kv_cache_gb: float | None = None, graphs: bool | None = None,
                  page_size: int = PAGE_SIZE, attention: str | None = None, batch_invariant: bool | None = None,
                  offload: str | torch.device | None = None) -> None:
@@ -155,7 +157,7 @@ class PagedLlamaRuntime(LlamaRuntime):
         cos, sin = zip(*(self.rotary(probe, chunk.unsqueeze(0)) for chunk in positions.split(8192)))
         self.cos = torch.cat([c[0] for c in cos])  # [max_length, head_dim], in the model's dtype
         self.sin = torch.cat([s[0] for s in sin])
-        self.pool = KVPool(len(self.layers), self.num_kv_heads, self.head_dim, self.dtype, self.device,
+        self.pool = self.pool_type(len(self.layers), self.num_kv_heads, self.head_dim, self.dtype, self.device,
                            int(self._kv_budget_gb(kv_cache_gb) * 2**30), page_size)
         self.max_pages = self.pool.pages_for(self.max_length)
         self._graphs: dict[tuple[int, int, int], _Graph] = {}
@@ -306,8 +308,8 @@ class PagedLlamaRuntime(LlamaRuntime):
             q = rope_and_cache(layer.qkv(h), inputs.positions, self.cos, self.sin, inputs.slots, self.pool.k[index],
                                self.pool.v[index], self.num_heads)  # [rows, heads, head_dim]
             attended = self._paged_attention(q, index, inputs)
-            x, h = add_rms_norm(x, layer.out(attended.reshape(rows, q_size)), layer.post_norm, self.eps)
-            delta = layer.down(silu_mul(layer.gate_up(h)))
+            x, h = add_rms_norm(x, self._reduce(layer.out(attended.reshape(rows, q_size))), layer.post_norm, self.eps)
+            delta = self._reduce(layer.down(silu_mul(layer.gate_up(h))))
             if index + 1 in wanted:  # the residual stream is x + delta until the next norm adds it
                 captured[index + 1] = x + delta
         if not logits:
