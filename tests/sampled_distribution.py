@@ -64,3 +64,21 @@ def judge(rule: str, pvalue: float, what: str) -> None:
         assert pvalue > 1e-3, f"{what} changed the distribution (p = {pvalue:.2e})"
     else:
         assert pvalue < 1e-6, f"the test failed to notice a wrong acceptance rule (p = {pvalue:.2e})"
+
+
+def judge_sampling_on(runtime, rule: str, monkeypatch, vocab: int, what: str, nodes: int = 6,
+                      batches: int = 12) -> None:
+    """Two sampled tokens (top-4) through trees of ``nodes`` whose right path is the likeliest pair,
+    against ``runtime``'s exact two-token distribution; with ``rule`` "lying" the acceptance rule is the
+    decoy, which must be seen."""
+    from drafting import OracleTreeDrafter
+
+    from specmesh.speculation.engine import SpeculativeEngine
+
+    top_k, prompt = 4, [2, 9, 4, 2, 9]
+    if rule == "lying":
+        monkeypatch.setattr("specmesh.runtime.tree_verifier.verify_mss", lying_rule)
+    exact = two_token_distribution(runtime, prompt, top_k)
+    drafter = OracleTreeDrafter({tuple(prompt): list(max(exact, key=exact.get))}, vocab, seed=1, full=nodes > 6)
+    engine = SpeculativeEngine(runtime, drafters=[drafter], max_tree_nodes=nodes)
+    judge(rule, sampled_pairs_pvalue(engine, prompt, exact, top_k, batches=batches, max_tokens=3), what)

@@ -5,7 +5,7 @@ greedy and sampled, with the right path hidden among random branches."""
 import pytest
 from conftest import hf_greedy, tiny_llama
 from drafting import OracleTreeDrafter
-from sampled_distribution import judge, lying_rule, sampled_pairs_pvalue, two_token_distribution
+from sampled_distribution import judge_sampling_on
 
 from specmesh.kernels.block_linear import quantize
 from specmesh.kernels.cpu_ops import load_cpu_ops
@@ -59,14 +59,5 @@ def test_a_thousand_node_tree_gives_the_plain_greedy_output(target, kind, nodes)
 def test_sampling_through_a_256_node_tree_keeps_the_targets_distribution(rule, monkeypatch):
     """Two sampled tokens (top-4) through 256-node trees whose right path guesses the likeliest first
     token; a wrong acceptance rule (the decoy) must be seen."""
-    vocab, top_k, prompt = 32, 4, [2, 9, 4, 2, 9]
-    model = tiny_llama(vocab_size=vocab, seed=3, max_position_embeddings=4096)
-    runtime = LlamaRuntime(model)
-    if rule == "lying":
-        monkeypatch.setattr("specmesh.runtime.tree_verifier.verify_mss", lying_rule)
-    exact = two_token_distribution(runtime, prompt, top_k)
-    mode = max(exact, key=exact.get)
-    drafter = OracleTreeDrafter({tuple(prompt): list(mode)}, vocab, seed=1, full=True)
-    engine = SpeculativeEngine(runtime, drafters=[drafter], max_tree_nodes=256)
-    pvalue = sampled_pairs_pvalue(engine, prompt, exact, top_k, batches=8, max_tokens=3)
-    judge(rule, pvalue, "sampling through 256-node trees")
+    runtime = LlamaRuntime(tiny_llama(vocab_size=32, seed=3, max_position_embeddings=4096))
+    judge_sampling_on(runtime, rule, monkeypatch, 32, "sampling through 256-node trees", nodes=256, batches=8)

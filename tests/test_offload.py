@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import tiny_llama
 from drafting import OracleTreeDrafter
-from sampled_distribution import judge, lying_rule, sampled_pairs_pvalue, two_token_distribution
+from sampled_distribution import judge_sampling_on
 
 from specmesh.errors import InvalidArgument
 from specmesh.runtime.llama import TreeBatch
@@ -70,15 +70,8 @@ def test_speculation_on_the_offloaded_target_is_its_plain_decoding(model, nodes)
 
 @pytest.mark.parametrize("rule", ["exact", "lying"])
 def test_sampling_on_the_offloaded_target_keeps_its_distribution(rule, monkeypatch):
-    vocab, top_k, prompt = 32, 4, [2, 9, 4, 2, 9]
-    runtime = PagedLlamaRuntime(tiny_llama(vocab_size=vocab, seed=3), offload="cpu")
-    if rule == "lying":
-        monkeypatch.setattr("specmesh.runtime.tree_verifier.verify_mss", lying_rule)
-    exact = two_token_distribution(runtime, prompt, top_k)
-    drafter = OracleTreeDrafter({tuple(prompt): list(max(exact, key=exact.get))}, vocab, seed=1)
-    engine = SpeculativeEngine(runtime, drafters=[drafter], max_tree_nodes=6)
-    judge(rule, sampled_pairs_pvalue(engine, prompt, exact, top_k, batches=20, max_tokens=3),
-          "speculative sampling on the offloaded target")
+    runtime = PagedLlamaRuntime(tiny_llama(vocab_size=32, seed=3), offload="cpu")
+    judge_sampling_on(runtime, rule, monkeypatch, 32, "speculative sampling on the offloaded target", batches=20)
 
 
 def test_an_offloaded_target_is_not_captured_in_graphs(model):

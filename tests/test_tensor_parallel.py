@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from conftest import tiny_llama
 from drafting import OracleTreeDrafter
-from sampled_distribution import judge, lying_rule, sampled_pairs_pvalue, two_token_distribution
+from sampled_distribution import judge_sampling_on
 
 from specmesh.errors import InvalidArgument
 from specmesh.runtime.paged_llama import PagedLlamaRuntime
@@ -55,14 +55,7 @@ def test_speculation_on_two_ranks_is_their_plain_decoding(pair):
 
 @pytest.mark.parametrize("rule", ["exact", "lying"])
 def test_sampling_on_two_ranks_keeps_their_distribution(pair, rule, monkeypatch):
-    top_k, prompt = 4, [2, 9, 4, 2, 9]
-    if rule == "lying":
-        monkeypatch.setattr("specmesh.runtime.tree_verifier.verify_mss", lying_rule)
-    exact = two_token_distribution(pair, prompt, top_k)
-    drafter = OracleTreeDrafter({tuple(prompt): list(max(exact, key=exact.get))}, VOCAB, seed=1)
-    engine = SpeculativeEngine(pair, drafters=[drafter], max_tree_nodes=6)
-    judge(rule, sampled_pairs_pvalue(engine, prompt, exact, top_k, batches=12, max_tokens=3),
-          "speculative sampling on two ranks")
+    judge_sampling_on(pair, rule, monkeypatch, VOCAB, "speculative sampling on two ranks")
 
 
 def test_ranks_must_divide_the_heads():
