@@ -19,7 +19,7 @@ from specmesh.speculation.policy import DEFAULT_FIXED_TREE_NODES
 DEMO_PROMPT = "Write a Python function that checks whether a string is a palindrome, and explain it."
 # what `specmesh up` passes on to its routers and verifiers
 UP_ROUTER_SETTINGS = ("api_keys_file", "max_tree_nodes", "speculation", "speculation_margin", "draft_ahead")
-UP_VERIFIER_SETTINGS = ("precision", "kv_cache_gb", "batch_invariant", "offload")
+UP_VERIFIER_SETTINGS = ("precision", "kv_cache_gb", "batch_invariant", "offload", "tensor_parallel")
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -451,7 +451,7 @@ def _up(args: argparse.Namespace) -> int:
                        api_keys_file=Path(args.api_keys_file) if args.api_keys_file else None, tls=args.tls,
                        log_dir=args.log_dir, speculation=args.speculation, speculation_margin=args.speculation_margin,
                        precision=args.precision, kv_cache_gb=args.kv_cache_gb, batch_invariant=args.batch_invariant,
-                       offload=args.offload)
+                       offload=args.offload, tensor_parallel=args.tensor_parallel)
     cluster = LocalCluster(spec)
     print(f"starting Redis, {spec.verifiers} verifier(s), drafters {', '.join(spec.drafters)} (model-free ones "
           "inside the router) and the router "

@@ -73,3 +73,54 @@ def test_the_shards_hold_every_weight_once():
             assert torch.equal(torch.cat(parts, dim), tensor), name
         else:
             assert all(torch.equal(p, tensor) for p in parts), name
+
+
+def spawned_children(pid: int) -> list[int]:
+    """The processes ``pid`` spawned with multiprocessing (its tensor-parallel ranks)."""
+    import subprocess
+
+    children = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout.split()
+    found = []
+    for child in children:
+        try:
+            command = open(f"/proc/{child}/cmdline", "rb").read().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if b"spawn_main" in command:
+            found.append(int(child))
+    return found
+
+
+@pytest.mark.slow  # a cluster
+def test_a_rank_killed_mid_request_costs_time_not_the_request(tmp_path):
+    """`specmesh up --tensor-parallel 2` on a random target: the second rank killed while a request is
+    under way; the group ends and starts again as one (the supervisor's), and the request completes with
+    the group's plain output."""
+    import signal
+
+    from conftest import wait_until
+
+    from specmesh.client import Client
+    from specmesh.cluster.launcher import ClusterSpec, LocalCluster
+
+    prompt = [5, 17, 9, 33, 2, 40, 41, 7]
+    # the job is sent again once the group is back (the timeout covers its start): no other verifier takes it
+    spec = ClusterSpec(model="random:tiny", drafters=(), tensor_parallel=2, job_timeout_s=30.0, log_dir=tmp_path)
+    with LocalCluster(spec) as cluster, Client(cluster.router_address) as client:
+        plain = client.generate(prompt_ids=prompt, max_tokens=300, speculation="off").token_ids
+        verifier = cluster.verifiers[0]
+        (rank,) = spawned_children(verifier.popen.pid)
+        before = verifier.popen
+        tokens, killed = [], False
+        for chunk in client.stream(prompt_ids=prompt, max_tokens=300, speculation="fixed", timeout_s=300):
+            tokens += chunk.token_ids
+            if len(tokens) >= 40 and not killed:
+                import os
+
+                os.kill(rank, signal.SIGKILL)
+                killed = True
+        assert killed and tokens == plain
+        wait_until(lambda: verifier.popen is not before, timeout_s=60, what="the group started again")
+        assert before.wait(5) == 70  # rank 0 ended the group when its peer went
+        verifier.wait_ready(300)
+        assert client.generate(prompt_ids=prompt, max_tokens=300).token_ids == plain  # the new group serves

@@ -76,8 +76,14 @@ async def follow_worker(worker: VerifierWorker, server: Server) -> None:
 
 def load_verifier(args: VerifierSettings):
     configure_threads(args.threads)
-    target, runtime = load_target(args.model, args.dtype, args.device, args.precision, args.kv_cache_gb or None,
-                                  args.batch_invariant, args.offload)
+    if args.tensor_parallel > 1:
+        from specmesh.runtime.tensor_parallel import start_group
+
+        target, runtime = start_group(args.model, args.tensor_parallel, args.dtype, args.device,
+                                      args.kv_cache_gb or None, args.precision)
+    else:
+        target, runtime = load_target(args.model, args.dtype, args.device, args.precision, args.kv_cache_gb or None,
+                                      args.batch_invariant, args.offload)
     log.info("target %s computed in %s", target.name, runtime.precision)
     return target, runtime, TreeVerifier(runtime, max_sessions=args.max_sessions, max_tree_nodes=MAX_TREE_NODES)
 

@@ -68,6 +68,7 @@ class ClusterSpec:
     kv_cache_gb: float | None = None  # each verifier's KV cache budget
     batch_invariant: bool | None = None  # the verifiers' matrix products (CUDA; see PagedLlamaRuntime)
     offload: bool = False  # the verifiers' decoder layers in host memory, streamed to the device (offload.py)
+    tensor_parallel: int = 1  # processes each verifier's target is split over (tensor_parallel.py)
     routers: int = 1  # router processes; all serve the whole cluster (clients fail over between them)
     router_port: int = 0  # the first router's (0: a free port; the others always take free ones)
     http_port: int | None = 0  # the router's OpenAI-compatible HTTP API (0: a free port; None: not served)
@@ -100,7 +101,8 @@ class ClusterSpec:
         """Every verifier's flags from this spec."""
         return VerifierSettings.command_line(model=self.model, dtype=self.dtype, device=self.device,
                                              precision=self.precision, kv_cache_gb=self.kv_cache_gb,
-                                             batch_invariant=self.batch_invariant, offload=self.offload or None)
+                                             batch_invariant=self.batch_invariant, offload=self.offload or None,
+                                             tensor_parallel=self.tensor_parallel)
 
 
 @dataclass

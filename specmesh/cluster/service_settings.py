@@ -156,6 +156,9 @@ class VerifierSettings(ServiceSettings):
     offload: bool = setting(False, "keep the target's decoder layers in host memory and stream them to the device a "
                             "layer at a time (targets larger than the device's memory; a pass then costs about the "
                             "same for a thousand rows as for one; no CUDA graphs, no GGUF blocks)")
+    tensor_parallel: int = setting(1, "processes the target is split over (tensor parallelism: each holds 1/N of "
+                                   "every layer and its KV cache; one per GPU, NCCL; gloo on a CPU); they fail and "
+                                   "start again as one", ge=1)
     queue_key_file: str | None = setting(None, "the queue's HMAC key shared with the routers: only jobs tagged with "
                                          "it run, results are tagged with it (else $SPECMESH_QUEUE_KEY; neither: "
                                          "untagged)")

@@ -13,6 +13,14 @@ N ranks are compared with N ranks).
 from __future__ import annotations
 
 import copy
+import functools
+import logging
+import multiprocessing
+import os
+import tempfile
+import threading
+import time
+from datetime import timedelta
 from typing import Callable
 
 import torch
@@ -20,10 +28,15 @@ import torch.distributed as dist
 
 from specmesh.errors import InvalidArgument
 from specmesh.runtime.kv_pool import KVPool
+from specmesh.runtime.loading import LoadedModel, load_hf_model, pick_device, pick_dtype
 from specmesh.runtime.paged_llama import PagedLlamaRuntime, PassInputs
+
+log = logging.getLogger(__name__)
 
 PASS, MOVE, STOP = 1, 2, 3
 HEADER = 24  # longs: command, then what the command's tensors look like
+GROUP_FAILED = 70  # rank 0's exit code when a rank is gone: the group restarts as one (the supervisor's)
+IDLE = timedelta(days=7)  # a collective may wait this long: followers wait for rank 0's next pass
 
 
 def shard_model(hf_model: torch.nn.Module, rank: int, world: int) -> torch.nn.Module:
@@ -76,9 +89,13 @@ class TensorParallelRuntime(PagedLlamaRuntime):
         return partial
 
     def step(self, inputs: PassInputs, logits: bool, capture=None) -> torch.Tensor | None:
-        if self.rank == 0:
+        if self.rank != 0:
+            return super().step(inputs, logits, capture)
+        try:
             _send_command(PASS, list(inputs.tensors()))
-        return super().step(inputs, logits, capture)
+            return super().step(inputs, logits, capture)
+        except (RuntimeError, dist.DistBackendError) as exc:  # a rank is gone: half a model cannot serve
+            group_failed(exc)
 
     def follow(self) -> None:
         """Compute this rank's share of every pass rank 0 sends, until it stops."""
@@ -137,11 +154,65 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+def group_failed(exc: BaseException) -> None:
+    """Rank 0 lost a rank: end this process, so that the group is started again as one (the followers end
+    with it) and the router sends its requests' steps again."""
+    log.critical("tensor-parallel group broken (%s): exiting for a restart of the whole group", exc)
+    logging.shutdown()
+    os._exit(GROUP_FAILED)
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank ``rank``'s device: its own GPU (cuda:rank), or the CPU."""
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
 def run_follower(rank: int, world: int, init_method: str, model_factory: Callable[[], torch.nn.Module],
-                 **kwargs) -> None:
-    """A follower process's whole life: join the group, load and shard the model, follow rank 0."""
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+                 device: str = "cpu", parent: int | None = None, **kwargs) -> None:
+    """A follower process's whole life: join the group, load and shard the model, follow rank 0. It ends
+    with its parent (rank 0's process), whose death would otherwise leave it waiting forever."""
+    if parent is not None:
+        threading.Thread(target=_end_with, args=(parent,), daemon=True).start()
+    where = torch.device(device)
+    dist.init_process_group(backend_for(where), init_method=init_method, rank=rank, world_size=world, timeout=IDLE)
     try:
-        TensorParallelRuntime(shard_model(model_factory(), rank, world), rank, world, **kwargs).follow()
+        shard = shard_model(model_factory(), rank, world).to(rank_device(where, rank))
+        TensorParallelRuntime(shard, rank, world, **kwargs).follow()
     finally:
         dist.destroy_process_group()
+
+
+def _end_with(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(GROUP_FAILED)
+
+
+def _model_on_host(model: str, dtype: torch.dtype) -> torch.nn.Module:
+    return load_hf_model(model, dtype=dtype, device="cpu").model
+
+
+def start_group(model: str, world: int, dtype: str | None = None, device: str | None = None,
+                kv_cache_gb: float | None = None, precision: str = "shipped") -> tuple[LoadedModel, TensorParallelRuntime]:
+    """Rank 0 of a new group of ``world`` processes serving ``model`` (this process; the others spawned
+    here): each loads the model in host memory, keeps its share of its own weights (never GGUF blocks or
+    ``q8_0``), and puts it on its device."""
+    if precision == "q8_0":
+        raise InvalidArgument("precision", "a tensor-parallel target computes its own weights: q8_0 does not apply")
+    where = pick_device(device)
+    compute_dtype = pick_dtype(dtype, where)
+    loaded = load_hf_model(model, dtype=compute_dtype, device="cpu")
+    init = f"file://{tempfile.mkdtemp(prefix='specmesh-tp-')}/group"
+    factory = functools.partial(_model_on_host, model, compute_dtype)
+    spawn = multiprocessing.get_context("spawn")
+    for rank in range(1, world):
+        spawn.Process(target=run_follower, args=(rank, world, init, factory, str(where), os.getpid()),
+                      kwargs={"kv_cache_gb": kv_cache_gb}, daemon=True, name=f"tensor-parallel-rank-{rank}").start()
+    dist.init_process_group(backend_for(where), init_method=init, rank=0, world_size=world, timeout=IDLE)
+    shard = shard_model(loaded.model, 0, world).to(rank_device(where, 0))
+    log.info("tensor parallel over %d processes (%s): this is rank 0", world, backend_for(where))
+    return loaded, TensorParallelRuntime(shard, 0, world, kv_cache_gb=kv_cache_gb)
