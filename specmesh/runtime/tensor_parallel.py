@@ -70,7 +70,10 @@ class _BroadcastPool(KVPool):
     """Rank 0's pool: every KV move is made on the other ranks' pools too."""
 
     def move(self, source: torch.Tensor, target: torch.Tensor) -> None:
-        _send_command(MOVE, [source, target])
+        try:
+            _send_command(MOVE, [source, target])
+        except Exception as exc:  # the ranks' caches would no longer agree
+            group_failed(exc)
         super().move(source, target)
 
 
@@ -94,7 +97,7 @@ class TensorParallelRuntime(PagedLlamaRuntime):
         try:
             _send_command(PASS, list(inputs.tensors()))
             return super().step(inputs, logits, capture)
-        except (RuntimeError, dist.DistBackendError) as exc:  # a rank is gone: half a model cannot serve
+        except Exception as exc:  # a rank gone, or a pass half done: the ranks are out of step
             group_failed(exc)
 
     def follow(self) -> None:
