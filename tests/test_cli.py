@@ -162,7 +162,7 @@ def test_a_cluster_spec_is_checked_as_its_services_check_their_settings():
     from specmesh.errors import InvalidArgument
 
     for bad in ({"kv_cache_gb": -1}, {"precision": "int3"}, {"speculation_margin": -0.5}, {"max_tree_nodes": 1025},
-                {"job_timeout_s": 0}):
+                {"job_timeout_s": 0}, {"tensor_parallel": 0}):
         with pytest.raises(InvalidArgument):
             ClusterSpec(model="m", **bad)
     spec = ClusterSpec(model="m", precision="fp32", draft_ahead="off", kv_cache_gb=2.5)

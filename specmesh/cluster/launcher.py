@@ -68,7 +68,7 @@ class ClusterSpec:
     kv_cache_gb: float | None = None  # each verifier's KV cache budget
     batch_invariant: bool | None = None  # the verifiers' matrix products (CUDA; see PagedLlamaRuntime)
     offload: bool = False  # the verifiers' decoder layers in host memory, streamed to the device (offload.py)
-    tensor_parallel: int = 1  # processes each verifier's target is split over (tensor_parallel.py)
+    tensor_parallel: int | None = None  # processes each verifier's target is split over (tensor_parallel.py)
     routers: int = 1  # router processes; all serve the whole cluster (clients fail over between them)
     router_port: int = 0  # the first router's (0: a free port; the others always take free ones)
     http_port: int | None = 0  # the router's OpenAI-compatible HTTP API (0: a free port; None: not served)
