@@ -76,18 +76,19 @@ def test_the_shards_hold_every_weight_once():
 
 
 def spawned_children(pid: int) -> list[int]:
-    """The processes ``pid`` spawned with multiprocessing (its tensor-parallel ranks)."""
-    import subprocess
+    """The processes ``pid`` spawned with multiprocessing (its tensor-parallel ranks), from /proc (a bare
+    image has no ps)."""
+    from pathlib import Path
 
-    children = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout.split()
     found = []
-    for child in children:
+    for entry in Path("/proc").iterdir():
         try:
-            command = open(f"/proc/{child}/cmdline", "rb").read().replace(b"\0", b" ")
-        except OSError:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            command = (entry / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
             continue
-        if b"spawn_main" in command:
-            found.append(int(child))
+        if parent == pid and b"spawn_main" in command:
+            found.append(int(entry.name))
     return found
 
 
