@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Mapping, NamedTuple, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -165,13 +165,15 @@ class LlamaRuntime:
         if len(blocks) == len(weights) and all(b is not None for b in blocks):
             if len({b.format for b in blocks}) == 1:
                 return BlockLinear(BlockWeight.cat(blocks) if len(blocks) > 1 else blocks[0], bias)
-        stacked = torch.cat([w.detach() for w in weights]) if len(weights) > 1 else weights[0].detach()
-        return linear_for(stacked, bias, int8=self.int8_weights)
+        return linear_for(stacked(weights), bias, int8=self.int8_weights)
 
     def _build_layers(self, layers: Sequence[torch.nn.Module]) -> Sequence[_Layer]:
         return [self._fuse_layer(index, layer) for index, layer in enumerate(layers)]
 
-    def _fuse_layer(self, index: int, layer: torch.nn.Module) -> _Layer:
+    def _fuse_layer(self, index: int, layer: torch.nn.Module, linear: Callable[..., Linear] | None = None) -> _Layer:
+        """``layer``'s weights as the runtime computes them, each fused projection made by ``linear`` (default:
+        ``_linear``, on its blocks or packed)."""
+        linear = linear or self._linear
         attn, mlp = layer.self_attn, layer.mlp
         prefix = f"model.layers.{index}."
         projections = (attn.q_proj, attn.k_proj, attn.v_proj)
@@ -181,12 +183,12 @@ class LlamaRuntime:
         names = lambda *parts: [f"{prefix}{part}.weight" for part in parts]  # noqa: E731
         return _Layer(
             input_norm=layer.input_layernorm.weight.detach(),
-            qkv=self._linear(names("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-                             [p.weight for p in projections], bias),
-            out=self._linear(names("self_attn.o_proj"), [attn.o_proj.weight]),
+            qkv=linear(names("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                       [p.weight for p in projections], bias),
+            out=linear(names("self_attn.o_proj"), [attn.o_proj.weight]),
             post_norm=layer.post_attention_layernorm.weight.detach(),
-            gate_up=self._linear(names("mlp.gate_proj", "mlp.up_proj"), [mlp.gate_proj.weight, mlp.up_proj.weight]),
-            down=self._linear(names("mlp.down_proj"), [mlp.down_proj.weight]),
+            gate_up=linear(names("mlp.gate_proj", "mlp.up_proj"), [mlp.gate_proj.weight, mlp.up_proj.weight]),
+            down=linear(names("mlp.down_proj"), [mlp.down_proj.weight]),
         )
 
     @property
@@ -312,6 +314,11 @@ class LlamaRuntime:
 
             return tree_attention_triton(q, k, v, tree_mask, self.scale)
         return masked_attention(q, k, v, full_mask, self.scale)
+
+
+def stacked(weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The rows of ``weights`` as one matrix (a fused projection's); one weight as it is."""
+    return torch.cat([w.detach() for w in weights]) if len(weights) > 1 else weights[0].detach()
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

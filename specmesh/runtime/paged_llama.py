@@ -27,7 +27,7 @@ from specmesh.errors import InvalidArgument
 from specmesh.kernels.paged_tree_attention import ancestor_table, group_bound, row_groups, rows_per_group
 from specmesh.runtime.kv_pool import PAGE_SIZE, TRASH_PAGE, KVPool, PagedSession
 from specmesh.runtime.linear import InvariantLinear, PackedLinear
-from specmesh.runtime.llama import LlamaRuntime, Scores, TreeBatch, check_feature_layers
+from specmesh.runtime.llama import LlamaRuntime, Scores, TreeBatch, check_feature_layers, stacked
 from specmesh.runtime.offload import StreamedLayers, host_layer
 
 log = logging.getLogger(__name__)
@@ -179,15 +179,12 @@ class PagedLlamaRuntime(LlamaRuntime):
     def _build_layers(self, layers):
         if not self.offload:
             return super()._build_layers(layers)
+        as_loaded = lambda names, weights, bias=None: PackedLinear(stacked(weights), bias, pack=False)  # noqa: E731
         host = []
-        self._host_layers = True  # _linear keeps the weights as they are, where they are
-        try:
-            for index, layer in enumerate(layers):
-                host.append(host_layer(self._fuse_layer(index, layer), self.device, self._slot_linear))
-                for parameter in layer.parameters():  # held by the runtime now: one copy in host memory
-                    parameter.data = parameter.data.new_empty(0)
-        finally:
-            self._host_layers = False
+        for index, layer in enumerate(layers):  # the weights as they are, where they are
+            host.append(host_layer(self._fuse_layer(index, layer, as_loaded), self.device, self._slot_linear))
+            for parameter in layer.parameters():  # held by the runtime now: one copy in host memory
+                parameter.data = parameter.data.new_empty(0)
         return StreamedLayers(host, self.device, self._slot_linear)
 
     def _slot_linear(self, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -198,12 +195,9 @@ class PagedLlamaRuntime(LlamaRuntime):
         return self.layers.streamed() if self.offload else self.layers
 
     def _linear(self, names, weights, bias=None):
-        if getattr(self, "_host_layers", False):
-            return PackedLinear(torch.cat([w.detach() for w in weights]) if len(weights) > 1 else weights[0].detach(),
-                                bias, pack=False)
         if not self.batch_invariant:
             return super()._linear(names, weights, bias)
-        return InvariantLinear(torch.cat([w.detach() for w in weights]) if len(weights) > 1 else weights[0], bias)
+        return InvariantLinear(stacked(weights), bias)
 
     def new_session(self) -> PagedSession:
         return self.pool.new_session(self.max_length)
