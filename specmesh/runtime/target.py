@@ -125,18 +125,27 @@ def load_target(model: str, dtype: str | None = None, device: str | None = None,
     if not offload:
         loaded = load_hf_model(model, dtype=dtype, device=device)
         return loaded, target_runtime(loaded, precision, kv_cache_gb, batch_invariant)
-    check_precision(precision)
-    if precision == "q8_0":
-        raise InvalidArgument("precision", "an offloaded target streams its own weights: q8_0 does not apply")
-    compute = pick_device(device)
-    loaded = load_hf_model(model, dtype=pick_dtype(dtype, compute), device="cpu")
-    reason = lean_unsupported(loaded.model.config)
-    if reason:
-        raise InvalidArgument("offload", f"no streamed runtime for this model: {reason}")
+    loaded, compute = load_on_host(model, dtype, device, precision, "an offloaded target")
     from specmesh.runtime.paged_llama import PagedLlamaRuntime
 
     return loaded, PagedLlamaRuntime(loaded.model, kv_cache_gb=kv_cache_gb, batch_invariant=batch_invariant,
                                      offload=compute)
+
+
+def load_on_host(model: str, dtype: str | None, device: str | None, precision: str,
+                 what: str) -> tuple[LoadedModel, torch.device]:
+    """The target in host memory, in the dtype of the device it will compute on, for a runtime that places
+    its weights itself (``what``: an offloaded or a tensor-parallel target): its own weights, never GGUF
+    blocks or ``q8_0``, on the lean runtime. Also that device."""
+    check_precision(precision)
+    if precision == "q8_0":
+        raise InvalidArgument("precision", f"{what} computes its own weights: q8_0 does not apply")
+    compute = pick_device(device)
+    loaded = load_hf_model(model, dtype=pick_dtype(dtype, compute), device="cpu")
+    reason = lean_unsupported(loaded.model.config)
+    if reason:
+        raise InvalidArgument("model", f"{what} needs the lean runtime: {reason}")
+    return loaded, compute
 
 
 PREFILL_CHUNK = 512  # tokens per session per prefill pass: bounds the attention scores' memory

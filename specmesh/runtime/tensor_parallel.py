@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import math
 import multiprocessing
 import os
 import tempfile
@@ -28,7 +29,8 @@ import torch.distributed as dist
 
 from specmesh.errors import InvalidArgument
 from specmesh.runtime.kv_pool import KVPool
-from specmesh.runtime.loading import LoadedModel, load_hf_model, pick_device, pick_dtype
+from specmesh.runtime.loading import LoadedModel, load_hf_model
+from specmesh.runtime.target import load_on_host
 from specmesh.runtime.paged_llama import PagedLlamaRuntime, PassInputs
 
 log = logging.getLogger(__name__)
@@ -107,7 +109,7 @@ class TensorParallelRuntime(PagedLlamaRuntime):
             if command == STOP:
                 return
             if command == MOVE:
-                KVPool.move(self.pool, *tensors)
+                self.pool.move(*tensors)
             else:
                 super().step(PassInputs(*tensors).to(self.device), logits=False)
 
@@ -141,20 +143,13 @@ def _receive_command() -> tuple[int, list[torch.Tensor]]:
         at += 1 + dims
     if not shapes:
         return command, []
-    flat = torch.empty(sum(_numel(s) for s in shapes), dtype=torch.long)
+    flat = torch.empty(sum(math.prod(s) for s in shapes), dtype=torch.long)
     dist.broadcast(flat, src=0)
     tensors, offset = [], 0
     for shape in shapes:
-        tensors.append(flat[offset : offset + _numel(shape)].view(shape))
-        offset += _numel(shape)
+        tensors.append(flat[offset : offset + math.prod(shape)].view(shape))
+        offset += math.prod(shape)
     return command, tensors
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def group_failed(exc: BaseException) -> None:
@@ -204,13 +199,9 @@ def start_group(model: str, world: int, dtype: str | None = None, device: str | 
     """Rank 0 of a new group of ``world`` processes serving ``model`` (this process; the others spawned
     here): each loads the model in host memory, keeps its share of its own weights (never GGUF blocks or
     ``q8_0``), and puts it on its device."""
-    if precision == "q8_0":
-        raise InvalidArgument("precision", "a tensor-parallel target computes its own weights: q8_0 does not apply")
-    where = pick_device(device)
-    compute_dtype = pick_dtype(dtype, where)
-    loaded = load_hf_model(model, dtype=compute_dtype, device="cpu")
+    loaded, where = load_on_host(model, dtype, device, precision, "a tensor-parallel target")
     init = f"file://{tempfile.mkdtemp(prefix='specmesh-tp-')}/group"
-    factory = functools.partial(_model_on_host, model, compute_dtype)
+    factory = functools.partial(_model_on_host, model, loaded.model.dtype)
     spawn = multiprocessing.get_context("spawn")
     for rank in range(1, world):
         spawn.Process(target=run_follower, args=(rank, world, init, factory, str(where), os.getpid()),
