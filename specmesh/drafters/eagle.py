@@ -114,16 +114,22 @@ def load_eagle3(spec: str, target: TargetParts) -> FeatureHead:
         "down.weight": weight("mlp.down_proj.weight"), "final_norm.weight": tensors["norm.weight"].float(),
         "head.weight": tensors["lm_head.weight"].float(),
     }
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as exc:  # shapes that disagree with its own config
-        raise InvalidArgument("drafter", f"{where}: tensors do not match config.json: {str(exc).splitlines()[1:2]}") from None
-    return model.eval()
+    return loaded(model, state, where)
 
 
 def rope_theta_of(config: dict) -> float:
     """A checkpoint config's RoPE base (``rope_theta``, or inside transformers 5's ``rope_parameters``)."""
     return float(config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta") or 10000.0)
+
+
+def loaded(model: FeatureHead, state: dict[str, torch.Tensor], where: str) -> FeatureHead:
+    """``model`` holding ``state`` (a checkpoint's tensors under our names), in eval mode; a checkpoint whose
+    shapes disagree with its own config is refused."""
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as exc:
+        raise InvalidArgument("drafter", f"{where}: tensors do not match config.json: {str(exc).splitlines()[1:2]}") from None
+    return model.eval()
 
 
 def check_target(directory: Path, where: str, config: dict, target: TargetParts, fc: torch.Tensor,
@@ -187,11 +193,7 @@ def load_eagle(spec: str, target: TargetParts) -> FeatureHead:
         "down.weight": weight("mlp.down_proj.weight"), "final_norm.weight": torch.ones(hidden),
         "head.weight": lm_head.float().cpu(),
     }
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as exc:  # shapes that disagree with its own config
-        raise InvalidArgument("drafter", f"{where}: tensors do not match config.json: {str(exc).splitlines()[1:2]}") from None
-    return model.eval()
+    return loaded(model, state, where)
 
 
 def draft_to_target(tensors: dict[str, torch.Tensor], vocab_size: int, where: str) -> torch.Tensor:

@@ -503,7 +503,7 @@ class FeatureDrafter(DrafterBase):
         attended = F.scaled_dot_product_attention(q.transpose(0, 1), keys[0], keys[1], attn_mask=visible,
                                                   enable_gqa=True)  # [heads, 1, head_dim]
         out = self._finish(residual, attended.transpose(0, 1).reshape(1, -1))
-        probs = self._head(m.final(out))[0].float().softmax(-1)
+        probs = self._distribution(out)
         top = probs.topk(min(self.branch_width, probs.shape[0]))
         return out, probs, torch.stack([top.values, top.indices.float()])  # indices < 2 ** 24: exact in fp32
 
@@ -522,8 +522,11 @@ class FeatureDrafter(DrafterBase):
         return h + self._down(F.silu(gate) * up)
 
     def _step(self, out: torch.Tensor) -> Step:
-        normed = self.model.final(out.unsqueeze(0))
-        return Step(self._head(normed)[0].float().softmax(-1), self.subset_ids)
+        return Step(self._distribution(out.unsqueeze(0)), self.subset_ids)
+
+    def _distribution(self, out: torch.Tensor) -> torch.Tensor:
+        """An entry's output [1, hidden] -> the next token's distribution over the head's outputs (fp32)."""
+        return self._head(self.model.final(out))[0].float().softmax(-1)
 
     def _fused(self, features: torch.Tensor) -> torch.Tensor:
         # features [n, layers, hidden] -> g [n, hidden]: every layer's norm at once (one op each, not per layer)

@@ -196,8 +196,13 @@ def parts_of(loaded: LoadedModel) -> TargetParts:
         loaded.name, loaded.tokenizer, config.vocab_size, int(getattr(config, "max_position_embeddings", 2048)),
         _eos_ids(loaded.model.generation_config, loaded.tokenizer),
         lambda: loaded.model.get_input_embeddings().weight.detach(), config.hidden_size, config.num_hidden_layers,
-        lambda: (loaded.model.model.norm.weight.detach(), loaded.model.get_output_embeddings().weight.detach()),
+        lambda: output_head_of(loaded.model),
     )
+
+
+def output_head_of(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """A causal LM's final norm [hidden] and LM head [vocab, hidden]."""
+    return model.model.norm.weight.detach(), model.get_output_embeddings().weight.detach()
 
 
 def load_target_parts(model: str) -> TargetParts:
@@ -231,8 +236,7 @@ def load_target_parts(model: str) -> TargetParts:
 
     def output_head() -> tuple[torch.Tensor, torch.Tensor]:
         if not directory.is_dir():
-            loaded = load_hf_model(model).model
-            return loaded.model.norm.weight.detach(), loaded.get_output_embeddings().weight.detach()
+            return output_head_of(load_hf_model(model).model)
         found = _read_tensors(directory, {"norm": ("model.norm.weight",), "head": ("lm_head.weight",),
                                           "embed": ("embed_tokens.weight",) if tied else ()})
         if "norm" not in found or not ({"head", "embed"} & found.keys()):
