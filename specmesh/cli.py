@@ -116,7 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --model random:<architecture>: the whole cluster instead of the runtime alone, with "
                        "an oracle drafter whose tokens are the target's own with probability P; tokens/s against "
                        "plain decoding through the same cluster at each --concurrency (docs/bench.md)")
+    bench.add_argument("--oracle-width", type=int, default=1,
+                       help="with --oracle-acceptance: the oracle's ranked guesses a position (1: chains; more: trees "
+                       "grown best-first, the target's token its r-th guess with probability P (1 - P)^(r - 1))")
     _add_model_args(bench)
+    VerifierSettings.add_flags(bench, ["offload"], defaults=True, environment=False)
 
     tune = commands.add_parser("tune", help="measure the speculation constants on held-out prompts (not MT-Bench)")
     tune.add_argument("--prompts", help="JSONL prompts sharing no word 8-gram with MT-Bench (default: the shipped "

@@ -92,3 +92,24 @@ def test_specmesh_generate_serves_the_embedded_target_offloaded():
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert result.returncode == 0, result.stderr[-2000:]
     assert "outputs identical" in result.stdout, result.stdout
+
+
+def test_the_runtime_bench_times_an_offloaded_step_against_the_link_and_its_big_trees(tmp_path, monkeypatch):
+    import json
+
+    from specmesh.bench import runtime_speed
+    from specmesh.cli import main
+
+    monkeypatch.setattr(runtime_speed, "BATCHES", ((2, 4),))  # the report's shape, not its figures: small passes
+    monkeypatch.setattr(runtime_speed, "CURVE_NODES", (0, 3))
+    out = tmp_path / "offload.json"
+    assert main(["bench", "--model", "random:tiny", "--offload", "--repeats", "1", "--context", "32",
+                 "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["offload"] and report["host_to_device_gbps"] > 0
+    assert report["streamed_bytes"] < report["weight_bytes"]  # the layers stream; the head stays on the device
+    assert report["streaming_limit_ms"] > 0 and report["step_vs_limit"] > 0
+    assert report["tree256_vs_step"] > 0 and report["tree1024_vs_step"] > 0
+    assert report["lossless"]["identical"]
+    rows = report["batch_invariance"]
+    assert rows["bitwise_equal"] == rows["rows"]

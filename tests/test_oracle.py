@@ -16,16 +16,18 @@ from specmesh.cli import main
 from specmesh.drafters.catalog import load_drafter
 from specmesh.drafters.oracle import OracleDrafter, OracleEntry, read_oracle_file, write_oracle_file
 from specmesh.errors import InvalidArgument
+from specmesh.speculation.expertise import level_hits
 from specmesh.runtime.loading import load_target_parts
+from specmesh.tree import TokenTree
 
 VOCAB = 1000
 
 
-def _oracle(tmp_path, acceptance, length=400, seed=0):
+def _oracle(tmp_path, acceptance, length=400, seed=0, width=1):
     rng = random.Random(seed)
     prompt = tuple(rng.randrange(VOCAB) for _ in range(40))
     continuation = tuple(rng.randrange(VOCAB) for _ in range(length))
-    path = write_oracle_file(tmp_path / "oracle.jsonl", [OracleEntry(prompt, continuation, acceptance)])
+    path = write_oracle_file(tmp_path / "oracle.jsonl", [OracleEntry(prompt, continuation, acceptance, width=width)])
     return OracleDrafter(path, VOCAB), prompt, continuation
 
 
@@ -52,6 +54,53 @@ def test_a_position_is_right_or_wrong_whichever_step_proposes_it(tmp_path):
     long, late = first.propose("a", 10).tokens, second.propose("b", 7).tokens
     assert long[3:] == late
     assert first.propose("a", 10, assumed=continuation[:3]).tokens[:7] == late  # drafting ahead: the same fates
+
+
+def _path_confidences(tree):
+    along = []
+    for parent, p in zip(tree.parents, tree.draft_probs):
+        along.append(p * (along[parent] if parent >= 0 else 1.0))
+    return along
+
+
+def test_a_wide_oracle_ranks_the_right_token_as_its_confidences_say(tmp_path):
+    p, width = 0.6, 3
+    drafter, prompt, continuation = _oracle(tmp_path, p, length=3000, width=width)
+    drafter.start("r", prompt)
+    ranks = [0] * (width + 1)  # 0: not among the guesses
+    for at in range(len(continuation) - 1):
+        tree = drafter.propose("r", 32)
+        first = [(t, q) for t, q, parent in zip(tree.tokens, tree.draft_probs, tree.parents) if parent == -1]
+        guesses = [t for t, _ in first]  # the root's guesses, best first
+        assert len(set(guesses)) == width
+        assert [q for _, q in first] == pytest.approx([p * (1 - p) ** r for r in range(width)])
+        ranks[guesses.index(continuation[at]) + 1 if continuation[at] in guesses else 0] += 1
+        drafter.commit("r", continuation[at : at + 1])
+    seen = [r / sum(ranks) for r in ranks]
+    for rank in range(1, width + 1):
+        assert abs(seen[rank] - p * (1 - p) ** (rank - 1)) < 0.03, seen
+    assert abs(seen[0] - (1 - p) ** width) < 0.03, seen
+
+
+def test_a_wide_oracle_grows_the_most_likely_tree_and_keeps_what_it_predicts(tmp_path):
+    p = 0.8
+    drafter, prompt, continuation = _oracle(tmp_path, p, length=4000, width=4)
+    drafter.start("r", prompt)
+    # best first: a chain while p^depth beats a runner-up's p (1 - p), then branches
+    assert drafter.propose("r", 8).parents == tuple(range(-1, 7))
+    big = drafter.propose("r", 256)
+    assert drafter.propose("r", 40) == TokenTree(big.tokens[:40], big.parents[:40], big.draft_probs[:40])
+    assert max(big.depths()) < 256 and len(big) == 256 and len(set(big.children()[0])) > 1
+    along = _path_confidences(big)
+    assert all(a >= b * (1 - 1e-9) for a, b in zip(along, along[1:]))  # most likely first
+    predicted, kept, steps, at = 1 + sum(along), 0, 0, 0
+    while at < len(continuation) - 300:
+        hits, _ = level_hits(drafter.propose("r", 256), continuation[at:])
+        step = continuation[at : at + hits + 1]  # the accepted path, then the target's own token
+        drafter.commit("r", step)
+        at, kept, steps = at + len(step), kept + len(step), steps + 1
+    assert kept / steps > 1 / (1 - p)  # more than any chain at this acceptance can keep
+    assert abs(kept / steps - predicted) < 0.1 * predicted, (kept / steps, predicted)
 
 
 def test_no_guess_for_an_unknown_prompt_or_off_the_continuation(tmp_path):
@@ -83,6 +132,9 @@ def test_bad_oracle_files_are_refused_by_line(tmp_path):
     path = tmp_path / "oracle.jsonl"
     path.write_text(json.dumps({"prompt_ids": [1, 2], "continuation": [3], "acceptance": 1.5}) + "\n")
     with pytest.raises(InvalidArgument, match="oracle.jsonl:1"):
+        read_oracle_file(path)
+    path.write_text(json.dumps({"prompt_ids": [1, 2], "continuation": [3], "acceptance": 0.5, "width": 0}) + "\n")
+    with pytest.raises(InvalidArgument, match="width"):
         read_oracle_file(path)
     path.write_text("{not json\n")
     with pytest.raises(InvalidArgument, match="not an oracle entry"):
@@ -123,3 +175,17 @@ def test_the_oracle_bench_runs_the_cluster_losslessly(tmp_path):
     steps = part["timeline"]["steps"]
     assert sum(s["tokens"] for s in steps) == 16
     assert all(s["step_ms"] > 0 and s["tree_nodes"] <= s["budget"] <= 16 for s in steps)
+
+
+@pytest.mark.slow
+def test_a_wide_oracle_through_an_offloaded_cluster_keeps_more_than_any_chain_could(tmp_path):
+    out = tmp_path / "oracle.json"
+    code = main(["bench", "--model", "random:tiny", "--offload", "--oracle-acceptance", "0.6", "--oracle-width", "4",
+                 "--concurrency", "1", "--max-tokens", "48", "--sweep-rounds", "1", "--fixed-tree-nodes", "32",
+                 "--max-tree-nodes", "64", "--json", str(out)])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert report["answers_unlike_plain"] == 0 and report["offload"] and report["oracle_width"] == 4
+    rows = {r["policy"]: r for r in report["acceptance"]["0.6"]["load_sweep"]}
+    # 32-node trees grown best-first commit ~4.1 tokens a step at p = 0.6; a chain, at most 1 / (1 - p) = 2.5
+    assert rows["fixed"]["tokens_per_step"] > 2.5

@@ -32,7 +32,7 @@ from specmesh.bench.run import (
 )
 from specmesh.client import AsyncClient
 from specmesh.cluster.launcher import ClusterSpec, LocalCluster
-from specmesh.drafters.oracle import PREFIX, OracleEntry, write_oracle_file
+from specmesh.drafters.oracle import MAX_WIDTH, PREFIX, OracleEntry, write_oracle_file
 from specmesh.errors import InvalidArgument
 from specmesh.runtime.random_models import random_config
 from specmesh.tree import MAX_TREE_NODES
@@ -123,6 +123,8 @@ def run_oracle_bench(args: argparse.Namespace) -> int:
     levels = number_list("concurrency", args.concurrency or "1", 1, MAX_CONCURRENCY)
     if args.max_tokens < 1:
         raise InvalidArgument("max_tokens", f"must be >= 1, got {args.max_tokens}")
+    if not 1 <= args.oracle_width <= MAX_WIDTH:
+        raise InvalidArgument("oracle_width", f"must be in 1..{MAX_WIDTH}, got {args.oracle_width}")
     if args.sweep_rounds < 1:
         raise InvalidArgument("sweep_rounds", f"must be >= 1, got {args.sweep_rounds}")
     if not 1 <= args.max_tree_nodes <= MAX_TREE_NODES or not 1 <= args.fixed_tree_nodes <= MAX_TREE_NODES:
@@ -133,13 +135,14 @@ def run_oracle_bench(args: argparse.Namespace) -> int:
     report: dict = {"provenance": provenance(args.argv), "model": args.model,
                     "device": args.device or ("cuda" if torch.cuda.is_available() else "cpu"),
                     "max_tokens": args.max_tokens, "tree_nodes": args.max_tree_nodes,
-                    "fixed_tree_nodes": args.fixed_tree_nodes, "rounds": args.sweep_rounds, "acceptance": {}}
+                    "fixed_tree_nodes": args.fixed_tree_nodes, "rounds": args.sweep_rounds,
+                    "oracle_width": args.oracle_width, "offload": args.offload, "acceptance": {}}
     failed = False
     with tempfile.TemporaryDirectory(prefix="specmesh-oracle-") as folder:
         oracle_file = Path(folder) / "oracle.jsonl"
         spec = ClusterSpec(model=args.model, drafters=(f"{PREFIX}{oracle_file}",), device=args.device, dtype=args.dtype,
                            max_tree_nodes=max(args.max_tree_nodes, args.fixed_tree_nodes), job_timeout_s=JOB_TIMEOUT_S,
-                           batch_invariant=args.batch_invariant)
+                           batch_invariant=args.batch_invariant, offload=args.offload)
         print(f"starting the cluster: {args.model} (random weights), oracle drafter ...", flush=True)
         with LocalCluster(spec) as cluster:
             started = time.perf_counter()
@@ -147,7 +150,7 @@ def run_oracle_bench(args: argparse.Namespace) -> int:
                        for p, prompts in prompt_sets.items()}
             report["plain_reference_s"] = round(time.perf_counter() - started, 1)
             report["pass_curves"] = pass_curves(cluster)
-            write_oracle_file(oracle_file, [OracleEntry(prompt, tuple(answer), p)
+            write_oracle_file(oracle_file, [OracleEntry(prompt, tuple(answer), p, width=args.oracle_width)
                                             for p, prompts in prompt_sets.items()
                                             for prompt, answer in zip(prompts, answers[p])])
             first = acceptances[0]  # untimed: every batch shape's kernels compiled before anything is timed
@@ -179,9 +182,12 @@ def run_oracle_bench(args: argparse.Namespace) -> int:
 
 
 def _print(report: dict) -> None:
-    print(f"\n{report['model']} through the cluster on {report['device']}, {report['max_tokens']} tokens a request, "
+    offloaded = ", offloaded" if report["offload"] else ""
+    print(f"\n{report['model']} through the cluster on {report['device']}{offloaded}, {report['max_tokens']} tokens "
+          f"a request, "
           f"adaptive up to {report['tree_nodes']} nodes, fixed k={report['fixed_tree_nodes']}, "
-          f"{report['rounds']} rounds; answers unlike plain: {report['answers_unlike_plain']}")
+          f"{report['rounds']} rounds, oracle width {report['oracle_width']}; answers unlike plain: "
+          f"{report['answers_unlike_plain']}")
     for p, part in report["acceptance"].items():
         print(f"  oracle acceptance {p}:")
         for row in part["vs_plain"]:

@@ -286,7 +286,7 @@ def run_bench(args: argparse.Namespace) -> int:
     drafter_names = args.drafter or DEFAULT_DRAFTERS
     assembly = assemble(args.model, drafter_names, device=args.device, dtype=args.dtype, precision=args.precision,
                         kv_cache_gb=getattr(args, "kv_cache_gb", None) or None,
-                        batch_invariant=getattr(args, "batch_invariant", None))
+                        batch_invariant=getattr(args, "batch_invariant", None), offload=getattr(args, "offload", False))
     quantized = assembly.runtime.precision != str(assembly.runtime.dtype).removeprefix("torch.")
     classifier = default_classifier()
     params = SamplingParams(max_tokens=args.max_tokens)
@@ -718,7 +718,8 @@ def _start_cluster(args: argparse.Namespace, drafters, secure: bool = False) -> 
     # the cap admits the fixed-k requests of the load sweep; adaptive ones ask for --max-tree-nodes
     cap = max(args.max_tree_nodes, args.fixed_tree_nodes)
     spec = ClusterSpec(model=args.model, drafters=tuple(drafters), max_tree_nodes=cap, dtype=args.dtype,
-                       precision=args.precision, tls=secure, api_keys=(f"sk-{new_key()}",) if secure else ())
+                       precision=args.precision, tls=secure, api_keys=(f"sk-{new_key()}",) if secure else (),
+                       offload=getattr(args, "offload", False))
     return LocalCluster(spec).start()
 
 

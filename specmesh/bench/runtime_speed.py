@@ -6,6 +6,10 @@ device-to-device copy). The report gives, at a fixed context: the one-token step
 the cost of scoring a tree of k nodes over the one-token step (the verify cost curve), batched passes of
 many requests, Hugging Face's own eager step, and a losslessness check (speculative steps give exactly
 the tokens of plain steps). Weights are random: a step's time depends only on the shapes.
+
+With ``--offload`` the decoder layers stay in host memory and stream to the device every pass: the limit
+is then their bytes over the measured host-to-device bandwidth, and the report adds trees of 256 and
+1,024 nodes, the sizes that regime pays for.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ BATCHES = ((16, 0), (16, 8), (64, 4))  # timed batched passes: (requests, tree n
 LOSSLESS_STEPS = 24
 LOSSLESS_GUESSES = (1, 4, 16, 31)  # true tokens guessed a step, in turn: trees of 2 to 62 nodes with the siblings
 MIXED_NODES = (0, 1, 3, 7, 15, 31, 48, 63)  # tree sizes mixed in one batch by the invariance check
+OFFLOAD_TREES = (256, 1024)  # the trees an offloaded pass pays for, timed against its one-token step
 
 def batch_name(requests: int, nodes: int) -> str:
     """The report's key of a batched pass: ``batch16_plain``, ``batch64_tree4``."""
@@ -46,6 +51,17 @@ def copy_bandwidth(device: torch.device, megabytes: int) -> float:
     target = torch.empty_like(source)
     times = timed(lambda: target.copy_(source), device, repeats=10, warmup=2)
     return 2 * source.numel() * 4 / (statistics.median(times) / 1e3)
+
+
+def host_to_device_bandwidth(device: torch.device, megabytes: int) -> float:
+    """Bytes per second of a copy from host memory (pinned on a GPU machine) to ``device``: the link an
+    offloaded target's layers cross every pass (median of 10)."""
+    source = torch.randn(megabytes * 2**20 // 4)
+    if device.type == "cuda":
+        source = source.pin_memory()
+    target = torch.empty_like(source, device=device)
+    times = timed(lambda: target.copy_(source, non_blocking=True), device, repeats=10, warmup=2)
+    return source.numel() * 4 / (statistics.median(times) / 1e3)
 
 
 def timed(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 3) -> list[float]:
@@ -177,8 +193,9 @@ def batch_invariance(runtime: PagedLlamaRuntime, sessions: list, lasts: list[int
 
 
 def measure(runtime: PagedLlamaRuntime, contexts: list[torch.Tensor], device: torch.device, repeats: int,
-            limit_ms: float, curve: bool = True) -> dict:
-    """Every timed pass of the report on ``runtime``, then its batch invariance and lossless checks."""
+            limit_ms: float, curve: bool = True, big_trees: Sequence[int] = ()) -> dict:
+    """Every timed pass of the report on ``runtime``, then its batch invariance and lossless checks.
+    ``big_trees``: tree sizes also timed against the one-token step (``tree<N>_vs_step``)."""
     report: dict = {}
     context_len = contexts[0].shape[0]
     sessions = [runtime.new_session() for _ in contexts]
@@ -188,7 +205,8 @@ def measure(runtime: PagedLlamaRuntime, contexts: list[torch.Tensor], device: to
         torch.cuda.synchronize()
     report["prefill_tokens_per_s"] = round(len(contexts) * (context_len - 1) / (time.perf_counter() - started))
     lasts = [int(c[-1]) for c in contexts]
-    drafted = [c.tolist()[:63] for c in contexts]
+    longest = max(63, *big_trees)
+    drafted = [(c.tolist() * (1 + longest // len(c)))[:longest] for c in contexts]  # a big tree's tokens repeat
 
     def one(nodes: int, shape: Callable[[list[int]], TokenTree] = TokenTree.chain) -> Callable[[], object]:
         batch = TreeBatch.build([sessions[0]], [compile_tree(lasts[0], shape(drafted[0][:nodes]))])
@@ -201,7 +219,9 @@ def measure(runtime: PagedLlamaRuntime, contexts: list[torch.Tensor], device: to
     if curve:
         report["cost_curve"] = {str(n): round(statistics.median(timed(one(n), device, repeats)) / step_ms, 3)
                                 for n in CURVE_NODES[1:]}
-    report["tree16_vs_step"] = round(statistics.median(timed(one(16, binary_tree), device, repeats)) / step_ms, 3)
+    for nodes in (16, *big_trees):
+        tree_ms = statistics.median(timed(one(nodes, binary_tree), device, repeats))
+        report[f"tree{nodes}_vs_step"] = round(tree_ms / step_ms, 3)
     prepare = TreeBatch.build([sessions[0]], [compile_tree(lasts[0], TokenTree())])
     report["host_prepare_ms"] = round(statistics.median(timed(lambda: runtime.prepare(prepare), device, repeats)), 3)
 
@@ -233,33 +253,42 @@ def run_runtime_bench(args: argparse.Namespace) -> int:
     context_len = args.context
     if context_len < 2:
         raise InvalidArgument("context", f"must be >= 2, got {context_len}")
-    print(f"{args.model}: random weights on {device} in {str(dtype).removeprefix('torch.')} ...", flush=True)
-    hf_model = random_model(args.model, dtype, device)
+    where = "host memory, streamed to " if args.offload else ""
+    print(f"{args.model}: random weights in {where}{device}, {str(dtype).removeprefix('torch.')} ...", flush=True)
+    hf_model = random_model(args.model, dtype, torch.device("cpu") if args.offload else device)
     nbytes = weight_bytes(hf_model)
-    bandwidth = copy_bandwidth(device, 1024 if device.type == "cuda" else 256)
-    limit_ms = nbytes / bandwidth * 1e3
     report: dict = {
         "provenance": provenance(args.argv),
         "model": args.model, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": str(dtype).removeprefix("torch."), "context": context_len, "weight_bytes": nbytes,
-        "copy_bandwidth_gbps": round(bandwidth / 1e9, 1), "streaming_limit_ms": round(limit_ms, 3),
     }
     generator = torch.Generator().manual_seed(0)
     vocab = hf_model.config.vocab_size
     requests = max(r for r, _ in BATCHES)
     contexts = [torch.randint(0, vocab, (context_len,), generator=generator) for _ in range(requests)]
     repeats = args.repeats
-    if not args.skip_baselines:
-        print("hf eager step ...", flush=True)
-        report["hf_step_ms"] = round(hf_step_ms(hf_model, contexts[0], device, repeats), 3)
-
-    graphs = None if device.type == "cuda" else False
-    runtime = PagedLlamaRuntime(hf_model, kv_cache_gb=args.kv_cache_gb or None, graphs=graphs)
+    if args.offload:  # the layers cross the host-to-device link every pass; the head and embeddings stay
+        runtime = PagedLlamaRuntime(hf_model, kv_cache_gb=args.kv_cache_gb or None, offload=device)
+        streamed = runtime.layers.layer_bytes * len(runtime.layers)
+        bandwidth = host_to_device_bandwidth(device, 1024 if device.type == "cuda" else 256)
+        limit_ms = streamed / bandwidth * 1e3
+        report |= {"offload": True, "streamed_bytes": streamed, "host_to_device_gbps": round(bandwidth / 1e9, 1),
+                   "streaming_limit_ms": round(limit_ms, 3)}
+    else:
+        bandwidth = copy_bandwidth(device, 1024 if device.type == "cuda" else 256)
+        limit_ms = nbytes / bandwidth * 1e3
+        report |= {"copy_bandwidth_gbps": round(bandwidth / 1e9, 1), "streaming_limit_ms": round(limit_ms, 3)}
+        if not args.skip_baselines:
+            print("hf eager step ...", flush=True)
+            report["hf_step_ms"] = round(hf_step_ms(hf_model, contexts[0], device, repeats), 3)
+        graphs = None if device.type == "cuda" else False
+        runtime = PagedLlamaRuntime(hf_model, kv_cache_gb=args.kv_cache_gb or None, graphs=graphs)
     report["batch_invariant_products"] = runtime.batch_invariant
     report["kv_pool_pages"] = runtime.pool.capacity_pages
-    report.update(measure(runtime, contexts, device, repeats, limit_ms))
+    big_trees = OFFLOAD_TREES if args.offload else ()
+    report.update(measure(runtime, contexts, device, repeats, limit_ms, big_trees=big_trees))
     exact = runtime.batch_invariant and runtime.attention == "triton"  # what promises rows exact in any batch
-    if device.type == "cuda":  # the same passes with the opt-out: cuBLAS under the matrix products
+    if device.type == "cuda" and not args.offload:  # the same passes with the opt-out: cuBLAS under the products
         del runtime
         torch.cuda.empty_cache()
         print("cuBLAS matrix products (--no-batch-invariant) ...", flush=True)
@@ -286,14 +315,19 @@ def _print(report: dict) -> None:
     products = "batch-invariant Triton" if report["batch_invariant_products"] else library
     print(f"\n{report['model']} on {report['device']} ({report['dtype']}), context {report['context']}, "
           f"matrix products: {products}")
-    print(f"  weights {report['weight_bytes'] / 1e9:.2f} GB, copy bandwidth {report['copy_bandwidth_gbps']} GB/s: "
-          f"streaming limit {report['streaming_limit_ms']} ms")
+    if report.get("offload"):
+        print(f"  offloaded: {report['streamed_bytes'] / 1e9:.2f} GB of layers a pass over "
+              f"{report['host_to_device_gbps']} GB/s host to device: streaming limit {report['streaming_limit_ms']} ms")
+    else:
+        print(f"  weights {report['weight_bytes'] / 1e9:.2f} GB, copy bandwidth {report['copy_bandwidth_gbps']} GB/s: "
+              f"streaming limit {report['streaming_limit_ms']} ms")
     hf = f" (Hugging Face eager {report['hf_step_ms']} ms)" if "hf_step_ms" in report else ""
     print(f"  one-token step {report['step_ms']} ms = {report['step_vs_limit']}x the limit{hf}; "
           f"host work {report['host_prepare_ms']} ms")
     print("  verify cost over a one-token step, by tree nodes: "
           + ", ".join(f"{k}: {v}" for k, v in report["cost_curve"].items())
-          + f"; a 16-node tree {report['tree16_vs_step']}")
+          + "; " + ", ".join(f"a {k.removeprefix('tree').removesuffix('_vs_step')}-node tree {v}"
+                             for k, v in report.items() if k.startswith("tree") and k.endswith("_vs_step")))
     print(f"  batched passes (requests x tree): {_batches(report)}")
     for name, part in (("", report), ("cuBLAS: ", report.get("cublas"))):
         if part is None:
