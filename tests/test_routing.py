@@ -493,7 +493,7 @@ def test_in_a_shared_pass_a_predicted_gain_within_the_margin_is_not_worth_a_tree
     class Predicting(GoodputController):  # the goodput model, with its prediction for a tree set by the test
         gain = 1.0
 
-        def choose(self, max_budget, acceptance, draft_ms, load=Load(), realism=1.0):
+        def choose(self, max_budget, acceptance, draft_ms, load=Load(), realism=1.0, shares=()):
             return 4, self.goodput(0, [], 0.0, load) * self.gain
 
     controller = Predicting(CostModel(), probe_every=0)

@@ -6,8 +6,9 @@ Goodput is committed tokens per second of the whole batch. The controller picks 
     goodput(n) = E[tokens | n] / (cycle(n) + draft_ms(n)) + E[tokens of the others] / cycle(n)
     cycle(n) = pass_ms(requests, trees, others' rows + 1 + n) + overhead_ms(requests, trees)   [+ draft_ms(n), see below]
 
-``E[tokens | n] = 1 + a1 + a1 a2 + ... + a1 ... an``, ``ai`` the request's conditional acceptance of
-tree level ``i`` (a budget of ``n`` nodes counts as ``n`` levels); ``trees`` the others' and, when
+``E[tokens | n] = 1 + a1 + a1 a2 + ... + a1 ... an`` for a chain, ``ai`` the request's conditional
+acceptance of level ``i``'s first guess; with the share of its misses each runner-up catches, the
+best tree of ``n`` nodes (``tree_acceptance``: wide trees where rows are cheap); ``trees`` the others' and, when
 ``n > 0``, this one; ``pass_ms`` a ``CostModel`` calibrated on the verifier's measured pass curve and
 learned from its reports of its passes; ``draft_ms`` the asked drafters' ``DraftCost`` added up;
 ``overhead_ms`` (queue, transport, the router's own work: ``StepOverhead``) learned from every step, by
@@ -25,6 +26,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from specmesh.runtime.calibration import PassSample
+from specmesh.speculation.tree_acceptance import tree_tokens_upto
 
 # tree sizes the controller weighs (up to a request's cap): beyond 64 only where passes are flat in rows
 DEFAULT_BUDGETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
@@ -306,12 +308,13 @@ class GoodputController:
         return (own_tokens / own + load.other_tokens / cycle) * 1e3
 
     def choose(self, max_budget: int, acceptance: float | Sequence[float], draft_ms: Callable[[int], float],
-               load: Load = Load(), realism: float = 1.0) -> tuple[int, float]:
+               load: Load = Load(), realism: float = 1.0, shares: Sequence[float] = ()) -> tuple[int, float]:
         """The budget up to ``max_budget`` with the best goodput (the smaller one on a tie), and that goodput.
         ``draft_ms(n)``: what drafting ``n`` nodes costs (0 at 0); ``realism``: the accepted tokens steps
-        really got over those predicted (``Realism``), applied to the prediction."""
+        really got over those predicted (``Realism``), applied to the prediction; ``shares``: what each
+        runner-up rank catches of the first guess's misses (``tree_acceptance``; none: chains)."""
         candidates = [b for b in self.budgets if b < max_budget] + [max_budget]
-        tokens = [1.0 + realism * (t - 1.0) for t in expected_tokens_upto(acceptance, max_budget)]
+        tokens = [1.0 + realism * (t - 1.0) for t in tree_tokens_upto(acceptance, shares, max_budget)]
         goodput, _, budget = max((self._goodput(n, tokens[n], draft_ms(n) if n else 0.0, load), -n, n) for n in candidates)
         return budget, goodput
 

@@ -15,8 +15,9 @@ from typing import Protocol, Sequence
 
 from specmesh.errors import InvalidArgument
 from specmesh.runtime.calibration import PassCurve
-from specmesh.speculation.expertise import GENERAL, ExpertRouter, Route, RoutingConfig, level_hits
-from specmesh.speculation.goodput import CostModel, DraftCost, GoodputController, Load, Realism, expected_tokens
+from specmesh.speculation.expertise import GENERAL, ExpertRouter, Route, RoutingConfig, level_hits, team_key
+from specmesh.speculation.goodput import CostModel, DraftCost, GoodputController, Load, Realism
+from specmesh.speculation.tree_acceptance import RankRecord, tree_tokens_upto, walk_ranks
 from specmesh.tree import TokenTree
 
 RECHECK_EVERY = 4  # steps between weighings of a request at budget 0
@@ -128,6 +129,7 @@ class PolicyState:
     tokens_per_request_step: float = 1.0  # and the tokens one step commits
     active: int = 0  # requests of this policy in flight
     realism: Realism = field(default_factory=Realism)  # accepted tokens really kept over those predicted
+    ranks: dict[str, RankRecord] = field(default_factory=dict)  # team -> what its trees' runners-up catch
     last_pass: tuple = ()  # the last verification pass learned from (each request of a pass reports it)
     # request steps in a row without a tree, whichever request: probes are the batch's (requests may be
     # shorter than a busy batch's probe interval)
@@ -160,6 +162,11 @@ class AdaptivePolicy:
 
     def draft_cost(self, name: str) -> DraftCost:
         return self.state.drafting.setdefault(name, DraftCost())
+
+    def shares(self, names: Sequence[str]) -> list[float]:
+        """What the runners-up of the team's trees catch of its first guesses' misses (``tree_acceptance``)."""
+        record = self.state.ranks.get(team_key(names))
+        return (record or RankRecord()).shares()
 
     def _moving(self, old: float, new: float) -> float:
         return self.average * old + (1 - self.average) * new
@@ -254,7 +261,7 @@ class _AdaptiveRequest:
         free = [n for n in core if n in router.free]
         if free and len(free) < len(core):
             options.append(free)
-        budget, chosen, levels = 0, core, []
+        budget, chosen, levels, shares = 0, core, [], []
         evidence = policy.evidence()
         if self.steps_without % RECHECK_UNCHANGED_EVERY == 0 or evidence != self.evidence_at_zero:
             # else nothing was learned since a weighing chose plain decoding: that stands (a probe may follow)
@@ -263,11 +270,12 @@ class _AdaptiveRequest:
             for option in options:
                 costs = [(policy.draft_cost(n), self.charged_catch_up(n, room)) for n in option]
                 option_levels = router.team_levels(self.route, option, self.max_budget)
+                option_shares = policy.shares(option)
                 n, goodput = policy.controller.choose(self.max_budget, option_levels,
                                                       lambda nodes: sum(c.ms(nodes, t) for c, t in costs), load,
-                                                      realism)
+                                                      realism, option_shares)
                 if n > 0 and goodput > best_goodput:
-                    best_goodput, budget, chosen, levels = goodput, n, option, option_levels
+                    best_goodput, budget, chosen, levels, shares = goodput, n, option, option_levels, option_shares
             share = plain_goodput / (1.0 + load.other_requests)  # this request's part of the batch's goodput
             if budget and load.other_requests >= 0.5 and best_goodput - plain_goodput < policy.margin * share:
                 budget = 0  # a gain within the model's error: plain decoding (or a probe, below)
@@ -279,10 +287,10 @@ class _AdaptiveRequest:
             policy.state.steps_without = 0  # this request probes: the others wait for the next interval
             # the cheapest look: in a busy batch an expert's catch-up would hold up every request
             budget, chosen = min(policy.controller.probe_budget, self.max_budget), free or core
-            levels = router.team_levels(self.route, chosen, budget)
+            levels, shares = router.team_levels(self.route, chosen, budget), policy.shares(chosen)
         elif self.route.explored:
             chosen = [*chosen, self.route.explored]
-        predicted = expected_tokens(levels, budget) - 1.0  # as the levels say, before realism
+        predicted = tree_tokens_upto(levels, shares, budget)[budget] - 1.0  # as the levels say, before realism
         return StepPlan(tuple(chosen), tuple(router.weights(self.route, chosen)), budget, predicted, probe)
 
     def observe(self, outcome: StepOutcome) -> None:
@@ -302,10 +310,12 @@ class _AdaptiveRequest:
             kept = len(outcome.committed) > 1
             policy.state.probe_backoff = 1 if kept else min(2 * policy.state.probe_backoff, PROBE_BACKOFF_MOST)
         policy.state.realism.observe(outcome.plan.predicted_accepted, max(len(outcome.committed) - 1, 0))
+        # the router keeps the first guesses' record (the chain), the team's rank record what the rest caught
         for name, tree in zip(outcome.plan.drafters, outcome.trees):
-            policy.router.observe(self.route, name, *level_hits(tree, outcome.committed))
+            policy.router.observe(self.route, name, *level_hits(tree, outcome.committed, first_only=True))
         team = [n for n in outcome.plan.drafters if n != self.route.explored]  # the option the budget was chosen for
-        policy.router.observe_team(self.route, team, *level_hits(outcome.fused, outcome.committed))
+        policy.router.observe_team(self.route, team, *level_hits(outcome.fused, outcome.committed, first_only=True))
+        policy.state.ranks.setdefault(team_key(team), RankRecord()).add(walk_ranks(outcome.fused, outcome.committed))
 
     def end(self) -> None:
         if not self.ended:
