@@ -354,3 +354,64 @@ def test_low_precision_drafting_stays_close_to_fp32_and_lossless(trained, target
     engine = SpeculativeEngine(LlamaRuntime(target), [int8], max_tree_nodes=6)  # the target stays exact
     outputs = engine.generate([Request(e.prompt_ids, SamplingParams(max_tokens=16)) for e in examples[:8]])
     assert [tuple(o.token_ids) for o in outputs] == [e.response_ids for e in examples[:8]]
+
+
+def test_best_first_trees_hold_the_nodes_of_highest_path_probability():
+    import itertools
+
+    from specmesh.drafters.shape import Step, best_first_tree
+
+    def step_after(path):  # a drafter whose distribution over 5 outputs depends on the whole path
+        weights = torch.tensor([1.0 + ((hash(path) >> (4 * i)) % 7) for i in range(5)]) ** 2
+        return Step(weights / weights.sum(), [20 + i for i in range(5)])
+
+    rounds = []
+
+    def score(tree, rows):
+        rounds.append(len(rows))
+        paths = []
+        for row in rows:  # the path of tokens down to each node
+            path, node = [], row
+            while node != ROOT:
+                path.append(tree.tokens[node])
+                node = tree.parents[node]
+            paths.append(tuple(reversed(path)))
+        return [step_after(p) for p in paths]
+
+    depth, width, budget = 4, 3, 40
+    values = {}  # every path the drafter could grow (depth <= 4, top 3 a node) -> its probability
+    for length in range(1, depth + 1):
+        for ranks in itertools.product(range(width), repeat=length):
+            path, value = (), 1.0
+            for rank in ranks:
+                probs = step_after(path).probs
+                top = probs.topk(width)
+                value *= float(top.values[rank])
+                path += (20 + int(top.indices[rank]),)
+            values[path] = value
+    tree = best_first_tree(step_after(()), score, budget, depth, width)
+    assert len(tree) == budget and len(rounds) <= depth - 1
+    grown = {}
+    for i, (token, parent) in enumerate(zip(tree.tokens, tree.parents)):
+        grown[i] = (grown[parent] if parent != ROOT else ()) + (token,)
+    best = sorted(values.values(), reverse=True)
+    assert sorted((values[p] for p in grown.values()), reverse=True) == pytest.approx(best[:budget])
+    for i, parent in enumerate(tree.parents):  # siblings come best first
+        later = [j for j in range(i + 1, len(tree)) if tree.parents[j] == parent]
+        assert all(tree.draft_probs[i] >= tree.draft_probs[j] for j in later)
+
+
+def test_an_expert_grows_big_trees_best_first_and_stays_lossless(trained, target, examples):
+    model, _, _ = trained
+    drafter = ExpertDrafter(model, name="t", max_depth=4, branch_width=2)
+    drafter.start("r", examples[0].prompt_ids)
+    wide = drafter.propose("r", 64)  # past 4 x 2: best first
+    assert 8 < len(wide) <= 64 and wide == drafter.propose("r", 64)  # the session kept the context alone
+    assert max(len(c) for c in wide.children()) > 2 or max(wide.depths()) > 4
+    assert len(drafter.propose("r", 6)) <= 6  # and the confident path still works after
+    drafter.end("r")
+    engine = SpeculativeEngine(LlamaRuntime(target), [ExpertDrafter(model, name="t", max_depth=4, branch_width=2)],
+                               max_tree_nodes=64)  # the whole budget every step
+    outputs = engine.generate([Request(e.prompt_ids, SamplingParams(max_tokens=16)) for e in examples[:8]])
+    for example, out in zip(examples[:8], outputs):
+        assert tuple(out.token_ids) == example.response_ids

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from specmesh.drafters.base import DrafterBase
-from specmesh.drafters.shape import Step, common_prefix, confident_tree
+from specmesh.drafters.shape import Step, best_first_tree, common_prefix, confident_tree
 from specmesh.errors import InvalidArgument
 from specmesh.runtime.kv_cache import KVSession
 from specmesh.runtime.linear import block_kernel_available, int8_available
@@ -31,6 +31,10 @@ from specmesh.runtime.target import PREFILL_CHUNK, quantized_projections
 from specmesh.tree import TokenTree, compile_tree
 
 FORMAT = "specmesh-drafter/1"
+# trees past what one path and its runners-up fill (budgets beyond max_depth x branch_width, where passes are
+# flat) are grown best-first: this deep at most, this many children tried under each expanded node
+WIDE_DEPTH = 16
+WIDE_WIDTH = 4
 
 
 class ExpertModel(nn.Module):
@@ -251,9 +255,14 @@ class ExpertDrafter(DrafterBase):
         state = self._requests[request_id]
         if budget <= 0:
             return TokenTree()
+        context = [*state.committed, *assumed]
+        first = self._catch_up(state, context)
+        if budget > self.max_depth * self.branch_width:
+            return best_first_tree(first, lambda tree, rows: self._score(state, context[-1], tree, rows), budget,
+                                   WIDE_DEPTH, WIDE_WIDTH, stop_index=self.fallback)
         # guesses fed by ``advance`` are scratch: the next proposal rolls the session back to the commits
         return confident_tree(
-            self._catch_up(state, [*state.committed, *assumed]),
+            first,
             lambda token: self._advance(state, token),
             budget,
             self.max_depth,
@@ -262,6 +271,18 @@ class ExpertDrafter(DrafterBase):
             stop_index=self.fallback,
             stop_below=self.stop_below,
         )
+
+    def _score(self, state: _Request, last: int, tree: TokenTree, rows: list[int]) -> list[Step]:
+        """The expert's distributions after nodes ``rows`` of ``tree`` below the context's last token ``last``
+        (one pass; the session keeps the context and nothing of the tree)."""
+        state.session.rollback(state.session.length - 1)  # the last token again, as the tree's root
+        compiled = compile_tree(last, tree)
+        logits = self.runtime.forward(TreeBatch.build([state.session], [compiled]),
+                                      logits_rows=torch.tensor([r + 1 for r in rows]))
+        state.session.keep_rows([0])
+        probs = logits.softmax(-1)  # [rows, subset + 1]
+        top = probs.topk(min(WIDE_WIDTH + 1, probs.shape[-1]))  # one read for every row
+        return [Step(p, self.subset_ids, list(zip(i, v))) for p, i, v in zip(probs, top.indices.tolist(), top.values.tolist())]
 
     def _advance(self, state: _Request, token: int) -> Step:
         tree = compile_tree(token, TokenTree())

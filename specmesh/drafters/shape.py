@@ -1,14 +1,19 @@
 """Shaping a model drafter's guesses into a tree by its confidence.
 
-Expand the top-1 path; where the top-1 probability is below ``branch_below`` the drafter is unsure,
-so its runners-up join as siblings (leaves) of the guess. Stop when the path's confidence (the product
-of its top-1 probabilities) falls below ``stop_below``: deeper guesses would rarely be accepted and each
-costs a drafter step. SpecInfer's static expansion configs are the special case of a fixed width per
-depth.
+``confident_tree``: expand the top-1 path; where the top-1 probability is below ``branch_below`` the
+drafter is unsure, so its runners-up join as siblings (leaves) of the guess. Stop when the path's
+confidence (the product of its top-1 probabilities) falls below ``stop_below``: deeper guesses would
+rarely be accepted and each costs a drafter step. SpecInfer's static expansion configs are the special
+case of a fixed width per depth.
+
+``best_first_tree`` (SpecExec): for budgets past what one path and its runners-up can fill, the nodes of
+highest path probability, however they split between depth and width, expanded in rounds of one
+drafter pass each over every node that may still place a child among the best.
 """
 
 from __future__ import annotations
 
+import heapq
 from typing import Callable, NamedTuple, Sequence
 
 import torch
@@ -70,6 +75,69 @@ def confident_tree(
             break  # no further guess will be made: skip the drafter step
         step = advance(as_token(best))
     return TokenTree(tuple(tokens), tuple(parents), tuple(confidences))
+
+
+def _ranked(step: Step, width: int, stop_index: int | None) -> list[tuple[int, float]]:
+    """A step's ``width`` best outputs as (token id, p), the "no guess" output left out."""
+    probs, token_ids, ranked = step
+    if ranked is None or len(ranked) < width + 1:
+        top = probs.topk(min(width + 1, probs.shape[-1]))
+        ranked = list(zip(top.indices.tolist(), top.values.tolist()))  # two reads from a GPU, not one per number
+    as_token = (lambda i: token_ids[i]) if token_ids is not None else (lambda i: i)
+    return [(as_token(i), p) for i, p in ranked if i != stop_index][:width]
+
+
+def best_first_tree(
+    first: Step,  # the drafter's distribution after the committed tokens
+    score: Callable[[TokenTree, list[int]], list[Step]],  # (a tree, some of its nodes) -> their distributions
+    budget: int,
+    max_depth: int,
+    width: int,  # children tried below each expanded node
+    stop_index: int | None = None,
+) -> TokenTree:
+    """The ``budget`` nodes of highest path probability (the product of the drafter's probabilities from
+    the root), parents before children and siblings best first. Each round scores, in one ``score``
+    call, the nodes among the current best ``budget`` that have not been expanded (given as a tree of
+    them and their ancestors); at most ``max_depth`` rounds."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    probs: list[float] = []
+    value: list[float] = []  # path probability of each generated node
+    depth: list[int] = []
+    expanded: set[int] = set()
+
+    def add_children(parent: int, step: Step) -> None:
+        for token, p in _ranked(step, width, stop_index):
+            tokens.append(token)
+            parents.append(parent)
+            probs.append(p)
+            value.append(p * (value[parent] if parent != ROOT else 1.0))
+            depth.append(1 + (depth[parent] if parent != ROOT else 0))
+
+    add_children(ROOT, first)
+    for _ in range(max_depth - 1):
+        # a child never beats its parent, and nodes come after their parents: the best set is a tree
+        best = heapq.nsmallest(budget, range(len(tokens)), key=lambda n: (-value[n], n))
+        to_expand = sorted(n for n in best if n not in expanded and depth[n] < max_depth)
+        if not to_expand:
+            break
+        keep = set()
+        for node in to_expand:  # the nodes scored and their ancestors: what their attention reads
+            while node != ROOT and node not in keep:
+                keep.add(node)
+                node = parents[node]
+        order = sorted(keep)
+        index = {n: i for i, n in enumerate(order)}
+        sub = TokenTree(tuple(tokens[n] for n in order), tuple(index[parents[n]] if parents[n] != ROOT else ROOT
+                                                               for n in order), tuple(probs[n] for n in order))
+        for node, step in zip(to_expand, score(sub, [index[n] for n in to_expand])):
+            expanded.add(node)
+            add_children(node, step)
+    chosen = sorted(heapq.nsmallest(budget, range(len(tokens)), key=lambda n: (-value[n], n)))
+    index = {n: i for i, n in enumerate(chosen)}
+    return TokenTree(tuple(tokens[n] for n in chosen),
+                     tuple(index[parents[n]] if parents[n] != ROOT else ROOT for n in chosen),
+                     tuple(probs[n] for n in chosen))
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
