@@ -4,7 +4,9 @@
 # check fails the run), the target runtime's speed on random weights of real architectures (`specmesh bench
 # --model random:...`), whose lossless and batch-invariance checks fail the run, then the whole cluster on
 # the device with the oracle drafter (`--oracle-acceptance`), which fails the run when a speculative answer
-# differs from plain decoding. SKIP_TESTS, SKIP_TILES, SKIP_HEAD, SKIP_ORACLE and MODELS= narrow it.
+# differs from plain decoding, and the 8B offloaded (layers streamed from host memory: its step against the
+# host-to-device link, trees of 256 and 1,024 nodes; then the cluster offloaded with a wide oracle, where trees
+# of hundreds of nodes pay). SKIP_TESTS, SKIP_TILES, SKIP_HEAD, SKIP_ORACLE, SKIP_OFFLOAD and MODELS= narrow it.
 # Runs from the repository root without installing: a package shim maps `specmesh.kernels` to kernels/
 # (PYTHONSAFEPATH keeps the un-mapped folder in the working directory off the import path).
 # Results (JSON, logs) go to $OUT (default ./gpu-results). Exit 1 if any step failed.
@@ -45,6 +47,18 @@ if [ -z "${SKIP_ORACLE:-}" ]; then
     --oracle-acceptance "${ORACLE_ACCEPTANCE:-0.8,0.6}" --concurrency 1,16,64 --max-tokens "${ORACLE_TOKENS:-64}" \
     --json "$OUT/oracle-llama-3-8b.json" >"$OUT/oracle.txt" 2>&1 || failed+=(oracle)
   grep -v -i -E "warn|it/s|level/s" "$OUT/oracle.txt" | tail -24
+fi
+if [ -z "${SKIP_OFFLOAD:-}" ]; then
+  timeout "${OFFLOAD_TIMEOUT:-420}" $PY -m specmesh bench --model random:llama-3-8b --device cuda --offload \
+    --repeats "${OFFLOAD_REPEATS:-5}" --json "$OUT/offload-llama-3-8b.json" >"$OUT/offload.txt" 2>&1 || failed+=(offload)
+  grep -v -i warn "$OUT/offload.txt" | tail -10
+  if [ -z "${SKIP_ORACLE:-}" ]; then
+    timeout "${OFFLOAD_ORACLE_TIMEOUT:-540}" $PY -m specmesh bench --model random:llama-3-8b --device cuda --offload \
+      --oracle-acceptance 0.8 --oracle-width 4 --concurrency 1 --max-tokens 32 --sweep-rounds 1 \
+      --max-tree-nodes 1024 --fixed-tree-nodes 256 --json "$OUT/offload-oracle-llama-3-8b.json" \
+      >"$OUT/offload-oracle.txt" 2>&1 || failed+=(offload-oracle)
+    grep -v -i -E "warn|it/s|level/s" "$OUT/offload-oracle.txt" | tail -10
+  fi
 fi
 if [ ${#failed[@]} -gt 0 ]; then
   echo "gpu-check FAILED: ${failed[*]}"
