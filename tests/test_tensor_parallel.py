@@ -14,7 +14,7 @@ from sampled_distribution import judge_sampling_on
 
 from specmesh.errors import InvalidArgument
 from specmesh.runtime.paged_llama import PagedLlamaRuntime
-from specmesh.runtime.tensor_parallel import TensorParallelRuntime, run_follower, shard_model
+from specmesh.runtime.tensor_parallel import TensorParallelRuntime, read_shard, run_follower, shard_model, sharded
 from specmesh.sampling import SamplingParams
 from specmesh.speculation.engine import Request, SpeculativeEngine
 
@@ -26,7 +26,8 @@ FACTORY = functools.partial(tiny_llama, vocab_size=VOCAB, layers=2, seed=5, max_
 def pair(tmp_path):
     """Rank 0 here, rank 1 in a spawned process; the group is taken down after the test."""
     init = f"file://{tmp_path / 'group'}"
-    follower = multiprocessing.get_context("spawn").Process(target=run_follower, args=(1, 2, init, FACTORY))
+    follower = multiprocessing.get_context("spawn").Process(target=run_follower,
+                                                              args=(1, 2, init, functools.partial(sharded, FACTORY)))
     follower.start()
     dist.init_process_group("gloo", init_method=init, rank=0, world_size=2)
     runtime = TensorParallelRuntime(shard_model(FACTORY(), 0, 2), 0, 2)
@@ -73,6 +74,23 @@ def test_the_shards_hold_every_weight_once():
             assert torch.equal(torch.cat(parts, dim), tensor), name
         else:
             assert all(torch.equal(p, tensor) for p in parts), name
+
+
+def test_a_rank_reads_only_its_share_of_the_checkpoint_and_it_is_the_cut_of_the_whole():
+    from specmesh.runtime.loading import load_hf_model
+
+    whole = load_hf_model("smollm2-135m-instruct", dtype="float32", device="cpu").model  # 9 heads, 3 KV heads
+    for rank in range(3):
+        read = read_shard("smollm2-135m-instruct", rank, 3, torch.float32)
+        cut = shard_model(whole, rank, 3)
+        assert read.config.num_attention_heads == 3 and read.config.num_key_value_heads == 1
+        expected = cut.state_dict()
+        assert read.state_dict().keys() == expected.keys()
+        for name, tensor in read.state_dict().items():
+            assert torch.equal(tensor, expected[name]), name
+        ids = torch.tensor([[1, 2, 3, 4]])
+        torch.testing.assert_close(read(ids).logits, cut(ids).logits, rtol=0, atol=0)  # rotary tables rebuilt alike
+    assert read_shard("random:tiny", 0, 2, torch.float32) is None  # nothing to read: the whole model is cut
 
 
 def spawned_children(pid: int) -> list[int]:

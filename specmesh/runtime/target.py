@@ -132,19 +132,28 @@ def load_target(model: str, dtype: str | None = None, device: str | None = None,
                                      offload=compute)
 
 
-def load_on_host(model: str, dtype: str | None, device: str | None, precision: str,
-                 what: str) -> tuple[LoadedModel, torch.device]:
-    """The target in host memory, in the dtype of the device it will compute on, for a runtime that places
-    its weights itself (``what``: an offloaded or a tensor-parallel target): its own weights, never GGUF
-    blocks or ``q8_0``, on the lean runtime. Also that device."""
+def host_compute_device(precision: str, device: str | None, what: str) -> torch.device:
+    """The device a target held in host memory computes on (``what``: an offloaded or a tensor-parallel
+    target), once its precision is one it computes itself: its own weights, never GGUF blocks or ``q8_0``."""
     check_precision(precision)
     if precision == "q8_0":
         raise InvalidArgument("precision", f"{what} computes its own weights: q8_0 does not apply")
-    compute = pick_device(device)
-    loaded = load_hf_model(model, dtype=pick_dtype(dtype, compute), device="cpu")
-    reason = lean_unsupported(loaded.model.config)
+    return pick_device(device)
+
+
+def check_lean(config, what: str) -> None:
+    reason = lean_unsupported(config)
     if reason:
         raise InvalidArgument("model", f"{what} needs the lean runtime: {reason}")
+
+
+def load_on_host(model: str, dtype: str | None, device: str | None, precision: str,
+                 what: str) -> tuple[LoadedModel, torch.device]:
+    """The target in host memory, in the dtype of the device it will compute on, for a runtime that places
+    its weights itself (see ``host_compute_device``), on the lean runtime. Also that device."""
+    compute = host_compute_device(precision, device, what)
+    loaded = load_hf_model(model, dtype=pick_dtype(dtype, compute), device="cpu")
+    check_lean(loaded.model.config, what)
     return loaded, compute
 
 

@@ -13,6 +13,7 @@ N ranks are compared with N ranks).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import logging
 import math
@@ -22,6 +23,7 @@ import tempfile
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -29,8 +31,9 @@ import torch.distributed as dist
 
 from specmesh.errors import InvalidArgument
 from specmesh.runtime.kv_pool import KVPool
-from specmesh.runtime.loading import LoadedModel, load_hf_model
-from specmesh.runtime.target import load_on_host
+from specmesh.runtime.loading import LoadedModel, load_hf_model, pick_dtype, resolve_model_dir
+from specmesh.runtime.random_models import is_random
+from specmesh.runtime.target import check_lean, host_compute_device, load_on_host
 from specmesh.runtime.paged_llama import PagedLlamaRuntime, PassInputs
 
 log = logging.getLogger(__name__)
@@ -41,10 +44,10 @@ GROUP_FAILED = 70  # rank 0's exit code when a rank is gone: the group restarts 
 IDLE = timedelta(days=7)  # a collective may wait this long: followers wait for rank 0's next pass
 
 
-def shard_model(hf_model: torch.nn.Module, rank: int, world: int) -> torch.nn.Module:
-    """Rank ``rank``'s share of a Llama-family model: its query and KV heads (q/k/v rows, o_proj columns) and
-    its slice of the MLP (gate/up rows, down columns); everything else whole."""
-    config = copy.deepcopy(hf_model.config)
+def shard_plan(config, rank: int, world: int) -> tuple[object, dict[str, slice], dict[str, slice]]:
+    """Rank ``rank``'s config (its heads and MLP width), and the slices of the projections it keeps: by
+    row (q/k/v, gate/up) and by column (o, down)."""
+    config = copy.deepcopy(config)
     heads, kv_heads, inter = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
     if heads % world or kv_heads % world or inter % world:
         raise InvalidArgument("tensor_parallel", f"{world} ranks must divide the {heads} heads, {kv_heads} KV heads "
@@ -53,19 +56,80 @@ def shard_model(hf_model: torch.nn.Module, rank: int, world: int) -> torch.nn.Mo
     config.head_dim, config.num_attention_heads = head_dim, heads // world
     config.num_key_value_heads, config.intermediate_size = kv_heads // world, inter // world
     q, kv, m = (slice(rank * n // world, (rank + 1) * n // world) for n in (heads * head_dim, kv_heads * head_dim, inter))
-    rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": m, "up_proj": m}
-    columns = {"o_proj": q, "down_proj": m}
-    state = {}
-    for name, tensor in hf_model.state_dict().items():
-        part = name.split(".")[-2] if name.count(".") >= 2 else ""
-        if ".layers." in name and part in rows:
-            tensor = tensor[rows[part]]
-        elif ".layers." in name and part in columns and name.endswith("weight"):
-            tensor = tensor[:, columns[part]]
-        state[name] = tensor.clone()
+    return config, {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": m, "up_proj": m}, {"o_proj": q, "down_proj": m}
+
+
+def _share(name: str, rows: dict[str, slice], columns: dict[str, slice]) -> tuple[slice, ...]:
+    """The index of a named parameter's share: its rows, its columns, or all of it."""
+    part = name.split(".")[-2] if name.count(".") >= 2 else ""
+    if ".layers." in name and part in rows:
+        return (rows[part],)
+    if ".layers." in name and part in columns and name.endswith("weight"):
+        return (slice(None), columns[part])
+    return (slice(None),)
+
+
+def shard_model(hf_model: torch.nn.Module, rank: int, world: int) -> torch.nn.Module:
+    """Rank ``rank``'s share of a Llama-family model: its query and KV heads (q/k/v rows, o_proj columns) and
+    its slice of the MLP (gate/up rows, down columns); everything else whole."""
+    config, rows, columns = shard_plan(hf_model.config, rank, world)
+    state = {name: tensor[_share(name, rows, columns)].clone() for name, tensor in hf_model.state_dict().items()}
     shard = type(hf_model)(config).to(dtype=next(hf_model.parameters()).dtype)
     shard.load_state_dict(state)
     return shard.to(next(hf_model.parameters()).device).eval()
+
+
+def read_shard(model: str, rank: int, world: int, dtype: torch.dtype) -> torch.nn.Module | None:
+    """Rank ``rank``'s share read slice by slice from the model's safetensors, so that the host never holds
+    more than the share (a 70B on N ranks: 1/N of its layers each). None where there are no local
+    safetensors to read (random weights, a hub id not in the cache): the caller shards the whole model."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if is_random(model):
+        return None
+    source, _ = resolve_model_dir(model)
+    if not isinstance(source, Path):
+        try:
+            from huggingface_hub import snapshot_download
+
+            source = Path(snapshot_download(source, local_files_only=True))
+        except Exception:  # not cached as files: loading the whole model will say why
+            return None
+    files = sorted(source.glob("*.safetensors"))
+    if not files:
+        return None
+    config, rows, columns = shard_plan(AutoConfig.from_pretrained(source), rank, world)
+    state = {}
+    for file in files:
+        with safe_open(str(file), "pt") as reader:
+            for name in reader.keys():
+                state[name] = reader.get_slice(name)[_share(name, rows, columns)].to(dtype)
+    with torch.device("meta"):  # no weights made only to be overwritten
+        shard = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    tied = ("lm_head.weight", "model.embed_tokens.weight")
+    if config.tie_word_embeddings and sum(name in state for name in tied) == 1:  # one of the pair is stored
+        state.update(dict.fromkeys(tied, next(state[name] for name in tied if name in state)))
+    loaded = shard.load_state_dict(state, assign=True, strict=False)
+    if loaded.missing_keys:  # a checkpoint laid out otherwise: the whole model's loader knows more layouts
+        return None
+    for name, module in list(shard.named_modules()):  # computed buffers (rotary frequencies) are not stored
+        if any(b.is_meta for b in module.buffers(recurse=False)):
+            parent, _, leaf = name.rpartition(".")
+            setattr(shard.get_submodule(parent) if parent else shard, leaf, type(module)(config=config))
+    return shard.eval()
+
+
+def load_shard(model: str, dtype: torch.dtype, rank: int, world: int) -> torch.nn.Module:
+    """Rank ``rank``'s share: read alone where the checkpoint allows (``read_shard``), else cut from the
+    whole model loaded in host memory."""
+    shard = read_shard(model, rank, world, dtype)
+    return shard if shard is not None else shard_model(_model_on_host(model, dtype), rank, world)
+
+
+def sharded(model_factory: Callable[[], torch.nn.Module], rank: int, world: int) -> torch.nn.Module:
+    """Rank ``rank``'s share of the model ``model_factory`` makes whole."""
+    return shard_model(model_factory(), rank, world)
 
 
 class _BroadcastPool(KVPool):
@@ -169,16 +233,17 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device.type == "cuda" else device
 
 
-def run_follower(rank: int, world: int, init_method: str, model_factory: Callable[[], torch.nn.Module],
+def run_follower(rank: int, world: int, init_method: str, shard_factory: Callable[[int, int], torch.nn.Module],
                  device: str = "cpu", parent: int | None = None, **kwargs) -> None:
-    """A follower process's whole life: join the group, load and shard the model, follow rank 0. It ends
-    with its parent (rank 0's process), whose death would otherwise leave it waiting forever."""
+    """A follower process's whole life: join the group, load its share of the model (``shard_factory(rank,
+    world)``: ``load_shard`` or ``sharded``), follow rank 0. It ends with its parent (rank 0's process),
+    whose death would otherwise leave it waiting forever."""
     if parent is not None:
         threading.Thread(target=_end_with, args=(parent,), daemon=True).start()
     where = torch.device(device)
     dist.init_process_group(backend_for(where), init_method=init_method, rank=rank, world_size=world, timeout=IDLE)
     try:
-        shard = shard_model(model_factory(), rank, world).to(rank_device(where, rank))
+        shard = shard_factory(rank, world).to(rank_device(where, rank))
         TensorParallelRuntime(shard, rank, world, **kwargs).follow()
     finally:
         dist.destroy_process_group()
@@ -197,16 +262,29 @@ def _model_on_host(model: str, dtype: torch.dtype) -> torch.nn.Module:
 def start_group(model: str, world: int, dtype: str | None = None, device: str | None = None,
                 kv_cache_gb: float | None = None, precision: str = "shipped") -> tuple[LoadedModel, TensorParallelRuntime]:
     """Rank 0 of a new group of ``world`` processes serving ``model`` (this process; the others spawned
-    here): each loads the model in host memory, keeps its share of its own weights (never GGUF blocks or
-    ``q8_0``), and puts it on its device."""
-    loaded, where = load_on_host(model, dtype, device, precision, "a tensor-parallel target")
+    here): each reads its share of the model's own weights into host memory (``load_shard``; never GGUF
+    blocks or ``q8_0``) and puts it on its device. The returned model is rank 0's share."""
+    what = "a tensor-parallel target"
+    where = host_compute_device(precision, device, what)
+    torch_dtype = pick_dtype(dtype, where)
+    shard = read_shard(model, 0, world, torch_dtype)
+    if shard is None:
+        loaded, _ = load_on_host(model, dtype, device, precision, what)
+        loaded = dataclasses.replace(loaded, model=shard_model(loaded.model, 0, world))  # the whole one is let go
+    else:
+        from transformers import AutoTokenizer
+
+        check_lean(shard.config, what)
+        source, gguf = resolve_model_dir(model)
+        loaded = LoadedModel(model, shard, AutoTokenizer.from_pretrained(source), gguf,
+                             Path(source) if gguf is not None else None)
     init = f"file://{tempfile.mkdtemp(prefix='specmesh-tp-')}/group"
-    factory = functools.partial(_model_on_host, model, loaded.model.dtype)
+    factory = functools.partial(load_shard, model, torch_dtype)
     spawn = multiprocessing.get_context("spawn")
     for rank in range(1, world):
         spawn.Process(target=run_follower, args=(rank, world, init, factory, str(where), os.getpid()),
                       kwargs={"kv_cache_gb": kv_cache_gb}, daemon=True, name=f"tensor-parallel-rank-{rank}").start()
     dist.init_process_group(backend_for(where), init_method=init, rank=0, world_size=world, timeout=IDLE)
-    shard = shard_model(loaded.model, 0, world).to(rank_device(where, 0))
+    shard = loaded.model.to(rank_device(where, 0))
     log.info("tensor parallel over %d processes (%s): this is rank 0", world, backend_for(where))
     return loaded, TensorParallelRuntime(shard, 0, world, kv_cache_gb=kv_cache_gb)
