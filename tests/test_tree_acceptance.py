@@ -47,16 +47,20 @@ def test_a_chain_commits_what_the_levels_say_and_a_wide_tree_what_its_best_nodes
 
 def test_runners_up_are_learned_from_the_ranks_the_trees_had_and_no_others():
     record = RankRecord()
-    assert record.shares()[0] == pytest.approx(HAZARD_PRIOR)
-    for _ in range(100):  # chains: the first guess misses, and nothing is learned about ranks never drafted
+    assert record.shares() == [0.0] * 7  # no tree yet: a chain
+    for _ in range(100):  # chains: nothing is credited to runners-up they never drafted
         record.add([(1, 0), (1, None)])
-    assert record.shares()[0] == pytest.approx(HAZARD_PRIOR)
+    assert record.shares() == [0.0] * 7
+    record = RankRecord()
     for _ in range(100):  # three guesses a node; of the first's misses, rank 2 catches 60 %, rank 3 half the rest
         record.add([(3, 1)] * 6 + [(3, 2)] * 2 + [(3, None)] * 2)
     shares = record.shares()
     assert shares[0] == pytest.approx(0.6, abs=0.02) and shares[1] == pytest.approx(0.2, abs=0.02)
-    assert shares[2] == pytest.approx(HAZARD_PRIOR * (1 - shares[0] - shares[1]), abs=1e-9)  # rank 4: never drafted
-    assert all(b <= a for a, b in zip(shares, shares[1:]))
+    assert shares[2:] == [0.0] * 5  # ranks 4 and on: never offered
+    half = RankRecord()
+    for _ in range(100):  # the same catches where the trees offer the runners-up, at half of the nodes
+        half.add([(3, 1)] * 3 + [(1, None)] * 3 + [(3, 2)] + [(1, None)] + [(3, None)] + [(1, None)])
+    assert half.shares()[0] == pytest.approx(0.3, abs=0.02)
 
 
 # an offloaded target: the pass streams the whole model, so a thousand rows cost about what one does
@@ -111,5 +115,21 @@ def test_the_policy_learns_that_the_oracles_runners_up_pay_and_grows_its_trees()
     assert min(budgets[late]) >= 256, budgets[-20:]
     assert sum(kept[late]) / len(kept[late]) > 8.0  # a chain at 0.8 commits 5 at most
     shares = policy.shares(["oracle"])
-    assert shares[0] == pytest.approx(0.8, abs=0.1)
-    assert 0.7 < policy.state.realism.ratio < 1.3  # the model predicted what the trees kept
+    assert 0.4 < shares[0] < 0.8  # 0.8 of the misses where its trees offer a runner-up, as most accepted nodes do
+    assert 0.7 < policy.state.realism.ratio < 1.4  # the model predicted about what the trees kept
+
+
+def test_a_drafter_of_chains_is_not_credited_with_runners_up():
+    policy = AdaptivePolicy(ExpertRouter({"oracle": ["general"]}, RoutingConfig(explore=0.0), free=["oracle"]),
+                            GoodputController(CostModel()))
+    policy.controller.cost.calibrate(FLAT)
+    policy.controller.drafting_shares_cores = False
+    entry = OracleEntry((1,), tuple(random.Random(1).randrange(1000) for _ in range(20_000)), 0.8, width=1)
+    request = policy.begin("general", 1024)
+    at, budgets = 0, []
+    while len(budgets) < 200:
+        budget, committed = _oracle_outcome(policy, request, entry, at)
+        at += committed
+        budgets.append(budget)
+    assert max(budgets[100:]) <= 96  # the chain's tail buys nothing, even where rows are nearly free
+    assert policy.shares(["oracle"]) == [0.0] * 7

@@ -11,7 +11,8 @@ nodes of highest value (SpecExec's argument): its expected commit is 1 plus thei
 
 ``RankRecord`` learns ``g`` from verified trees, as hazards (the target's token at rank r given it was
 at none of ranks 1..r-1, counted only where the tree had an r-th child), so a drafter's narrow trees
-say nothing about ranks it never drafted; the router's levels keep the first guess's record
+say nothing about ranks it never drafted, times how often the trees offer rank r at all (a drafter of
+chains is credited with no runner-up); the router's levels keep the first guess's record
 (``expertise.level_hits(first_only=True)``).
 """
 
@@ -50,14 +51,18 @@ def walk_ranks(tree: TokenTree, committed: Sequence[int]) -> list[tuple[int, int
 
 @dataclass
 class RankRecord:
-    """Decayed hazards of ranks 2..MAX_RANKS (index 0 is rank 2)."""
+    """Decayed hazards of ranks 2..MAX_RANKS (index 0 is rank 2), and how often the team's trees offer
+    each rank at all (a drafter of chains offers none: its trees are credited with no runner-up)."""
 
     hazards: list[Record] = field(default_factory=lambda: [Record() for _ in range(MAX_RANKS - 1)])
+    offered: list[Record] = field(default_factory=lambda: [Record() for _ in range(MAX_RANKS - 1)])
 
     def add(self, walk: Sequence[tuple[int, int | None]], decay: float = 0.99) -> None:
         """One verified tree's walk (``walk_ranks``), counted as one observation per rank it tried."""
-        hits, tries = [0] * (MAX_RANKS - 1), [0] * (MAX_RANKS - 1)
+        hits, tries, offered = [0] * (MAX_RANKS - 1), [0] * (MAX_RANKS - 1), [0] * (MAX_RANKS - 1)
         for children, rank in walk:
+            for r in range(1, min(children, MAX_RANKS)):
+                offered[r - 1] += 1
             if rank == 0:
                 continue  # the first guess held: nothing about the runners-up
             for r in range(1, min(children, MAX_RANKS)):  # ranks the tree had, until the one that held
@@ -68,15 +73,19 @@ class RankRecord:
         for record, hit, tried in zip(self.hazards, hits, tries):
             if tried:
                 record.add(hit, tried, decay)
+        if walk:
+            for record, count in zip(self.offered, offered):
+                record.add(count, len(walk), decay)
 
     def shares(self) -> list[float]:
-        """g_r for ranks 2..MAX_RANKS: the first guess's misses each rank catches, never more than a
-        higher rank's share."""
+        """g_r for ranks 2..MAX_RANKS: the first guess's misses each rank catches where the trees offer it,
+        times how often they do (none before a tree), never more than a higher rank's share."""
         shares, left = [], 1.0
-        for record in self.hazards:
-            share = left * record.mean(HAZARD_PRIOR, HAZARD_STRENGTH)
+        for hazard, offered in zip(self.hazards, self.offered):
+            caught = left * hazard.mean(HAZARD_PRIOR, HAZARD_STRENGTH)
+            left -= caught
+            share = caught * offered.mean(0.0, 0.0) if offered.attempts else 0.0
             shares.append(min(share, shares[-1]) if shares else share)
-            left -= shares[-1]
         return shares
 
 
