@@ -113,3 +113,18 @@ def test_the_runtime_bench_times_an_offloaded_step_against_the_link_and_its_big_
     assert report["lossless"]["identical"]
     rows = report["batch_invariance"]
     assert rows["bitwise_equal"] == rows["rows"]
+
+
+def test_a_pass_curve_is_measured_whole_where_every_pass_is_slow_but_flat(model):
+    import time
+
+    from specmesh.runtime.calibration import measure_pass_curve
+
+    class StreamedOverASlowLink(PagedLlamaRuntime):  # every pass waits on the link, whatever its rows
+        def forward(self, batch, logits_rows=None):
+            time.sleep(0.03)
+            return super().forward(batch, logits_rows)
+
+    curve = measure_pass_curve(StreamedOverASlowLink(model, kv_cache_gb=0.05, offload="cpu"), time_cap_ms=10.0,
+                               repeats=1)
+    assert curve.samples[0].ms > 10.0 and len(curve.samples) >= 3  # not cut at the first pass over the cap

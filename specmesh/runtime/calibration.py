@@ -6,7 +6,10 @@ costs a fifth of a step (2 CPU cores), instead of a prior measured on one machin
 the runtime up: on CUDA they compile the kernels and capture the graphs of the shapes they touch.
 
 The grid grows the requests (1, 4, 16, 64), each with trees of 0, 4 and 16 nodes, until a pass takes
-longer than ``time_cap_ms``; each point is the median of a few passes after one untimed one.
+longer than ``time_cap_ms`` or ``FLAT_FACTOR`` one-token passes, whichever is longer (an offloaded
+target's every pass streams the model: its first one alone may take longer than the cap, and the curve
+is what tells the controller that rows are nearly free); each point is the median of a few passes after
+one untimed one.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from specmesh.tree import TokenTree, compile_tree
 REQUESTS = (1, 4, 16, 64)
 TREE_NODES = (0, 4, 16)
 CONTEXT_TOKENS = 40  # each request's committed tokens: a short history, inside one key block
+FLAT_FACTOR = 4.0  # a pass this many one-token passes long is past any flat part: the curve has its shape
 
 
 @dataclass(frozen=True)
@@ -84,10 +88,11 @@ def measure_pass_curve(runtime: TargetRuntime, requests: Sequence[int] = REQUEST
             batch = TreeBatch.build(sessions[:count], trees)
             _timed(runtime, batch)  # untimed: compiles and warms what this shape needs
             times = [_timed(runtime, batch)]
-            if times[0] <= time_cap_ms:
+            cap = max(time_cap_ms, FLAT_FACTOR * samples[0].ms) if samples else max(time_cap_ms, FLAT_FACTOR * times[0])
+            if times[0] <= cap:
                 times += [_timed(runtime, batch) for _ in range(repeats - 1)]
             samples.append(PassSample(count, count if n else 0, count * (1 + n), round(statistics.median(times), 3)))
-            if times[0] > time_cap_ms:
+            if times[0] > cap:
                 break  # bigger passes only take longer: the curve so far is what the controller needs
     finally:
         for session in sessions:
