@@ -103,8 +103,10 @@ def tree_tokens_upto(levels: float | Sequence[float], shares: Sequence[float], n
     frontier = [(-at(0, 0), 0, 0, 1.0)]  # (-value, depth, rank, the parent's value)
     while frontier and len(totals) <= nodes:
         negative, depth, rank, above = heapq.heappop(frontier)
+        if not negative:
+            break  # every node left is worth nothing
         totals.append(totals[-1] - negative)
-        if rank < len(shares):  # the next sibling (ranks are taken in order)
+        if rank < len(shares) and shares[rank]:  # the next sibling (ranks are taken in order)
             heapq.heappush(frontier, (-above * at(depth, rank + 1), depth, rank + 1, above))
         heapq.heappush(frontier, (negative * at(depth + 1, 0), depth + 1, 0, -negative))
     return totals + [totals[-1]] * (nodes + 1 - len(totals))
