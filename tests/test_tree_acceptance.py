@@ -21,9 +21,6 @@ def test_the_walk_gives_the_rank_of_each_accepted_token_among_its_siblings():
     assert walk_ranks(tree, [4, 1, 3]) == [(3, 2), (1, 0)]
     assert walk_ranks(tree, [2]) == [(3, None)]
     assert walk_ranks(TokenTree(), [5]) == []
-    assert level_hits(tree, [5, 8, 2], first_only=True) == (1, 2)  # the first guesses' chain misses at 8
-    assert level_hits(tree, [4], first_only=True) == (0, 1)
-    assert level_hits(tree, [5, 6, 7], first_only=True) == (3, 3)
 
 
 def test_a_chain_commits_what_the_levels_say_and_a_wide_tree_what_its_best_nodes_are_worth():
@@ -57,6 +54,11 @@ def test_runners_up_are_learned_from_the_ranks_the_trees_had_and_no_others():
     shares = record.shares()
     assert shares[0] == pytest.approx(0.6, abs=0.02) and shares[1] == pytest.approx(0.2, abs=0.02)
     assert shares[2:] == [0.0] * 5  # ranks 4 and on: never offered
+    assert RankRecord().first_share() == 1.0  # before a tree: chains
+    mixed = RankRecord()
+    for _ in range(100):  # of the levels hit, two in three by the first guess
+        mixed.add([(2, 0), (2, 0), (2, 1), (2, None)])
+    assert mixed.first_share() == pytest.approx(2 / 3, abs=0.02)
     half = RankRecord()
     for _ in range(100):  # the same catches where the trees offer the runners-up, at half of the nodes
         half.add([(3, 1)] * 3 + [(1, None)] * 3 + [(3, 2)] + [(1, None)] + [(3, None)] + [(1, None)])
@@ -114,7 +116,8 @@ def test_the_policy_learns_that_the_oracles_runners_up_pay_and_grows_its_trees()
     late = slice(len(budgets) // 2, None)
     assert min(budgets[late]) >= 256, budgets[-20:]
     assert sum(kept[late]) / len(kept[late]) > 8.0  # a chain at 0.8 commits 5 at most
-    shares = policy.shares(["oracle"])
+    levels, shares = policy.tree_model(["oracle"], [1.0])
+    assert levels[0] == pytest.approx(policy.state.ranks["oracle"].first_share())
     assert 0.4 < shares[0] < 0.8  # 0.8 of the misses where its trees offer a runner-up, as most accepted nodes do
     assert 0.7 < policy.state.realism.ratio < 1.4  # the model predicted about what the trees kept
 
@@ -132,4 +135,4 @@ def test_a_drafter_of_chains_is_not_credited_with_runners_up():
         at += committed
         budgets.append(budget)
     assert max(budgets[100:]) <= 96  # the chain's tail buys nothing, even where rows are nearly free
-    assert policy.shares(["oracle"]) == [0.0] * 7
+    assert policy.tree_model(["oracle"], [0.8]) == ([0.8], [0.0] * 7)  # weighed exactly as a chain

@@ -27,13 +27,11 @@ def team_key(names: Sequence[str]) -> str:
     return "+".join(sorted(names))
 
 
-def level_hits(tree: TokenTree, committed: Sequence[int], first_only: bool = False) -> tuple[int, int]:
+def level_hits(tree: TokenTree, committed: Sequence[int]) -> tuple[int, int]:
     """(hits, attempts) of a tree against the tokens the target committed after its root.
 
     Walks from the root along ``committed``: a level where the current node has children is an
     attempt; it is a hit when one child holds the committed token (the walk then goes on below it).
-    ``first_only``: only the node's first child counts (the drafter's first guess: the chain a tree's
-    runners-up hang from, ``tree_acceptance``).
     """
     kids = tree.children()
     row, hits, attempts = 0, 0, 0
@@ -41,7 +39,7 @@ def level_hits(tree: TokenTree, committed: Sequence[int], first_only: bool = Fal
         if not kids[row]:
             break
         attempts += 1
-        child = next((c for c in kids[row][: 1 if first_only else None] if tree.tokens[c] == token), None)
+        child = next((c for c in kids[row] if tree.tokens[c] == token), None)
         if child is None:
             break
         hits += 1

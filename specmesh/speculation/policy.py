@@ -163,10 +163,13 @@ class AdaptivePolicy:
     def draft_cost(self, name: str) -> DraftCost:
         return self.state.drafting.setdefault(name, DraftCost())
 
-    def shares(self, names: Sequence[str]) -> list[float]:
-        """What the runners-up of the team's trees catch of its first guesses' misses (``tree_acceptance``)."""
-        record = self.state.ranks.get(team_key(names))
-        return (record or RankRecord()).shares()
+    def tree_model(self, names: Sequence[str], levels: Sequence[float]) -> tuple[list[float], list[float]]:
+        """The team's trees as ``tree_acceptance`` weighs them: its first guesses' acceptance by level (the
+        router's levels, hit by any guess, times the hits the first guess made) and what the runners-up
+        catch of their misses."""
+        record = self.state.ranks.get(team_key(names)) or RankRecord()
+        first = record.first_share()
+        return [a * first for a in levels], record.shares()
 
     def _moving(self, old: float, new: float) -> float:
         return self.average * old + (1 - self.average) * new
@@ -269,8 +272,8 @@ class _AdaptiveRequest:
             best_goodput, realism = plain_goodput, policy.state.realism.ratio
             for option in options:
                 costs = [(policy.draft_cost(n), self.charged_catch_up(n, room)) for n in option]
-                option_levels = router.team_levels(self.route, option, self.max_budget)
-                option_shares = policy.shares(option)
+                option_levels, option_shares = policy.tree_model(option, router.team_levels(self.route, option,
+                                                                                             self.max_budget))
                 n, goodput = policy.controller.choose(self.max_budget, option_levels,
                                                       lambda nodes: sum(c.ms(nodes, t) for c, t in costs), load,
                                                       realism, option_shares)
@@ -287,7 +290,7 @@ class _AdaptiveRequest:
             policy.state.steps_without = 0  # this request probes: the others wait for the next interval
             # the cheapest look: in a busy batch an expert's catch-up would hold up every request
             budget, chosen = min(policy.controller.probe_budget, self.max_budget), free or core
-            levels, shares = router.team_levels(self.route, chosen, budget), policy.shares(chosen)
+            levels, shares = policy.tree_model(chosen, router.team_levels(self.route, chosen, budget))
         elif self.route.explored:
             chosen = [*chosen, self.route.explored]
         predicted = tree_tokens_upto(levels, shares, budget)[budget] - 1.0  # as the levels say, before realism
@@ -310,11 +313,10 @@ class _AdaptiveRequest:
             kept = len(outcome.committed) > 1
             policy.state.probe_backoff = 1 if kept else min(2 * policy.state.probe_backoff, PROBE_BACKOFF_MOST)
         policy.state.realism.observe(outcome.plan.predicted_accepted, max(len(outcome.committed) - 1, 0))
-        # the router keeps the first guesses' record (the chain), the team's rank record what the rest caught
         for name, tree in zip(outcome.plan.drafters, outcome.trees):
-            policy.router.observe(self.route, name, *level_hits(tree, outcome.committed, first_only=True))
+            policy.router.observe(self.route, name, *level_hits(tree, outcome.committed))
         team = [n for n in outcome.plan.drafters if n != self.route.explored]  # the option the budget was chosen for
-        policy.router.observe_team(self.route, team, *level_hits(outcome.fused, outcome.committed, first_only=True))
+        policy.router.observe_team(self.route, team, *level_hits(outcome.fused, outcome.committed))
         policy.state.ranks.setdefault(team_key(team), RankRecord()).add(walk_ranks(outcome.fused, outcome.committed))
 
     def end(self) -> None:

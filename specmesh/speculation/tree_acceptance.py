@@ -12,8 +12,9 @@ nodes of highest value (SpecExec's argument): its expected commit is 1 plus thei
 ``RankRecord`` learns ``g`` from verified trees, as hazards (the target's token at rank r given it was
 at none of ranks 1..r-1, counted only where the tree had an r-th child), so a drafter's narrow trees
 say nothing about ranks it never drafted, times how often the trees offer rank r at all (a drafter of
-chains is credited with no runner-up); the router's levels keep the first guess's record
-(``expertise.level_hits(first_only=True)``).
+chains is credited with no runner-up). The router's levels count a level hit by any guess (routing and
+trust read them); ``a_d`` is that times the share of the hits the first guess made, so that a drafter
+of chains is weighed exactly as a chain.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ MAX_RANKS = 8  # guesses a node's children are ranked over; later ranks are take
 # held with the strength of a few observations so that a drafter's first wide trees correct it
 HAZARD_PRIOR = 0.2
 HAZARD_STRENGTH = 4.0
+FIRST_STRENGTH = 2.0  # pseudo-hits of the first guess before a tree: trees start as chains
 
 
 def walk_ranks(tree: TokenTree, committed: Sequence[int]) -> list[tuple[int, int | None]]:
@@ -56,6 +58,7 @@ class RankRecord:
 
     hazards: list[Record] = field(default_factory=lambda: [Record() for _ in range(MAX_RANKS - 1)])
     offered: list[Record] = field(default_factory=lambda: [Record() for _ in range(MAX_RANKS - 1)])
+    first: Record = field(default_factory=Record)  # of the levels the trees hit, those the first guess hit
 
     def add(self, walk: Sequence[tuple[int, int | None]], decay: float = 0.99) -> None:
         """One verified tree's walk (``walk_ranks``), counted as one observation per rank it tried."""
@@ -70,12 +73,19 @@ class RankRecord:
                 if rank == r:
                     hits[r - 1] += 1
                     break
+        caught = sum(rank is not None for _, rank in walk)
+        if caught:
+            self.first.add(sum(rank == 0 for _, rank in walk), caught, decay)
         for record, hit, tried in zip(self.hazards, hits, tries):
             if tried:
                 record.add(hit, tried, decay)
         if walk:
             for record, count in zip(self.offered, offered):
                 record.add(count, len(walk), decay)
+
+    def first_share(self) -> float:
+        """Of the levels the trees hit, the share the first guess hit (1 before any: chains)."""
+        return self.first.mean(1.0, FIRST_STRENGTH)
 
     def shares(self) -> list[float]:
         """g_r for ranks 2..MAX_RANKS: the first guess's misses each rank catches where the trees offer it,
