@@ -11,7 +11,7 @@ from specmesh.runtime.calibration import PassSample
 from specmesh.speculation.expertise import ExpertRouter, RoutingConfig, level_hits
 from specmesh.speculation.goodput import CostModel, GoodputController, expected_tokens_upto
 from specmesh.speculation.policy import AdaptivePolicy, StepOutcome
-from specmesh.speculation.tree_acceptance import HAZARD_PRIOR, RankRecord, tree_tokens_upto, walk_ranks
+from specmesh.speculation.tree_acceptance import RankRecord, tree_tokens_upto, walk_ranks
 from specmesh.tree import TokenTree
 
 
@@ -100,19 +100,26 @@ def _oracle_outcome(policy, request, entry, at, vocab=1000):
     return plan.budget, len(committed)
 
 
-def test_the_policy_learns_that_the_oracles_runners_up_pay_and_grows_its_trees():
+def _policy_over_the_oracle(width: int, steps: int) -> tuple[AdaptivePolicy, list[int], list[int]]:
+    """An adaptive policy on a flat pass curve, fed ``steps`` of the oracle at p = 0.8: it, and each step's
+    budget and tokens committed."""
     policy = AdaptivePolicy(ExpertRouter({"oracle": ["general"]}, RoutingConfig(explore=0.0), free=["oracle"]),
                             GoodputController(CostModel()))
     policy.controller.cost.calibrate(FLAT)
     policy.controller.drafting_shares_cores = False
-    entry = OracleEntry((1,), tuple(random.Random(1).randrange(1000) for _ in range(20_000)), 0.8, width=4)
+    entry = OracleEntry((1,), tuple(random.Random(1).randrange(1000) for _ in range(20_000)), 0.8, width=width)
     request = policy.begin("general", 1024)
     at, budgets, kept = 0, [], []
-    while at < 15_000 and len(budgets) < 400:
+    while at < 15_000 and len(budgets) < steps:
         budget, committed = _oracle_outcome(policy, request, entry, at)
         at += committed
         budgets.append(budget)
         kept.append(committed)
+    return policy, budgets, kept
+
+
+def test_the_policy_learns_that_the_oracles_runners_up_pay_and_grows_its_trees():
+    policy, budgets, kept = _policy_over_the_oracle(width=4, steps=400)
     late = slice(len(budgets) // 2, None)
     assert min(budgets[late]) >= 256, budgets[-20:]
     assert sum(kept[late]) / len(kept[late]) > 8.0  # a chain at 0.8 commits 5 at most
@@ -123,16 +130,6 @@ def test_the_policy_learns_that_the_oracles_runners_up_pay_and_grows_its_trees()
 
 
 def test_a_drafter_of_chains_is_not_credited_with_runners_up():
-    policy = AdaptivePolicy(ExpertRouter({"oracle": ["general"]}, RoutingConfig(explore=0.0), free=["oracle"]),
-                            GoodputController(CostModel()))
-    policy.controller.cost.calibrate(FLAT)
-    policy.controller.drafting_shares_cores = False
-    entry = OracleEntry((1,), tuple(random.Random(1).randrange(1000) for _ in range(20_000)), 0.8, width=1)
-    request = policy.begin("general", 1024)
-    at, budgets = 0, []
-    while len(budgets) < 200:
-        budget, committed = _oracle_outcome(policy, request, entry, at)
-        at += committed
-        budgets.append(budget)
+    policy, budgets, _ = _policy_over_the_oracle(width=1, steps=200)
     assert max(budgets[100:]) <= 96  # the chain's tail buys nothing, even where rows are nearly free
     assert policy.tree_model(["oracle"], [0.8]) == ([0.8], [0.0] * 7)  # weighed exactly as a chain
