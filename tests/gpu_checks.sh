@@ -6,7 +6,8 @@
 # the device with the oracle drafter (`--oracle-acceptance`), which fails the run when a speculative answer
 # differs from plain decoding, and the 8B offloaded (layers streamed from host memory: its step against the
 # host-to-device link, trees of 256 and 1,024 nodes; then the cluster offloaded with a wide oracle, where trees
-# of hundreds of nodes pay). SKIP_TESTS, SKIP_TILES, SKIP_HEAD, SKIP_ORACLE, SKIP_OFFLOAD and MODELS= narrow it.
+# of hundreds of nodes pay). SKIP_TESTS, SKIP_TILES, SKIP_HEAD, SKIP_ORACLE, SKIP_OFFLOAD, SKIP_OFFLOAD_ORACLE
+# and MODELS= narrow it (offload alone: SKIP_TESTS=1 SKIP_TILES=1 SKIP_HEAD=1 SKIP_ORACLE=1 MODELS=).
 # Runs from the repository root without installing: a package shim maps `specmesh.kernels` to kernels/
 # (PYTHONSAFEPATH keeps the un-mapped folder in the working directory off the import path).
 # Results (JSON, logs) go to $OUT (default ./gpu-results). Exit 1 if any step failed.
@@ -52,7 +53,7 @@ if [ -z "${SKIP_OFFLOAD:-}" ]; then
   timeout "${OFFLOAD_TIMEOUT:-420}" $PY -m specmesh bench --model random:llama-3-8b --device cuda --offload \
     --repeats "${OFFLOAD_REPEATS:-5}" --json "$OUT/offload-llama-3-8b.json" >"$OUT/offload.txt" 2>&1 || failed+=(offload)
   grep -v -i warn "$OUT/offload.txt" | tail -10
-  if [ -z "${SKIP_ORACLE:-}" ]; then
+  if [ -z "${SKIP_OFFLOAD_ORACLE:-}" ]; then
     timeout "${OFFLOAD_ORACLE_TIMEOUT:-540}" $PY -m specmesh bench --model random:llama-3-8b --device cuda --offload \
       --oracle-acceptance 0.8 --oracle-width 4 --concurrency 1 --max-tokens 32 --sweep-rounds 1 \
       --max-tree-nodes 1024 --fixed-tree-nodes 256 --json "$OUT/offload-oracle-llama-3-8b.json" \
