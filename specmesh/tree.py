@@ -92,13 +92,15 @@ class TokenTree:
     def within_depth(self, max_depth: int) -> TokenTree:
         """Only the nodes at depth <= ``max_depth`` (renumbered; still a tree)."""
         keep = [i for i, d in enumerate(self.depths()) if d <= max_depth]
-        if len(keep) == len(self):
-            return self
-        remap = {old: new for new, old in enumerate(keep)}
+        return self if len(keep) == len(self) else self.kept(keep)
+
+    def kept(self, nodes: Sequence[int]) -> TokenTree:
+        """Only ``nodes`` (increasing, each node's parent among them), renumbered in that order."""
+        remap = {old: new for new, old in enumerate(nodes)}
         return TokenTree(
-            tuple(self.tokens[i] for i in keep),
-            tuple(ROOT if self.parents[i] == ROOT else remap[self.parents[i]] for i in keep),
-            tuple(self.draft_probs[i] for i in keep),
+            tuple(self.tokens[i] for i in nodes),
+            tuple(ROOT if self.parents[i] == ROOT else remap[self.parents[i]] for i in nodes),
+            tuple(self.draft_probs[i] for i in nodes),
         )
 
     def likeliest_path(self) -> list[int]:

@@ -121,23 +121,14 @@ def best_first_tree(
         to_expand = sorted(n for n in best if n not in expanded and depth[n] < max_depth)
         if not to_expand:
             break
-        keep = set()
-        for node in to_expand:  # the nodes scored and their ancestors: what their attention reads
-            while node != ROOT and node not in keep:
-                keep.add(node)
-                node = parents[node]
-        order = sorted(keep)
-        index = {n: i for i, n in enumerate(order)}
-        sub = TokenTree(tuple(tokens[n] for n in order), tuple(index[parents[n]] if parents[n] != ROOT else ROOT
-                                                               for n in order), tuple(probs[n] for n in order))
-        for node, step in zip(to_expand, score(sub, [index[n] for n in to_expand])):
+        grown = TokenTree(tuple(tokens), tuple(parents), tuple(probs))
+        keep = sorted({a for node in to_expand for a in grown.path_to(node)})  # and their ancestors: what they attend
+        index = {n: i for i, n in enumerate(keep)}
+        for node, step in zip(to_expand, score(grown.kept(keep), [index[n] for n in to_expand])):
             expanded.add(node)
             add_children(node, step)
     chosen = sorted(heapq.nsmallest(budget, range(len(tokens)), key=lambda n: (-value[n], n)))
-    index = {n: i for i, n in enumerate(chosen)}
-    return TokenTree(tuple(tokens[n] for n in chosen),
-                     tuple(index[parents[n]] if parents[n] != ROOT else ROOT for n in chosen),
-                     tuple(probs[n] for n in chosen))
+    return TokenTree(tuple(tokens), tuple(parents), tuple(probs)).kept(chosen)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
