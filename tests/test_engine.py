@@ -71,6 +71,29 @@ def test_model_and_ngram_drafters_together_are_lossless(tiny_model, runtime):
         assert out.token_ids == hf_greedy(tiny_model, prompt, MAX_TOKENS)
 
 
+def test_a_draft_model_grows_big_trees_best_first_each_node_at_its_paths_probability(tiny_model, runtime):
+    draft_model = tiny_llama(layers=1, seed=7)
+    drafter = ModelDrafter(draft_model, vocab_size=96, name="small", max_depth=4, branch_width=2)
+    prompt = [5, 6, 7, 8]
+    drafter.start("r", prompt)
+    wide = drafter.propose("r", 48, assumed=[9])  # past 4 x 2: best first
+    assert len(wide) == 48 and (max(wide.depths()) > 4 or max(len(c) for c in wide.children()) > 2)
+    again = drafter.propose("r", 48, assumed=[9])  # from the cache this time: the tree's entries were scratch
+    assert (again.tokens, again.parents) == (wide.tokens, wide.parents)
+    assert again.draft_probs == pytest.approx(wide.draft_probs, abs=1e-5)
+    with torch.no_grad():
+        for node in range(len(wide)):  # each node's probability, with its path fed to the model from scratch
+            path = [wide.tokens[a] for a in wide.path_to(node)]
+            logits = draft_model(torch.tensor([prompt + [9] + path[:-1]])).logits[0, -1]
+            assert float(logits.softmax(-1)[path[-1]]) == pytest.approx(wide.draft_probs[node], abs=1e-5), node
+    prompts = ragged_prompts(4, 96, seed=5)
+    engine = SpeculativeEngine(runtime, drafters=[ModelDrafter(draft_model, vocab_size=96, max_depth=4,
+                                                               branch_width=2)], max_tree_nodes=64)
+    outputs = engine.generate([Request(tuple(p), SamplingParams(max_tokens=MAX_TOKENS)) for p in prompts])
+    for prompt, out in zip(prompts, outputs):
+        assert out.token_ids == hf_greedy(tiny_model, prompt, MAX_TOKENS)
+
+
 class NoiseDrafter(DrafterBase):
     """Always wrong: random chains."""
 

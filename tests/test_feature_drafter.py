@@ -88,6 +88,30 @@ def test_the_one_call_layer_drafts_what_the_step_by_step_layer_does():
         assert torch.allclose(a.probs, b.probs, atol=1e-5)
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "fixed-shape"])
+def test_a_best_first_tree_reads_each_node_as_drafting_its_path_guess_by_guess(static):
+    model = make_head(3)
+    tokens = torch.randint(0, 50, (12,)).tolist()
+    features = torch.randn(11, 2, 32)
+    drafter = FeatureDrafter(model, "f", max_depth=2, branch_width=2, int8_weights=False, static_entries=static)
+    drafter.start("r", tokens[:10])
+    drafter.add_features("r", Features(0, features[:8], (1, 3)))  # a committed token past the features
+    wide = drafter.propose("r", 40, assumed=tokens[10:])  # past 2 x 2: best first, below two assumed tokens
+    assert len(wide) == 40 and max(wide.depths()) > 2 and max(len(c) for c in wide.children()) > 2
+    assert wide == drafter.propose("r", 40, assumed=tokens[10:])  # the tree's entries were scratch
+    state = drafter._requests["r"]
+    with torch.no_grad():
+        for node in range(len(wide)):
+            step = drafter._catch_up(state, tokens)
+            for ancestor in wide.path_to(node)[:-1]:
+                step = drafter._advance(state)(wide.tokens[ancestor])
+            assert float(step.probs[wide.tokens[node]]) == pytest.approx(wide.draft_probs[node], abs=1e-5), node
+    chain = FeatureDrafter(model, "c", max_depth=2, branch_width=2, int8_weights=False, static_entries=static)
+    chain.start("r", tokens[:10])
+    chain.add_features("r", Features(0, features[:8], (1, 3)))
+    assert drafter.propose("r", 4, assumed=tokens[10:]) == chain.propose("r", 4, assumed=tokens[10:])
+
+
 def test_features_arriving_in_blocks_give_the_same_drafts():
     model = make_head(1)
     tokens = torch.randint(0, 50, (20,)).tolist()
@@ -179,6 +203,10 @@ def test_the_head_learns_and_the_engine_stays_lossless(tiny_model, trained):
     committed = sum(len(o.token_ids) for o in outputs)
     assert committed / steps > 1.5, "the trained head's guesses should be accepted"
     assert all(not drafter._requests for drafter in [drafter])  # every session ended
+    engine = SpeculativeEngine(LlamaRuntime(tiny_model), drafters=[drafter], max_tree_nodes=64)  # best first
+    wide = engine.generate([Request(tuple(p), SamplingParams(max_tokens=MAX_TOKENS)) for p in prompts])
+    assert [o.token_ids for o in wide] == [o.token_ids for o in outputs]
+    assert sum(len(o.token_ids) for o in wide) / sum(o.stats.target_steps for o in wide) > committed / steps
 
 
 def test_wire_round_trip_and_malformed_blocks():

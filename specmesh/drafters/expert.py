@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from specmesh.drafters.base import DrafterBase
-from specmesh.drafters.shape import Step, best_first_tree, common_prefix, confident_tree
+from specmesh.drafters.shape import (WIDE_DEPTH, WIDE_WIDTH, Step, best_first_tree, common_prefix, confident_tree,
+                                     with_ancestors)
 from specmesh.errors import InvalidArgument
 from specmesh.runtime.kv_cache import KVSession
 from specmesh.runtime.linear import block_kernel_available, int8_available
@@ -31,10 +32,6 @@ from specmesh.runtime.target import PREFILL_CHUNK, quantized_projections
 from specmesh.tree import TokenTree, compile_tree
 
 FORMAT = "specmesh-drafter/1"
-# trees past what one path and its runners-up fill (budgets beyond max_depth x branch_width, where passes are
-# flat) are grown best-first: this deep at most, this many children tried under each expanded node
-WIDE_DEPTH = 16
-WIDE_WIDTH = 4
 
 
 class ExpertModel(nn.Module):
@@ -272,9 +269,10 @@ class ExpertDrafter(DrafterBase):
             stop_below=self.stop_below,
         )
 
-    def _score(self, state: _Request, last: int, tree: TokenTree, rows: list[int]) -> list[Step]:
-        """The expert's distributions after nodes ``rows`` of ``tree`` below the context's last token ``last``
-        (one pass; the session keeps the context and nothing of the tree)."""
+    def _score(self, state: _Request, last: int, grown: TokenTree, nodes: list[int]) -> list[Step]:
+        """The expert's distributions after ``nodes`` of ``grown`` below the context's last token ``last``
+        (one pass over them and their ancestors; the session keeps the context and nothing of the tree)."""
+        tree, rows = with_ancestors(grown, nodes)
         state.session.rollback(state.session.length - 1)  # the last token again, as the tree's root
         compiled = compile_tree(last, tree)
         logits = self.runtime.forward(TreeBatch.build([state.session], [compiled]),

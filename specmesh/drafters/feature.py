@@ -34,12 +34,12 @@ from torch import nn
 
 from specmesh.drafters.base import DrafterBase
 from specmesh.drafters.graphed_entry import GraphedEntry
-from specmesh.drafters.shape import Step, confident_tree
+from specmesh.drafters.shape import WIDE_DEPTH, WIDE_WIDTH, Step, best_first_tree, confident_tree
 from specmesh.errors import InvalidArgument
 from specmesh.kernels.block_linear import quantize
 from specmesh.runtime.features import Features
 from specmesh.runtime.linear import BlockLinear, block_kernel_available, linear_for
-from specmesh.tree import TokenTree
+from specmesh.tree import ROOT, TokenTree
 
 FORMAT = "specmesh-feature-drafter/1"
 
@@ -440,6 +440,10 @@ class FeatureDrafter(DrafterBase):
             return TokenTree()  # no features yet (before the prefill's result): nothing to read
         with torch.no_grad():
             first = self._catch_up(state, [*state.committed, *assumed])
+            if budget > self.max_depth * self.branch_width:  # EAGLE-2's dynamic tree: one pass a round
+                placed: dict[int, tuple[int, torch.Tensor]] = {}
+                return best_first_tree(first, lambda grown, nodes: self._score(state, grown, nodes, placed), budget,
+                                       WIDE_DEPTH, WIDE_WIDTH, stop_index=self.model.fallback)
             return confident_tree(first, self._advance(state), budget, self.max_depth, self.branch_below,
                                   self.branch_width, stop_index=self.model.fallback, stop_below=self.stop_below)
 
@@ -470,6 +474,31 @@ class FeatureDrafter(DrafterBase):
             state.position += 1
             return step
         return advance
+
+    def _score(self, state: _Request, grown: TokenTree, nodes: list[int],
+               placed: dict[int, tuple[int, torch.Tensor]]) -> list[Step]:
+        """One best-first round: an entry for each of ``nodes`` (its parent's output and its token), in one
+        pass; returns the distributions after them. A node's entry sees the context's entries and its
+        ancestors' (``placed``: node -> cache index and output, from earlier rounds; this round's are added).
+        The tree's entries follow the context's in the cache as scratch, rewritten by the next proposal."""
+        base = state.position - state.first  # cache index of the first tree entry: the context's come before
+        start = base + len(placed)
+        depths = grown.depths()
+        parents = [grown.parents[n] for n in nodes]
+        g = torch.stack([state.out if p == ROOT else placed[p][1] for p in parents])  # [n, hidden]
+        ids = torch.tensor([grown.tokens[n] for n in nodes], device=g.device)
+        positions = torch.tensor([state.position + depths[n] - 1 for n in nodes], device=g.device)
+        visible = torch.zeros(len(nodes), start + len(nodes), dtype=torch.bool)  # [n, cache indices so far]
+        visible[:, :base] = True
+        for row, node in enumerate(nodes):
+            visible[row, [placed[a][0] for a in grown.path_to(node)[:-1]] + [start + row]] = True
+        out = self._attend(state, g, ids, positions, start, visible.to(g.device))  # [n, hidden]
+        for row, node in enumerate(nodes):
+            placed[node] = (start + row, out[row])
+        probs = self._head(self.model.final(out)).float().softmax(-1)  # [n, outputs]
+        top = probs.topk(min(WIDE_WIDTH + 1, probs.shape[-1]))  # one read for every row
+        return [Step(p, self.subset_ids, list(zip(i, v)))
+                for p, i, v in zip(probs, top.indices.tolist(), top.values.tolist())]
 
     def _entry(self, state: _Request, g: torch.Tensor, token: int, position: int) -> tuple[torch.Tensor, Step]:
         """One entry (g [hidden] and the token after it, at ``position``): its output [hidden] and the next
@@ -554,15 +583,25 @@ class FeatureDrafter(DrafterBase):
                 cos[start : start + n].contiguous(), sin[start : start + n].contiguous(), [state.keys], [offset],
                 [0, n], [mask], c.num_heads, c.num_kv_heads, c.intermediate_size, c.rms_norm_eps, c.head_dim ** -0.5,
                 m.embed_norm(m.embedding[ids].float()).contiguous())
-        x, residual = m.step_inputs(g, ids)
+        mask = None if n == 1 else torch.ones(n, offset + n, dtype=torch.bool, device=g.device).tril(offset)  # causal
+        return self._attend(state, g, ids, torch.arange(start, start + n, device=g.device), offset, mask)
+
+    def _attend(self, state: _Request, g: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, offset: int,
+                visible: torch.Tensor | None) -> torch.Tensor:
+        """Entries g [n, hidden] with the tokens after them ids [n] at ``positions`` [n], written at cache
+        indices offset..offset + n - 1; each attends to the cache indices ``visible`` [n, offset + n] marks
+        (None: all up to its own). Returns their outputs [n, hidden]."""
+        n = g.shape[0]
+        self._reserve(state, offset + n)
+        cos, sin = self._rope(int(positions.max()) + 1)
+        x, residual = self.model.step_inputs(g, ids)
         q, k, v = self._split(self._qkv(x))
-        cos, sin = cos[start : start + n].unsqueeze(1), sin[start : start + n].unsqueeze(1)  # [n, 1, head_dim]
+        cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [n, 1, head_dim]
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         state.keys[0, :, offset : offset + n] = k.transpose(0, 1)
         state.keys[1, :, offset : offset + n] = v.transpose(0, 1)
         keys, values = state.keys[0, :, : offset + n], state.keys[1, :, : offset + n]  # [kv_heads, offset + n, d]
-        mask = None if n == 1 else torch.ones(n, offset + n, dtype=torch.bool, device=g.device).tril(offset)  # causal
-        attended = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask,
+        attended = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=visible,
                                                   enable_gqa=True)  # [heads, n, head_dim]
         return self._finish(residual, attended.transpose(0, 1).reshape(n, -1))
 

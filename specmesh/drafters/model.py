@@ -1,5 +1,6 @@
 """A drafter that runs a small causal LM sharing the target's tokenizer; its guesses form a tree shaped
-by its confidence (``shape.py``).
+by its confidence (``shape.py``), or past what a path and its runners-up fill, the tree of its most
+probable continuations grown best-first (SpecExec's draft model), one pass a round.
 
 Per request it keeps the model's KV cache and the tokens it covers; before each proposal the cache is
 cut back to the longest prefix shared with the committed tokens, so accepted guesses are never
@@ -14,7 +15,7 @@ from typing import Sequence
 import torch
 
 from specmesh.drafters.base import DrafterBase
-from specmesh.drafters.shape import Step, common_prefix, confident_tree
+from specmesh.drafters.shape import WIDE_DEPTH, WIDE_WIDTH, Step, best_first_tree, common_prefix, confident_tree
 from specmesh.errors import InvalidArgument
 from specmesh.tree import TokenTree
 
@@ -68,10 +69,39 @@ class ModelDrafter(DrafterBase):
         state.cache.crop(keep - len(state.cached))  # a negative count: how many entries to drop
         state.cached = context[:keep]
         first = Step(self._distribution(state, context[keep:]), None)
+        if budget > self.max_depth * self.branch_width:
+            placed: dict[int, int] = {}
+            try:
+                return best_first_tree(first, lambda grown, nodes: self._score(state, grown, nodes, placed), budget,
+                                       WIDE_DEPTH, WIDE_WIDTH)
+            finally:
+                if placed:
+                    state.cache.crop(-len(placed))  # the tree's entries were scratch
         return confident_tree(
             first, lambda token: Step(self._distribution(state, [token]), None), budget, self.max_depth,
             self.branch_below, self.branch_width,
         )
+
+    def _score(self, state: _State, grown: TokenTree, nodes: list[int], placed: dict[int, int]) -> list[Step]:
+        """One best-first round: ``nodes`` fed in one pass after the context and the tree's earlier entries
+        (``placed``: node -> cache index), each seeing the context, its ancestors and itself; returns the
+        distributions after them."""
+        context = len(state.cached)
+        start = context + len(placed)
+        depths = grown.depths()
+        visible = torch.zeros(len(nodes), start + len(nodes), dtype=torch.bool)  # [n, cache entries so far]
+        visible[:, :context] = True
+        for row, node in enumerate(nodes):
+            visible[row, [placed[a] for a in grown.path_to(node)[:-1]] + [start + row]] = True
+            placed[node] = start + row
+        dtype = self.model.get_output_embeddings().weight.dtype
+        mask = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, torch.finfo(dtype).min)
+        out = self.model(input_ids=torch.tensor([[grown.tokens[n] for n in nodes]], device=self.device),
+                         position_ids=torch.tensor([[context - 1 + depths[n] for n in nodes]], device=self.device),
+                         attention_mask=mask[None, None].to(self.device), past_key_values=state.cache, use_cache=True)
+        probs = out.logits[0, :, : self.vocab_size].float().softmax(-1)  # [n, vocab]
+        top = probs.topk(WIDE_WIDTH + 1)  # one read for every row
+        return [Step(p, None, list(zip(i, v))) for p, i, v in zip(probs, top.indices.tolist(), top.values.tolist())]
 
     def _distribution(self, state: _State, feed: list[int]) -> torch.Tensor:
         return self._forward(state, feed)[: self.vocab_size].float().softmax(-1)

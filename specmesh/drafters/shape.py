@@ -20,6 +20,11 @@ import torch
 
 from specmesh.tree import ROOT, TokenTree
 
+# trees past what one path and its runners-up fill (budgets beyond max_depth x branch_width, where passes are
+# flat) are grown best-first: this deep at most, this many children tried under each expanded node
+WIDE_DEPTH = 16
+WIDE_WIDTH = 4
+
 
 class Step(NamedTuple):
     """A drafter's next-token distribution and the token each of its outputs names (an expert's head
@@ -89,7 +94,7 @@ def _ranked(step: Step, width: int, stop_index: int | None) -> list[tuple[int, f
 
 def best_first_tree(
     first: Step,  # the drafter's distribution after the committed tokens
-    score: Callable[[TokenTree, list[int]], list[Step]],  # (a tree, some of its nodes) -> their distributions
+    score: Callable[[TokenTree, list[int]], list[Step]],  # (the tree so far, nodes to expand) -> their distributions
     budget: int,
     max_depth: int,
     width: int,  # children tried below each expanded node
@@ -97,8 +102,9 @@ def best_first_tree(
 ) -> TokenTree:
     """The ``budget`` nodes of highest path probability (the product of the drafter's probabilities from
     the root), parents before children and siblings best first. Each round scores, in one ``score``
-    call, the nodes among the current best ``budget`` that have not been expanded (given as a tree of
-    them and their ancestors); at most ``max_depth`` rounds."""
+    call, the nodes among the current best ``budget`` that have not been expanded; at most ``max_depth``
+    rounds. The tree ``score`` sees only grows: a node keeps its index from round to round, and every
+    node it is asked for has its parent expanded in an earlier round."""
     tokens: list[int] = []
     parents: list[int] = []
     probs: list[float] = []
@@ -122,13 +128,19 @@ def best_first_tree(
         if not to_expand:
             break
         grown = TokenTree(tuple(tokens), tuple(parents), tuple(probs))
-        keep = sorted({a for node in to_expand for a in grown.path_to(node)})  # and their ancestors: what they attend
-        index = {n: i for i, n in enumerate(keep)}
-        for node, step in zip(to_expand, score(grown.kept(keep), [index[n] for n in to_expand])):
+        for node, step in zip(to_expand, score(grown, to_expand)):
             expanded.add(node)
             add_children(node, step)
     chosen = sorted(heapq.nsmallest(budget, range(len(tokens)), key=lambda n: (-value[n], n)))
     return TokenTree(tuple(tokens), tuple(parents), tuple(probs)).kept(chosen)
+
+
+def with_ancestors(tree: TokenTree, nodes: list[int]) -> tuple[TokenTree, list[int]]:
+    """The subtree of ``nodes`` and their ancestors (what their rows attend to), and where ``nodes`` are in it:
+    for a drafter that scores a round by running that subtree anew."""
+    keep = sorted({a for node in nodes for a in tree.path_to(node)})
+    index = {n: i for i, n in enumerate(keep)}
+    return tree.kept(keep), [index[n] for n in nodes]
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
