@@ -139,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--load-rounds", type=int, default=3, help="paired rounds at each concurrency (default 3)")
     tune.add_argument("--json", dest="json_out", help="write what was measured here")
     _add_model_args(tune)
+    VerifierSettings.add_flags(tune, ["offload"], defaults=True, environment=False)
 
     dist = commands.add_parser("distill", help="train a drafter for a target: an expert on one domain, or a "
                                "feature drafter that reads the target's hidden states (--kind feature)")

@@ -99,7 +99,7 @@ def measure(model: str, device: str | None, repeats: int, draft_vocab: int, argv
         modes["eager"] = FeatureDrafter(head.model, head.name, static_entries=False)
     rows = []
     for mode, drafter in modes.items():
-        for budget in (1, 8, 16):
+        for budget in (1, 8, 16, 64, 256):  # past 16: best-first trees, one pass a round
             row = {"mode": mode, **proposal_ms(drafter, features, budget, repeats)}
             row["vs_step"] = round(row["ms_per_node"] / step, 4)
             rows.append(row)
@@ -122,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{report['target']} on {report['device']}: a one-token step {report['target_step_ms']:.3f} ms; "
           f"head in {report['head_dtype']}, draft vocabulary {report['draft_vocab']}")
     for row in report["proposals"]:
-        print(f"  {row['mode']:>7}, budget {row['budget']:>2}: {row['ms']:.3f} ms for {row['nodes']} nodes = "
+        print(f"  {row['mode']:>7}, budget {row['budget']:>3}: {row['ms']:.3f} ms for {row['nodes']} nodes = "
               f"{row['ms_per_node']:.3f} ms a drafted token ({row['vs_step']:.3f} of a step)")
     print(f"  greedy speculative == plain: {sum(report['greedy_equal'])}/{len(report['greedy_equal'])}")
     if args.json_out:

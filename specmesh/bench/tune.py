@@ -179,7 +179,7 @@ def cluster_sweep(args: argparse.Namespace, drafters: tuple[str, ...], prompts: 
     tokens, seconds = dict.fromkeys(names, 0), dict.fromkeys(names, 0.0)
     for name in tqdm(order, desc="cluster settings", unit="cluster"):
         spec = ClusterSpec(model=args.model, drafters=drafters, max_tree_nodes=args.max_tree_nodes, dtype=args.dtype,
-                           precision=args.precision, **CLUSTER_SETTINGS[name])
+                           precision=args.precision, offload=args.offload, **CLUSTER_SETTINGS[name])
         with LocalCluster(spec) as cluster, Client(cluster.router_address, api_key=cluster.client_key) as client:
             def ask(prompt: Prompt) -> list[int]:
                 return client.generate(chat=[("user", prompt.text)], max_tokens=args.max_tokens,
@@ -213,8 +213,7 @@ def load_margin_sweep(args: argparse.Namespace, drafters: tuple[str, ...], promp
     rows: dict[str, dict] = {}
     for margin in tqdm(margins, desc="margins under load", unit="cluster"):
         spec = ClusterSpec(model=args.model, drafters=drafters, max_tree_nodes=args.max_tree_nodes, dtype=args.dtype,
-                           precision=args.precision,
-                           speculation_margin=margin)
+                           precision=args.precision, offload=args.offload, speculation_margin=margin)
         with LocalCluster(spec) as cluster:
             with Client(cluster.router_address, api_key=cluster.client_key) as client:
                 client.generate(chat=[("user", warmup.text)], max_tokens=args.max_tokens)
@@ -264,7 +263,7 @@ def run_tune(args: argparse.Namespace) -> int:
     if "budget" in sweeps or "margin" in sweeps:
         assembly = assemble(args.model, drafters, device=args.device, dtype=args.dtype, precision=args.precision,
                             kv_cache_gb=getattr(args, "kv_cache_gb", None) or None,
-                            batch_invariant=getattr(args, "batch_invariant", None))
+                            batch_invariant=getattr(args, "batch_invariant", None), offload=args.offload)
         classifier, params = default_classifier(), SamplingParams(max_tokens=args.max_tokens)
         requests = [assembly.request(p.text, params, classifier) for p in prompts]
         warmup_request = assembly.request(warmup.text, params, classifier)
