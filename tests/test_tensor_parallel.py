@@ -14,7 +14,7 @@ from sampled_distribution import judge_sampling_on
 
 from specmesh.errors import InvalidArgument
 from specmesh.runtime.paged_llama import PagedLlamaRuntime
-from specmesh.runtime.tensor_parallel import TensorParallelRuntime, read_shard, run_follower, shard_model, sharded
+from specmesh.runtime.tensor_parallel import rank_runtime, read_shard, run_follower, shard_model, sharded
 from specmesh.sampling import SamplingParams
 from specmesh.speculation.engine import Request, SpeculativeEngine
 
@@ -23,14 +23,16 @@ FACTORY = functools.partial(tiny_llama, vocab_size=VOCAB, layers=2, seed=5, max_
 
 
 @pytest.fixture
-def pair(tmp_path):
-    """Rank 0 here, rank 1 in a spawned process; the group is taken down after the test."""
+def pair(tmp_path, request):
+    """Rank 0 here, rank 1 in a spawned process (each streaming its share's layers where the parameter says
+    so); the group is taken down after the test."""
+    offload = getattr(request, "param", False)
     init = f"file://{tmp_path / 'group'}"
-    follower = multiprocessing.get_context("spawn").Process(target=run_follower,
-                                                              args=(1, 2, init, functools.partial(sharded, FACTORY)))
+    follower = multiprocessing.get_context("spawn").Process(
+        target=run_follower, args=(1, 2, init, functools.partial(sharded, FACTORY)), kwargs={"offload": offload})
     follower.start()
     dist.init_process_group("gloo", init_method=init, rank=0, world_size=2)
-    runtime = TensorParallelRuntime(shard_model(FACTORY(), 0, 2), 0, 2)
+    runtime = rank_runtime(shard_model(FACTORY(), 0, 2), 0, 2, torch.device("cpu"), offload)
     try:
         yield runtime
     finally:
@@ -40,7 +42,9 @@ def pair(tmp_path):
     assert follower.exitcode == 0
 
 
-def test_speculation_on_two_ranks_is_their_plain_decoding(pair):
+@pytest.mark.parametrize("pair", [False, True], indirect=True, ids=["resident", "offloaded"])
+def test_speculation_on_two_ranks_is_their_plain_decoding(pair, request):
+    assert pair.offload == request.node.callspec.params["pair"]
     prompts = [[5 + i, 17, 3 * i + 2, 40] for i in range(3)]
     requests = lambda: [Request(tuple(p), SamplingParams(max_tokens=16)) for p in prompts]  # noqa: E731
     plain = SpeculativeEngine(pair, drafters=[], max_tree_nodes=0).generate(requests())

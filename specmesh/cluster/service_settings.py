@@ -155,7 +155,8 @@ class VerifierSettings(ServiceSettings):
         shown="on for CUDA")
     offload: bool = setting(False, "keep the target's decoder layers in host memory and stream them to the device a "
                             "layer at a time (targets larger than the device's memory; a pass then costs about the "
-                            "same for a thousand rows as for one; no CUDA graphs, no GGUF blocks)")
+                            "same for a thousand rows as for one; no CUDA graphs, no GGUF blocks; with "
+                            "tensor_parallel each rank streams its share)")
     tensor_parallel: int = setting(1, "processes the target is split over (tensor parallelism: each holds 1/N of "
                                    "every layer and its KV cache; one per GPU, NCCL; gloo on a CPU); they fail and "
                                    "start again as one", ge=1)

@@ -233,8 +233,18 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device.type == "cuda" else device
 
 
+def rank_runtime(shard: torch.nn.Module, rank: int, world: int, where: torch.device, offload: bool,
+                 **kwargs) -> TensorParallelRuntime:
+    """Rank ``rank``'s runtime over its share, loaded in host memory: the share moved to the rank's device, or
+    with ``offload`` its decoder layers left on the host and streamed to the device (``offload.py``)."""
+    device = rank_device(where, rank)
+    if offload:
+        return TensorParallelRuntime(shard, rank, world, offload=device, **kwargs)
+    return TensorParallelRuntime(shard.to(device), rank, world, **kwargs)
+
+
 def run_follower(rank: int, world: int, init_method: str, shard_factory: Callable[[int, int], torch.nn.Module],
-                 device: str = "cpu", parent: int | None = None, **kwargs) -> None:
+                 device: str = "cpu", parent: int | None = None, offload: bool = False, **kwargs) -> None:
     """A follower process's whole life: join the group, load its share of the model (``shard_factory(rank,
     world)``: ``load_shard`` or ``sharded``), follow rank 0. It ends with its parent (rank 0's process),
     whose death would otherwise leave it waiting forever."""
@@ -243,8 +253,7 @@ def run_follower(rank: int, world: int, init_method: str, shard_factory: Callabl
     where = torch.device(device)
     dist.init_process_group(backend_for(where), init_method=init_method, rank=rank, world_size=world, timeout=IDLE)
     try:
-        shard = shard_factory(rank, world).to(rank_device(where, rank))
-        TensorParallelRuntime(shard, rank, world, **kwargs).follow()
+        rank_runtime(shard_factory(rank, world), rank, world, where, offload, **kwargs).follow()
     finally:
         dist.destroy_process_group()
 
@@ -260,10 +269,12 @@ def _model_on_host(model: str, dtype: torch.dtype) -> torch.nn.Module:
 
 
 def start_group(model: str, world: int, dtype: str | None = None, device: str | None = None,
-                kv_cache_gb: float | None = None, precision: str = "shipped") -> tuple[LoadedModel, TensorParallelRuntime]:
+                kv_cache_gb: float | None = None, precision: str = "shipped",
+                offload: bool = False) -> tuple[LoadedModel, TensorParallelRuntime]:
     """Rank 0 of a new group of ``world`` processes serving ``model`` (this process; the others spawned
     here): each reads its share of the model's own weights into host memory (``load_shard``; never GGUF
-    blocks or ``q8_0``) and puts it on its device. The returned model is rank 0's share."""
+    blocks or ``q8_0``) and puts it on its device, or with ``offload`` streams its share's layers there.
+    The returned model is rank 0's share."""
     what = "a tensor-parallel target"
     where = host_compute_device(precision, device, what)
     torch_dtype = pick_dtype(dtype, where)
@@ -282,9 +293,10 @@ def start_group(model: str, world: int, dtype: str | None = None, device: str | 
     factory = functools.partial(load_shard, model, torch_dtype)
     spawn = multiprocessing.get_context("spawn")
     for rank in range(1, world):
-        spawn.Process(target=run_follower, args=(rank, world, init, factory, str(where), os.getpid()),
+        spawn.Process(target=run_follower, args=(rank, world, init, factory, str(where), os.getpid(), offload),
                       kwargs={"kv_cache_gb": kv_cache_gb}, daemon=True, name=f"tensor-parallel-rank-{rank}").start()
     dist.init_process_group(backend_for(where), init_method=init, rank=0, world_size=world, timeout=IDLE)
-    shard = loaded.model.to(rank_device(where, 0))
-    log.info("tensor parallel over %d processes (%s): this is rank 0", world, backend_for(where))
-    return loaded, TensorParallelRuntime(shard, 0, world, kv_cache_gb=kv_cache_gb)
+    runtime = rank_runtime(loaded.model, 0, world, where, offload, kv_cache_gb=kv_cache_gb)
+    log.info("tensor parallel over %d processes (%s)%s: this is rank 0", world, backend_for(where),
+             ", layers streamed from host memory" if offload else "")
+    return loaded, runtime
