@@ -606,6 +606,13 @@ def test_verifiers_get_a_gpu(render, values):
         assert pod["nodeSelector"] == {"specmesh.io/node-pool": "gpu-a100"} and pod["runtimeClassName"] == "nvidia"
 
 
+def test_a_big_target_gets_a_gpu_per_rank_and_streams_its_layers(render):
+    (container,) = containers(named(render_values(render, "big-target"), "StatefulSet", "sm-specmesh-verifier"))
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 2 == container["resources"]["requests"]["nvidia.com/gpu"]
+    settings = _settings_of(container, "verifier")
+    assert settings.tensor_parallel == 2 and settings.offload and settings.device == "cuda"
+
+
 def test_cpu_small_runs_without_gpus_or_prometheus_operator(render):
     docs = render_values(render, "cpu-small")
     assert not [d for d in docs if (d["apiVersion"], d["kind"]) in CUSTOM_RESOURCES]
