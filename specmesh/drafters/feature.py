@@ -487,7 +487,7 @@ class FeatureDrafter(DrafterBase):
         parents = [grown.parents[n] for n in nodes]
         g = torch.stack([state.out if p == ROOT else placed[p][1] for p in parents])  # [n, hidden]
         ids = torch.tensor([grown.tokens[n] for n in nodes], device=g.device)
-        positions = torch.tensor([state.position + depths[n] - 1 for n in nodes], device=g.device)
+        positions = [state.position + depths[n] - 1 for n in nodes]
         visible = torch.zeros(len(nodes), start + len(nodes), dtype=torch.bool)  # [n, cache indices so far]
         visible[:, :base] = True
         for row, node in enumerate(nodes):
@@ -584,19 +584,20 @@ class FeatureDrafter(DrafterBase):
                 [0, n], [mask], c.num_heads, c.num_kv_heads, c.intermediate_size, c.rms_norm_eps, c.head_dim ** -0.5,
                 m.embed_norm(m.embedding[ids].float()).contiguous())
         mask = None if n == 1 else torch.ones(n, offset + n, dtype=torch.bool, device=g.device).tril(offset)  # causal
-        return self._attend(state, g, ids, torch.arange(start, start + n, device=g.device), offset, mask)
+        return self._attend(state, g, ids, list(range(start, start + n)), offset, mask)
 
-    def _attend(self, state: _Request, g: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, offset: int,
+    def _attend(self, state: _Request, g: torch.Tensor, ids: torch.Tensor, positions: list[int], offset: int,
                 visible: torch.Tensor | None) -> torch.Tensor:
-        """Entries g [n, hidden] with the tokens after them ids [n] at ``positions`` [n], written at cache
+        """Entries g [n, hidden] with the tokens after them ids [n] at ``positions`` (n), written at cache
         indices offset..offset + n - 1; each attends to the cache indices ``visible`` [n, offset + n] marks
         (None: all up to its own). Returns their outputs [n, hidden]."""
         n = g.shape[0]
         self._reserve(state, offset + n)
-        cos, sin = self._rope(int(positions.max()) + 1)
+        cos, sin = self._rope(max(positions) + 1)
+        at = torch.tensor(positions, device=g.device)
         x, residual = self.model.step_inputs(g, ids)
         q, k, v = self._split(self._qkv(x))
-        cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [n, 1, head_dim]
+        cos, sin = cos[at].unsqueeze(1), sin[at].unsqueeze(1)  # [n, 1, head_dim]
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         state.keys[0, :, offset : offset + n] = k.transpose(0, 1)
         state.keys[1, :, offset : offset + n] = v.transpose(0, 1)
