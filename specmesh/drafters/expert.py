@@ -23,7 +23,7 @@ from torch import nn
 
 from specmesh.drafters.base import DrafterBase
 from specmesh.drafters.shape import (WIDE_DEPTH, WIDE_WIDTH, Step, best_first_tree, common_prefix, confident_tree,
-                                     with_ancestors)
+                                     round_steps, with_ancestors)
 from specmesh.errors import InvalidArgument
 from specmesh.runtime.kv_cache import KVSession
 from specmesh.runtime.linear import block_kernel_available, int8_available
@@ -278,9 +278,7 @@ class ExpertDrafter(DrafterBase):
         logits = self.runtime.forward(TreeBatch.build([state.session], [compiled]),
                                       logits_rows=torch.tensor([r + 1 for r in rows]))
         state.session.keep_rows([0])
-        probs = logits.softmax(-1)  # [rows, subset + 1]
-        top = probs.topk(min(WIDE_WIDTH + 1, probs.shape[-1]))  # one read for every row
-        return [Step(p, self.subset_ids, list(zip(i, v))) for p, i, v in zip(probs, top.indices.tolist(), top.values.tolist())]
+        return round_steps(logits.softmax(-1), self.subset_ids)  # [rows, subset + 1]
 
     def _advance(self, state: _Request, token: int) -> Step:
         tree = compile_tree(token, TokenTree())

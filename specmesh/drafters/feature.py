@@ -34,7 +34,8 @@ from torch import nn
 
 from specmesh.drafters.base import DrafterBase
 from specmesh.drafters.graphed_entry import GraphedEntry
-from specmesh.drafters.shape import WIDE_DEPTH, WIDE_WIDTH, Step, best_first_tree, confident_tree
+from specmesh.drafters.shape import (WIDE_DEPTH, WIDE_WIDTH, Step, best_first_tree, confident_tree, round_steps,
+                                     round_visibility)
 from specmesh.errors import InvalidArgument
 from specmesh.kernels.block_linear import quantize
 from specmesh.runtime.features import Features
@@ -441,9 +442,10 @@ class FeatureDrafter(DrafterBase):
         with torch.no_grad():
             first = self._catch_up(state, [*state.committed, *assumed])
             if budget > self.max_depth * self.branch_width:  # EAGLE-2's dynamic tree: one pass a round
-                placed: dict[int, tuple[int, torch.Tensor]] = {}
-                return best_first_tree(first, lambda grown, nodes: self._score(state, grown, nodes, placed), budget,
-                                       WIDE_DEPTH, WIDE_WIDTH, stop_index=self.model.fallback)
+                slots: dict[int, int] = {}
+                outputs: dict[int, torch.Tensor] = {}
+                return best_first_tree(first, lambda grown, nodes: self._score(state, grown, nodes, slots, outputs),
+                                       budget, WIDE_DEPTH, WIDE_WIDTH, stop_index=self.model.fallback)
             return confident_tree(first, self._advance(state), budget, self.max_depth, self.branch_below,
                                   self.branch_width, stop_index=self.model.fallback, stop_below=self.stop_below)
 
@@ -475,30 +477,24 @@ class FeatureDrafter(DrafterBase):
             return step
         return advance
 
-    def _score(self, state: _Request, grown: TokenTree, nodes: list[int],
-               placed: dict[int, tuple[int, torch.Tensor]]) -> list[Step]:
+    def _score(self, state: _Request, grown: TokenTree, nodes: list[int], slots: dict[int, int],
+               outputs: dict[int, torch.Tensor]) -> list[Step]:
         """One best-first round: an entry for each of ``nodes`` (its parent's output and its token), in one
         pass; returns the distributions after them. A node's entry sees the context's entries and its
-        ancestors' (``placed``: node -> cache index and output, from earlier rounds; this round's are added).
-        The tree's entries follow the context's in the cache as scratch, rewritten by the next proposal."""
+        ancestors' (``slots``: node -> cache index; ``outputs``: node -> its entry's output; earlier rounds',
+        and this round's are added). The tree's entries follow the context's in the cache as scratch,
+        rewritten by the next proposal."""
         base = state.position - state.first  # cache index of the first tree entry: the context's come before
-        start = base + len(placed)
+        start = base + len(slots)
         depths = grown.depths()
         parents = [grown.parents[n] for n in nodes]
-        g = torch.stack([state.out if p == ROOT else placed[p][1] for p in parents])  # [n, hidden]
+        g = torch.stack([state.out if p == ROOT else outputs[p] for p in parents])  # [n, hidden]
         ids = torch.tensor([grown.tokens[n] for n in nodes], device=g.device)
         positions = [state.position + depths[n] - 1 for n in nodes]
-        visible = torch.zeros(len(nodes), start + len(nodes), dtype=torch.bool)  # [n, cache indices so far]
-        visible[:, :base] = True
-        for row, node in enumerate(nodes):
-            visible[row, [placed[a][0] for a in grown.path_to(node)[:-1]] + [start + row]] = True
+        visible = round_visibility(grown, nodes, base, slots)  # [n, cache indices so far]
         out = self._attend(state, g, ids, positions, start, visible.to(g.device))  # [n, hidden]
-        for row, node in enumerate(nodes):
-            placed[node] = (start + row, out[row])
-        probs = self._head(self.model.final(out)).float().softmax(-1)  # [n, outputs]
-        top = probs.topk(min(WIDE_WIDTH + 1, probs.shape[-1]))  # one read for every row
-        return [Step(p, self.subset_ids, list(zip(i, v)))
-                for p, i, v in zip(probs, top.indices.tolist(), top.values.tolist())]
+        outputs.update(zip(nodes, out))
+        return round_steps(self._head(self.model.final(out)).float().softmax(-1), self.subset_ids)  # [n, outputs]
 
     def _entry(self, state: _Request, g: torch.Tensor, token: int, position: int) -> tuple[torch.Tensor, Step]:
         """One entry (g [hidden] and the token after it, at ``position``): its output [hidden] and the next

@@ -15,7 +15,8 @@ from typing import Sequence
 import torch
 
 from specmesh.drafters.base import DrafterBase
-from specmesh.drafters.shape import WIDE_DEPTH, WIDE_WIDTH, Step, best_first_tree, common_prefix, confident_tree
+from specmesh.drafters.shape import (WIDE_DEPTH, WIDE_WIDTH, Step, best_first_tree, common_prefix, confident_tree,
+                                     round_steps, round_visibility)
 from specmesh.errors import InvalidArgument
 from specmesh.tree import TokenTree
 
@@ -70,38 +71,31 @@ class ModelDrafter(DrafterBase):
         state.cached = context[:keep]
         first = Step(self._distribution(state, context[keep:]), None)
         if budget > self.max_depth * self.branch_width:
-            placed: dict[int, int] = {}
+            slots: dict[int, int] = {}
             try:
-                return best_first_tree(first, lambda grown, nodes: self._score(state, grown, nodes, placed), budget,
+                return best_first_tree(first, lambda grown, nodes: self._score(state, grown, nodes, slots), budget,
                                        WIDE_DEPTH, WIDE_WIDTH)
             finally:
-                if placed:
-                    state.cache.crop(-len(placed))  # the tree's entries were scratch
+                if slots:
+                    state.cache.crop(-len(slots))  # the tree's entries were scratch
         return confident_tree(
             first, lambda token: Step(self._distribution(state, [token]), None), budget, self.max_depth,
             self.branch_below, self.branch_width,
         )
 
-    def _score(self, state: _State, grown: TokenTree, nodes: list[int], placed: dict[int, int]) -> list[Step]:
+    def _score(self, state: _State, grown: TokenTree, nodes: list[int], slots: dict[int, int]) -> list[Step]:
         """One best-first round: ``nodes`` fed in one pass after the context and the tree's earlier entries
-        (``placed``: node -> cache index), each seeing the context, its ancestors and itself; returns the
+        (``slots``: node -> cache index), each seeing the context, its ancestors and itself; returns the
         distributions after them."""
         context = len(state.cached)
-        start = context + len(placed)
         depths = grown.depths()
-        visible = torch.zeros(len(nodes), start + len(nodes), dtype=torch.bool)  # [n, cache entries so far]
-        visible[:, :context] = True
-        for row, node in enumerate(nodes):
-            visible[row, [placed[a] for a in grown.path_to(node)[:-1]] + [start + row]] = True
-            placed[node] = start + row
+        visible = round_visibility(grown, nodes, context, slots)  # [n, cache entries so far]
         dtype = self.model.get_output_embeddings().weight.dtype
         mask = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, torch.finfo(dtype).min)
         out = self.model(input_ids=torch.tensor([[grown.tokens[n] for n in nodes]], device=self.device),
                          position_ids=torch.tensor([[context - 1 + depths[n] for n in nodes]], device=self.device),
                          attention_mask=mask[None, None].to(self.device), past_key_values=state.cache, use_cache=True)
-        probs = out.logits[0, :, : self.vocab_size].float().softmax(-1)  # [n, vocab]
-        top = probs.topk(WIDE_WIDTH + 1)  # one read for every row
-        return [Step(p, None, list(zip(i, v))) for p, i, v in zip(probs, top.indices.tolist(), top.values.tolist())]
+        return round_steps(out.logits[0, :, : self.vocab_size].float().softmax(-1), None)  # [n, vocab]
 
     def _distribution(self, state: _State, feed: list[int]) -> torch.Tensor:
         return self._forward(state, feed)[: self.vocab_size].float().softmax(-1)

@@ -135,6 +135,26 @@ def best_first_tree(
     return TokenTree(tuple(tokens), tuple(parents), tuple(probs)).kept(chosen)
 
 
+def round_steps(probs: torch.Tensor, token_ids: Sequence[int] | None) -> list[Step]:
+    """A round's distributions [rows, outputs] as Steps, each with its top ``WIDE_WIDTH + 1`` outputs read
+    from the device in one go for every row."""
+    top = probs.topk(min(WIDE_WIDTH + 1, probs.shape[-1]))
+    return [Step(p, token_ids, list(zip(i, v))) for p, i, v in zip(probs, top.indices.tolist(), top.values.tolist())]
+
+
+def round_visibility(grown: TokenTree, nodes: list[int], context: int, slots: dict[int, int]) -> torch.Tensor:
+    """For a drafter that keeps its best-first entries in its cache after ``context`` entries: the cache
+    entries each of this round's ``nodes`` sees [n, context + len(slots) + n] (the context, its ancestors'
+    entries, its own). ``slots`` (node -> cache index, earlier rounds') gains this round's, placed next."""
+    start = context + len(slots)
+    visible = torch.zeros(len(nodes), start + len(nodes), dtype=torch.bool)
+    visible[:, :context] = True
+    for row, node in enumerate(nodes):
+        visible[row, [slots[a] for a in grown.path_to(node)[:-1]] + [start + row]] = True
+        slots[node] = start + row
+    return visible
+
+
 def with_ancestors(tree: TokenTree, nodes: list[int]) -> tuple[TokenTree, list[int]]:
     """The subtree of ``nodes`` and their ancestors (what their rows attend to), and where ``nodes`` are in it:
     for a drafter that scores a round by running that subtree anew."""
