@@ -391,6 +391,28 @@ def test_a_long_prefill_is_chunked_between_other_requests_steps(redis_server, ti
     assert short_steps >= 2 and resent == 0
 
 
+def test_a_new_request_is_not_kept_out_of_a_pass_by_a_prefill_that_had_the_verifier_to_itself(redis_server, tiny_model):
+    """A long prefill alone grows its chunks to fill whole passes; a short request arriving then is verified in
+    the next pass (the prefill still under way, it takes the rows the short one leaves), not after the prefill."""
+    history = tuple(3 + (i * 7) % 90 for i in range(480))
+    long = VerifyJob("long", 0, len(history), 5, TokenTree.chain([6, 7]), SamplingParams(max_tokens=8), history)
+    whole = TreeVerifier(LlamaRuntime(tiny_model)).verify([long])[0]
+
+    async def main():
+        async with InProcessPool(redis_server.url, tiny_model, workers=1) as pool:
+            worker = pool.workers[0]
+            worker.verifier = SlowVerifier(LlamaRuntime(tiny_model), pass_s=0.3)  # chunks of 64, 128, 256, 32 tokens
+            worker.max_batch_rows = 100  # the second chunk on is more than a pass holds
+            answer = asyncio.create_task(pool.client.verify(long))
+            await wait_until_async(lambda: worker.verifier.resuming(long), what="the prefill's first chunk")
+            short = await asyncio.wait_for(pool.client.verify(first_job("short")), HANG_S)
+            return short, worker.verifier.resuming(long), await answer
+
+    short, long_under_way, result = asyncio.run(main())
+    assert short.verdict is not None and long_under_way
+    assert result.verdict == whole.verdict and result.prefilled_tokens == len(history)
+
+
 def test_a_prefill_longer_than_the_job_timeout_goes_on_while_it_reports_progress(redis_server, tiny_model):
     """A prefill of ~3 s under a 2 s job timeout is answered (its verifier reports progress, and the
     router waits); the same prefill abandoned halfway is stopped there and its session freed."""

@@ -172,20 +172,33 @@ class TreeVerifier:
         state, session = self._prefilling.get(job.request_id), self._sessions.get(job.request_id)
         return state is not None and state.step == job.step and session is not None and session.length < job.position
 
-    def next_prefill(self, job: VerifyJob, budget_ms: float | None = None) -> int:
-        """History tokens the job's next budgeted call will cache (0: its session holds them already). With
-        ``budget_ms`` (its share of a pass's), a prefill under way is cut to it at its last time per token:
-        a budget can drop from one pass to the next (the prefill had the verifier to itself, now shares it)."""
+    def next_prefill(self, job: VerifyJob) -> int:
+        """History tokens the job's next budgeted call may cache (0: its session holds them already): a new
+        request's first chunk, or a prefill under way's next at most (``prefill_chunks`` cuts it to a budget)."""
         session = self._sessions.get(job.request_id)
         if job.history is None or (session is not None and session.length == job.position):
             return 0
         if not self.resuming(job):
             return min(job.position, FIRST_CHUNK)
-        state = self._prefilling[job.request_id]
-        chunk = min(job.position - session.length, state.chunk)
-        if budget_ms is not None and state.ms_per_token:
-            chunk = min(chunk, max(1, int(budget_ms / state.ms_per_token)))
-        return chunk
+        return min(job.position - session.length, self._prefilling[job.request_id].chunk)
+
+    def prefill_chunks(self, jobs: Sequence[VerifyJob], budget_ms: float | None = None) -> list[int]:
+        """History tokens each job's next call caches, within ``budget_ms`` (a budget can drop from one pass to
+        the next: the prefill had the verifier to itself, now shares it). Prefills under way take the budget
+        at their last time per token, shortest remainder first (the least mean wait: a short prompt's last
+        chunk does not queue behind a long one's), at least a token each; a new request's first chunk is
+        ``FIRST_CHUNK`` tokens, its time per token not known yet."""
+        chunks = [self.next_prefill(job) for job in jobs]
+        if budget_ms is None:
+            return chunks
+        left = budget_ms
+        under_way = [i for i, job in enumerate(jobs) if chunks[i] and self.resuming(job)]
+        for i in sorted(under_way, key=lambda i: jobs[i].position - self._sessions[jobs[i].request_id].length):
+            ms_per_token = self._prefilling[jobs[i].request_id].ms_per_token
+            if ms_per_token:
+                chunks[i] = min(chunks[i], max(1, int(left / ms_per_token)))
+                left = max(0.0, left - chunks[i] * ms_per_token)
+        return chunks
 
     def verify(self, jobs: Sequence[VerifyJob], prefill_ms: float | None = None) -> list[VerifyResult]:
         """One verification pass for every job whose session is (or can be made) current. ``prefill_ms``:
@@ -321,18 +334,18 @@ class TreeVerifier:
             return {}
         sessions = [self._sessions[j.request_id] for j in jobs]
         before = [s.length for s in sessions]
-        ends = [j.position if budget_ms is None else s.length + self.next_prefill(j, budget_ms / len(jobs))
-                for j, s in zip(jobs, sessions)]
+        ends = [j.position if budget_ms is None else s.length + chunk
+                for j, s, chunk in zip(jobs, sessions, self.prefill_chunks(jobs, budget_ms))]
         layers = _union([j.feature_layers for j in jobs])
         started = time.perf_counter()
         hidden = prefill_sessions(self.runtime, sessions, [j.history[:end] for j, end in zip(jobs, ends)], layers)
-        if budget_ms is not None:  # each chunk's share of the time, against its share of the budget
+        if budget_ms is not None:  # the time per token, and each one's next chunk sized against the budget
             elapsed_ms, total = (time.perf_counter() - started) * 1e3, sum(e - b for e, b in zip(ends, before))
             for job, start, end in zip(jobs, before, ends):
                 state = self._prefilling.get(job.request_id)
                 if state is not None and end > start and elapsed_ms > 0:
                     state.ms_per_token = elapsed_ms / total
-                    ratio = (budget_ms / len(jobs)) / (state.ms_per_token * (end - start))
+                    ratio = budget_ms / (state.ms_per_token * (end - start))  # prefill_chunks shares the budget
                     state.chunk = max(1, round((end - start) * min(max(ratio, 0.5), 2.0)))  # at most x2 a pass
         tails = {}
         for job, values in zip(jobs, hidden):

@@ -66,21 +66,16 @@ class VerifierWorker:
         self.lapsed = False  # the process stood still past the heartbeat's TTL: the others took its work over
         self.held_only = False  # the last turn ran nothing: all it has are prefills waiting for credit
 
-    def job_rows(self, entry: Entry) -> int:
-        """Target rows the job adds to the next pass: root, tree, and its next prefill chunk."""
-        job = entry.queued.job
-        return 1 + len(job.tree) + self.verifier.next_prefill(job)
-
     def _prefill_turn(self, runnable: list[Entry]) -> tuple[list[Entry], list[Entry], float | None, bool]:
         """(this pass's jobs, prefills held back for a later pass, the pass's prefill budget in ms, whether
         its prefill time is paid from the credit)."""
         prefills = [e for e in runnable if self.verifier.next_prefill(e.queued.job)]
         if not prefills:
             return runnable, [], None, False
-        if len(prefills) == len(runnable) and not self.rhythm.busy():
-            return runnable, [], ALONE_PREFILL_MS, False
         if any(not self.verifier.resuming(e.queued.job) for e in prefills):  # a new request's first chunk is
             return runnable, [], PREFILL_CHUNK_MS, False  # part of its traffic: it waits for no credit
+        if len(prefills) == len(runnable) and not self.rhythm.busy():
+            return runnable, [], ALONE_PREFILL_MS, False
         if self.prefill_credit_ms < PREFILL_CHUNK_MS:
             return [e for e in runnable if e not in prefills], prefills, None, False
         return runnable, [], PREFILL_CHUNK_MS, True
@@ -229,10 +224,16 @@ class VerifierWorker:
                     job = entry.queued.job
                     answered.append((entry, encode_error(job.request_id, job.step, self.verifier_id, str(exc))))
         runnable, held, budget_ms, paid = self._prefill_turn(runnable)
-        batch, rest = plan_batch(runnable, self.job_rows, lambda e: e.queued.job.request_id, self.max_batch_rows)
+        # steps and new requests' first chunks are planned first, a prefill under way gets the rows they leave
+        # (its chunk cut to the budget): one sized for a pass of its own must not keep them out of this one
+        chunks = self.verifier.prefill_chunks([e.queued.job for e in runnable], budget_ms)
+        rows = {id(e): 1 + len(e.queued.job.tree) + chunk for e, chunk in zip(runnable, chunks)}
+        resuming = [e for e in runnable if self.verifier.resuming(e.queued.job)]
+        batch, rest = plan_batch([e for e in runnable if e not in resuming] + resuming, lambda e: rows[id(e)],
+                                 lambda e: e.queued.job.request_id, self.max_batch_rows)
         prefilling: list[Entry] = []
         if batch:
-            done, prefilling = await self._verify(batch, budget_ms, paid)
+            done, prefilling = await self._verify(batch, budget_ms, paid, sum(rows[id(e)] for e in batch))
             answered += done
         self.held_only = not batch and not answered
         if answered:
@@ -262,12 +263,12 @@ class VerifierWorker:
             return False
         return recent[1] if job.step == recent[0] else None
 
-    async def _verify(self, batch: list[Entry], prefill_ms: float | None,
-                      paid: bool) -> tuple[list[tuple[Entry, bytes]], list[Entry]]:
+    async def _verify(self, batch: list[Entry], prefill_ms: float | None, paid: bool,
+                      rows: int) -> tuple[list[tuple[Entry, bytes]], list[Entry]]:
         """(answered jobs, jobs whose prefill goes on in the next pass). ``prefill_ms``: the pass's budget
-        for prefills (None: no prefill under way in it); ``paid``: its prefill time is taken from the credit."""
+        for prefills (None: no prefill under way in it); ``paid``: its prefill time is taken from the credit;
+        ``rows``: the target rows planned for it."""
         jobs = [e.queued.job for e in batch]
-        rows = sum(self.job_rows(e) for e in batch)
         started = time.monotonic()
         try:
             results, payloads, verify_ms, refused = await self.torch_thread.run(self._pass, batch, prefill_ms, started)
@@ -285,7 +286,9 @@ class VerifierWorker:
         batch, jobs, results = [batch[i] for i in done], [jobs[i] for i in done], [results[i] for i in done]
         payloads = [payloads[i] for i in done]
         self._count_pass(batch, results, started, verify_ms, rows)
-        self.rhythm.passed([j.request_id for j, r in zip(jobs, results) if r.verdict is not None], verify_ms)
+        stepped = [j.request_id for j, r in zip(jobs, results) if r.verdict is not None]
+        if stepped:  # a pass of prefill chunks only says nothing of the steps' rhythm
+            self.rhythm.passed(stepped, verify_ms)
         tree_ms = next((r.pass_ms for r in results if r.verdict is not None), 0.0)
         if paid:  # the pass's time beyond its trees
             self.prefill_credit_ms -= max(verify_ms - tree_ms, 0.0)
