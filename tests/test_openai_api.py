@@ -17,7 +17,7 @@ from conftest import wait_until_async
 from openai import AsyncOpenAI, OpenAI, RateLimitError
 
 from specmesh.client import AsyncClient
-from specmesh.cluster.gateway import RouterLimits
+from specmesh.cluster.gateway import RouterLimits, TextStream
 from specmesh.cluster.stops import StopScanner, tokens_through
 from specmesh.drafters.ngram import NgramDrafter
 
@@ -113,6 +113,33 @@ def test_stop_scanner_holds_back_what_may_begin_a_stop_string():
     assert earliest.push("a lat") == "a " and earliest.stop_end == 5
     decode = lambda ids: "".join("ab"[i] for i in ids)  # noqa: E731
     assert tokens_through(decode, [0, 1, 0, 1], 3) == 3
+
+
+def test_a_text_stream_sends_each_character_once_and_decodes_a_window_not_the_answer(tokenizer):
+    """Pieces of an answer pushed a few tokens at a time join into its whole text, none holding half a
+    character; a stream cut where it held half a character and resumed from its tokens goes on where its
+    text stopped; and the tokens decoded grow with the answer, not with its square (each push once read
+    the answer so far)."""
+    decoded: list[int] = []
+
+    def decode(ids):
+        decoded.append(len(ids))
+        return tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    ids = tokenizer.encode("Café ☕ — 東京 is Tokyo; 👩‍🚀 and ü, naïve. " * 40, add_special_tokens=False)
+    whole = decode(ids)
+    for size in (1, 2, 3):
+        stream, pieces, held = TextStream(decode), [], []
+        decoded.clear()
+        for i in range(0, len(ids), size):
+            pieces.append(stream.push(ids[i : i + size], final=i + size >= len(ids)))
+            if stream.sent < len(stream.tokens):
+                held.append((i + size, "".join(pieces)))
+        assert "".join(pieces) == whole and not any("\ufffd" in p for p in pieces)
+        assert sum(decoded) < 8 * len(ids), (size, sum(decoded), len(ids))
+        assert len(held) > 20
+        for cut, sent in held[:20]:
+            assert sent + TextStream(decode, ids[:cut]).push(ids[cut:], final=True) == whole, (size, cut)
 
 
 def test_bad_requests_get_openai_errors_naming_the_field(redis_server, model, tokenizer):

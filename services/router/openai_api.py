@@ -236,7 +236,7 @@ class Piece:
 
 async def pieces(router: Router, ticket, stops: tuple[str, ...]) -> AsyncIterator[Piece]:
     """The answer step by step; the last piece has ``finish_reason``. Closing this ends the request."""
-    text, scanner = TextStream(router), StopScanner(stops)
+    text, scanner = TextStream(router.decode), StopScanner(stops)
     async with aclosing(router.generate(ticket)) as steps:
         async for generation, step in steps:
             final = step.finish_reason is not None

@@ -95,7 +95,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def GenerateStream(self, request, context):
         ticket = await self.router.prepare(self._ticket, request)
-        text = TextStream(self.router, ticket.resumed)
+        text = TextStream(self.router.decode, ticket.resumed)
         async for generation, step in self.router.generate(ticket):
             final = step.finish_reason is not None
             chunk = router_pb2.GenerateChunk(

@@ -258,22 +258,47 @@ class Router:
                 self.metrics.finished.labels(generation.finish_reason or "aborted").inc()
 
 
-class TextStream:
-    """Incremental detokenization: the text of newly committed tokens, holding back a partial character."""
+SPLIT_TOKENS = 3  # a character is 4 bytes at most: the tokens its first bytes may end an answer with
+RESUMED_CONTEXT = 8  # tokens before a resumed stream's end read as its first window's context
 
-    def __init__(self, router: Router, sent_tokens: Sequence[int] = ()) -> None:
+
+class TextStream:
+    """Incremental detokenization: the text of newly committed tokens, holding back a partial character.
+
+    The text sent for tokens[:n] is the text of tokens[:k], k the last of n-3..n where no character is cut
+    (n when none: the bytes are invalid, not cut), however the tokens were grouped into pushes: a resumed
+    stream knows from its tokens alone where its text stopped. A push decodes a window, not the whole
+    answer: the last piece's tokens (as context) and the new ones; the new text is what the window adds to
+    its context's, so a token that decodes differently at the start of a decode (a SentencePiece word's
+    space) is read the same way in both."""
+
+    def __init__(self, decode: Callable[[Sequence[int]], str], sent_tokens: Sequence[int] = ()) -> None:
         """``sent_tokens``: tokens whose text the client has already (a resumed stream's), but for a
         character they left unfinished."""
-        self.router = router
+        self.decode = decode
         self.tokens: list[int] = list(sent_tokens)
-        self.sent = len(router.decode(self.tokens).rstrip("\ufffd"))  # characters already emitted
+        self.start = max(0, len(self.tokens) - RESUMED_CONTEXT)  # tokens[start:sent]: the window's context
+        self.sent = self.start
+        self.sent = self._whole_end(False)[0]  # tokens[:sent]: their text is sent
+
+    def _whole_end(self, final: bool) -> tuple[int, str]:
+        """(k, the window's text through tokens[:k]): k the last end where no character is cut."""
+        end = len(self.tokens)
+        text = self.decode(self.tokens[self.start : end])
+        for _ in range(SPLIT_TOKENS):
+            if final or end <= self.sent or not text.endswith("\ufffd"):
+                return end, text
+            end -= 1
+            text = self.decode(self.tokens[self.start : end])
+        return (end, text) if not text.endswith("\ufffd") else (len(self.tokens), self.decode(self.tokens[self.start :]))
 
     def push(self, token_ids: Sequence[int], final: bool = False) -> str:
         self.tokens.extend(token_ids)
-        text = self.router.decode(self.tokens)
-        if not final and text.endswith("\ufffd"):  # a multi-byte character split across tokens
+        end, text = self._whole_end(final)
+        if end <= self.sent:
             return ""
-        delta, self.sent = text[self.sent :], len(text)
+        delta = text[len(self.decode(self.tokens[self.start : self.sent])) :]
+        self.start, self.sent = self.sent, end
         return delta
 
 
