@@ -6,11 +6,11 @@
         for chunk in client.stream(chat=[("user", "Hi!")]):
             print(chunk.text, end="", flush=True)
 
-Calls carry a deadline (``timeout_s``); UNAVAILABLE is retried with exponential back-off by the
-channel's own retry policy (before any token was received); a cap on in-flight calls protects the
-channel; leaving a stream early (``break``, an exception, cancelling the task) cancels the call, and
-the router frees the request's drafter sessions, KV cache and queue entries. Errors are
-``grpc.RpcError`` with the server's status code and message.
+Calls carry a deadline (``timeout_s``: the whole call's, its failovers' tries included); UNAVAILABLE is
+retried with exponential back-off by the channel's own retry policy (before any token was received); a
+cap on in-flight calls protects the channel; leaving a stream early (``break``, an exception, cancelling
+the task) cancels the call, and the router frees the request's drafter sessions, KV cache and queue
+entries. Errors are ``grpc.RpcError`` with the server's status code and message.
 
 Several routers (``Client("10.0.0.1:50051,10.0.0.2:50051")`` or a list): calls start at each router in
 turn, and one that fails UNAVAILABLE is tried on the next (``retries`` times in all, backing off after
@@ -234,9 +234,16 @@ class _Routers:
         tries = 1 if len(self.stubs) == 1 else self.retries + 1
         return (self.stubs[(first + i) % len(self.stubs)] for i in range(tries))
 
-    def fail_over(self, exc: grpc.RpcError, attempt: int) -> bool:
-        """Whether a call that failed so on its ``attempt``-th try (from 0) goes on at the next router."""
-        return len(self.stubs) > 1 and attempt < self.retries and exc.code() == grpc.StatusCode.UNAVAILABLE
+    def fail_over(self, exc: grpc.RpcError, attempt: int, deadline: float) -> bool:
+        """Whether a call that failed so on its ``attempt``-th try (from 0) goes on at the next router: only
+        while its deadline (``time.monotonic()``'s) leaves time after the back-off before that try."""
+        return (len(self.stubs) > 1 and attempt < self.retries and exc.code() == grpc.StatusCode.UNAVAILABLE
+                and time.monotonic() + _backoff_s(attempt + 1, len(self.stubs)) < deadline)
+
+
+def _left_s(deadline: float) -> float:
+    """A try's timeout: what is left of its call's deadline (every try of a call shares one)."""
+    return max(deadline - time.monotonic(), 1e-3)
 
 
 class Client:
@@ -256,12 +263,13 @@ class Client:
 
     def _call(self, method: str, message, timeout_s: float | None = None):
         """A unary call, on the next router in turn, then the others while they are unavailable."""
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
         for attempt, stub in enumerate(self._routers.order()):
             time.sleep(_backoff_s(attempt, len(self._routers.stubs)))
             try:
-                return getattr(stub, method)(message, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
+                return getattr(stub, method)(message, timeout=_left_s(deadline), metadata=self._metadata)
             except grpc.RpcError as exc:
-                if not self._routers.fail_over(exc, attempt):
+                if not self._routers.fail_over(exc, attempt, deadline):
                     raise
 
     def generate(self, prompt: str | None = None, *, timeout_s: float | None = None, **kwargs) -> Generation:
@@ -271,10 +279,11 @@ class Client:
 
     def stream(self, prompt: str | None = None, *, timeout_s: float | None = None, **kwargs) -> Iterator[Chunk]:
         message, received = generate_request(prompt, **kwargs), []
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
         with self._slots:
             for attempt, stub in enumerate(self._routers.order()):
                 time.sleep(_backoff_s(attempt, len(self._routers.stubs)))
-                call = stub.GenerateStream(_resumed(message, received), timeout=timeout_s or self.timeout_s,
+                call = stub.GenerateStream(_resumed(message, received), timeout=_left_s(deadline),
                                            metadata=self._metadata)
                 try:
                     for answer in call:
@@ -282,7 +291,7 @@ class Client:
                         yield _chunk(answer)
                     return
                 except grpc.RpcError as exc:
-                    if not self._routers.fail_over(exc, attempt):
+                    if not self._routers.fail_over(exc, attempt, deadline):
                         raise
                 finally:
                     call.cancel()  # a no-op when the stream ended; frees the server's state when it did not
@@ -323,12 +332,13 @@ class AsyncClient:
         self._slots = asyncio.Semaphore(max_in_flight)
 
     async def _call(self, method: str, message, timeout_s: float | None = None):
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
         for attempt, stub in enumerate(self._routers.order()):
             await asyncio.sleep(_backoff_s(attempt, len(self._routers.stubs)))
             try:
-                return await getattr(stub, method)(message, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
+                return await getattr(stub, method)(message, timeout=_left_s(deadline), metadata=self._metadata)
             except grpc.RpcError as exc:
-                if not self._routers.fail_over(exc, attempt):
+                if not self._routers.fail_over(exc, attempt, deadline):
                     raise
 
     async def generate(self, prompt: str | None = None, *, timeout_s: float | None = None, **kwargs) -> Generation:
@@ -338,10 +348,11 @@ class AsyncClient:
 
     async def stream(self, prompt: str | None = None, *, timeout_s: float | None = None, **kwargs) -> AsyncIterator[Chunk]:
         message, received = generate_request(prompt, **kwargs), []
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
         async with self._slots:
             for attempt, stub in enumerate(self._routers.order()):
                 await asyncio.sleep(_backoff_s(attempt, len(self._routers.stubs)))
-                call = stub.GenerateStream(_resumed(message, received), timeout=timeout_s or self.timeout_s,
+                call = stub.GenerateStream(_resumed(message, received), timeout=_left_s(deadline),
                                            metadata=self._metadata)
                 try:
                     async for answer in call:
@@ -349,7 +360,7 @@ class AsyncClient:
                         yield _chunk(answer)
                     return
                 except grpc.RpcError as exc:
-                    if not self._routers.fail_over(exc, attempt):
+                    if not self._routers.fail_over(exc, attempt, deadline):
                         raise
                 finally:
                     call.cancel()

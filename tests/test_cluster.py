@@ -11,6 +11,7 @@ process started by its command line, as `specmesh up` does.
 """
 
 import json
+import re
 import signal
 import threading
 import time
@@ -267,6 +268,8 @@ def test_the_verifiers_control_api_answers_the_cluster_only(cluster, monkeypatch
     assert set(refused.values()) == {grpc.StatusCode.UNAUTHENTICATED}, refused
     info = call_verifier(address, "info", QueueSigner(cluster.queue_key))  # the cluster's control token
     assert info["verifier_id"] and not info.get("draining", False)
+    capped = re.findall(r"a pass holds at most (\d+) rows", cluster.verifiers[0].log_path.read_text())
+    assert info["max_batch_tokens"] == int(capped[-1])  # the cap its measured pass curve set, not the flag
     monkeypatch.setenv("SPECMESH_QUEUE_KEY", cluster.queue_key)  # the operator's command, as docs/security.md shows
     assert main(["verifier", "info", "--address", address]) == 0
     out = capsys.readouterr().out  # the supervisor's lines may land around it (a restart in the background)

@@ -354,6 +354,43 @@ def test_a_clients_request_id_is_echoed_and_may_repeat(redis_server, model, toke
     assert all(r.token_ids == plain_greedy(model, [5, 6, 7, 5, 6, 7], MAX_TOKENS) for r in results)
 
 
+def test_a_calls_timeout_bounds_all_its_failover_tries():
+    """Two routers with nothing listening, 12 failovers allowed (11 s of back-off between them): a call with
+    a 1 s timeout fails UNAVAILABLE about then, unary or streamed, blocking or asyncio."""
+    import time
+
+    from specmesh.client import Client
+    from specmesh.cluster.ports import free_port
+
+    addresses = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+
+    def timed(call) -> float:
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as failed:
+            call()
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+        return time.monotonic() - started
+
+    async def timed_async(awaitable) -> float:
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as failed:
+            await awaitable
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+        return time.monotonic() - started
+
+    async def asynchronous():
+        async with AsyncClient(addresses, retries=12, timeout_s=1.0) as client:
+            async def stream():
+                return [c async for c in client.stream(prompt_ids=[5, 6], max_tokens=4)]
+            return [await timed_async(client.generate(prompt_ids=[5, 6], max_tokens=4)), await timed_async(stream())]
+
+    with Client(addresses, retries=12, timeout_s=1.0) as client:
+        took = [timed(lambda: client.generate(prompt_ids=[5, 6], max_tokens=4)),
+                timed(lambda: list(client.stream(prompt_ids=[5, 6], max_tokens=4)))]
+    took += run(asynchronous())
+    assert all(t < 2.5 for t in took), took
+
+
 def test_the_client_retries_unavailable_until_the_router_is_up(redis_server, model, tokenizer):
     """A call made while the router is still starting succeeds once it is up (the channel's retry policy)."""
     from specmesh.cluster.ports import free_port

@@ -111,7 +111,7 @@ async def serve(args: VerifierSettings) -> None:
     info = verifier_pb2.VerifierInfo(
         verifier_id=verifier_id, pool=args.pool, model=target.name, tokenizer_hash=tokenizer_fingerprint(target.tokenizer),
         vocab_size=runtime.vocab_size, max_length=runtime.max_length, max_sessions=args.max_sessions,
-        max_batch_tokens=args.max_batch_rows,
+        max_batch_tokens=worker.max_batch_rows,
     )
     servicer = VerifierServicer(worker, info)
 
