@@ -61,6 +61,17 @@ def test_drafting_computes_the_unroll_it_was_trained_with():
             drafter.end("r")
 
 
+def test_a_drafter_in_another_precision_leaves_the_head_it_was_given_as_it_was():
+    """Two drafters over one head, bf16 and fp32: the bf16 one computes in a copy; the head, and the fp32
+    drafter over it, stay fp32 with the weights they had."""
+    model = make_head()
+    weights = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    low = FeatureDrafter(model, "low", int8_weights=False, dtype=torch.bfloat16)
+    full = FeatureDrafter(model, "full", int8_weights=False)
+    assert low.model.head.weight.dtype == torch.bfloat16 and full.model is model
+    assert all(torch.equal(tensor, weights[name]) for name, tensor in model.state_dict().items())
+
+
 def test_the_one_call_layer_drafts_what_the_step_by_step_layer_does():
     from specmesh.kernels.cpu_ops import load_cpu_ops
     from specmesh.runtime.loading import cache_root

@@ -22,6 +22,7 @@ and layers, the architecture, measured agreement and cost, the command that made
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 from dataclasses import asdict, dataclass, field
@@ -373,7 +374,8 @@ class FeatureDrafter(DrafterBase):
 
         device = model.head.weight.device
         self.dtype = dtype or (drafter_dtype(device) if device.type == "cuda" else torch.float32)
-        model = model.to(self.dtype)
+        if model.head.weight.dtype != self.dtype:  # a copy: the caller's head may serve another drafter as it is
+            model = copy.deepcopy(model).to(self.dtype)
         self.name = name
         self.domains = ("general",)
         self.model = model
