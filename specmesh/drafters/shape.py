@@ -52,10 +52,7 @@ def confident_tree(
     for depth in range(1, max_depth + 1):
         if len(tokens) >= budget:
             break
-        probs, token_ids, ranked = step
-        if ranked is None:
-            top = probs.topk(min(branch_width, probs.shape[-1]))
-            ranked = list(zip(top.indices.tolist(), top.values.tolist()))  # two reads from a GPU, not one per number
+        token_ids, ranked = step.token_ids, _top(step, branch_width)
         if ranked[0][0] == stop_index:
             break  # the drafter expects something it cannot name: say nothing more
         ranked = [(i, p) for i, p in ranked if i != stop_index]
@@ -82,14 +79,18 @@ def confident_tree(
     return TokenTree(tuple(tokens), tuple(parents), tuple(confidences))
 
 
+def _top(step: Step, width: int) -> list[tuple[int, float]]:
+    """A step's ``width`` best outputs as (output index, p): those it brings, else read in one go."""
+    if step.ranked is None or len(step.ranked) < min(width, step.probs.shape[-1]):
+        top = step.probs.topk(min(width, step.probs.shape[-1]))
+        return list(zip(top.indices.tolist(), top.values.tolist()))  # two reads from a GPU, not one per number
+    return step.ranked[:width]
+
+
 def _ranked(step: Step, width: int, stop_index: int | None) -> list[tuple[int, float]]:
     """A step's ``width`` best outputs as (token id, p), the "no guess" output left out."""
-    probs, token_ids, ranked = step
-    if ranked is None or len(ranked) < width + 1:
-        top = probs.topk(min(width + 1, probs.shape[-1]))
-        ranked = list(zip(top.indices.tolist(), top.values.tolist()))  # two reads from a GPU, not one per number
-    as_token = (lambda i: token_ids[i]) if token_ids is not None else (lambda i: i)
-    return [(as_token(i), p) for i, p in ranked if i != stop_index][:width]
+    as_token = (lambda i: step.token_ids[i]) if step.token_ids is not None else (lambda i: i)
+    return [(as_token(i), p) for i, p in _top(step, width + 1) if i != stop_index][:width]
 
 
 def best_first_tree(
