@@ -15,7 +15,6 @@ import re
 import signal
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from conftest import wait_until
 from specmesh.cli import main
 from specmesh.client import Client
 from specmesh.cluster.control import call_verifier
-from specmesh.cluster.launcher import ClusterSpec, LocalCluster
+from specmesh.cluster.launcher import ClusterSpec, LocalCluster, ServiceProcess
 from specmesh.cluster.pipeline.messages import QueueSigner
 from specmesh.prompts import encode_chat, mtbench_prompts
 from specmesh.runtime.loading import EMBEDDED_DEFAULT, load_hf_model
@@ -75,22 +74,20 @@ def generate_all(client: Client, questions, concurrency: int):
         return list(pool.map(lambda q: client.generate(chat=[("user", q)], max_tokens=MAX_TOKENS), questions))
 
 
-def metric_total(url: str, name: str, label: str = "") -> float:
-    """The sum of a metric's samples (every label set, or those with ``label``, e.g. 'drafter="code"')
-    as the service's /metrics shows it now."""
-    with urllib.request.urlopen(url, timeout=5) as answer:
-        text = answer.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name) and line[len(name)] in " {" and label in line)
+def metric_total(process: ServiceProcess, name: str, **labels: str) -> float:
+    """The sum of a metric's samples (every label set, or those carrying ``labels``) as the service's
+    /metrics shows it now."""
+    return sum(sample.value for family in process.metrics() for sample in family.samples
+               if sample.name == name and labels.items() <= sample.labels.items())
 
 
-# what each kind of service counts for every request: (metric, label filter); the drafters' RPCs are
-# counted by method, as the supervisor's health checks count too
-MOVING = {"router": [(name, "") for name in (
+# what each kind of service counts for every request: (metric, labels to filter by); the drafters' RPCs
+# are counted by method, as the supervisor's health checks count too
+MOVING = {"router": [(name, {}) for name in (
               "specmesh_generated_tokens_total", "specmesh_target_steps_total", "specmesh_drafter_drafts_total",
               "specmesh_drafter_draft_tokens_total", "specmesh_routing_decisions_total")],
-          "drafter": [("specmesh_rpc_requests_total", 'method="Propose"')],
-          "verifier": [("specmesh_verify_jobs_total", ""), ("specmesh_verify_batch_tokens_count", "")]}
+          "drafter": [("specmesh_rpc_requests_total", {"method": "Propose"})],
+          "verifier": [("specmesh_verify_jobs_total", {}), ("specmesh_verify_batch_tokens_count", {})]}
 
 
 @pytest.mark.parametrize("concurrency", [1, 8])
@@ -99,12 +96,12 @@ def test_greedy_through_the_cluster_is_plain_greedy(cluster, questions, plain_ou
         found: dict[tuple[str, str], float] = {}
         for process in cluster.processes():
             kind = process.name.split("-")[0]
-            for name, label in MOVING[kind]:
-                found[kind, name] = found.get((kind, name), 0.0) + metric_total(process.metrics_url, name, label)
+            for name, labels in MOVING[kind]:
+                found[kind, name] = found.get((kind, name), 0.0) + metric_total(process, name, **labels)
         return found
 
     def code_drafts():  # trees the router asked of the code expert (sessions open with the first one)
-        return metric_total(cluster.router.metrics_url, "specmesh_drafter_drafts_total", 'drafter="code"')
+        return metric_total(cluster.router, "specmesh_drafter_drafts_total", drafter="code")
 
     before, drafts_before = totals(), code_drafts()
     with Client(cluster.router_address) as client:
@@ -359,7 +356,7 @@ def test_a_long_prompt_is_prefilled_between_short_requests_steps(tmp_path, quest
             answer, answered = long.result(timeout=300)
         # the premise: the short requests ran beside the prefill for most of their time (it may end first)
         assert (min(answered, ended) - started) / (ended - started) > 0.5
-        resent = metric_total(cluster.router.metrics_url, "specmesh_resent_jobs_total")
+        resent = metric_total(cluster.router, "specmesh_resent_jobs_total")
         outputs = [client.generate(chat=[("user", questions[i])], max_tokens=MAX_TOKENS).token_ids for i in chosen]
     assert answer.usage.prompt_tokens > 1000 and len(answer.token_ids) == 4
     ratio = sorted(beside)[len(beside) // 2] / sorted(alone)[len(alone) // 2]
