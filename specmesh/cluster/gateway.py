@@ -283,14 +283,14 @@ class TextStream:
 
     def _whole_end(self, final: bool) -> tuple[int, str]:
         """(k, the window's text through tokens[:k]): k the last end where no character is cut."""
-        end = len(self.tokens)
-        text = self.decode(self.tokens[self.start : end])
+        whole = self.decode(self.tokens[self.start :])
+        end, text = len(self.tokens), whole
         for _ in range(SPLIT_TOKENS):
             if final or end <= self.sent or not text.endswith("\ufffd"):
                 return end, text
             end -= 1
             text = self.decode(self.tokens[self.start : end])
-        return (end, text) if not text.endswith("\ufffd") else (len(self.tokens), self.decode(self.tokens[self.start :]))
+        return (end, text) if not text.endswith("\ufffd") else (len(self.tokens), whole)
 
     def push(self, token_ids: Sequence[int], final: bool = False) -> str:
         self.tokens.extend(token_ids)
