@@ -279,6 +279,37 @@ def test_overload_is_resource_exhausted_and_cancel_frees_everything(redis_server
     assert len(again.token_ids) == 5
 
 
+def test_a_burst_never_puts_more_than_the_limit_in_flight(redis_server, model, tokenizer):
+    """200 calls at once while no pass runs (so none finishes): admission counts each request before its
+    first await, so exactly the limit is admitted and every other call is RESOURCE_EXHAUSTED."""
+    limit, calls = 8, 200
+
+    async def main():
+        limits = RouterLimits(max_concurrent_requests=limit, max_tree_nodes=6)
+        async with ServiceStack(redis_server.url, model, tokenizer, NgramDrafter(), limits) as stack:
+            verifier = stack.pool.workers[0]
+            async with passes_held(verifier):
+                async with grpc.aio.insecure_channel(stack.address) as channel:
+                    stub = router_pb2_grpc.RouterStub(channel)
+                    message = generate_request(chat=CHAT, max_tokens=50)
+                    asking = [stub.Generate(message) for _ in range(calls)]
+                    answers = [asyncio.ensure_future(call) for call in asking]
+                    await wait_until_async(lambda: sum(a.done() for a in answers) + stack.router.active == calls,
+                                           timeout_s=30.0, what="every call refused or admitted")
+                    refused = [(a.exception().code(), a.exception().details()) for a in answers if a.done()]
+                    admitted = stack.router.active
+                    for call in asking:
+                        call.cancel()
+            await wait_until_async(lambda: stack.router.active == 0, what="the admitted calls freed")
+            return admitted, refused
+
+    admitted, refused = run(main())
+    assert admitted == limit and len(refused) == calls - limit, (admitted, len(refused))
+    assert {code for code, _ in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+    counts = {int(details.split()[0]) for _, details in refused}
+    assert counts == {limit}, f"refusals saw these in flight (limit {limit}): {sorted(counts)}"
+
+
 def test_grpc_calls_left_before_their_first_answer_are_cancelled(redis_server, model, tokenizer):
     """A burst of gRPC calls, streams and unary ones, cancelled while their first step waits for the
     verifier: each is freed (its slot, drafter session and KV cache) and counted once as aborted."""

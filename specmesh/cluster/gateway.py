@@ -218,15 +218,25 @@ class Router:
 
     async def generate(self, ticket: Ticket) -> AsyncIterator[tuple[Generation, StepOutput]]:
         """Admit the request (or refuse it with ResourceExhausted) and yield each step's tokens."""
-        request, budget = ticket.request, ticket.budget
         if self.active >= self.limits.max_concurrent_requests:
             raise ResourceExhausted(
                 f"{self.active} requests are in flight, the limit is {self.limits.max_concurrent_requests}; retry later"
             )
-        backlog = await self.verifier.backlog()
-        raise_if_cancelled()  # a Redis call (specmesh.cancellation): a client gone by now is not admitted
-        if backlog > self.limits.max_queue_backlog:
-            raise ResourceExhausted(f"the verification queue holds {backlog} jobs; retry later")
+        self.active += 1  # before any await: the requests arriving meanwhile count this one
+        try:
+            backlog = await self.verifier.backlog()
+            raise_if_cancelled()  # a Redis call (specmesh.cancellation): a client gone by now is not admitted
+            if backlog > self.limits.max_queue_backlog:
+                raise ResourceExhausted(f"the verification queue holds {backlog} jobs; retry later")
+            async with aclosing(self._run(ticket)) as steps:
+                async for output in steps:
+                    yield output
+        finally:
+            self.active -= 1
+
+    async def _run(self, ticket: Ticket) -> AsyncIterator[tuple[Generation, StepOutput]]:
+        """An admitted request's steps, planned by its policy, counted in the metrics."""
+        request, budget = ticket.request, ticket.budget
         drafters = self._unique_drafters() if budget > 0 else []
         if budget <= 0:
             policy = FixedPolicy().begin(request.kind, 0)
@@ -239,7 +249,6 @@ class Router:
             clock = RequestClock(self.metrics)
             self.metrics.requests_by_kind.labels(request.kind or GENERAL).inc()
             self.metrics.in_flight.inc()
-        self.active += 1
         try:
             steps = speculate(request, drafters, self.verifier, policy, self.card.eos_token_ids, generation.stats,
                               draft_ahead=self.limits.draft_ahead)
@@ -252,7 +261,6 @@ class Router:
                     yield generation, step
         finally:
             policy.end()  # also when the loop never started
-            self.active -= 1
             if self.metrics is not None:
                 self.metrics.in_flight.dec()
                 self.metrics.finished.labels(generation.finish_reason or "aborted").inc()
