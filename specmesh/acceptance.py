@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specmesh.errors import RequestFailed
 from specmesh.tree import CompiledTree
 
 
@@ -36,7 +37,10 @@ def verify_greedy(
     logits: torch.Tensor,  # [num_rows, vocab]: row r predicts the token after row r
 ) -> Verdict:
     """Walk down from the root while some child is the target's argmax; then add the argmax."""
-    best = logits.argmax(dim=-1).tolist()  # [num_rows]
+    top, index = logits.max(dim=-1)  # [num_rows]: a row with a NaN has a NaN maximum
+    best = torch.where(torch.isfinite(top), index, -1).tolist()
+    if -1 in best:
+        raise RequestFailed(f"the target's logits are not finite at tree row {best.index(-1)}")
     tokens = tree.tree.tokens
     accepted: list[int] = []
     row = 0
@@ -64,6 +68,9 @@ def verify_mss(
     guesses, merged duplicates) is treated as proposed by a point mass, q = one-hot(x), which is exact
     for any way of choosing it that does not look at the target's random draws.
     """
+    finite = torch.isfinite(target_probs.sum(dim=-1))  # [num_rows]: a NaN or inf anywhere in a row shows here
+    if not bool(finite.all()):
+        raise RequestFailed(f"the target's probabilities are not finite at tree row {int((~finite).nonzero()[0])}")
     draft_dists = draft_dists or {}
     tokens = tree.tree.tokens
     accepted: list[int] = []

@@ -27,6 +27,11 @@ class Unavailable(SpecmeshError):
     """A dependency (Redis, every verifier, a drafter) cannot be reached in time; retry later."""
 
 
+class RequestFailed(SpecmeshError):
+    """One request's own numbers failed in a pass (the target's logits for it are not finite): that request
+    ends with this error, the others in the pass go on."""
+
+
 class NotFound(SpecmeshError, KeyError):
     """A named thing (a drafter session, a request) is not known here."""
 

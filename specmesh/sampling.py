@@ -14,9 +14,14 @@ import torch
 from specmesh.errors import InvalidArgument
 
 
+# Below this a temperature is greedy decoding: logits / 1e-40 overflow to inf and the softmax to NaN, and
+# at 1e-5 the tempered distribution is already the argmax but for ties closer than 1e-5 nats (as vLLM does)
+MIN_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # 0 (or below MIN_TEMPERATURE) = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     seed: int | None = None
@@ -25,6 +30,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise InvalidArgument("temperature", f"must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+        if self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)
         if self.top_k < 0:
             raise InvalidArgument("top_k", f"must be >= 0 (0 = off), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):

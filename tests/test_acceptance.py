@@ -5,7 +5,8 @@ import torch
 from scipy.stats import chisquare
 
 from specmesh.acceptance import verify_greedy, verify_mss
-from specmesh.sampling import SamplingParams, target_probabilities
+from specmesh.errors import RequestFailed
+from specmesh.sampling import MIN_TEMPERATURE, SamplingParams, target_probabilities
 from specmesh.tree import ROOT, TokenTree, compile_tree
 
 SIGNIFICANCE = 1e-3  # a correct rule fails this test once in a thousand seeds
@@ -31,6 +32,28 @@ def test_greedy_accepts_a_whole_branch_then_the_bonus_and_nothing_on_a_miss():
     assert verify_greedy(tree, one_hot_logits([1, 2, 9])).tokens == (1, 2, 9)
     assert verify_greedy(tree, one_hot_logits([4, 2, 9])).tokens == (4,)
     assert verify_greedy(compile_tree(0, TokenTree()), one_hot_logits([6])).tokens == (6,)
+
+
+def test_logits_that_are_not_finite_fail_the_verdict_naming_the_row():
+    tree = compile_tree(0, TokenTree.chain([1, 2]))
+    logits = one_hot_logits([1, 2, 9])
+    logits[1, 4] = float("nan")
+    with pytest.raises(RequestFailed, match="logits are not finite at tree row 1"):
+        verify_greedy(tree, logits)
+    probs = target_probabilities(one_hot_logits([1, 2, 9]), PARAMS)
+    probs[2, 0] = float("inf")
+    with pytest.raises(RequestFailed, match="probabilities are not finite at tree row 2"):
+        verify_mss(tree, probs, torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 5e-324, MIN_TEMPERATURE / 2])
+def test_a_temperature_too_small_to_divide_by_is_greedy(temperature):
+    params = SamplingParams(temperature=temperature)
+    assert params.greedy and params.temperature == 0.0
+    assert not SamplingParams(temperature=MIN_TEMPERATURE).greedy
+    # at the floor the distribution is finite and already the argmax's
+    probs = target_probabilities(torch.tensor([[30.0, 29.0, -40.0]]), SamplingParams(temperature=MIN_TEMPERATURE))
+    assert torch.isfinite(probs).all() and probs[0, 0] == 1.0
 
 
 # ---- distribution of the next two tokens under tree MSS, against the exact target distribution ----

@@ -310,6 +310,53 @@ def test_a_burst_never_puts_more_than_the_limit_in_flight(redis_server, model, t
     assert counts == {limit}, f"refusals saw these in flight (limit {limit}): {sorted(counts)}"
 
 
+def test_one_request_s_numbers_fail_that_request_alone(redis_server, model, tokenizer, monkeypatch):
+    """16 streams share passes with a request at temperature 1e-40 (its logits / T overflowed to NaN and
+    failed the whole pass) and one whose logits are forced to NaN: the 16 equal plain decoding, the first odd
+    one is greedy decoding, the second ends INTERNAL naming the cause, and nothing is retried as UNAVAILABLE."""
+    streams = 16
+
+    async def main():
+        async with ServiceStack(redis_server.url, model, tokenizer, NgramDrafter(), metrics=True) as stack:
+            verifier = stack.pool.workers[0].verifier
+            forward = verifier.runtime.forward
+
+            def poisoned_forward(batch, **kwargs):  # the rows of the request named "poison" come out NaN
+                logits = forward(batch, **kwargs)
+                if logits is None:  # a prefill
+                    return logits
+                poisoned = {id(s) for rid, s in verifier._sessions.items() if rid.startswith("poison:")}
+                for i, session in enumerate(batch.sessions):
+                    if id(session) in poisoned:
+                        logits[batch.cu_rows[i] : batch.cu_rows[i + 1]] = float("nan")
+                return logits
+
+            monkeypatch.setattr(verifier.runtime, "forward", poisoned_forward)
+            async with AsyncClient(stack.address) as client:
+                async def streamed(**kwargs):
+                    return [t async for c in client.stream(chat=CHAT, max_tokens=MAX_TOKENS, **kwargs) for t in c.token_ids]
+
+                async def poisoned():
+                    try:
+                        await streamed(request_id="poison", temperature=0.7, seed=3)
+                    except grpc.aio.AioRpcError as exc:
+                        return exc.code(), exc.details()
+
+                answers = await asyncio.gather(*(streamed() for _ in range(streams)), streamed(temperature=1e-40),
+                                               poisoned())
+            return answers, stack.router.encode_chat(CHAT), verifier.num_sessions, stack.pool.workers[0].metrics
+
+    answers, prompt, sessions_left, worker_metrics = run(main())
+    plain = plain_greedy(model, prompt, MAX_TOKENS)
+    assert all(tokens == plain for tokens in answers[:streams])
+    assert answers[streams] == plain  # 1e-40 is greedy decoding
+    code, details = answers[streams + 1]
+    assert code == grpc.StatusCode.INTERNAL and "probabilities are not finite" in details, (code, details)
+    assert worker_metrics.jobs.labels("failed")._value.get() == 1
+    assert worker_metrics.jobs.labels("error")._value.get() == 0
+    assert sessions_left == 0
+
+
 def test_grpc_calls_left_before_their_first_answer_are_cancelled(redis_server, model, tokenizer):
     """A burst of gRPC calls, streams and unary ones, cancelled while their first step waits for the
     verifier: each is freed (its slot, drafter session and KV cache) and counted once as aborted."""

@@ -34,7 +34,7 @@ from specmesh.cluster.serving import http_status_for
 from specmesh.cluster.service_settings import DEFAULT_MAX_BODY_BYTES
 from specmesh.cluster.stops import StopScanner, check_stops, tokens_through
 from specmesh.cluster.tls import TlsFiles
-from specmesh.errors import InvalidArgument, NotFound, SpecmeshError, Unauthenticated
+from specmesh.errors import InvalidArgument, NotFound, RequestFailed, SpecmeshError, Unauthenticated
 from specmesh.prompts import check_text
 from specmesh.sampling import SamplingParams
 from specmesh.services.router.openai_schema import (
@@ -85,7 +85,7 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 
 def mapped_error(exc: BaseException) -> JSONResponse:
     status, message = http_status_for(exc)
-    if status == 500:  # the details go to the log, not to the client
+    if status == 500 and not isinstance(exc, RequestFailed):  # a bug's details go to the log, not to the client
         log.error("internal error on the HTTP API", exc_info=exc)
         message = "internal error; the router's log has the details"
     if status == 401:
@@ -486,7 +486,7 @@ async def streamed(answer: AsyncIterator[Piece], events: Callable[[Piece, bool],
                 while (item := await queue.get()) is not None:
                     if isinstance(item, Exception):  # after the status was sent: say it in the stream
                         status, message = http_status_for(item)
-                        if status == 500:
+                        if status == 500 and not isinstance(item, RequestFailed):
                             log.error("internal error in a stream", exc_info=item)
                             message = "internal error; the router's log has the details"
                         yield json.dumps(error_body(status, message, getattr(item, "field", None)))

@@ -255,7 +255,8 @@ class VerifierMetrics(ServiceMetrics):
     def __init__(self) -> None:
         super().__init__("verifier")
         r = self.registry
-        self.jobs = Counter("specmesh_verify_jobs", "Jobs taken from the queue, by outcome (ok, resync, refused, repeat, error, expired, closed: its request was "
+        self.jobs = Counter("specmesh_verify_jobs", "Jobs taken from the queue, by outcome (ok, resync, refused, failed: its request alone failed in the "
+                            "pass, repeat, error, expired, closed: its request was "
                             "let go while it waited or prefilled, forged: no valid queue tag, "
                             "undeliverable: its reply_to cannot take a result)",
                             ["outcome"], registry=r)

@@ -23,7 +23,9 @@ from specmesh.cluster.auth import Access, Permit
 from specmesh.cluster.metrics import ServiceMetrics
 from specmesh.cluster.settings import Settings
 from specmesh.cluster.tls import TlsFiles
-from specmesh.errors import InvalidArgument, NotFound, ResourceExhausted, SpecmeshError, Unauthenticated, Unavailable
+from specmesh.errors import (
+    InvalidArgument, NotFound, RequestFailed, ResourceExhausted, SpecmeshError, Unauthenticated, Unavailable,
+)
 
 log = logging.getLogger("specmesh.cluster.serving")
 OPEN_PREFIX = "/grpc.health.v1.Health/"  # probes (Kubernetes, load balancers) carry no key
@@ -35,6 +37,7 @@ STATUS_OF = {
     Unavailable: (grpc.StatusCode.UNAVAILABLE, 503),
     NotFound: (grpc.StatusCode.NOT_FOUND, 404),
     Unauthenticated: (grpc.StatusCode.UNAUTHENTICATED, 401),
+    RequestFailed: (grpc.StatusCode.INTERNAL, 500),  # the request's own numbers: not retried, the others go on
 }
 
 
@@ -188,7 +191,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
 async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
     code, message = status_for(exc)
-    if code == grpc.StatusCode.INTERNAL:
+    if isinstance(exc, RequestFailed):  # the verifier logged the cause; one line here
+        log.warning("%s: %s", method, exc)
+    elif code == grpc.StatusCode.INTERNAL:
         log.exception("%s failed", method)
     await context.abort(code, message)
 

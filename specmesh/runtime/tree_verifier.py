@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 
 from specmesh.acceptance import Verdict, verify_greedy, verify_mss
-from specmesh.errors import InvalidArgument
+from specmesh.errors import InvalidArgument, RequestFailed
 from specmesh.runtime.features import MAX_PROMPT_FEATURES, Features
 from specmesh.runtime.llama import TreeBatch, check_feature_layers
 from specmesh.runtime.target import TargetRuntime, prefill_sessions, score_with_features
@@ -65,10 +65,11 @@ class VerifyResult:
     features: Features | None = None  # the job's feature_layers at the root and accepted nodes (after a
     # prefill, the prefilled positions' last ones first), fp16 on the CPU
     prefilling: bool = False  # its history is only partly cached: verify the same job again (verdict None)
+    failed: str = ""  # why this request alone failed in the pass (its numbers): it ends with RequestFailed
 
     @property
     def resync(self) -> bool:
-        return self.verdict is None and not self.refused and not self.prefilling
+        return self.verdict is None and not self.refused and not self.prefilling and not self.failed
 
 
 @dataclass
@@ -250,6 +251,9 @@ class TreeVerifier:
             rows = sum(1 + len(jobs[i].tree) for i in ready)
             trees = sum(1 for i in ready if len(jobs[i].tree))
             for i, verdict, features in zip(ready, verdicts, step_features):
+                if isinstance(verdict, str):
+                    results[i] = VerifyResult(jobs[i].request_id, jobs[i].step, None, failed=verdict)
+                    continue
                 prefilled = jobs[i].position if i in prefills else 0
                 if features is not None and jobs[i].request_id in prompt_features:
                     before = prompt_features[jobs[i].request_id]
@@ -362,7 +366,9 @@ class TreeVerifier:
             tails[job.request_id] = Features(job.position - values.shape[0], values.half().cpu(), job.feature_layers)
         return tails
 
-    def _verify_trees(self, jobs: Sequence[VerifyJob]) -> tuple[list[Verdict], list[Features | None]]:
+    def _verify_trees(self, jobs: Sequence[VerifyJob]) -> tuple[list[Verdict | str], list[Features | None]]:
+        """Each job's verdict, or why it failed (a string: that request's cache is dropped, the others go
+        on), and its features."""
         sessions = [self._sessions[j.request_id] for j in jobs]
         trees: list[CompiledTree] = [compile_tree(j.root, j.tree) for j in jobs]
         batch = TreeBatch.build(sessions, trees)
@@ -375,23 +381,34 @@ class TreeVerifier:
         verdicts, features = [], []
         offset = 0
         for job, session, tree in zip(jobs, sessions, trees):
-            rows = logits[offset : offset + tree.num_rows]
-            if job.params.greedy:
-                verdict = verify_greedy(tree, rows)
-            else:
-                generator = step_generator(job.params, job.position, self.runtime.device, self._random)
-                verdict = verify_mss(tree, target_probabilities(rows, job.params), generator)
+            start, offset = offset, offset + tree.num_rows
+            rows = logits[start:offset]
+            try:
+                verdict = self._accept(job, tree, rows)
+            except Exception as exc:  # one request's fault fails that request, not the pass
+                if not isinstance(exc, RequestFailed):
+                    log.exception("request %s: its acceptance failed", job.request_id)
+                self.close(job.request_id)  # its cache holds the tree's rows
+                verdicts.append(f"step {job.step}: {exc}")
+                features.append(None)
+                continue
             kept = [0] + [node + 1 for node in verdict.accepted_nodes]
             session.keep_rows(kept)
             if job.feature_layers:  # the root's and accepted nodes' rows: positions position.. of the committed
-                block = hidden[offset + torch.tensor(kept, device=hidden.device)].half().cpu()
+                block = hidden[start + torch.tensor(kept, device=hidden.device)].half().cpu()
                 features.append(Features(job.position, block, layers).of_layers(job.feature_layers))
             else:
                 features.append(None)
-            offset += tree.num_rows
             self.stats.tree_nodes += len(job.tree)
             verdicts.append(verdict)
         return verdicts, features
+
+    def _accept(self, job: VerifyJob, tree: CompiledTree, rows: torch.Tensor) -> Verdict:
+        """The acceptance rule over one job's rows ([num_rows, vocab] logits)."""
+        if job.params.greedy:
+            return verify_greedy(tree, rows)
+        generator = step_generator(job.params, job.position, self.runtime.device, self._random)
+        return verify_mss(tree, target_probabilities(rows, job.params), generator)
 
 
 def _union(layer_sets: Sequence[tuple[int, ...]]) -> tuple[int, ...]:

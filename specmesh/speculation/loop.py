@@ -25,7 +25,7 @@ from typing import AsyncIterator, Protocol, Sequence
 
 from specmesh.cancellation import raise_if_cancelled
 from specmesh.drafters.base import Drafter
-from specmesh.errors import InvalidArgument, Unavailable
+from specmesh.errors import InvalidArgument, RequestFailed, Unavailable
 from specmesh.fusion import fuse_trees
 from specmesh.runtime.features import Features
 from specmesh.runtime.tree_verifier import TreeVerifier, VerifyJob, VerifyResult
@@ -403,6 +403,8 @@ async def _verify(
             feature_layers=feature_layers,
         )
         result = await verifier.verify(job)
+        if result.failed:
+            raise RequestFailed(f"the target could not verify this request at {result.failed}")
         if not result.resync:
             return result
         stats.resyncs += 1

@@ -89,11 +89,13 @@ class VerifyResult(_message.Message):
         RESYNC: _ClassVar[VerifyResult.Status]
         ERROR: _ClassVar[VerifyResult.Status]
         EXHAUSTED: _ClassVar[VerifyResult.Status]
+        FAILED: _ClassVar[VerifyResult.Status]
     STATUS_UNSPECIFIED: VerifyResult.Status
     OK: VerifyResult.Status
     RESYNC: VerifyResult.Status
     ERROR: VerifyResult.Status
     EXHAUSTED: VerifyResult.Status
+    FAILED: VerifyResult.Status
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]

@@ -165,9 +165,11 @@ def decode_job(data: bytes) -> QueuedJob:
 
 def encode_result(result: VerifyResult, verifier_id: str, **timings) -> bytes:
     status = (verifier_pb2.VerifyResult.EXHAUSTED if result.refused else
+              verifier_pb2.VerifyResult.FAILED if result.failed else
               verifier_pb2.VerifyResult.RESYNC if result.resync else verifier_pb2.VerifyResult.OK)
     message = verifier_pb2.VerifyResult(
-        request_id=result.request_id, step=result.step, status=status, verifier_id=verifier_id, message=result.refused,
+        request_id=result.request_id, step=result.step, status=status, verifier_id=verifier_id,
+        message=result.refused or result.failed,
         prefilled_tokens=result.prefilled_tokens, pass_ms=result.pass_ms, batch_rows=result.batch_rows,
         batch_trees=result.batch_trees, **timings,
     )

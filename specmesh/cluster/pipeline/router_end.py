@@ -207,6 +207,8 @@ class QueueVerifierClient:
             raise Unavailable(f"verifier {message.verifier_id} cannot verify step {job.step}: {message.message}")
         if message.status == verifier_pb2.VerifyResult.RESYNC:  # the history goes where the cache may still be
             return VerifyResult(job.request_id, job.step, None)
+        if message.status == verifier_pb2.VerifyResult.FAILED:
+            return VerifyResult(job.request_id, job.step, None, failed=message.message)
         previous = self.affinity.get(job.request_id)
         if previous is not None and previous != message.verifier_id:
             await self._close_on(previous, job.request_id)  # its copy of the cache is stale now

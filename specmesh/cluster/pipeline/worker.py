@@ -322,7 +322,8 @@ class VerifierWorker:
         m.pass_seconds.observe(verify_ms / 1e3)
         for entry, result in zip(batch, results):
             m.queue_wait.observe(max(started - entry.received, 0.0))
-            m.jobs.labels("refused" if result.refused else "resync" if result.resync else "ok").inc()
+            m.jobs.labels("refused" if result.refused else "failed" if result.failed else
+                          "resync" if result.resync else "ok").inc()
         m.kv_sessions.set(self.verifier.num_sessions)
         m.kv_bytes.set(self.verifier.cache_bytes)
 
