@@ -6,8 +6,6 @@ import threading
 import uuid
 from contextlib import asynccontextmanager
 
-import redis.asyncio as aioredis
-from redis import Redis as BlockingRedis
 from conftest import wait_until_async
 
 from specmesh.cluster.gateway import ModelCard, Router, RouterLimits
@@ -15,6 +13,7 @@ from specmesh.cluster.metrics import DrafterMetrics, MetricsEndpoint, RouterMetr
 from specmesh.cluster.pipeline.messages import QueueKeys
 from specmesh.cluster.pipeline.router_end import QueueVerifierClient
 from specmesh.cluster.pipeline.verifier_end import VerifierQueue
+from specmesh.cluster.redis_clients import async_redis, blocking_redis
 from specmesh.cluster.remote_drafter import RemoteDrafter
 from specmesh.cluster.serving import Service, TorchThread, start_server
 from specmesh.cluster.pipeline.messages import QueueSigner, new_key
@@ -39,7 +38,7 @@ class InProcessPool:
 
     def __init__(self, url: str, model, workers: int = 1, **client_args) -> None:
         self.url = url
-        self.redis = aioredis.Redis.from_url(url)
+        self.redis = async_redis(url)
         self.keys = QueueKeys(pool=uuid.uuid4().hex[:8])
         self.model = model
         self.signer = QueueSigner(new_key())  # entries tagged as in a real cluster
@@ -52,7 +51,7 @@ class InProcessPool:
     def worker(self, name: str) -> VerifierWorker:
         # results posted from the pass's thread, as the verifier service does
         queue = VerifierQueue(self.redis, self.keys, name, heartbeat_ttl_s=1.0, signer=self.signer,
-                              results_redis=BlockingRedis.from_url(self.url))
+                              results_redis=blocking_redis(self.url))
         return VerifierWorker(TreeVerifier(LlamaRuntime(self.model)), queue, TorchThread(name))
 
     def add_worker(self, name: str) -> VerifierWorker:

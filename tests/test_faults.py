@@ -597,6 +597,32 @@ def test_a_close_redis_could_not_take_is_sent_again_once_it_is_back(restartable_
     assert asyncio.run(main()) == 0
 
 
+def test_bursts_after_redis_was_killed_and_restarted_all_succeed(restartable_redis, model, tokenizer):
+    """Redis killed (-9) and started again, empty, on its port: every pooled connection of the router and the
+    verifier died with it. Once Redis answers, 3 bursts of 60 requests all succeed, with no retry by the
+    client: each dead connection is replaced on its first command (11 of 60 failed with 503 before)."""
+    server, burst_size = restartable_redis, 60
+    chat = [("user", "Count: one two three")]
+
+    async def main():
+        limits = RouterLimits(max_concurrent_requests=burst_size, max_tree_nodes=6, speculation="fixed")
+        async with ServiceStack(server.url, model, tokenizer, NgramDrafter(), limits) as stack:
+            async with AsyncClient(stack.address, retries=0) as client:
+                async def burst():
+                    answers = await asyncio.gather(*(client.generate(chat=chat, max_tokens=4)
+                                                     for _ in range(burst_size)), return_exceptions=True)
+                    return [f"{a.code().name}: {a.details()}" for a in answers if isinstance(a, Exception)]
+
+                before = await burst()  # the pools hold many connections now
+                server.process.kill()
+                server.process.wait()
+                server.start()
+                return before, [await burst() for _ in range(3)]
+
+    before, after = asyncio.run(main())
+    assert before == [] and after == [[], [], []], after
+
+
 def test_a_job_posted_after_a_close_of_its_request_is_verified_even_when_read_together(redis_server, tiny_model):
     """A close (the request left this verifier) and a later job of the same request (it came back) in one
     read: only jobs posted before the close are dropped."""

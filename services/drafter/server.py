@@ -9,11 +9,10 @@ import logging
 import time
 from typing import Sequence
 
-import redis.asyncio as aioredis
-
 from specmesh.cluster.discovery import RedisRegistry
 from specmesh.cluster.drafter_sessions import DEFAULT_SESSION_TOKENS, DrafterSessions
 from specmesh.cluster.metrics import DrafterMetrics, serve_metrics
+from specmesh.cluster.redis_clients import async_redis
 from specmesh.cluster.serving import Service, TorchThread, run_service, start_server
 from specmesh.cluster.service_settings import DrafterSettings
 from specmesh.cluster.tls import TlsFiles
@@ -109,7 +108,7 @@ async def serve(args: DrafterSettings) -> None:
     log.info("drafter %s (%s, domains %s) serving on port %d", drafter.name, info.kind, ",".join(domains), server.port)
     announcing = redis = None
     if args.announce:
-        redis = aioredis.Redis.from_url(args.redis_url, socket_timeout=5, socket_connect_timeout=2)
+        redis = async_redis(args.redis_url)
         announcing = asyncio.create_task(RedisRegistry(redis).heartbeat(args.announce, drafter.name, domains))
     metrics_note = f", metrics at {endpoint.url}" if endpoint else ""
     print(f"specmesh-drafter ready on port {server.port}{metrics_note}", flush=True)

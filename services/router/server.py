@@ -9,7 +9,6 @@ import os
 import uuid
 from typing import Sequence
 
-import redis.asyncio as aioredis
 
 from specmesh import __version__
 from specmesh.cluster.auth import Access, ApiKeys, KeyLimits, check_exposure
@@ -26,6 +25,7 @@ from specmesh.cluster.gateway import ModelCard, Router, RouterLimits, TextStream
 from specmesh.cluster.metrics import RouterMetrics, serve_metrics
 from specmesh.cluster.pipeline.messages import QueueKeys, QueueSigner
 from specmesh.cluster.pipeline.router_end import QueueVerifierClient
+from specmesh.cluster.redis_clients import async_redis
 from specmesh.cluster.remote_drafter import RemoteDrafter
 from specmesh.cluster.serving import Service, run_service, start_server
 from specmesh.cluster.service_settings import RouterSettings
@@ -153,7 +153,7 @@ async def serve(args: RouterSettings) -> None:
         target.name, target.vocab_size, target.max_length, tokenizer_fingerprint(target.tokenizer),
         frozenset(target.eos_token_ids),
     )
-    redis = aioredis.Redis.from_url(args.redis_url, socket_timeout=5, socket_connect_timeout=2)
+    redis = async_redis(args.redis_url)
     metrics = RouterMetrics()
     verifier = QueueVerifierClient(redis, QueueKeys(args.pool), f"router-{os.getpid()}-{uuid.uuid4().hex[:6]}",
                                    job_timeout_s=args.job_timeout, signer=QueueSigner.from_environment(args.queue_key_file),

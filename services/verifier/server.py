@@ -12,15 +12,13 @@ import uuid
 from functools import partial
 from typing import Sequence
 
-import redis.asyncio as aioredis
-from redis import Redis as BlockingRedis
-
 from specmesh.cluster.auth import Access, ApiKeys, KeyLimits
 from specmesh.cluster.metrics import VerifierMetrics, serve_metrics
 from specmesh.cluster.pipeline.messages import ENV_KEY as QUEUE_KEY
 from specmesh.cluster.pipeline.messages import QueueKeys, QueueSigner, new_key
 from specmesh.cluster.pipeline.verifier_end import VerifierQueue
 from specmesh.cluster.pipeline.worker import VerifierWorker
+from specmesh.cluster.redis_clients import async_redis, blocking_redis
 from specmesh.cluster.serving import Server, Service, TorchThread, run_service, start_server
 from specmesh.cluster.service_settings import VerifierSettings
 from specmesh.cluster.tls import TlsFiles
@@ -98,11 +96,11 @@ async def serve(args: VerifierSettings) -> None:
     log.info("pass curve on %s (requests, rows: ms): %s", curve.device,
              ", ".join(f"{s.requests}, {s.rows}: {s.ms:.1f}" for s in curve.samples))
     verifier_id = args.verifier_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    redis = aioredis.Redis.from_url(args.redis_url, socket_timeout=5, socket_connect_timeout=2)
+    redis = async_redis(args.redis_url)
     signer = QueueSigner.from_environment(args.queue_key_file)
     queue = VerifierQueue(redis, QueueKeys(args.pool), verifier_id, heartbeat_ttl_s=args.heartbeat_ttl,
                           signer=signer, pass_curve=curve,
-                          results_redis=BlockingRedis.from_url(args.redis_url, socket_timeout=5, socket_connect_timeout=2))
+                          results_redis=blocking_redis(args.redis_url))
     metrics = VerifierMetrics()
     endpoint = serve_metrics(metrics, args.metrics_address)
     worker = VerifierWorker(verifier, queue, torch_thread, max_batch_rows=args.max_batch_rows, metrics=metrics,
