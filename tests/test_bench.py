@@ -295,3 +295,19 @@ def test_without_llama_cpp_the_bench_says_why(monkeypatch):
     gguf = SimpleNamespace(target=SimpleNamespace(gguf="model.gguf"))
     assert llama_cpp_baseline(gguf) == (None, "not run: llama-cpp-python is not installed")
     assert llama_cpp_baseline(SimpleNamespace(target=SimpleNamespace(gguf=None)))[1].startswith("not run: ")
+
+
+def test_a_baseline_runs_in_a_process_of_its_own_whose_crash_is_an_error():
+    from crashing_baseline import crashing_decoder
+
+    from specmesh.bench.isolated import BaselineFailed, IsolatedBaseline
+
+    with pytest.raises(BaselineFailed, match="process was killed by SIGILL while starting"):
+        IsolatedBaseline("crashing", crashing_decoder, 0)
+    baseline = IsolatedBaseline("crashing", crashing_decoder, 1)
+    assert baseline.info == {"version": "crashing"} and baseline((5, 6, 7), 2, []) == [5, 6]
+    with pytest.raises(BaselineFailed, match="process was killed by SIGILL during a call"):
+        baseline((5, 6, 7), 2, [])
+    with pytest.raises(BaselineFailed):  # and stays gone
+        baseline((5,), 1, [])
+    baseline.close()

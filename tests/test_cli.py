@@ -1,5 +1,6 @@
 """The command line on the embedded model: bad input gets one clear line naming the argument, never a traceback."""
 
+import contextlib
 import json
 import os
 import re
@@ -218,6 +219,75 @@ def test_up_restarts_a_killed_verifier_and_stops_cleanly(stop, tmp_path):
     gone = psutil.wait_procs(services, timeout=10)[1]
     assert not gone, f"left running: {gone}"
     assert list(tmp_path.iterdir()) == []  # the temporary log directory (and the cluster's files) went too
+
+
+def running(processes: list) -> list:
+    """Those of ``processes`` not yet ended (a zombie has ended: only its exit status waits to be read)."""
+    import psutil
+
+    def alive(p) -> bool:
+        try:
+            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    return [p for p in processes if alive(p)]
+
+
+def command_lines(processes: list) -> list[str]:
+    import psutil
+
+    lines = []
+    for p in processes:
+        try:
+            lines.append(" ".join(p.cmdline()))
+        except psutil.Error:  # ended meanwhile (e.g. a `redis-server --version`)
+            pass
+    return lines
+
+
+# What each command starts before it has done anything else: its Redis, its services, the verifier's second
+# tensor-parallel rank (a multiprocessing child of the verifier's)
+KILLED = {
+    "up": (["up", "--model", "random:tiny", "--tensor-parallel", "2", "--drafter", "ngram", "--no-demo", "--port", "0",
+            "--http-port", "0"], ("redis-server", "specmesh.services.verifier", "spawn_main")),
+    "bench": (["bench", "--model", "random:tiny", "--oracle-acceptance", "0.9", "--concurrency", "1"],
+              ("redis-server", "specmesh.services.verifier", "specmesh.services.drafter")),
+}
+
+
+@pytest.mark.parametrize("command", KILLED)
+def test_nothing_outlives_a_killed_launcher(command, tmp_path):
+    """`kill -9` of `specmesh up` or `specmesh bench` while their cluster starts: every process they started,
+    and every process those started, ends within seconds."""
+    import psutil
+
+    argv, markers = KILLED[command]
+    env = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", **_passthrough(), "TMPDIR": str(tmp_path)}
+    launcher = subprocess.Popen([sys.executable, "-m", "specmesh", *argv], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    descendants: list = []
+    try:
+        deadline = time.monotonic() + 120
+        while not all(any(m in line for line in command_lines(descendants)) for m in markers):
+            assert launcher.poll() is None and time.monotonic() < deadline, f"{markers} not all started: {descendants}"
+            time.sleep(0.2)
+            try:
+                descendants = psutil.Process(launcher.pid).children(recursive=True)
+            except psutil.Error:  # one ended while being listed
+                continue
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 10
+        while running(descendants) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = command_lines(running(descendants))
+    finally:
+        launcher.kill()
+        for p in running(descendants):  # none of them left to the tests that follow
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+    assert not left, f"left running: {left}"
 
 
 def test_batch_invariant_products_are_the_default_and_can_be_turned_off(monkeypatch):

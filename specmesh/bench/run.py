@@ -6,7 +6,9 @@ specmesh's runtime with speculation off; specmesh with its drafters, each alone 
 and through a local cluster (router -> drafter services -> Redis -> verifier, started by the bench and
 stopped after it). Every mode decodes an untimed warm-up prompt first; then the modes are interleaved
 prompt by prompt, in an order that rotates from one prompt to the next, so that drift in the machine's
-speed and the cost of going first or last hit them alike. The headline is speculation's own gain,
+speed and the cost of going first or last hit them alike. llama.cpp's plain decoding (optional) runs in a
+process of its own: if that process dies (a crash in native code), the mode is left out from then on and
+the report says why (``baselines_failed``). The headline is speculation's own gain,
 ``speedup_vs_own_plain``; ratios to Hugging Face measure runtime and speculation together. The summary's
 keys follow shared/BENCH.md; docs/bench.md says what each figure means.
 """
@@ -14,6 +16,7 @@ keys follow shared/BENCH.md; docs/bench.md says what each figure means.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -30,6 +33,7 @@ import torch
 from scipy import stats
 from tqdm.auto import tqdm
 
+from specmesh.bench.isolated import BaselineFailed, IsolatedBaseline
 from specmesh.bench.provenance import provenance
 from specmesh.client import Client
 from specmesh.cluster.launcher import DEFAULT_DRAFTERS, ClusterSpec, LocalCluster
@@ -153,21 +157,30 @@ LLAMA_CPP_CONTEXT = 4096  # tokens: the longest MT-Bench first turn and its answ
 
 def llama_cpp_baseline(assembly: Assembly):
     """llama.cpp's plain greedy decoding of the same GGUF file on the same threads, through the optional
-    ``llama-cpp-python``: a function (prompt ids, max tokens, eos ids) -> output ids (None when it is not
-    installed or the target is not a GGUF file), and what ran (its version and the CPU features it was
-    built with, llama.cpp's system info) or why nothing did."""
+    ``llama-cpp-python``, in a process of its own (``IsolatedBaseline``: llama.cpp's native code may crash):
+    a function (prompt ids, max tokens, eos ids) -> output ids (None when it is not installed, the target is
+    not a GGUF file or llama.cpp's process failed to start), and what ran (its version and the CPU features
+    it was built with, llama.cpp's system info) or why nothing did."""
     if assembly.target.gguf is None:
         return None, "not run: the target is not a GGUF file"
-    try:
-        import llama_cpp
-        from llama_cpp import Llama
-    except ImportError:
+    if importlib.util.find_spec("llama_cpp") is None:
         print("llama.cpp baseline skipped: pip install llama-cpp-python to compare with it", flush=True)
         return None, "not run: llama-cpp-python is not installed"
+    try:
+        baseline = IsolatedBaseline("llama.cpp", llama_cpp_decoder, str(assembly.target.gguf), torch.get_num_threads())
+    except BaselineFailed as exc:
+        print(f"llama.cpp baseline skipped: {exc}", flush=True)
+        return None, f"not run: {exc}"
+    return baseline, baseline.info
+
+
+def llama_cpp_decoder(gguf: str, threads: int):
+    """In the baseline's process: llama.cpp's greedy decoding of ``gguf`` (a function), and its build."""
+    import llama_cpp
+
     build = {"version": llama_cpp.__version__, "system_info": llama_cpp.llama_print_system_info().decode().strip()}
-    threads = torch.get_num_threads()
-    model = Llama(model_path=str(assembly.target.gguf), n_ctx=LLAMA_CPP_CONTEXT, n_threads=threads,
-                  n_threads_batch=threads, verbose=False)
+    model = llama_cpp.Llama(model_path=gguf, n_ctx=LLAMA_CPP_CONTEXT, n_threads=threads, n_threads_batch=threads,
+                            verbose=False)
 
     def generate(prompt_ids: tuple[int, ...], max_tokens: int, eos: list[int]) -> list[int]:
         model.reset()  # no prefix reuse between prompts: every mode prefills its whole prompt
@@ -312,6 +325,8 @@ def run_bench(args: argparse.Namespace) -> int:
     llama_cpp, llama_cpp_build = (None, "skipped") if args.skip_baselines else llama_cpp_baseline(assembly)
     modes = list(hf) + (["llama_cpp_plain"] if llama_cpp else []) + list(engines)
     with ExitStack() as cleanup:
+        if llama_cpp is not None:
+            cleanup.callback(llama_cpp.close)
         cluster = None
         clients: dict[str, Client] = {}
         if not args.no_cluster:
@@ -351,10 +366,23 @@ def run_bench(args: argparse.Namespace) -> int:
             records[mode].transport_s += max(stats_.verify_s - stats_.verifier_s, 0.0)
             return result.token_ids, seconds, stats_.target_steps, stats_.first_token_s
 
+        failed: dict[str, str] = {}  # isolated baselines whose process failed: mode -> why
+
+        def run_or_drop(mode: str, prompt: Prompt, request):
+            """``run_mode``, or None when the mode's isolated process failed: left out from now on."""
+            try:
+                return run_mode(mode, prompt, request)
+            except BaselineFailed as exc:
+                print(f"{mode} left out: {exc}", flush=True)
+                failed[mode] = str(exc)
+                modes.remove(mode)
+                del records[mode]
+                return None
+
         warmup = Prompt(WARMUP_PROMPT, "warm-up")
         warmup_request = assembly.request(warmup.text, params, classifier)
-        for mode in tqdm(modes, desc="warm-up (untimed)", unit="mode"):
-            run_mode(mode, warmup, warmup_request)
+        for mode in tqdm(list(modes), desc="warm-up (untimed)", unit="mode"):
+            run_or_drop(mode, warmup, warmup_request)
         for mode in modes:  # what the warm-up left in the records is not measured
             records[mode] = ModeRecord()
         all_identical = 0
@@ -363,8 +391,9 @@ def run_bench(args: argparse.Namespace) -> int:
         for index, (prompt, request) in enumerate(tqdm(list(zip(prompts, requests)), desc="prompts", unit="prompt")):
             outputs = {}
             for mode in mode_order(modes, index):  # interleaved, rotated: drift and going first hit every mode alike
-                outputs[mode], seconds, steps, first_token_s = run_mode(mode, prompt, request)
-                records[mode].add(prompt.category, outputs[mode], seconds, steps, first_token_s)
+                if (answer := run_or_drop(mode, prompt, request)) is not None:
+                    outputs[mode], seconds, steps, first_token_s = answer
+                    records[mode].add(prompt.category, outputs[mode], seconds, steps, first_token_s)
             for mode in modes:
                 records[mode].identical += outputs[mode] == outputs[references[mode]]
             all_identical += all(outputs[m] == outputs[references[m]] for m in modes if is_specmesh_mode(m))
@@ -385,6 +414,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "prompts": {"source": source, "count": len(prompts)},
         "precision": assembly.runtime.precision,
         "llama_cpp": llama_cpp_build,
+        "baselines_failed": failed,
         "summary": _summary(records, len(prompts), all_identical, references["own_plain"], one_step_ms, busy_s, union,
                             drafting_s, len(cluster.drafters) if cluster else 0),
         "modes": {m: {"tokens_per_s": round(r.speed(), 2), "greedy_identical_fraction": round(r.identical / len(prompts), 4)}

@@ -4,11 +4,9 @@ reflection, and graceful shutdown on SIGTERM (stop taking work, drain, then exit
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import os
 import signal
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -20,6 +18,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from specmesh.cluster.auth import Access, Permit
+from specmesh.cluster.lifetime import die_with
 from specmesh.cluster.metrics import ServiceMetrics
 from specmesh.cluster.settings import Settings
 from specmesh.cluster.tls import TlsFiles
@@ -304,12 +303,8 @@ PARENT_PID = "SPECMESH_PARENT_PID"  # set by a launcher: the service ends (SIGTE
 def die_with_parent() -> None:
     """Linux: SIGTERM this process when the launcher that started it dies, even by SIGKILL."""
     parent = os.environ.get(PARENT_PID)
-    if not parent or not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    if os.getppid() != int(parent):  # it died before the call
-        os.kill(os.getpid(), signal.SIGTERM)
+    if parent:
+        die_with(int(parent))
 
 
 def run_service(prog: str, description: str, settings: type[Settings], serve: Callable[..., Awaitable[None]],

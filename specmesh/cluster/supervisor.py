@@ -87,7 +87,7 @@ class Supervisor:
 
     def hold(self) -> None:
         """Restart nothing more (before the cluster is shut down). The thread lives on until ``stop``: a
-        process it started gets SIGTERM when it ends (``die_with_parent`` is per thread, PR_SET_PDEATHSIG)."""
+        process it started gets SIGTERM when it ends (PR_SET_PDEATHSIG is per thread: ``specmesh.cluster.lifetime``)."""
         self._hold.set()
 
     def stop(self) -> None:
