@@ -17,18 +17,37 @@ import torch  # noqa: E402
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+def pytest_addoption(parser):
+    parser.addoption("--extras", action="store_true",
+                     help="also run the tests of optional extras (marked `extra`; install them first)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests of an optional extra (`.[llama-cpp]`, a 25-minute build) are not collected unless asked for:
+    CI does not install the extras, so it claims nothing of them, and a skip there would pass unseen."""
+    if config.getoption("--extras"):
+        return
+    extras = [item for item in items if item.get_closest_marker("extra")]
+    if extras:
+        config.hook.pytest_deselected(items=extras)
+        items[:] = [item for item in items if not item.get_closest_marker("extra")]
+
+
 HANG_S = 60.0  # how long a condition may take before the test fails: bounds a hang, never a speed
 
 
 def need(found: bool, what: str, install: str) -> None:
-    """Skip without ``what``, saying how to get it; fail under CI (the CI variable set), where every tool
-    must be there: a check CI skips is a check that cannot fail."""
-    if found:
-        return
-    message = f"{what} is not installed; {install}"
+    """Skip without ``what``, saying how to get it; fail under CI, where every tool must be there."""
+    if not found:
+        not_here(f"{what} is not installed; {install}")
+
+
+def not_here(why: str) -> None:
+    """Skip: this machine cannot run the test; fail under CI (the CI variable set), whose machine must: a
+    check CI skips is a check that cannot fail."""
     if os.environ.get("CI"):
-        pytest.fail(message)
-    pytest.skip(message)
+        pytest.fail(why)
+    pytest.skip(why)
 
 
 def wait_until(predicate, timeout_s: float = HANG_S, every_s: float = 0.02, what: str = ""):

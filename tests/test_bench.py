@@ -4,10 +4,11 @@ the keys shared/BENCH.md promises, every greedy output is identical, and the plo
 The fast tests check the bench's own logic with small pure functions: the rotated order of the modes,
 the choice of Hugging Face's best assisted setting, and the non-inferiority verdict of the load sweep."""
 
+import importlib.util
 import json
 
 import pytest
-from conftest import tiny_llama
+from conftest import need, tiny_llama
 
 from specmesh.bench.run import (
     HF_PROMPT_LOOKUP_TOKENS,
@@ -268,9 +269,10 @@ def test_each_mode_is_held_to_its_own_reference():
 
 
 @pytest.mark.slow
+@pytest.mark.extra
 def test_the_llama_cpp_baseline_decodes_the_shipped_gguf_and_says_how_it_was_built():
-    """Runs where the optional llama-cpp extra is installed (`pip install -e '.[llama-cpp]'`)."""
-    pytest.importorskip("llama_cpp", reason="the optional llama-cpp extra is not installed")
+    """With the optional llama-cpp extra (`pip install -e '.[llama-cpp]'`, then `pytest --extras`)."""
+    need(importlib.util.find_spec("llama_cpp") is not None, "the llama-cpp extra", "pip install -e '.[llama-cpp]'")
     from specmesh.sampling import SamplingParams
     from specmesh.speculation.assembly import assemble, eos_token_ids
     from specmesh.speculation.loop import Request
