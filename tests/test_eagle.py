@@ -110,37 +110,82 @@ def write_head(directory: Path, *, hidden: int = HIDDEN, heads: int = 4, kv: int
     return f"eagle3:{directory}"
 
 
+def published_eagle3_layer(t: dict[str, torch.Tensor], embedding: torch.Tensor, g: torch.Tensor,
+                           next_ids: list[int], heads: int = 4, kv_heads: int = 2, theta: float = 10000.0,
+                           eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor]:
+    """EAGLE-3's draft layer (SafeAILab's cnets.py, SpecForge's llama3_eagle.py) from its equations, apart from
+    specmesh's head so that both cannot share a mistake. Entry p (rotary position p) reads g [n, hidden] at p and
+    the embedding of the token after it; the entries attend causally. Returns the outputs [n, hidden] (unnormed:
+    what a next entry reads back as g) and the draft-vocabulary logits [n, draft vocab]."""
+    n, hidden = g.shape
+    d = hidden // heads
+    w = lambda name: t["midlayer." + name]  # noqa: E731
+    rms = lambda x, weight: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight  # noqa: E731
+    x = torch.cat([rms(embedding[next_ids], w("input_layernorm.weight")), rms(g, w("hidden_norm.weight"))], -1)
+    q, k, v = ((x @ w(f"self_attn.{p}_proj.weight").T).view(n, -1, d).transpose(0, 1) for p in "qkv")  # [heads, n, d]
+    # Llama's RoPE: coordinates i and i + d/2 turn together by the angle position * theta^(-2i/d)
+    angle = torch.arange(n, dtype=torch.float64)[:, None] * theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    cos, sin = angle.cos().float(), angle.sin().float()  # [n, d/2]
+    rope = lambda z: torch.cat([z[..., : d // 2] * cos - z[..., d // 2 :] * sin,  # noqa: E731
+                                z[..., d // 2 :] * cos + z[..., : d // 2] * sin], -1)
+    q, k = rope(q), rope(k)
+    groups = heads // kv_heads  # kv head j serves query heads j * groups .. (j + 1) * groups - 1
+    k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
+    scores = (q @ k.transpose(1, 2) / d**0.5).masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    h = g + (scores.softmax(-1) @ v).transpose(0, 1).reshape(n, heads * d) @ w("self_attn.o_proj.weight").T
+    m = rms(h, w("post_attention_layernorm.weight"))
+    out = h + (F.silu(m @ w("mlp.gate_proj.weight").T) * (m @ w("mlp.up_proj.weight").T)) @ w("mlp.down_proj.weight").T
+    return out, rms(out, t["norm.weight"]) @ t["lm_head.weight"].T
+
+
 def test_the_loaded_head_computes_the_published_step(target, tmp_path):
-    """The step of SafeAILab's cnets.py, written here from the published equations and the checkpoint's own
-    tensors: fc over the raw layers; [input_layernorm(embedding), hidden_norm(g)] into q/k/v; the residual
-    is g; the final norm and the draft-vocabulary head; draft id -> target id through d2t."""
+    """The loaded head's next-token distribution at each of 7 positions fed with the target's features, and at 2
+    more past them that read the head's own outputs (EAGLE's drafting in feature space), is the published step's:
+    fc over the raw low/mid/high layers, attention over several rotated positions, the draft head, d2t. Fed a
+    feature at a time (one entry a step, both the eager and the fixed-shape step) and all at once (one block)."""
     spec = write_head(tmp_path / "head")
     drafter = load_drafter(spec, parts(target), None, None)
     assert isinstance(drafter, FeatureDrafter) and drafter.feature_layers == (2, 4, 5)
     from safetensors.torch import load_file
 
     t = {k: v.float() for k, v in load_file(str(tmp_path / "head" / "model.safetensors")).items()}
-    rms = lambda x, w: F.rms_norm(x, (HIDDEN,), w, 1e-5)  # noqa: E731
-    features = torch.randn(1, 3, HIDDEN)  # the target's layers 2, 4, 5 at position 0
-    tokens = [5, 17]  # position 0 holds 5; the embedding of 17 is read there
-    g = features.flatten(1) @ t["fc.weight"].T
     embedding = target.get_input_embeddings().weight.detach()
-    x = torch.cat([rms(embedding[[17]], t["midlayer.input_layernorm.weight"]),
-                   rms(g, t["midlayer.hidden_norm.weight"])], -1)
-    v = (x @ t["midlayer.self_attn.v_proj.weight"].T).view(1, 2, 16).repeat_interleave(2, 1)  # one key: attention = v
-    h = g + v.flatten(1) @ t["midlayer.self_attn.o_proj.weight"].T
-    m = rms(h, t["midlayer.post_attention_layernorm.weight"])
-    out = h + (F.silu(m @ t["midlayer.mlp.gate_proj.weight"].T) * (m @ t["midlayer.mlp.up_proj.weight"].T)) \
-        @ t["midlayer.mlp.down_proj.weight"].T
-    expected = (rms(out, t["norm.weight"]) @ t["lm_head.weight"].T).softmax(-1)[0]
-    drafter = FeatureDrafter(drafter.model, drafter.name, int8_weights=False)  # exact fp32 linears, to compare
-    drafter.start("r", tokens)
-    drafter.add_features("r", Features(0, features, (2, 4, 5)))
-    with torch.no_grad():
-        step = drafter._catch_up(drafter._requests["r"], tokens)
-    assert torch.allclose(step.probs, expected, atol=1e-4)
-    d2t = t["d2t"].long()
-    assert list(step.token_ids) == (torch.arange(DRAFT_VOCAB) + d2t).tolist()
+    n, tokens, guesses = 7, [random.Random(3).randrange(2, VOCAB) for _ in range(8)], [11, 29]
+    features = torch.randn(n, 3, HIDDEN, generator=torch.Generator().manual_seed(1))  # layers 2, 4, 5 at 0..6
+    draft_ids = torch.arange(DRAFT_VOCAB) + t["d2t"].long()
+
+    def over_vocabulary(probs: torch.Tensor, ids) -> torch.Tensor:  # [draft vocab] -> [VOCAB]
+        return torch.zeros(VOCAB).index_add_(0, torch.as_tensor(list(ids)), probs.float())
+
+    g = features.flatten(1) @ t["fc.weight"].T  # [n, hidden]
+    out, logits = published_eagle3_layer(t, embedding, g, tokens[1:])
+    expected = [over_vocabulary(row.softmax(-1), draft_ids) for row in logits]  # entry p predicts token p + 2
+    for _ in guesses:  # the next entry reads the last one's output and the guessed token
+        g = torch.cat([g, out[-1:]])
+        out, logits = published_eagle3_layer(t, embedding, g, [*tokens[1:], *guesses][: g.shape[0]])
+    expected.append(over_vocabulary(logits[-1].softmax(-1), draft_ids))
+
+    def assert_published(drafter: FeatureDrafter, context: list[int], want: torch.Tensor) -> None:
+        with torch.no_grad():
+            step = drafter._catch_up(drafter._requests["r"], context)
+        assert list(step.token_ids) == draft_ids.tolist()
+        error = (over_vocabulary(step.probs, step.token_ids) - want).abs().max()
+        assert error < 1e-4, f"after {len(context)} tokens: max |p - published| = {error:.2e}"
+
+    for static in (False, True):  # exact fp32 linears, to compare
+        stepwise = FeatureDrafter(drafter.model, drafter.name, int8_weights=False, static_entries=static)
+        stepwise.start("r", tokens[:2])
+        for p in range(n):
+            if p:
+                stepwise.commit("r", [tokens[p + 1]])
+            stepwise.add_features("r", Features(p, features[p : p + 1], (2, 4, 5)))
+            assert_published(stepwise, tokens[: p + 2], expected[p])
+        assert_published(stepwise, [*tokens, *guesses], expected[n])
+    block = FeatureDrafter(drafter.model, drafter.name, int8_weights=False, static_entries=False)
+    block.start("r", tokens)
+    block.add_features("r", Features(0, features, (2, 4, 5)))
+    assert_published(block, tokens, expected[n - 1])
+    assert_published(block, [*tokens, *guesses], expected[n])
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "bin"])
