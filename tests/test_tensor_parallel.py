@@ -1,6 +1,8 @@
 """A target split over two processes by tensor parallelism (gloo on this CPU): each holds half of every
 layer's heads and MLP; speculative decoding on the pair is exactly the pair's plain decoding, greedy and
-with trees of hundreds of nodes, and the pair computes what one process does up to the order of its sums."""
+with trees of hundreds of nodes, and the pair computes what one process does up to the order of its sums.
+The ranks run NCCL's code path: every collective's tensors are checked to be on the group's device (the
+CPU for gloo, the rank's GPU for NCCL), and the commands are built on whatever device the group gives."""
 
 import functools
 import multiprocessing
@@ -14,12 +16,22 @@ from sampled_distribution import judge_sampling_on
 
 from specmesh.errors import InvalidArgument
 from specmesh.runtime.paged_llama import PagedLlamaRuntime
-from specmesh.runtime.tensor_parallel import rank_runtime, read_shard, run_follower, shard_model, sharded
+from specmesh.runtime.tensor_parallel import (
+    MOVE, PASS, _all_reduce, _broadcast, comm_device, decode_header, encode_command, join_group, rank_runtime,
+    read_shard, run_follower, shard_model, sharded, start_group,
+)
 from specmesh.sampling import SamplingParams
 from specmesh.speculation.engine import Request, SpeculativeEngine
 
 VOCAB = 96
 FACTORY = functools.partial(tiny_llama, vocab_size=VOCAB, layers=2, seed=5, max_position_embeddings=2048)
+
+
+def start_follower(init: str, **kwargs) -> multiprocessing.Process:
+    follower = multiprocessing.get_context("spawn").Process(
+        target=run_follower, args=(1, 2, init, functools.partial(sharded, FACTORY)), kwargs=kwargs)
+    follower.start()
+    return follower
 
 
 @pytest.fixture
@@ -28,10 +40,8 @@ def pair(tmp_path, request):
     so); the group is taken down after the test."""
     offload = getattr(request, "param", False)
     init = f"file://{tmp_path / 'group'}"
-    follower = multiprocessing.get_context("spawn").Process(
-        target=run_follower, args=(1, 2, init, functools.partial(sharded, FACTORY)), kwargs={"offload": offload})
-    follower.start()
-    dist.init_process_group("gloo", init_method=init, rank=0, world_size=2)
+    follower = start_follower(init, offload=offload)
+    join_group(torch.device("cpu"), init, 0, 2)
     runtime = rank_runtime(shard_model(FACTORY(), 0, 2), 0, 2, torch.device("cpu"), offload)
     try:
         yield runtime
@@ -44,7 +54,8 @@ def pair(tmp_path, request):
 
 @pytest.mark.parametrize("pair", [False, True], indirect=True, ids=["resident", "offloaded"])
 def test_speculation_on_two_ranks_is_their_plain_decoding(pair, request):
-    assert pair.offload == request.node.callspec.params["pair"]
+    offload = request.node.callspec.params["pair"]
+    assert pair.offload == offload and pair.rank_modes == [{"batch_invariant": False, "offload": offload}] * 2
     prompts = [[5 + i, 17, 3 * i + 2, 40] for i in range(3)]
     requests = lambda: [Request(tuple(p), SamplingParams(max_tokens=16)) for p in prompts]  # noqa: E731
     plain = SpeculativeEngine(pair, drafters=[], max_tree_nodes=0).generate(requests())
@@ -61,6 +72,61 @@ def test_speculation_on_two_ranks_is_their_plain_decoding(pair, request):
 @pytest.mark.parametrize("rule", ["exact", "lying"])
 def test_sampling_on_two_ranks_keeps_their_distribution(pair, rule, monkeypatch):
     judge_sampling_on(pair, rule, monkeypatch, VOCAB, "speculative sampling on two ranks")
+
+
+def test_a_collective_takes_its_tensors_on_the_device_the_backend_carries():
+    """NCCL moves GPU memory only, the rank's own GPU; gloo host memory."""
+    assert comm_device("nccl", 0) == torch.device("cuda:0") and comm_device("nccl", 3) == torch.device("cuda:3")
+    assert comm_device("gloo", 3) == torch.device("cpu")
+
+
+def test_a_command_is_built_on_the_groups_device():
+    """What rank 0 sends is made where the group's collectives take it, from tensors anywhere (a pass's
+    inputs are host tensors): here the meta device stands for a rank's GPU."""
+    inputs = [torch.arange(6, dtype=torch.int32).view(2, 3), torch.tensor([7, 8]), torch.tensor(9)]
+    header, values = encode_command(PASS, inputs, torch.device("meta"))
+    assert header.device.type == values.device.type == "meta" and header.dtype == values.dtype == torch.long
+    header, values = encode_command(PASS, inputs, torch.device("cpu"))
+    assert decode_header(header.tolist()) == (PASS, [(2, 3), (2,), ()])
+    assert values.tolist() == [0, 1, 2, 3, 4, 5, 7, 8, 9]
+    header, values = encode_command(MOVE, [], torch.device("meta"))
+    assert header.device.type == "meta" and values is None
+
+
+def test_a_collective_refuses_a_tensor_off_the_groups_device(tmp_path):
+    join_group(torch.device("cpu"), f"file://{tmp_path / 'group'}", 0, 1)
+    try:
+        assert _all_reduce(torch.ones(2)).tolist() == [1.0, 1.0]
+        for collective in (_all_reduce, _broadcast):
+            with pytest.raises(RuntimeError, match="on meta given to a gloo collective, whose tensors live on cpu"):
+                collective(torch.ones(2, device="meta"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_batch_invariance_reaches_every_rank():
+    """`--batch-invariant` (not the CPU's default) given to the group: each rank's runtime computes so."""
+    _, runtime = start_group("random:tiny", 2, device="cpu", kv_cache_gb=0.01, batch_invariant=True)
+    try:
+        assert runtime.batch_invariant
+        assert runtime.rank_modes == [{"batch_invariant": True, "offload": False}] * 2
+    finally:
+        runtime.stop()
+        dist.destroy_process_group()
+
+
+def test_ranks_that_would_compute_differently_are_refused(tmp_path):
+    init = f"file://{tmp_path / 'group'}"
+    follower = start_follower(init, batch_invariant=True, kv_cache_gb=0.01)
+    join_group(torch.device("cpu"), init, 0, 2)
+    try:
+        with pytest.raises(InvalidArgument, match="the ranks would compute differently"):
+            rank_runtime(shard_model(FACTORY(), 0, 2), 0, 2, torch.device("cpu"), False, batch_invariant=False,
+                         kv_cache_gb=0.01)
+    finally:
+        dist.destroy_process_group()
+        follower.join(60)
+    assert follower.exitcode != 0  # it refused too
 
 
 def test_ranks_must_divide_the_heads():

@@ -78,7 +78,8 @@ def load_verifier(args: VerifierSettings):
         from specmesh.runtime.tensor_parallel import start_group
 
         target, runtime = start_group(args.model, args.tensor_parallel, args.dtype, args.device,
-                                      args.kv_cache_gb or None, args.precision, args.offload)
+                                      args.kv_cache_gb or None, args.precision, batch_invariant=args.batch_invariant,
+                                      offload=args.offload)
     else:
         target, runtime = load_target(args.model, args.dtype, args.device, args.precision, args.kv_cache_gb or None,
                                       args.batch_invariant, args.offload)

@@ -1,7 +1,8 @@
 """A target split across N processes by tensor parallelism: each rank holds 1/N of every layer's attention
 heads (with their share of the KV cache) and of its MLP, and the attention output and MLP down projections
 are summed across the ranks (an all-reduce; PyTorch's own ``torch.distributed``: gloo on a CPU, NCCL on
-CUDA). The embeddings, norms and LM head are whole on every rank.
+CUDA). The embeddings, norms and LM head are whole on every rank. Every tensor a collective takes lives on
+the group's device (``comm_device``): NCCL carries GPU memory only, gloo host memory.
 
 Rank 0 serves: its sessions own the KV pages, it plans each pass and sends the pass's inputs (and each
 accepted path's KV moves) to the others, which compute their shares in lockstep and never allocate a
@@ -152,10 +153,21 @@ class TensorParallelRuntime(PagedLlamaRuntime):
         if rank == 0:
             self.pool_type = _BroadcastPool
         super().__init__(shard, graphs=False, **kwargs)
+        self.rank_modes = self._gather_modes()
+
+    def _gather_modes(self) -> list[dict[str, bool]]:
+        """Each rank's way of computing its share, the same on every rank or refused: the sums would mix
+        two ways (products from Triton on one rank, cuBLAS on another) and no row would be any rank's."""
+        mine = torch.tensor([self.batch_invariant, self.offload], dtype=torch.long, device=_group_device())
+        every = [torch.empty_like(mine) for _ in range(self.world)]
+        _all_gather(every, mine)
+        modes = [dict(zip(("batch_invariant", "offload"), map(bool, t.tolist()))) for t in every]
+        if any(m != modes[0] for m in modes):
+            raise InvalidArgument("tensor_parallel", f"the ranks would compute differently: {modes}")
+        return modes
 
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(partial)
-        return partial
+        return _all_reduce(partial)
 
     def step(self, inputs: PassInputs, logits: bool, capture=None) -> torch.Tensor | None:
         if self.rank != 0:
@@ -182,38 +194,84 @@ class TensorParallelRuntime(PagedLlamaRuntime):
             _send_command(STOP, [])
 
 
-def _send_command(command: int, tensors: list[torch.Tensor]) -> None:
-    """Rank 0 to the others: a header (the command, each tensor's rank and shape), then the tensors' values
-    in one buffer (long tensors, on the host)."""
+def comm_device(backend: str, rank: int) -> torch.device:
+    """Where the tensors of rank ``rank``'s collectives live: NCCL takes GPU memory only, the rank's own GPU
+    (a host tensor is refused); gloo takes host memory."""
+    return torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+
+
+def _group_device() -> torch.device:
+    return comm_device(dist.get_backend(), dist.get_rank())
+
+
+def _on_group_device(*tensors: torch.Tensor) -> None:
+    """Every collective's tensors pass here: one elsewhere is this module's bug, said here rather than by NCCL
+    from inside a pass (where it would end the group, and its restart would fail the same way)."""
+    device = _group_device()
+    for t in tensors:
+        if t.device != device:
+            raise RuntimeError(f"a tensor on {t.device} given to a {dist.get_backend()} collective, whose tensors "
+                               f"live on {device}")
+
+
+def _broadcast(tensor: torch.Tensor) -> torch.Tensor:
+    _on_group_device(tensor)
+    dist.broadcast(tensor, src=0)
+    return tensor
+
+
+def _all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    _on_group_device(tensor)
+    dist.all_reduce(tensor)
+    return tensor
+
+
+def _all_gather(parts: list[torch.Tensor], tensor: torch.Tensor) -> None:
+    _on_group_device(tensor, *parts)
+    dist.all_gather(parts, tensor)
+
+
+def encode_command(command: int, tensors: list[torch.Tensor],
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A command as rank 0 broadcasts it, on ``device`` (the group's, ``comm_device``): a header of HEADER
+    longs (the command, each tensor's rank and shape) and the tensors' values in one long buffer (None
+    for none)."""
     header = [command, len(tensors)]
     for t in tensors:
         header += [t.dim(), *t.shape]
     if len(header) > HEADER:
         raise ValueError(f"a command of {len(tensors)} tensors does not fit the header")
-    dist.broadcast(torch.tensor(header + [0] * (HEADER - len(header)), dtype=torch.long), src=0)
-    if tensors:
-        dist.broadcast(torch.cat([t.reshape(-1).long().cpu() for t in tensors]), src=0)
+    values = torch.cat([t.reshape(-1).to(device, torch.long) for t in tensors]) if tensors else None
+    return torch.tensor(header + [0] * (HEADER - len(header)), dtype=torch.long, device=device), values
+
+
+def decode_header(header: list[int]) -> tuple[int, list[tuple[int, ...]]]:
+    """The command and its tensors' shapes, from a header's values."""
+    command, count, at = header[0], header[1], 2
+    shapes = []
+    for _ in range(count):
+        dims = header[at]
+        shapes.append(tuple(header[at + 1 : at + 1 + dims]))
+        at += 1 + dims
+    return command, shapes
+
+
+def _send_command(command: int, tensors: list[torch.Tensor]) -> None:
+    """Rank 0 to the others: the header, then the values (``encode_command``)."""
+    header, values = encode_command(command, tensors, _group_device())
+    _broadcast(header)
+    if values is not None:
+        _broadcast(values)
 
 
 def _receive_command() -> tuple[int, list[torch.Tensor]]:
-    header = torch.empty(HEADER, dtype=torch.long)
-    dist.broadcast(header, src=0)
-    values = header.tolist()
-    command, count, at = values[0], values[1], 2
-    shapes = []
-    for _ in range(count):
-        dims = values[at]
-        shapes.append(tuple(values[at + 1 : at + 1 + dims]))
-        at += 1 + dims
+    header, _ = encode_command(0, [], _group_device())  # room for rank 0's header, where it will be sent
+    command, shapes = decode_header(_broadcast(header).tolist())
     if not shapes:
         return command, []
-    flat = torch.empty(sum(math.prod(s) for s in shapes), dtype=torch.long)
-    dist.broadcast(flat, src=0)
-    tensors, offset = [], 0
-    for shape in shapes:
-        tensors.append(flat[offset : offset + math.prod(shape)].view(shape))
-        offset += math.prod(shape)
-    return command, tensors
+    sizes = [math.prod(s) for s in shapes]
+    flat = _broadcast(header.new_empty(sum(sizes)))
+    return command, [part.view(shape) for part, shape in zip(flat.split(sizes), shapes)]
 
 
 def group_failed(exc: BaseException) -> None:
@@ -231,6 +289,15 @@ def backend_for(device: torch.device) -> str:
 def rank_device(device: torch.device, rank: int) -> torch.device:
     """Rank ``rank``'s device: its own GPU (cuda:rank), or the CPU."""
     return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+def join_group(where: torch.device, init_method: str, rank: int, world: int) -> None:
+    """Join the group of ranks computing on ``where``'s kind of device: NCCL with this process's current GPU
+    made the rank's own (NCCL's buffers and streams go on the current GPU), or gloo."""
+    backend = backend_for(where)
+    if backend == "nccl":
+        torch.cuda.set_device(comm_device(backend, rank))
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=IDLE)
 
 
 def rank_runtime(shard: torch.nn.Module, rank: int, world: int, where: torch.device, offload: bool,
@@ -251,7 +318,7 @@ def run_follower(rank: int, world: int, init_method: str, shard_factory: Callabl
     if parent is not None:
         threading.Thread(target=_end_with, args=(parent,), daemon=True).start()
     where = torch.device(device)
-    dist.init_process_group(backend_for(where), init_method=init_method, rank=rank, world_size=world, timeout=IDLE)
+    join_group(where, init_method, rank, world)
     try:
         rank_runtime(shard_factory(rank, world), rank, world, where, offload, **kwargs).follow()
     finally:
@@ -269,12 +336,13 @@ def _model_on_host(model: str, dtype: torch.dtype) -> torch.nn.Module:
 
 
 def start_group(model: str, world: int, dtype: str | None = None, device: str | None = None,
-                kv_cache_gb: float | None = None, precision: str = "shipped",
+                kv_cache_gb: float | None = None, precision: str = "shipped", batch_invariant: bool | None = None,
                 offload: bool = False) -> tuple[LoadedModel, TensorParallelRuntime]:
     """Rank 0 of a new group of ``world`` processes serving ``model`` (this process; the others spawned
     here): each reads its share of the model's own weights into host memory (``load_shard``; never GGUF
     blocks or ``q8_0``) and puts it on its device, or with ``offload`` streams its share's layers there.
-    The returned model is rank 0's share."""
+    Every rank computes its products as ``batch_invariant`` says (``PagedLlamaRuntime``). The returned
+    model is rank 0's share."""
     what = "a tensor-parallel target"
     where = host_compute_device(precision, device, what)
     torch_dtype = pick_dtype(dtype, where)
@@ -292,11 +360,12 @@ def start_group(model: str, world: int, dtype: str | None = None, device: str | 
     init = f"file://{tempfile.mkdtemp(prefix='specmesh-tp-')}/group"
     factory = functools.partial(load_shard, model, torch_dtype)
     spawn = multiprocessing.get_context("spawn")
+    computing = {"kv_cache_gb": kv_cache_gb, "batch_invariant": batch_invariant}
     for rank in range(1, world):
         spawn.Process(target=run_follower, args=(rank, world, init, factory, str(where), os.getpid(), offload),
-                      kwargs={"kv_cache_gb": kv_cache_gb}, daemon=True, name=f"tensor-parallel-rank-{rank}").start()
-    dist.init_process_group(backend_for(where), init_method=init, rank=0, world_size=world, timeout=IDLE)
-    runtime = rank_runtime(loaded.model, 0, world, where, offload, kv_cache_gb=kv_cache_gb)
+                      kwargs=computing, daemon=True, name=f"tensor-parallel-rank-{rank}").start()
+    join_group(where, init, 0, world)
+    runtime = rank_runtime(loaded.model, 0, world, where, offload, **computing)
     log.info("tensor parallel over %d processes (%s)%s: this is rank 0", world, backend_for(where),
              ", layers streamed from host memory" if offload else "")
     return loaded, runtime
