@@ -380,6 +380,8 @@ def test_tls_from_a_secret_in_every_service_with_probes_that_speak_it(render):
         (mount,) = [m for m in container["volumeMounts"] if files["SPECMESH_TLS_CA"].startswith(m["mountPath"] + "/")]
         (volume,) = [v for v in workload["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]]
         assert volume["secret"]["secretName"] == "specmesh-tls"
+        # the router dials drafters by pod IP: it alone is told the name in their certificates
+        assert bool(env_value(container, "SPECMESH_TLS_SERVER_NAME")) == (component(workload) == "router")
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert container[probe]["exec"]["command"] == ["python", "-m", "specmesh.cluster.health_probe"]
             assert "grpc" not in container[probe]

@@ -1,12 +1,16 @@
 """Every setting declared once: each service's settings class makes its flags, binds its SPECMESH_*
 variables, writes the flags tables of docs/operations.md and the command lines `specmesh up` gives it;
-the `specmesh` commands take the same declarations for the same concepts."""
+the `specmesh` commands take the same declarations for the same concepts; and each service reads every
+setting it declares."""
 
 from __future__ import annotations
 
 import argparse
+import ast
+import inspect
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -14,7 +18,7 @@ import pytest
 from specmesh.cli import build_parser
 from specmesh.cluster.launcher import ClusterSpec, LocalCluster
 from specmesh.cluster.service_settings import SERVICES, RouterSettings, VerifierSettings, with_flags_tables
-from specmesh.cluster.settings import env_name, flag_name
+from specmesh.cluster.settings import Settings, env_name, flag_name
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,7 +28,7 @@ NOT_THE_SERVICE_SETTING = {
     "--tls-ca": "a client's: the CA it trusts, where a service's also checks its callers",
     "--tls-cert": "a client's certificate (`specmesh verifier`), where a service's is also served",
     "--tls-key": "the key of that client certificate",
-    "--tls-server-name": "the name a client expects, as a service's for the services it calls",
+    "--tls-server-name": "the name a client expects, as the router's for the drafters it calls",
     "--queue-key-file": "a client's: the credential of the control API, where a service also tags its queue entries",
 }
 
@@ -145,3 +149,61 @@ def test_the_specmesh_commands_declare_no_service_setting_again():
                 assert any((action.help or "").replace("%%", "%").startswith(d) for d in owners), f"specmesh {command} {flag} is declared by hand"
                 checked += 1
     assert checked >= 20
+
+
+def service_sources(service: str) -> list[Path]:
+    """Where a service reads its settings: its own package, and the command line every service runs
+    (``serving.run_service``: --log-level)."""
+    return [*sorted((ROOT / "services" / service).glob("*.py")), ROOT / "specmesh" / "cluster" / "serving.py"]
+
+
+def settings_read(settings: type[Settings], sources: list[Path]) -> set[str]:
+    """The fields of ``settings`` that ``sources`` read: attributes of a settings object (a parameter
+    annotated with its class or a base, or what ``.parse`` returned), and through its properties and
+    methods, the fields they read of ``self``."""
+    classes = {c.__name__ for c in settings.__mro__}
+    read = set()
+    for source in sources:
+        for function in ast.walk(ast.parse(source.read_text())):
+            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            params = [*function.args.posonlyargs, *function.args.args, *function.args.kwonlyargs]
+            names = {a.arg for a in params if a.annotation is not None and _named(a.annotation) in classes}
+            names |= {t.id for node in ast.walk(function) if isinstance(node, ast.Assign)
+                      and isinstance(node.value, ast.Call) and _named(node.value.func) == "parse"
+                      for t in node.targets if isinstance(t, ast.Name)}
+            read |= _attributes_of(function, names)
+    fields, seen = set(), set()
+    while read - seen:  # a property or method read: the fields it reads of self
+        name = (read - seen).pop()
+        seen.add(name)
+        member = inspect.getattr_static(settings, name, None)
+        member = member.fget if isinstance(member, property) else member
+        if name in settings.model_fields:
+            fields.add(name)
+        elif inspect.isfunction(member):
+            read |= _attributes_of(ast.parse(textwrap.dedent(inspect.getsource(member))), {"self"})
+    return fields
+
+
+def _named(node: ast.AST) -> str | None:
+    """The name an annotation or callee spells: ``X``, ``m.X`` or ``"X"``."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+
+
+def _attributes_of(tree: ast.AST, names: set[str]) -> set[str]:
+    return {node.attr for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in names}
+
+
+@pytest.mark.parametrize("service", sorted(SERVICES))
+def test_every_setting_a_service_declares_is_read_by_it(service):
+    """A flag parsed and never read changes nothing and says it does (the verifier and drafter declared
+    --tls-server-name, which only the router uses): each field must be read by the service's code."""
+    settings = SERVICES[service]
+    unread = set(settings.model_fields) - settings_read(settings, service_sources(service))
+    assert not unread, f"specmesh-{service} declares settings it never reads: {', '.join(sorted(unread))}"

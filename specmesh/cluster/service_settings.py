@@ -39,8 +39,6 @@ class ServiceSettings(Settings):
     tls_key: str | None = setting(None, "its private key (PEM)")
     tls_ca: str | None = setting(None, "the cluster's CA (PEM): peers must present a certificate it signed "
                                  "(drafters and verifiers then require client certificates: mutual TLS)")
-    tls_server_name: str | None = setting(None, "the name the services this one calls have in their certificates, "
-                                          "when they are dialled by address (discovered pod IPs)")
     log_level: Literal[LOG_LEVELS] = setting("INFO", "logging level")
 
     @field_validator("log_level", mode="before")
@@ -99,6 +97,8 @@ class RouterSettings(ServiceSettings):
     job_timeout: float = setting(30.0, "seconds a verification step may take before the request fails UNAVAILABLE "
                                  "(a long prompt's prefill counts from its verifier's last progress report)", gt=0)
     drafter_timeout: float = setting(2.0, "deadline of each drafter call, seconds", gt=0)
+    tls_server_name: str | None = setting(None, "with --tls-ca: the name the drafters have in their certificates, "
+                                          "as they are dialled by address (discovered pod IPs)")
 
     @field_validator("local_drafters")
     @classmethod

@@ -188,8 +188,6 @@ livenessProbe:
   value: /etc/specmesh/tls/tls.key
 - name: SPECMESH_TLS_CA
   value: /etc/specmesh/tls/ca.crt
-- name: SPECMESH_TLS_SERVER_NAME
-  value: {{ .Values.tls.serverName | default (printf "%s.%s.svc" (include "specmesh.fullname" .) .Release.Namespace) | quote }}
 {{- end }}
 {{- end }}
 {{- define "specmesh.tlsVolumeMount" -}}
