@@ -108,7 +108,8 @@ def test_every_route_and_rpc_needs_a_valid_key(redis_server, model, tokenizer):
                        for _ in range(3)]
                 after_bad = (await http.post("/v1/chat/completions", json=body, headers=keyed)).status_code
                 health = (await http.get("/health")).status_code
-                schema = (await http.get("/openapi.json")).json()
+                schema_refused = (await http.get("/openapi.json")).status_code  # it names the model and version
+                schema = (await http.get("/openapi.json", headers=keyed)).json()
             rpcs = {}
             async with AsyncClient(stack.address, api_key="") as anonymous:
                 for name, call in [("Generate", anonymous.generate("hi", max_tokens=2)),
@@ -148,13 +149,13 @@ def test_every_route_and_rpc_needs_a_valid_key(redis_server, model, tokenizer):
                         await openai.models.list()
                 async with AsyncOpenAI(base_url=stack.http_url, api_key=KEY, max_retries=0) as openai:
                     answer = await openai.chat.completions.create(model="tiny", messages=body["messages"], max_tokens=3)
-            return refused, allowed, health, schema, rpcs, probe, granted, over_limit, busy, answer, (unread, bad, after_bad, listed)
+            return refused, allowed, health, (schema, schema_refused), rpcs, probe, granted, over_limit, busy, answer, (unread, bad, after_bad, listed)
 
-    refused, allowed, health, schema, rpcs, probe, granted, over_limit, busy, answer, more = asyncio.run(main())
+    refused, allowed, health, (schema, schema_refused), rpcs, probe, granted, over_limit, busy, answer, more = asyncio.run(main())
     unread, bad, after_bad, listed = more
     assert set(refused.values()) == {(401, "invalid_api_key", "Bearer")}, refused
     assert allowed == [200, 200, 200, 200] and health == 200
-    assert schema["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
+    assert schema["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer" and schema_refused == 401
     assert set(rpcs.values()) == {grpc.StatusCode.UNAUTHENTICATED}, rpcs
     assert probe.status == health_pb2.HealthCheckResponse.SERVING
     assert len(granted.token_ids) == 3

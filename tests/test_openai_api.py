@@ -157,7 +157,7 @@ def test_bad_requests_get_openai_errors_naming_the_field(redis_server, model, to
         ({**good, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
         ({**good, "stop": [""]}, 400, "stop[0]"),
         ({**good, "messages": []}, 400, "messages"),
-        ({**good, "messages": [{"role": "tool", "content": "x"}]}, 400, "messages.0.role"),
+        ({**good, "messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role"),  # as the router's own
         ({**good, "presence_penalty": 0.5}, 400, "presence_penalty"),
         ({**good, "seed": 2**70}, 400, "seed"),
         ({**good, "top_p": 0}, 400, "top_p"),
@@ -166,7 +166,8 @@ def test_bad_requests_get_openai_errors_naming_the_field(redis_server, model, to
         ({**good, "messages": [{"role": "user", "content": "a\u0000b"}]}, 400, "messages[0].content"),
         ({**good, "stop": ["x\udc00"]}, 400, "stop[0]"),
         ({**good, "stop": "\u0000"}, 400, "stop[0]"),
-        ([1, 2, 3], 400, None),
+        ([1, 2, 3], 400, "body"),
+        (b"", 400, "body"),
         (b"x" * (10 << 20), 413, None),  # 10 MB; the stack's limit is 1 MiB
     ]
 

@@ -16,7 +16,7 @@ import socket
 import time
 import uuid
 from contextlib import aclosing, contextmanager, nullcontext
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Sequence
 
 import uvicorn
 from fastapi import Depends, FastAPI, Request
@@ -156,20 +156,30 @@ class BodyLimit:
 
 
 class KeyCheck:
-    """ASGI middleware: /v1 requests without a valid API key are answered 401 before anything else (the
-    body is not read); per-key limits are applied where the request is served."""
+    """ASGI middleware: /v1 requests and the schema (it names the served model and version) without a valid
+    API key are answered 401 before anything else (the body is not read); per-key limits are applied where
+    the request is served."""
 
     def __init__(self, app, keys) -> None:
         self.app, self.keys = app, keys
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and (scope["path"].startswith("/v1") or scope["path"] == "/openapi.json"):
             authorization = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1") or None
             try:  # the caller, for the endpoint's per-key limits: authenticated once
                 scope.setdefault("state", {})[CALLER] = self.keys.authenticate(authorization)
             except Unauthenticated as exc:
                 return await mapped_error(exc)(scope, receive, send)
         return await self.app(scope, receive, send)
+
+
+def field_name(location: Sequence[str | int]) -> str:
+    """A validation error's place as the router names fields everywhere: ``messages[0].role``; the body
+    itself (missing, or not an object) is ``body``."""
+    name = ""
+    for part in location[1:] if location[:1] == ("body",) else location:
+        name += f"[{part}]" if isinstance(part, int) else f".{part}" if name else str(part)
+    return name or "body"
 
 
 def _refuse_unsupported(body: SamplingFields) -> None:
@@ -311,7 +321,7 @@ class OpenAIFrontend:
 def openai_app(router: Router, live_verifiers: Callable[[], int], max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                access: Access | None = None) -> FastAPI:
     """The HTTP app over ``router``; ``live_verifiers()``: how many verifiers can take work now (health);
-    ``access``: every route but /health and /openapi.json needs an API key (``Authorization: Bearer <key>``)
+    ``access``: every route but /health needs an API key (``Authorization: Bearer <key>``)
     within its limits."""
     frontend = OpenAIFrontend(router)
     guarded = [Depends(HTTPBearer(auto_error=False))] if access is not None else []  # documents it in the schema
@@ -344,10 +354,8 @@ def openai_app(router: Router, live_verifiers: Callable[[], int], max_body_bytes
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
         if first.get("type") == "json_invalid":
             return error_response(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', 'malformed')}")
-        where = [str(part) for part in first.get("loc", ()) if part != "body"]
-        param = ".".join(where) or None
-        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
-        return error_response(400, message, param)
+        param = field_name(first.get("loc", ()))
+        return error_response(400, f"{param}: {first.get('msg')}", param)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):

@@ -409,7 +409,7 @@ async def _verify(
             return result
         stats.resyncs += 1
     raise Unavailable(
-        f"request {request.request_id}: the verifiers asked for its history {MAX_RESYNCS_PER_STEP + 1} times in one step"
+        f"the verifiers asked for this request's history {MAX_RESYNCS_PER_STEP + 1} times in one step; retry later"
     )
 
 

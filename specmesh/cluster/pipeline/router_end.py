@@ -40,6 +40,12 @@ CLOSE_RECALL_S = 10.0  # a close posted this long before Redis went away may be 
 OWED_CLOSE_S = 60.0  # a close Redis could not take is tried again this long (then the verifier's idle eviction frees it)
 
 
+def queue_unreachable(exc: BaseException) -> Unavailable:
+    """The client's error for a Redis call that failed; where Redis is and why goes to the log only."""
+    log.warning("the pipeline queue (Redis) is unreachable: %s", exc)
+    return Unavailable("the pipeline queue is unreachable; retry later")
+
+
 @dataclass
 class _Posted:
     """Where a job waits: its stream and entry, and until when its router waits for it."""
@@ -126,7 +132,7 @@ class QueueVerifierClient:
         try:
             return await self.redis.xlen(self.keys.jobs)
         except REDIS_DOWN as exc:
-            raise Unavailable(f"the pipeline queue (Redis) is unreachable: {exc}") from None
+            raise queue_unreachable(exc) from None
 
     async def verify(self, job: VerifyJob) -> VerifyResult:
         key = (job.request_id, job.step)
@@ -176,10 +182,8 @@ class QueueVerifierClient:
                 where = await self._whereabouts(posted.stream, posted.entry_id)
                 log.warning("request %s step %d: no answer within %.0f s; the job: %s", job.request_id, job.step,
                             self.job_timeout_s, where)
-                raise Unavailable(
-                    f"no verifier answered step {job.step} of request {job.request_id} within "
-                    f"{self.job_timeout_s:.0f} s ({len(self.alive)} verifiers alive; the job: {where})"
-                )
+                raise Unavailable(f"no verifier answered step {job.step} within {self.job_timeout_s:.0f} s "
+                                  f"({len(self.alive)} verifiers alive); retry later")
             if await self._still_queued(posted.stream, posted.entry_id) or future.done():
                 continue
             # answered and deleted a moment ago: its result may still be on its way
@@ -202,9 +206,11 @@ class QueueVerifierClient:
             self._strays.pop(job.request_id)
             self._remember(self._everywhere, job.request_id, (time.monotonic(), set()))
         if message.status == verifier_pb2.VerifyResult.EXHAUSTED:
-            raise ResourceExhausted(f"verifier {message.verifier_id}: {message.message}")
+            raise ResourceExhausted(f"a verifier refused step {job.step}: {message.message}")
         if message.status == verifier_pb2.VerifyResult.ERROR:
-            raise Unavailable(f"verifier {message.verifier_id} cannot verify step {job.step}: {message.message}")
+            log.warning("verifier %s cannot verify step %d of %s: %s", message.verifier_id, job.step, job.request_id,
+                        message.message)
+            raise Unavailable(f"a verifier cannot verify step {job.step}: {message.message}")
         if message.status == verifier_pb2.VerifyResult.RESYNC:  # the history goes where the cache may still be
             return VerifyResult(job.request_id, job.step, None)
         if message.status == verifier_pb2.VerifyResult.FAILED:
@@ -320,7 +326,7 @@ class QueueVerifierClient:
             except REDIS_DOWN as exc:
                 self.redis_ok = False
                 if time.monotonic() + backoff.delay_s >= deadline:
-                    raise Unavailable(f"the pipeline queue (Redis) is unreachable: {exc}") from None
+                    raise queue_unreachable(exc) from None
                 await asyncio.sleep(backoff.next())
 
     async def _listen(self) -> None:

@@ -275,7 +275,8 @@ class VerifierWorker:
         except Exception as exc:  # a failing pass fails its jobs, not the service
             log.exception("verification pass failed")
             self.metrics.jobs.labels("error").inc(len(batch))
-            return [(e, encode_error(j.request_id, j.step, self.verifier_id, f"verification failed: {exc}"))
+            return [(e, encode_error(j.request_id, j.step, self.verifier_id,
+                                           f"its verification pass failed ({type(exc).__name__}; the verifier's log has it)"))
                     for e, j in zip(batch, jobs)], []
         if verify_ms > 1e3 * self.queue.heartbeat_ttl_s:  # routers see their steps late; worth knowing why
             log.warning("a pass took %.1f s (%d jobs, %d target rows)", verify_ms / 1e3, len(batch), rows)
