@@ -55,6 +55,26 @@ def test_an_offloaded_pass_equals_the_resident_one_bit_for_bit(model):
     assert torch.equal(*logits)
 
 
+def test_each_pass_streams_every_layer_and_the_verifier_exports_it(model):
+    """``specmesh_target_streamed_bytes_total``: every offloaded pass adds every decoder layer's weights (the
+    bytes the host model held), a resident runtime nothing; a cluster's test reads it to tell that its verifier
+    streamed."""
+    from specmesh.cluster.metrics import VerifierMetrics
+
+    layers = sum(p.numel() * p.element_size() for p in model.model.layers.parameters())
+    exported = []
+    for runtime in (offloaded(model), PagedLlamaRuntime(model)):
+        metrics = VerifierMetrics()
+        metrics.watch(runtime)
+        sessions = [runtime.new_session()]
+        for passes in range(3):
+            assert metrics.registry.get_sample_value("specmesh_target_streamed_bytes_total") == \
+                runtime.streamed_bytes == (passes * layers if runtime.offload else 0)
+            runtime.forward(TreeBatch.build(sessions, [compile_tree(5 + passes, TokenTree.chain([7, 8]))]))
+        exported.append(runtime.streamed_bytes)
+    assert exported == [3 * layers, 0]
+
+
 @pytest.mark.parametrize("nodes", [8, 256])
 def test_speculation_on_the_offloaded_target_is_its_plain_decoding(model, nodes):
     runtime = offloaded(model)

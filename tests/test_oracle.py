@@ -11,6 +11,7 @@ import json
 import random
 
 import pytest
+import torch
 
 from specmesh.cli import main
 from specmesh.drafters.catalog import load_drafter
@@ -18,6 +19,7 @@ from specmesh.drafters.oracle import OracleDrafter, OracleEntry, read_oracle_fil
 from specmesh.errors import InvalidArgument
 from specmesh.speculation.expertise import level_hits
 from specmesh.runtime.loading import load_target_parts
+from specmesh.runtime.random_models import random_model
 from specmesh.tree import TokenTree
 
 VOCAB = 1000
@@ -186,6 +188,11 @@ def test_a_wide_oracle_through_an_offloaded_cluster_keeps_more_than_any_chain_co
     assert code == 0
     report = json.loads(out.read_text())
     assert report["answers_unlike_plain"] == 0 and report["offload"] and report["oracle_width"] == 4
+    # the verifier streamed: every pass copied every decoder layer from host memory (2 bytes a weight at least)
+    layers = random_model("random:tiny", torch.float32, torch.device("cpu")).model.layers
+    weights = sum(p.numel() for p in layers.parameters())
+    assert report["streamed"] and all(v["passes"] > 0 and v["bytes"] >= v["passes"] * 2 * weights
+                                      for v in report["streamed"].values()), report["streamed"]
     rows = {r["policy"]: r for r in report["acceptance"]["0.6"]["load_sweep"]}
     # 32-node trees grown best-first commit ~4.1 tokens a step at p = 0.6; a chain, at most 1 / (1 - p) = 2.5
     assert rows["fixed"]["tokens_per_step"] > 2.5

@@ -149,6 +149,10 @@ DASHBOARDS: dict[str, tuple[str, str, tuple[PanelSpec, ...]]] = {
                                              "{{drafter}} {{instance}}"),), "short"),
         PanelSpec("Verifier busy fraction", (derived("specmesh:verifier_busy:ratio", "{{instance}}"),), "percentunit",
                   "Share of time in target passes; the rest is idle or waiting for work"),
+        PanelSpec("Weights streamed from host memory", (rate("specmesh_target_streamed_bytes_total", "instance",
+                                                             "{{instance}}"),), "Bps",
+                  "An offloaded target's (--offload) decoder layers copied to its device: all of them every pass; "
+                  "0 where the weights are resident"),
         PanelSpec("gRPC latency by method (p99)", (quantile(0.99, "specmesh_rpc_duration_seconds", "method", "{{method}}"),),
                   "s"),
         PanelSpec("gRPC calls by method", (rate("specmesh_rpc_requests_total", "method, code", "{{method}} {{code}}"),),

@@ -93,6 +93,16 @@ def pass_curves(cluster: LocalCluster) -> dict[str, dict]:
         client.close()
 
 
+def streamed(cluster: LocalCluster) -> dict[str, dict]:
+    """Each verifier's passes and the target weights it copied from host memory to its device, as it exports
+    them: an offloaded verifier streams every decoder layer each pass, a resident one nothing."""
+    def total(process, name: str) -> int:
+        return int(sum(s.value for family in process.metrics() for s in family.samples if s.name == name))
+
+    return {v.name: {"passes": total(v, "specmesh_verify_pass_seconds_count"),
+                     "bytes": total(v, "specmesh_target_streamed_bytes_total")} for v in cluster.verifiers}
+
+
 def summarize(rows: list[dict]) -> list[dict]:
     """Per concurrency: each speculative policy's tokens/s over plain's (``none``)."""
     out = []
@@ -171,6 +181,7 @@ def run_oracle_bench(args: argparse.Namespace) -> int:
                 failed |= any(r["answers_unlike_plain"] for r in rows)
                 report["acceptance"][str(p)]["timeline"] = asyncio.run(
                     timeline(cluster, prompt_sets[p][0], args.max_tokens, args.max_tree_nodes))
+            report["streamed"] = streamed(cluster)
     report["answers_unlike_plain"] = sum(r["answers_unlike_plain"] for a in report["acceptance"].values()
                                          for r in a["load_sweep"])
     _print(report)
@@ -182,7 +193,10 @@ def run_oracle_bench(args: argparse.Namespace) -> int:
 
 
 def _print(report: dict) -> None:
-    offloaded = ", offloaded" if report["offload"] else ""
+    offloaded = ""
+    if report["offload"]:
+        gb, passes = (sum(v[k] for v in report["streamed"].values()) for k in ("bytes", "passes"))
+        offloaded = f", offloaded ({gb / 1e9:.2f} GB streamed in {passes} passes)"
     print(f"\n{report['model']} through the cluster on {report['device']}{offloaded}, {report['max_tokens']} tokens "
           f"a request, "
           f"adaptive up to {report['tree_nodes']} nodes, fixed k={report['fixed_tree_nodes']}, "

@@ -21,6 +21,7 @@ expressions, so a number on a dashboard means what is written here:
 
 - goodput (tokens per second delivered to clients)::  sum(rate(specmesh_generated_tokens_total[5m]))
 - verifier busy fraction::  sum by (instance) (rate(specmesh_verify_pass_seconds_sum[5m]))
+- host-to-device bytes per second of an offloaded target::  sum by (instance) (rate(specmesh_target_streamed_bytes_total[5m]))
 - latency quantiles::  histogram_quantile(0.99, sum by (le) (rate(specmesh_time_to_first_token_seconds_bucket[5m])))
 """
 
@@ -40,7 +41,7 @@ from prometheus_client import (
     ProcessCollector,
     start_http_server,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from specmesh import __version__
@@ -274,6 +275,23 @@ class VerifierMetrics(ServiceMetrics):
         self.kv_bytes = Gauge("specmesh_kv_cache_bytes", "Memory held by the KV caches", registry=r)
         self.worker_errors = Counter("specmesh_verifier_worker_errors", "Unexpected errors the worker survived "
                                      "(logged with their traceback)", registry=r)
+
+    def watch(self, runtime: object) -> None:
+        """Export what ``runtime`` streams (``StreamingCollector``)."""
+        self.registry.register(StreamingCollector(runtime))
+
+
+class StreamingCollector(Collector):
+    """The target's decoder-layer weights copied from host memory to its device (``--offload``), read from
+    the runtime at each scrape: every pass of an offloaded target adds all its layers; a resident one, nothing."""
+
+    def __init__(self, runtime: object) -> None:
+        self.runtime = runtime
+
+    def collect(self):
+        yield CounterMetricFamily("specmesh_target_streamed_bytes", "Bytes of the target's weights copied from host "
+                                  "memory to the device (--offload; 0 when resident)",
+                                  value=getattr(self.runtime, "streamed_bytes", 0))  # only offloading runtimes count
 
 
 class DrafterMetrics(ServiceMetrics):

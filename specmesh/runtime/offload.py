@@ -60,6 +60,7 @@ class StreamedLayers:
         self.stream = torch.cuda.Stream(device) if cuda else None
         self.copied = [torch.cuda.Event() for _ in range(2)] if cuda else []  # the slot holds its next layer
         self.freed = [torch.cuda.Event() for _ in range(2)] if cuda else []  # its last layer has computed
+        self.streamed_bytes = 0  # weights copied into the slots so far: what proves a pass streamed
 
     def __len__(self) -> int:
         return len(self.host)
@@ -86,6 +87,7 @@ class StreamedLayers:
 
     def _fill(self, index: int, slot: int) -> None:
         pairs = list(zip(layer_tensors(self.slots[slot]), layer_tensors(self.host[index])))
+        self.streamed_bytes += sum(source.numel() * source.element_size() for _, source in pairs)
         if self.stream is None:
             for target, source in pairs:
                 target.copy_(source)

@@ -190,6 +190,11 @@ class PagedLlamaRuntime(LlamaRuntime):
     def _slot_linear(self, weight: torch.Tensor, bias: torch.Tensor | None):
         return InvariantLinear(weight, bias) if self.batch_invariant else PackedLinear(weight, bias, pack=False)
 
+    @property
+    def streamed_bytes(self) -> int:
+        """Decoder-layer weights copied from host memory to the device so far (0: every weight resident)."""
+        return self.layers.streamed_bytes if self.offload else 0
+
     def _computed_layers(self):
         """The decoder layers as a pass computes them: streamed to the device when offloaded."""
         return self.layers.streamed() if self.offload else self.layers

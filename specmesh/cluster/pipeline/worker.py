@@ -50,6 +50,7 @@ class VerifierWorker:
         ``MAX_PASS_MS`` (and ``max_batch_rows`` in any case)."""
         self.verifier = verifier
         self.metrics = metrics or VerifierMetrics()
+        self.metrics.watch(verifier.runtime)
         self.torch_thread = torch_thread
         self.queue = queue
         within = pass_curve.rows_within(MAX_PASS_MS) if pass_curve is not None else None
