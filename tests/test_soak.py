@@ -1,9 +1,19 @@
 """The soak's verdict (tests/soak/report.py) on hand-made records: which failures a fault explains, what
-counts as hung or wrong, how memory growth and the streams are judged. The soak itself is `make soak`."""
+counts as hung or wrong, how memory growth and the streams are judged; its in-process reference for
+sampled answers (tests/soak/reference.py) on a tiny model, and that the judgement it makes of them fails
+a wrong acceptance rule. The soak itself is `make soak`."""
 
 import random
+from dataclasses import replace
 
-from soak.report import UNAVAILABLE, Fault, Sample, detectable_shift, homogeneity, memory_growth, summarize
+import pytest
+from soak.reference import answer_distributions
+from soak.report import (
+    UNAVAILABLE, Fault, Sample, detectable_shift, fit_bins, goodness_of_fit, memory_growth, summarize,
+)
+
+from specmesh.sampling import SamplingParams
+from specmesh.speculation.engine import Request, SpeculativeEngine
 
 
 def request(kind="grpc_unary_greedy", start=0.0, end=1.0, status="OK", check="ok", via=""):
@@ -64,15 +74,71 @@ def test_memory_growth_compares_the_first_and_last_fifth_and_long_streams_fail()
     assert long["longest_stream"] == 5_000 and long["passed"] is False
 
 
-def test_the_sampling_check_tells_one_distribution_from_a_shifted_one_and_states_its_power():
+def test_the_sampling_check_tells_the_reference_from_a_shifted_distribution_and_states_its_power():
     rng = random.Random(0)
-    same, shifted = [0.5, 0.2, 0.15, 0.1, 0.05], [0.38, 0.25, 0.19, 0.12, 0.06]  # 0.12 moved off the top token
-    draw = lambda n, p: rng.choices(range(len(p)), p, k=n)  # noqa: E731
-    calm = [homogeneity(draw(300, same), draw(300, same))[0] for _ in range(20)]
+    answers = [(1, 2), (1, 3), (4,), (5, 6), (5, 7), (8, 9)]  # (4,): an answer that ended early
+    exact = dict(zip(answers, [0.45, 0.2, 0.15, 0.1, 0.05, 0.01]))  # 0.04 left: answers too rare to list
+    shifted = [0.33, 0.26, 0.19, 0.13, 0.06, 0.01]  # 0.12 moved off the likeliest answer
+
+    def draw(n, p):
+        rest = [(99, k) for k in range(n)]  # every unlisted answer is another one
+        return [answers[i] if i < len(answers) else rest[k] for k, i in
+                enumerate(rng.choices(range(len(answers) + 1), p + [1 - sum(p)], k=n))]
+
+    calm = [goodness_of_fit(draw(300, list(exact.values())), exact)[0] for _ in range(20)]
     assert sum(p < 0.01 for p in calm) <= 1  # ~1 % false alarms
-    assert homogeneity(draw(1000, same), draw(1000, shifted))[0] < 1e-4
-    assert homogeneity([7] * 50, [7] * 50) == (1.0, 0)  # one token: nothing to test
-    # the power: more draws find smaller shifts; 1,000 a side find the 0.12 shift above
-    small, large = detectable_shift(draw(300, same), draw(300, same), 0.01), detectable_shift(
-        draw(1000, same), draw(1000, same), 0.01)
+    assert goodness_of_fit(draw(1000, shifted), exact)[0] < 1e-4
+    assert goodness_of_fit([(8, 9)] * 50, {(8, 9): 1.0}) == (1.0, 0)  # one bin: nothing to test
+    # bins: the answers expected 5 times or more at 300 (not (8, 9)), the rest pooled into one
+    observed, probs = fit_bins(draw(300, list(exact.values())), exact)
+    assert len(observed) == 6 and sum(observed) == 300 and abs(probs[-1] - 0.05) < 1e-9
+    # the power: more answers find smaller shifts; 1,000 find the 0.12 shift above
+    small, large = (detectable_shift(draw(n, list(exact.values())), exact, 0.01) for n in (300, 1000))
     assert 0 < large < 0.12 < small < 0.5
+
+
+@pytest.fixture(scope="module")
+def runtime():
+    from conftest import tiny_llama
+
+    from specmesh.runtime.llama import LlamaRuntime
+
+    return LlamaRuntime(tiny_llama())
+
+
+PROMPT, PARAMS = (2, 9, 4, 2, 9), SamplingParams(temperature=0.8, top_k=3, max_tokens=3)
+
+
+def generate(engine, answers: int) -> list:
+    """``answers`` seeded answers to ``PROMPT``, 100 requests a batch."""
+    return [out for first in range(0, answers, 100) for out in engine.generate(
+        [Request(PROMPT, replace(PARAMS, seed=seed)) for seed in range(first, first + 100)])]
+
+
+def test_the_in_process_reference_is_plain_samplings_distribution_of_whole_answers(runtime):
+    (exact,) = answer_distributions(runtime, [PROMPT], PARAMS, floor=0.0)
+    assert len(exact) == 27 and abs(sum(exact.values()) - 1) < 1e-6  # top-3, 3 tokens: every answer, listed
+    (likely,) = answer_distributions(runtime, [PROMPT], PARAMS, floor=0.05)
+    assert likely.keys() == {a for a, p in exact.items() if p >= 0.05}  # the floor drops only rarer answers
+    assert all(abs(likely[a] - exact[a]) < 1e-6 for a in likely)
+    eos = max(exact, key=exact.get)[0]
+    (stopped,) = answer_distributions(runtime, [PROMPT], PARAMS, floor=0.0, eos_token_ids=[eos])
+    assert sum(len(a) == 1 for a in stopped) == 1 and abs(sum(stopped.values()) - 1) < 1e-6  # it ends that answer
+    answers = [tuple(out.token_ids) for out in generate(SpeculativeEngine(runtime, [], max_tree_nodes=0), 600)]
+    assert goodness_of_fit(answers, exact)[0] > 1e-3
+
+
+@pytest.mark.parametrize("rule", ["exact", "lying"])
+def test_the_sampling_check_fails_speculative_sampling_with_a_wrong_acceptance_rule(runtime, rule, monkeypatch):
+    from drafting import OracleTreeDrafter
+    from sampled_distribution import lying_rule
+
+    (exact,) = answer_distributions(runtime, [PROMPT], PARAMS, floor=5 / 600)
+    if rule == "lying":
+        monkeypatch.setattr("specmesh.runtime.tree_verifier.verify_mss", lying_rule)
+    drafter = OracleTreeDrafter({PROMPT: list(max(exact, key=exact.get))}, 96, seed=1)
+    engine = SpeculativeEngine(runtime, [drafter], max_tree_nodes=6)
+    outs = generate(engine, 600)
+    assert sum(out.stats.accepted_tokens for out in outs) > 0  # it speculated
+    p_value, _ = goodness_of_fit([tuple(out.token_ids) for out in outs], exact)
+    assert p_value > 1e-3 if rule == "exact" else p_value < 1e-6

@@ -1,8 +1,9 @@
 """The soak's traffic, for locust: mixed requests through the router's gRPC API (the SDK) and its
 OpenAI-compatible HTTP API — unary and streaming, greedy and seeded sampling, cancellations and
-invalid requests. Every answer is checked against the references the driver computed (greedy: plain
-decoding; seeded sampling without speculation: the same seed's undisturbed answer) and written, one JSON
-line a request, to $SOAK_RESULTS; the driver (tests/soak/run.py) makes the report from those lines.
+invalid requests. Every answer is checked against the references the driver computed in its own process
+(greedy: plain decoding; seeded sampling without speculation: plain sampling with the same seed) and
+written, one JSON line a request, to $SOAK_RESULTS; the driver (tests/soak/run.py) makes the report from
+those lines (speculative sampling's answers are judged there, together).
 
 Started by the driver: locust -f tests/soak/locustfile.py --headless ... with SOAK_* variables set.
 """
@@ -31,7 +32,7 @@ GREEDY, SAMPLED = REFERENCES["greedy"], REFERENCES["sampled"]
 SAMPLED_TOKENS, TEMPERATURE = REFERENCES["sampled_max_tokens"], REFERENCES["temperature"]
 
 
-DISTRIBUTION = REFERENCES["distribution"]  # speculative sampling's prompts, judged by the tokens' frequencies
+DISTRIBUTION = REFERENCES["distribution"]  # speculative sampling's prompts, judged by the whole answers' frequencies
 
 
 def record(kind: str, started: float, status: str, check: str = "none", api: str = "grpc", via: str = "",
@@ -110,14 +111,15 @@ class GrpcUser(User):
         self._call("grpc_seeded_sampling", call)
 
     @task(2)
-    def sampling(self) -> None:  # speculative sampling: its tokens are judged together, by their frequencies
+    def sampling(self) -> None:  # speculative sampling: its whole answers are judged together, by their frequencies
         index = random.randrange(len(DISTRIBUTION["prompts"]))
 
         def call():
             answer = self.client.generate(chat=[("user", DISTRIBUTION["prompts"][index])],
-                                          max_tokens=DISTRIBUTION["positions"], temperature=TEMPERATURE,
+                                          max_tokens=DISTRIBUTION["max_tokens"], temperature=TEMPERATURE,
                                           speculation="fixed")
-            return "none", {"prompt_index": index, "tokens": list(answer.token_ids)}
+            return "none", {"prompt_index": index, "tokens": list(answer.token_ids),
+                            "accepted": answer.stats.accepted_tokens}
 
         self._call("grpc_sampling", call)
 

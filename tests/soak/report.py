@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from statistics import median
 from typing import Sequence
 
-from scipy.stats import chi2, chi2_contingency, ncx2
+from scipy.stats import chi2, chisquare, ncx2
 
 FINE = ("OK", "EXPECTED", "CANCELLED_BY_CLIENT")  # answered, refused as it should be, or left by its client
 UNAVAILABLE = ("UNAVAILABLE", "HTTP_503", "STREAM_service_unavailable")
@@ -67,49 +67,55 @@ def memory_growth(samples: Sequence[Sample]) -> float | None:
     return last / first - 1
 
 
-def _bins(first: Sequence[int], second: Sequence[int], min_count: int) -> list[tuple[int, int]]:
-    """(count in first, count in second) per token, tokens seen fewer than ``min_count`` times in both
-    together pooled into one bin (a chi-square test needs expected counts of ~5 or more)."""
-    a, b = Counter(first), Counter(second)
-    common = [t for t in set(a) | set(b) if a[t] + b[t] >= min_count]
-    rest = (len(first) - sum(a[t] for t in common), len(second) - sum(b[t] for t in common))
-    return [(a[t], b[t]) for t in sorted(common)] + ([rest] if sum(rest) else [])
+def fit_bins(answers: Sequence[tuple], exact: dict[tuple, float], min_count: int = 5) -> tuple[list[int], list[float]]:
+    """(observed counts, probabilities) per bin: each answer of ``exact`` expected at least ``min_count``
+    times among these, and one bin of every other answer (what is left of the probability), pooled into
+    the least likely bin when it is expected fewer times (a chi-square test needs expected counts of ~5)."""
+    n = len(answers)
+    kept = sorted((a for a, p in exact.items() if n * p >= min_count), key=exact.__getitem__, reverse=True)
+    seen = Counter(answers)
+    observed, probs = [seen[a] for a in kept], [exact[a] for a in kept]
+    rest_count, rest_p = n - sum(observed), max(1.0 - sum(probs), 0.0)
+    if observed and n * rest_p < min_count:
+        observed[-1], probs[-1] = observed[-1] + rest_count, probs[-1] + rest_p
+    else:
+        observed, probs = observed + [rest_count], probs + [rest_p]
+    return observed, probs
 
 
-def homogeneity(first: Sequence[int], second: Sequence[int], min_count: int = 10) -> tuple[float, int]:
-    """Pearson's chi-square test that two samples of tokens come from one distribution: (p-value, degrees
-    of freedom); (1.0, 0) when every token falls in one bin."""
-    table = _bins(first, second, min_count)
-    if len(table) < 2:
+def goodness_of_fit(answers: Sequence[tuple], exact: dict[tuple, float], min_count: int = 5) -> tuple[float, int]:
+    """Pearson's chi-square test that whole answers were drawn from ``exact`` (answer -> probability, the
+    likeliest answers of the reference), over ``fit_bins``: (p-value, degrees of freedom); (1.0, 0) when
+    there is one bin."""
+    observed, probs = fit_bins(answers, exact, min_count)
+    if len(observed) < 2:
         return 1.0, 0
-    result = chi2_contingency([[x for x, _ in table], [y for _, y in table]], correction=False)
-    return float(result.pvalue), int(result.dof)
+    n = sum(observed)
+    expected = [n * p / sum(probs) for p in probs]
+    return float(chisquare(observed, expected).pvalue), len(observed) - 1
 
 
-def detectable_shift(first: Sequence[int], second: Sequence[int], alpha: float, power: float = 0.8,
-                     min_count: int = 10) -> float | None:
-    """The test's power, stated as the smallest probability mass moved off the commonest token (onto the
-    others in proportion: a total-variation distance) that ``homogeneity`` finds at level ``alpha`` with
-    probability ``power``, for these sample sizes and the pooled distribution (noncentral chi-square).
-    None: one bin, nothing to test."""
-    table = _bins(first, second, min_count)
-    if len(table) < 2:
+def detectable_shift(answers: Sequence[tuple], exact: dict[tuple, float], alpha: float, power: float = 0.8,
+                     min_count: int = 5) -> float | None:
+    """The test's power, stated as the smallest probability mass moved off the likeliest bin (onto the
+    others in proportion: a total-variation distance) that ``goodness_of_fit`` finds at level ``alpha``
+    with probability ``power`` at this many answers (noncentral chi-square). None: one bin, or no shift found."""
+    observed, probs = fit_bins(answers, exact, min_count)
+    if len(observed) < 2:
         return None
-    n1, n2 = len(first), len(second)
-    pooled = [(x + y) / (n1 + n2) for x, y in table]
-    top = max(range(len(pooled)), key=pooled.__getitem__)
-    dof = len(table) - 1
+    n, total = sum(observed), sum(probs)
+    probs = [p / total for p in probs]
+    top = max(range(len(probs)), key=probs.__getitem__)
+    dof = len(probs) - 1
     critical = chi2.ppf(1 - alpha, dof)
 
     def found(shift: float) -> float:
-        moved = [q * (1 + shift / (1 - pooled[top])) for q in pooled]
-        moved[top] = pooled[top] - shift
-        # the second sample drawn from ``moved``, the first from ``pooled``: the noncentrality of the statistic
-        mix = [(n1 * p + n2 * q) / (n1 + n2) for p, q in zip(pooled, moved)]
-        noncentrality = n1 * n2 / (n1 + n2) * sum((p - q) ** 2 / m for p, q, m in zip(pooled, moved, mix) if m > 0)
+        moved = [p * (1 + shift / (1 - probs[top])) for p in probs]
+        moved[top] = probs[top] - shift
+        noncentrality = n * sum((q - p) ** 2 / p for p, q in zip(probs, moved) if p > 0)
         return 1 - ncx2.cdf(critical, dof, noncentrality)
 
-    low, high = 0.0, pooled[top]
+    low, high = 0.0, probs[top]
     if found(high) < power:
         return None
     for _ in range(40):

@@ -34,7 +34,7 @@ import redis
 sys.path.insert(0, str(Path(__file__).parent))
 from proxy import DelayProxy  # noqa: E402
 from report import (  # noqa: E402
-    FINE, UNAVAILABLE, Fault, Sample, detectable_shift, homogeneity, overlaps, summarize,
+    FINE, UNAVAILABLE, Fault, Sample, detectable_shift, goodness_of_fit, overlaps, summarize,
 )
 
 from specmesh.bench.tune import TUNING_PROMPTS  # noqa: E402
@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="mean seconds between faults (default: every kind once in a 3-minute run, at most 30)")
     parser.add_argument("--seed", type=int, default=0, help="the faults' random order and timing")
     parser.add_argument("--sampling-draws", type=int, default=200,
-                        help="speculative and plain answers per prompt for the sampling check (default 200)")
+                        help="speculative answers per prompt for the sampling check (default 200)")
     parser.add_argument("--out", default="out/soak.json")
     parser.add_argument("--log-dir", default="out/soak-logs")
     return parser
@@ -82,10 +82,16 @@ def soak_prompts(per_category: int = 2) -> list[tuple[str, str]]:
     return [(category, text) for category, texts in chosen for text in texts]
 
 
-def references(cluster: LocalCluster, max_tokens: int, temperature: float, sampled_tokens: int = 24) -> dict:
-    """Greedy: plain decoding in this process (what every greedy answer must be), each prompt with its own
-    length (``LENGTHS`` in turn, at most ``max_tokens``). Seeded sampling without speculation: the
-    cluster's own answer before any fault (what every later answer must be)."""
+def references(max_tokens: int, temperature: float, draws: int, sampled_tokens: int = 24, answer_tokens: int = 4,
+               min_count: int = 5) -> dict:
+    """Computed in this process, never through the cluster. Greedy: plain decoding, each prompt with its own
+    length (``LENGTHS`` in turn, at most ``max_tokens``). Seeded sampling without speculation: plain
+    sampling with the same seed (each position's draw depends only on the seed and the position, so the
+    cluster's answer must be this one whatever batch, verifier or fault it meets). Speculative sampling:
+    the exact distribution of whole ``answer_tokens``-token answers, each answer expected ``min_count``
+    times or more in ``draws``, for the two prompts where those answers cover the most probability."""
+    from reference import answer_distributions
+
     from specmesh.runtime.loading import EMBEDDED_DEFAULT, load_hf_model
     from specmesh.runtime.target import target_runtime
     from specmesh.sampling import SamplingParams
@@ -94,61 +100,69 @@ def references(cluster: LocalCluster, max_tokens: int, temperature: float, sampl
 
     cases = soak_prompts()
     target = load_hf_model(EMBEDDED_DEFAULT, dtype="float32", device="cpu")
-    engine = SpeculativeEngine(target_runtime(target), [], max_tree_nodes=0, eos_token_ids=eos_token_ids(target))
+    runtime, eos = target_runtime(target), eos_token_ids(target)
+    engine = SpeculativeEngine(runtime, [], max_tree_nodes=0, eos_token_ids=eos)
+    prompts = [tuple(encode_chat(target.tokenizer, text)) for _, text in cases]
     greedy = []
-    for i, (category, text) in enumerate(cases):
+    for i, ((category, text), prompt) in enumerate(zip(cases, prompts)):
         length = min(LENGTHS[i % len(LENGTHS)], max_tokens)
-        (out,) = engine.generate([Request(tuple(encode_chat(target.tokenizer, text)), SamplingParams(max_tokens=length))])
+        (out,) = engine.generate([Request(prompt, SamplingParams(max_tokens=length))])
         greedy.append({"category": category, "prompt": text, "max_tokens": length, "tokens": out.token_ids,
                        "text": target.tokenizer.decode(out.token_ids, skip_special_tokens=True)})
-    sampled = []
-    with Client(cluster.router_address) as client:
-        for i, (_, text) in enumerate(cases):
-            answer = client.generate(chat=[("user", text)], max_tokens=sampled_tokens, temperature=temperature,
-                                     seed=1000 + i, speculation="off")
-            sampled.append({"prompt": text, "seed": 1000 + i, "tokens": list(answer.token_ids)})
-    shortest = sorted((text for _, text in cases), key=len)[:2]  # prefilled many times over by the check
+    seeded = engine.generate([Request(prompt, SamplingParams(temperature=temperature, seed=1000 + i,
+                                                             max_tokens=sampled_tokens))
+                              for i, prompt in enumerate(prompts)])
+    sampled = [{"prompt": text, "seed": 1000 + i, "tokens": out.token_ids}
+               for i, ((_, text), out) in enumerate(zip(cases, seeded))]
+    exact = answer_distributions(runtime, prompts, SamplingParams(temperature=temperature, max_tokens=answer_tokens),
+                                 min_count / draws, eos)
+    chosen = sorted(range(len(cases)), key=lambda i: -sum(exact[i].values()))[:2]
     return {"model": target.name, "sampled_max_tokens": sampled_tokens, "temperature": temperature,
-            "greedy": greedy, "sampled": sampled, "distribution": {"prompts": shortest, "positions": 3}}
+            "greedy": greedy, "sampled": sampled,
+            "distribution": {"prompts": [cases[i][1] for i in chosen], "max_tokens": answer_tokens,
+                             "min_count": min_count,
+                             "answers": [[[list(a), p] for a, p in exact[i].items()] for i in chosen]}}
 
 
 def sampling_check(cluster: LocalCluster, refs: dict, requests: list[dict], draws: int) -> dict:
-    """Speculative sampling judged by its tokens' frequencies: at each of the first positions of each
-    distribution prompt, the speculative answers (the load's, topped up to ``draws`` on the calm cluster,
-    speculating every step) against as many plain ones (speculation off), by a chi-square test of
-    homogeneity at 1 % overall (Bonferroni), each test's power stated as the shift it finds 80 % of the time."""
+    """Speculative sampling judged by whole answers: each distribution prompt's speculative answers (the
+    load's, topped up to ``draws`` on the calm cluster, speculating every step) against the exact
+    distribution computed in process (``references``), by Pearson's chi-square goodness of fit at 1 %
+    overall (Bonferroni), each test's power stated as the shift it finds 80 % of the time. Speculation
+    must have happened: drafted tokens were accepted."""
     spec = refs["distribution"]
-    prompts, positions, temperature = spec["prompts"], spec["positions"], refs["temperature"]
+    prompts, max_tokens, temperature = spec["prompts"], spec["max_tokens"], refs["temperature"]
     loaded = [r for r in requests if r["kind"] == "grpc_sampling" and r["status"] == "OK"]
-    speculative = [[r["tokens"] for r in loaded if r["prompt_index"] == i] for i in range(len(prompts))]
+    speculative = [[(r["tokens"], r["accepted"]) for r in loaded if r["prompt_index"] == i]
+                   for i in range(len(prompts))]
 
-    async def draw(client, gate, prompt: str, speculation: str) -> list[int]:
+    async def draw(client, gate, prompt: str) -> tuple[list[int], int]:
         async with gate:
-            answer = await client.generate(chat=[("user", prompt)], max_tokens=positions, temperature=temperature,
-                                           speculation=speculation)
-            return list(answer.token_ids)
+            answer = await client.generate(chat=[("user", prompt)], max_tokens=max_tokens, temperature=temperature,
+                                           speculation="fixed")
+            return list(answer.token_ids), answer.stats.accepted_tokens
 
     async def top_up():
         gate = asyncio.Semaphore(16)
         async with AsyncClient(cluster.router_addresses, api_key=cluster.client_key) as client:
             for i, prompt in enumerate(prompts):
                 more = max(draws - len(speculative[i]), 0)
-                speculative[i] += await asyncio.gather(*(draw(client, gate, prompt, "fixed") for _ in range(more)))
-            return [await asyncio.gather(*(draw(client, gate, p, "off") for _ in speculative[i]))
-                    for i, p in enumerate(prompts)]
+                speculative[i] += await asyncio.gather(*(draw(client, gate, prompt) for _ in range(more)))
 
-    plain = asyncio.run(top_up())
-    alpha = 0.01 / (len(prompts) * positions)
+    asyncio.run(top_up())
+    alpha = 0.01 / len(prompts)
     tests = []
-    for i in range(len(prompts)):
-        for position in range(positions):
-            a = [t[position] for t in speculative[i] if len(t) > position]
-            b = [t[position] for t in plain[i] if len(t) > position]
-            p_value, dof = homogeneity(a, b)
-            tests.append({"prompt": i, "position": position + 1, "speculative": len(a), "plain": len(b),
-                          "p_value": p_value, "dof": dof, "detectable_shift": detectable_shift(a, b, alpha)})
+    for i, answers in enumerate(spec["answers"]):
+        exact = {tuple(a): p for a, p in answers}
+        whole = [tuple(tokens) for tokens, _ in speculative[i]]
+        p_value, dof = goodness_of_fit(whole, exact, spec["min_count"])
+        tests.append({"prompt": i, "answers": len(whole), "bins": dof + 1, "p_value": p_value,
+                      "accepted_drafted_tokens": sum(accepted for _, accepted in speculative[i]),
+                      "likeliest_answers_mass": sum(p for a, p in exact.items() if len(whole) * p >= spec["min_count"]),
+                      "detectable_shift": detectable_shift(whole, exact, alpha, min_count=spec["min_count"])})
     return {"alpha_each": alpha, "from_load": len(loaded), "tests": tests,
-            "passed": all(t["p_value"] >= alpha for t in tests)}
+            "passed": all(t["p_value"] >= alpha and t["bins"] >= 2 and t["accepted_drafted_tokens"] > 0
+                          for t in tests)}
 
 
 def recovery(cluster: LocalCluster, timeout_s: float = 120.0) -> float:
@@ -338,8 +352,8 @@ def main(argv=None) -> int:
     try:
         print("soak: starting the cluster ...", flush=True)
         cluster.start()
-        print("soak: references (plain greedy in process, seeded sampling through the calm cluster) ...", flush=True)
-        refs = references(cluster, max_tokens=args.max_tokens, temperature=0.8)
+        print("soak: references (in process: plain greedy, seeded sampling, whole answers' distribution) ...", flush=True)
+        refs = references(max_tokens=args.max_tokens, temperature=0.8, draws=args.sampling_draws)
         (log_dir / "references.json").write_text(json.dumps(refs))
         results = log_dir / "requests.jsonl"
         results.write_text("")
@@ -373,7 +387,7 @@ def main(argv=None) -> int:
         report["sdk_requests_lost_to_router_kills"] = sum(
             r["api"] == "grpc" and r["status"] not in FINE and any(overlaps(r, f) for f in kills) for r in requests)
         report["restarts"] = cluster.supervisor.restarts if cluster.supervisor else {}
-        print("soak: speculative sampling against plain sampling ...", flush=True)
+        print("soak: speculative sampling's whole answers against the in-process reference ...", flush=True)
         report["sampling"] = sampling_check(cluster, refs, requests, args.sampling_draws)
         report["passed"] = report["passed"] and report["sampling"]["passed"]
         report["counters"] = settled(cluster, max((f.end for f in injector.faults), default=0.0))
@@ -388,8 +402,8 @@ def main(argv=None) -> int:
                                               "unexplained_failures", "sdk_requests_lost_to_router_kills", "memory_growth_fraction", "longest_stream",
                                               "latency_s", "restarts", "counters", "held_at_end", "passed")}, indent=1))
     for test in report["sampling"]["tests"]:
-        print(f"soak: sampling, prompt {test['prompt']} position {test['position']}: p = {test['p_value']:.3f} "
-              f"({test['speculative']} speculative, {test['plain']} plain; finds a shift of "
+        print(f"soak: sampling, prompt {test['prompt']}: p = {test['p_value']:.3f} ({test['answers']} whole answers "
+              f"in {test['bins']} bins, {test['accepted_drafted_tokens']} drafted tokens accepted; finds a shift of "
               f"{test['detectable_shift'] or 0:.2f} 80 % of the time)", flush=True)
     print(f"soak: {'passed' if report['passed'] else 'FAILED'}; the report is {out}", flush=True)
     return 0 if report["passed"] else 1
