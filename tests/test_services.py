@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import json
 import sys
+import time
 
 import grpc
 import pytest
@@ -252,6 +253,41 @@ def test_a_drafter_opens_a_session_only_when_asked_to_draft_but_history_sees_eve
     assert (after_start, during, after) == (0, 1, 0) and tokens[:3] == [7, 5, 6]  # opened by the proposal
     history_after_start, _, history_during, history_after = counts["history"]
     assert (history_after_start, history_during, history_after) == (1, 1, 0)
+
+
+class SlowDrafter(NgramDrafter):
+    """Prompt lookup that takes longer than the router waits for a proposal (a drafter busy under a burst)."""
+
+    def propose(self, request_id, budget, assumed=()):
+        time.sleep(0.6)
+        return super().propose(request_id, budget, assumed)
+
+
+def test_a_session_whose_proposal_timed_out_is_closed_when_its_request_ends(tokenizer):
+    """A proposal past its deadline marks the drafter down, but its session stays open there: the
+    request's end still closes it (it was forgotten, and held until the drafter's idle sweep: a burst of
+    64 cancelled streams kept one for 60 s)."""
+    async def main():
+        drafter = SlowDrafter()
+        sessions = DrafterSessions(drafter, vocab_size=len(tokenizer), max_sessions=4)
+        info = drafter_pb2.DrafterInfo(name=drafter.name, kind=drafter.kind, domains=["general"], tokenizer_hash="h")
+        server = await start_server(
+            [Service("specmesh.v1.Drafter", lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(
+                DrafterServicer(sessions, info, TorchThread("draft")), s))], "127.0.0.1:0")
+        remote = RemoteDrafter(f"127.0.0.1:{server.port}", timeout_s=0.3)
+        try:
+            await remote.connect("h")
+            await remote.start("busy", [5, 6, 7, 5, 6])
+            tree = await remote.propose("busy", 4)  # opens the session, then gives up on the proposal
+            down = not remote.healthy
+            await remote.end("busy")
+            await wait_until_async(lambda: len(sessions) == 0, timeout_s=10, what="the session was closed")
+        finally:
+            await remote.close()
+            await server.server.stop(0)
+        return len(tree), down
+
+    assert run(main()) == (0, True)
 
 
 def test_overload_is_resource_exhausted_and_cancel_frees_everything(redis_server, model, tokenizer):

@@ -8,6 +8,7 @@ back-off has passed. A drafter's failure costs speculation, never a request.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Sequence
@@ -27,6 +28,8 @@ log = logging.getLogger("specmesh.cluster.remote_drafter")
 # drafter kinds that learn from every delivered answer (a suffix index over the deployment's responses):
 # they see each request from its start, drafted for or not
 LEARNS_FROM_EVERY_ANSWER = frozenset({"history"})
+# a call that failed with these may still have run on the drafter (its session opened): it is closed too
+MAY_HAVE_RUN = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})
 
 
 class RemoteDrafter:
@@ -47,7 +50,9 @@ class RemoteDrafter:
         self._stub = drafter_pb2_grpc.DrafterStub(self._channel)
         self._context: dict[str, list[int]] = {}  # request -> every committed token
         self._unsent: dict[str, list[int]] = {}  # request -> committed since the drafter last heard
-        self._open: set[str] = set()  # sessions the drafter holds, as far as we know
+        self._open: set[str] = set()  # sessions the drafter may hold: each is closed when its request ends
+        self._stale: set[str] = set()  # ... of which these are out of step with us: opened afresh before drafting
+        self._closing: set[asyncio.Task] = set()  # closes sent to a drafter marked down
         self._features: dict[str, list[Features]] = {}  # request -> blocks not yet sent (feature drafters)
         self._feature_end: dict[str, int] = {}  # request -> where the next block must start
         self._refused: set[str] = set()  # requests whose features the drafter refused: it sits them out
@@ -91,6 +96,7 @@ class RemoteDrafter:
         return True
 
     async def close(self) -> None:
+        await asyncio.gather(*self._closing, return_exceptions=True)
         await self._channel.close()
 
     async def start(self, request_id: str, prompt_ids: Sequence[int]) -> None:
@@ -113,7 +119,7 @@ class RemoteDrafter:
         if not self.healthy or request_id not in self._context or request_id in self._refused:
             return TokenTree()
         for _ in range(2):  # a second try after re-opening a session the drafter lost
-            if request_id not in self._open and not await self._open_session(request_id):
+            if (request_id not in self._open or request_id in self._stale) and not await self._open_session(request_id):
                 return TokenTree()
             request = drafter_pb2.ProposeRequest(
                 request_id=request_id, committed=self._unsent[request_id], budget=budget, assumed=assumed
@@ -124,9 +130,12 @@ class RemoteDrafter:
             try:
                 answer = await self._stub.Propose(request, timeout=self.timeout_s)
             except grpc.aio.AioRpcError as exc:
-                self._open.discard(request_id)
-                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                if exc.code() == grpc.StatusCode.NOT_FOUND:  # the drafter lost it: open it again
+                    self._open.discard(request_id)
                     continue
+                # the call may have run there (a deadline passed while the drafter was busy): the session
+                # is open, with what we sent or without it; the next proposal opens it afresh
+                self._stale.add(request_id)
                 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT and blocks:
                     self._refused.add(request_id)  # features it cannot read: the request goes on without it
                 self._mark_down(exc)
@@ -156,27 +165,37 @@ class RemoteDrafter:
         expected = self._feature_end.get(request_id)
         if expected is not None and features.start != expected:  # a block was lost on the way: start afresh
             blocks.clear()
-            self._open.discard(request_id)
+            self._stale.add(request_id)
         blocks.append(features)
         self._feature_end[request_id] = features.end
         while sum(len(b) for b in blocks) > MAX_PROMPT_FEATURES and len(blocks) > 1:
             blocks.pop(0)
-            self._open.discard(request_id)
+            self._stale.add(request_id)
 
     async def end(self, request_id: str) -> None:
         self._context.pop(request_id, None)
         self._features.pop(request_id, None)
         self._feature_end.pop(request_id, None)
         self._refused.discard(request_id)
+        self._stale.discard(request_id)
         unsent = self._unsent.pop(request_id, [])
-        if request_id in self._open and self.healthy:
-            self._open.discard(request_id)
-            try:
-                await self._stub.CloseSession(
-                    drafter_pb2.CloseSessionRequest(request_id=request_id, committed=unsent), timeout=self.timeout_s
-                )
-            except grpc.aio.AioRpcError as exc:
-                self._mark_down(exc)
+        if request_id not in self._open:
+            return
+        self._open.discard(request_id)
+        closing = self._close_session(request_id, unsent)
+        if self.healthy:
+            await closing
+        else:  # marked down (maybe only slow, its sessions open): closed without holding up the request's end
+            task = asyncio.create_task(closing)
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
+    async def _close_session(self, request_id: str, committed: list[int]) -> None:
+        try:
+            await self._stub.CloseSession(drafter_pb2.CloseSessionRequest(request_id=request_id, committed=committed),
+                                          timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            self._mark_down(exc)
 
     async def _open_session(self, request_id: str) -> bool:
         request = drafter_pb2.OpenSessionRequest(request_id=request_id, prompt_ids=self._context[request_id])
@@ -186,10 +205,12 @@ class RemoteDrafter:
         try:
             await self._stub.OpenSession(request, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
-            self._open.discard(request_id)
+            if exc.code() not in MAY_HAVE_RUN:
+                self._open.discard(request_id)
             self._mark_down(exc)
             return False
         self._unsent[request_id] = []
+        self._stale.discard(request_id)
         return True
 
     def _mark_down(self, exc: grpc.aio.AioRpcError) -> None:
@@ -201,7 +222,9 @@ class RemoteDrafter:
         if self.healthy:
             log.warning("drafter %s unavailable (%s); retrying in %.1f s", self.name, exc.code().name, delay)
         self._down_until = time.monotonic() + delay
-        self._open.clear()  # a drafter that comes back has forgotten its sessions
+        # a drafter that comes back may have forgotten its sessions (restarted) or not (it was only slow):
+        # each is opened afresh before its next proposal, and closed at its end either way
+        self._stale |= self._open
 
     def _up(self) -> None:
         self._backoff.reset()
