@@ -29,7 +29,6 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from specmesh.cluster.auth import ENV_KEYS
-from specmesh.cluster.lifetime import dies_with_this_process
 from specmesh.cluster.pki import local_pki
 from specmesh.cluster.ports import free_port
 from specmesh.cluster.redis_acl import ROLES, acl_line, redis_user
@@ -135,12 +134,11 @@ class ServiceProcess:
 
     def start(self) -> None:
         log = open(self.log_path, "ab")
-        # a session of its own: a terminal's Ctrl-C reaches the launcher only, which drains them in order; and
-        # SIGTERM when the launcher ends, from the first instruction on (the service's own die_with_parent
-        # comes after its imports)
+        # a session of its own: a terminal's Ctrl-C reaches the launcher only, which drains them in order (the
+        # service ends with the launcher by itself: serving.die_with_parent, which also sees a launcher that
+        # ended while it imported)
         self.popen = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                      stdin=subprocess.DEVNULL, start_new_session=True,
-                                      preexec_fn=dies_with_this_process())
+                                      stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
 
     def alive(self) -> bool:
