@@ -709,7 +709,9 @@ def test_sessions_that_lost_copies_opened_are_closed_once_the_request_is_answere
     assert result.verdict is not None and holder == "v1"
 
 
-def test_a_step_no_one_answers_fails_naming_where_its_job_is(redis_server, tiny_model):
+def test_a_step_no_one_answers_fails_and_its_log_line_says_where_its_job_is(redis_server, tiny_model, caplog):
+    """The client hears that no verifier answered (not the queue's internals: stream names, request ids);
+    the router's log says where the job is."""
     from specmesh.errors import Unavailable
 
     async def main():
@@ -723,5 +725,8 @@ def test_a_step_no_one_answers_fails_naming_where_its_job_is(redis_server, tiny_
                 await asyncio.wait_for(answer, HANG_S)
             return str(caught.value)
 
-    message = asyncio.run(main())
-    assert "held by v0 for" in message and "delivered 1 time(s)" in message
+    with caplog.at_level("WARNING", logger="specmesh.cluster.pipeline"):
+        message = asyncio.run(main())
+    assert "no verifier answered step 0 within 2 s" in message and "stuck" not in message, message
+    logged = " ".join(r.getMessage() for r in caplog.records)
+    assert "held by v0 for" in logged and "delivered 1 time(s)" in logged, logged

@@ -224,8 +224,13 @@ class Router:
             )
         self.active += 1  # before any await: the requests arriving meanwhile count this one
         try:
-            backlog = await self.verifier.backlog()
-            raise_if_cancelled()  # a Redis call (specmesh.cancellation): a client gone by now is not admitted
+            try:
+                backlog = await self.verifier.backlog()
+                raise_if_cancelled()  # a Redis call (specmesh.cancellation): a client gone by now is not admitted
+            except asyncio.CancelledError:  # it held a slot: it ends as aborted, as one that began would
+                if self.metrics is not None:
+                    self.metrics.finished.labels("aborted").inc()
+                raise
             if backlog > self.limits.max_queue_backlog:
                 raise ResourceExhausted(f"the verification queue holds {backlog} jobs; retry later")
             async with aclosing(self._run(ticket)) as steps:
