@@ -221,7 +221,10 @@ def test_the_fused_runtime_scores_as_the_lean_runtime(model):
                                lean.forward(TreeBatch.build(sessions[1:], trees)), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("length", [27, 60, 90])  # 60: the path crosses a key block; 90: one block shared
+# 60: the path crosses a key block; 90: one block shared, which on some CPUs differs in the last bit in Triton's
+# interpreter (numpy's dot sums in the order the machine's BLAS picks by shape; 872238a fails it here too)
+@pytest.mark.parametrize("length", [27, 60, pytest.param(90, marks=pytest.mark.skipif(
+    DEVICE.type != "cuda", reason="interpreted, a shared key block's sums follow numpy's BLAS by shape"))])
 def test_a_tree_gets_exactly_the_logits_of_plain_steps(model, length):
     """Lossless by construction: a tree's rows equal the one-row steps bit for bit."""
     runtime = PagedLlamaRuntime(model, kv_cache_gb=0.01, attention="triton")  # the batch-invariant kernel
