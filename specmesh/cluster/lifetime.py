@@ -14,11 +14,12 @@ import functools
 import os
 import signal
 import sys
+
 PR_SET_PDEATHSIG = 1
 # run by a fresh interpreter: set the signal, check the parent is still the one that started it, then become
 # the program (the setting outlives exec); argv: parent pid, signal, the program's command line
 _PROLOGUE = ("import ctypes, os, sys; parent, sig = int(sys.argv[1]), int(sys.argv[2]); "
-             "ctypes.CDLL(None).prctl(1, sig); os.getppid() == parent or os.kill(os.getpid(), sig); "
+             f"ctypes.CDLL(None).prctl({PR_SET_PDEATHSIG}, sig); os.getppid() == parent or os.kill(os.getpid(), sig); "
              "os.execvp(sys.argv[3], sys.argv[3:])")
 
 
