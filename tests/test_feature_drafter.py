@@ -387,17 +387,17 @@ def test_the_routers_adapter_keeps_blocks_in_order_and_bounded():
         await drafter.add_features("r", block(0, 300))
         await drafter.add_features("r", block(300, 4))
         kept = [(b.start, len(b)) for b in drafter._features["r"]]
-        still_open = "r" in drafter._open
+        still_open = "r" in drafter._open and "r" not in drafter._stale
         await drafter.add_features("r", block(310, 4))  # 304..309 lost: the drafter must start afresh
-        after_gap = [(b.start, len(b)) for b in drafter._features["r"]], "r" in drafter._open
-        drafter._open.add("r")
+        after_gap = [(b.start, len(b)) for b in drafter._features["r"]], "r" in drafter._stale
+        drafter._stale.discard("r")
         await drafter.add_features("r", block(314, 300))
         await drafter.add_features("r", block(614, 300))  # over 512 unsent positions: the oldest go
-        bounded = [(b.start, len(b)) for b in drafter._features["r"]], "r" in drafter._open
+        bounded = [(b.start, len(b)) for b in drafter._features["r"]], "r" in drafter._stale
         await drafter.close()
         return kept, still_open, after_gap, bounded
 
     kept, still_open, after_gap, bounded = asyncio.run(main())
     assert kept == [(0, 300), (300, 4)] and still_open
-    assert after_gap == ([(310, 4)], False)
-    assert bounded == ([(614, 300)], False)
+    assert after_gap == ([(310, 4)], True)  # opened afresh before its next proposal
+    assert bounded == ([(614, 300)], True)
