@@ -275,7 +275,7 @@ def test_the_llama_cpp_baseline_decodes_the_shipped_gguf_and_says_how_it_was_bui
     need(importlib.util.find_spec("llama_cpp") is not None, "the llama-cpp extra", "pip install -e '.[llama-cpp]'")
     from specmesh.sampling import SamplingParams
     from specmesh.speculation.assembly import assemble, eos_token_ids
-    from specmesh.speculation.loop import Request
+    from specmesh.speculation.requests import Request
 
     assembly = assemble("smollm2-135m-instruct", [])
     generate, build = llama_cpp_baseline(assembly)

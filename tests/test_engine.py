@@ -281,7 +281,7 @@ def test_a_drafter_that_raises_costs_speculation_not_the_request(tiny_model, run
 
     drafter = Broken()
     engine = SpeculativeEngine(runtime, [drafter], max_tree_nodes=4)
-    with caplog.at_level("WARNING", logger="specmesh.speculation.loop"):
+    with caplog.at_level("WARNING", logger="specmesh.speculation.drafting"):
         (out,) = engine.generate([Request((5, 6, 7), SamplingParams(max_tokens=8))])
     assert out.token_ids == hf_greedy(tiny_model, [5, 6, 7], 8)
     assert out.finish_reason == "length"

@@ -20,7 +20,9 @@ from specmesh.runtime.llama import LlamaRuntime
 from specmesh.runtime.tree_verifier import VerifyJob
 from specmesh.sampling import SamplingParams
 from specmesh.speculation.engine import Request, SpeculativeEngine
-from specmesh.speculation.loop import LocalDrafter, SpeculationStats, speculate
+from specmesh.speculation.drafting import LocalDrafter
+from specmesh.speculation.loop import speculate
+from specmesh.speculation.requests import SpeculationStats
 from specmesh.tree import TokenTree
 from specmesh.v1 import verifier_pb2
 

@@ -28,7 +28,8 @@ from specmesh.runtime.tree_verifier import TreeVerifier
 from specmesh.sampling import SamplingParams
 from specmesh.cluster.pipeline.worker import VerifierWorker
 from specmesh.speculation.engine import Request, SpeculativeEngine
-from specmesh.speculation.loop import LocalDrafter, speculate
+from specmesh.speculation.drafting import LocalDrafter
+from specmesh.speculation.loop import speculate
 
 PASSWORDS = {"router": "router-password-0123456789", "verifier": "verifier-password-0123456789",
              "drafter": "drafter-password-0123456789"}

@@ -145,7 +145,7 @@ def test_drafters_register_by_what_they_advertise():
     from types import SimpleNamespace
 
     from specmesh.drafters.ngram import NgramDrafter
-    from specmesh.speculation.loop import LocalDrafter
+    from specmesh.speculation.drafting import LocalDrafter
 
     router = ExpertRouter({})
     router.register(SimpleNamespace(name="code", kind="expert", domains=("code",)))  # an in-process expert

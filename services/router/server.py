@@ -38,7 +38,7 @@ from specmesh.services.router.convert import SPECULATION, stats_pb, trace_pb, us
 from specmesh.services.router.openai_api import HttpServer, openai_app
 from specmesh.speculation.classifier import default_classifier
 from specmesh.speculation.expertise import GENERAL, RoutingConfig
-from specmesh.speculation.loop import LocalDrafter
+from specmesh.speculation.drafting import LocalDrafter
 from specmesh.speculation.policy import adaptive_policy
 from specmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 

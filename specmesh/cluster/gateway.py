@@ -25,15 +25,9 @@ from specmesh.prompts import check_text
 from specmesh.sampling import SamplingParams
 from specmesh.speculation.classifier import RequestClassifier
 from specmesh.speculation.expertise import GENERAL
-from specmesh.speculation.loop import (
-    AsyncDrafter,
-    Request,
-    SpeculationStats,
-    StepOutput,
-    VerifierClient,
-    speculate,
-    validate_request,
-)
+from specmesh.speculation.drafting import AsyncDrafter
+from specmesh.speculation.loop import VerifierClient, speculate
+from specmesh.speculation.requests import Request, SpeculationStats, StepOutput, validate_request
 from specmesh.speculation.policy import (
     DEFAULT_TREE_NODES,
     AdaptivePolicy,

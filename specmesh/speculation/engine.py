@@ -1,27 +1,22 @@
-"""The in-process engine: the speculation loop (``loop.speculate``) with local drafters and a local,
-lock-step batching verifier. With no drafters (or a budget of 0) every tree is empty and each step is
-exactly one step of plain batched decoding.
+"""The in-process engine: the engine core (``engine_core.EngineCore``) with local drafters and the
+target's tree verifier in this process, driven until every request is done. Each target pass carries
+one tree of every running request. With no drafters (or a budget of 0) every tree is empty and each step
+is exactly one step of plain batched decoding.
 """
 
 from __future__ import annotations
 
 import asyncio
-from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Sequence
 
 from specmesh.drafters.base import Drafter
 from specmesh.errors import InvalidArgument
 from specmesh.runtime.target import TargetRuntime
-from specmesh.runtime.tree_verifier import TreeVerifier
-from specmesh.speculation.loop import (
-    BatchingVerifier,
-    LocalDrafter,
-    Request,
-    SpeculationStats,
-    speculate,
-    validate_request,
-)
+from specmesh.runtime.tree_verifier import TreeVerifier, VerifyJob, VerifyResult
+from specmesh.speculation.drafting import LocalDrafter
+from specmesh.speculation.engine_core import EngineCore
+from specmesh.speculation.requests import Request, SpeculationStats, validate_request
 from specmesh.speculation.policy import FixedPolicy, SpeculationPolicy
 from specmesh.tree import MAX_TREE_NODES
 
@@ -68,24 +63,33 @@ class SpeculativeEngine:
         return asyncio.run(self._generate_all(requests))
 
     async def _generate_all(self, requests: Sequence[Request]) -> list[Completion]:
-        batcher = BatchingVerifier(self.verifier)
-        batcher.expect([r.request_id for r in requests])
+        core = EngineCore(InProcessVerifier(self.verifier), self.eos_token_ids, max_running=self.verifier.max_sessions)
         drafters = [LocalDrafter(d) for d in self.drafters] if self.max_tree_nodes > 0 else []
-        return list(await asyncio.gather(*(self._run(r, drafters, batcher) for r in requests)))
-
-    async def _run(self, request: Request, drafters: list[LocalDrafter], batcher: BatchingVerifier) -> Completion:
-        stats = SpeculationStats()
-        policy = None
-        tokens: list[int] = []
-        finish_reason = "length"
+        completions = {r.request_id: Completion(r.request_id, [], "length", SpeculationStats()) for r in requests}
         try:
-            policy = self.policy.begin(request.kind, self.max_tree_nodes)
-            async with aclosing(speculate(request, drafters, batcher, policy, self.eos_token_ids, stats)) as steps:
-                async for step in steps:
-                    tokens.extend(step.token_ids)
-                    finish_reason = step.finish_reason or finish_reason
+            for request in requests:
+                core.add(request, self.policy.begin(request.kind, self.max_tree_nodes), drafters,
+                         completions[request.request_id].stats)
+            while core.num_requests:
+                for output in await core.step():
+                    if output.error is not None:
+                        raise output.error
+                    completion = completions[output.request_id]
+                    completion.token_ids.extend(output.token_ids)
+                    completion.finish_reason = output.finish_reason or completion.finish_reason
         finally:
-            if policy is not None:
-                policy.end()
-            await batcher.close(request.request_id)  # also when the loop never started: others must not wait for it
-        return Completion(request.request_id, tokens, finish_reason, stats)
+            await core.close()
+        return [completions[r.request_id] for r in requests]
+
+
+class InProcessVerifier:
+    """The tree verifier of this process, as the engine core calls it."""
+
+    def __init__(self, verifier: TreeVerifier) -> None:
+        self.verifier = verifier
+
+    async def verify(self, jobs: list[VerifyJob]) -> list[VerifyResult]:
+        return self.verifier.verify(jobs)
+
+    async def close(self, request_id: str) -> None:
+        self.verifier.close(request_id)

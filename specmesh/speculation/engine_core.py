@@ -1,0 +1,257 @@
+"""The engine core: one step loop for every running request (continuous batching).
+
+Each ``step()`` plans every running request's budget, drafts and fuses its tree, verifies all the trees
+in one call to the verifier, commits what each verdict keeps, and gives back one ``RequestOutput`` per
+request that moved. Requests join (``add``) and leave (``abort``, or their end) between steps; more than
+``max_running`` wait their turn. The in-process engine drives it to completion; a verifier service drives
+it for the requests the routers hand it. The loop is the same, only the processes around it differ.
+
+A drafter's failure costs that request's proposal for the step (``drafting.guarded``); a request whose
+numbers break the acceptance rule fails alone (``RequestOutput.error``), the others go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+from specmesh.errors import RequestFailed, Unavailable
+from specmesh.runtime.tree_verifier import VerifyJob, VerifyResult
+from specmesh.speculation.drafting import AsyncDrafter, Draft, draft_step, guarded
+from specmesh.speculation.policy import RequestPolicy, StepOutcome
+from specmesh.speculation.requests import Request, SpeculationStats
+from specmesh.tree import TokenTree
+
+log = logging.getLogger(__name__)
+
+MAX_RESYNCS = 3  # a request whose verifier keeps losing its cache is failing, not slow
+MAX_REFUSALS = 100  # steps a request may wait for room in the KV cache before it is failed
+
+
+class StepVerifier(Protocol):
+    """The verifier as the core calls it: one call a step for every request's job."""
+
+    async def verify(self, jobs: list[VerifyJob]) -> list[VerifyResult]: ...
+
+    async def close(self, request_id: str) -> None: ...
+
+
+@dataclass
+class RequestOutput:
+    """What one step gave one request."""
+
+    request_id: str
+    token_ids: list[int]  # newly committed, in order
+    finish_reason: str | None = None  # "stop", "length", "failed", "aborted", or None while generating
+    outcome: StepOutcome | None = None  # how the step went (plan, trees, timings)
+    error: Exception | None = None  # why it failed (finish_reason "failed")
+
+
+@dataclass
+class _Running:
+    request: Request
+    policy: RequestPolicy
+    drafters: dict[str, AsyncDrafter]
+    stats: SpeculationStats
+    context: list[int]  # every committed token; the last one is the next tree's root
+    started: float
+    produced: int = 0
+    step: int = 0
+    send_history: bool = True  # the first job prefills
+    resyncs: int = 0  # in a row
+    refusals: int = 0  # in a row
+    waiting: Draft | None = None  # a job held over (its prefill goes on): verified again with the same tree
+    features: tuple[int, ...] = ()
+
+    @property
+    def room(self) -> int:
+        return self.request.params.max_tokens - self.produced
+
+    def job(self, tree: TokenTree) -> VerifyJob:
+        history = tuple(self.context[:-1]) if self.send_history else None
+        return VerifyJob(self.request.request_id, self.step, position=len(self.context) - 1, root=self.context[-1],
+                         tree=tree, params=self.request.params, history=history, feature_layers=self.features)
+
+
+@dataclass
+class _Stepping:
+    """One request's part of a step: its draft and job, and then its result."""
+
+    running: _Running
+    draft: Draft
+    draft_ms: float
+    job: VerifyJob = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.job = self.running.job(self.draft.fused)
+
+
+class EngineCore:
+    def __init__(self, verifier: StepVerifier, eos_token_ids: frozenset[int] = frozenset(),
+                 max_running: int = 256) -> None:
+        self.verifier = verifier
+        self.eos_token_ids = eos_token_ids
+        self.max_running = max_running
+        self._running: dict[str, _Running] = {}
+        self._waiting: deque[_Running] = deque()
+
+    @property
+    def num_requests(self) -> int:
+        """Requests running or waiting their turn."""
+        return len(self._running) + len(self._waiting)
+
+    def add(self, request: Request, policy: RequestPolicy, drafters: Sequence[AsyncDrafter] = (),
+            stats: SpeculationStats | None = None) -> None:
+        """``request`` joins at the next step it has room in, drafted for by ``drafters`` as ``policy`` plans."""
+        rid = request.request_id
+        if rid in self._running or any(r.request.request_id == rid for r in self._waiting):
+            raise ValueError(f"request {rid} is already in the engine")
+        by_name = {d.name: d for d in drafters}
+        if len(by_name) != len(drafters):
+            raise ValueError(f"drafter names must be unique: {[d.name for d in drafters]}")
+        stats = stats if stats is not None else SpeculationStats()
+        stats.request_kind = policy.kind
+        features = tuple(sorted({n for d in drafters for n in d.feature_layers}))
+        self._waiting.append(_Running(request, policy, by_name, stats, list(request.prompt_ids), time.perf_counter(),
+                                      features=features))
+
+    async def abort(self, request_id: str) -> bool:
+        """Let the request go (its client left): its drafter sessions and KV cache are freed. False: not here."""
+        for running in self._waiting:
+            if running.request.request_id == request_id:
+                self._waiting.remove(running)
+                running.policy.end()
+                return True
+        running = self._running.pop(request_id, None)
+        if running is None:
+            return False
+        await self._release(running)
+        return True
+
+    async def close(self) -> None:
+        """Abort every request."""
+        for rid in [r.request.request_id for r in self._waiting] + list(self._running):
+            await self.abort(rid)
+
+    async def step(self) -> list[RequestOutput]:
+        """One step of every running request: at most one output each (none while its prefill goes on)."""
+        await self._admit()
+        if not self._running:
+            return []
+        stepping = await asyncio.gather(*(self._draft(r) for r in self._running.values()))
+        verified_at = time.perf_counter()
+        try:
+            results = await self.verifier.verify([s.job for s in stepping])
+        except Exception as exc:  # the pass failed: every request in it fails with it, the core goes on
+            log.exception("a verification pass failed")
+            failed = RequestFailed(f"its verification pass failed ({type(exc).__name__}; the verifier's log has it)")
+            return [await self._fail(s.running, failed) for s in stepping]
+        verify_s = time.perf_counter() - verified_at
+        outputs = []
+        for part, result in zip(stepping, results):
+            output = await self._take(part, result, verify_s)
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    async def _admit(self) -> None:
+        while self._waiting and len(self._running) < self.max_running:
+            running = self._waiting.popleft()
+            self._running[running.request.request_id] = running
+            rid, prompt = running.request.request_id, running.request.prompt_ids
+            await asyncio.gather(*(guarded(d, "start", rid, running.stats, prompt) for d in running.drafters.values()))
+
+    async def _draft(self, running: _Running) -> _Stepping:
+        if running.waiting is not None:  # the same job again: its prefill goes on
+            return _Stepping(running, running.waiting, 0.0)
+        plan = running.policy.plan(running.room, [n for n, d in running.drafters.items() if d.healthy],
+                                   len(running.context))
+        drafted_at = time.perf_counter()
+        draft = await draft_step(running.drafters, plan, running.request.request_id, running.stats,
+                                 max_depth=running.room - 1)
+        draft_ms = (time.perf_counter() - drafted_at) * 1e3
+        running.stats.draft_s += draft_ms / 1e3
+        return _Stepping(running, draft, draft_ms)
+
+    async def _take(self, part: _Stepping, result: VerifyResult, verify_s: float) -> RequestOutput | None:
+        running, rid = part.running, part.running.request.request_id
+        running.stats.verify_s += verify_s
+        running.stats.verifier_s += result.verify_ms / 1e3
+        running.waiting = part.draft if result.prefilling else None
+        if result.failed:
+            return await self._fail(running, RequestFailed(f"the target could not verify this request at {result.failed}"))
+        if result.verdict is None:
+            if result.prefilling:
+                return None
+            if result.refused:
+                running.refusals += 1
+                if running.refusals > MAX_REFUSALS:
+                    return await self._fail(running, Unavailable(f"no room for this request's cache: {result.refused}"))
+                return None
+            running.stats.resyncs += 1
+            running.resyncs += 1
+            running.send_history = True
+            if running.resyncs > MAX_RESYNCS:
+                return await self._fail(running, Unavailable(
+                    f"the verifier lost this request's cache {running.resyncs} times in a row; retry later"))
+            return None
+        running.send_history, running.resyncs, running.refusals = False, 0, 0
+        return await self._commit(part, result)
+
+    async def _commit(self, part: _Stepping, result: VerifyResult) -> RequestOutput:
+        running, draft, stats = part.running, part.draft, part.running.stats
+        rid, room = running.request.request_id, running.room
+        verdict = result.verdict
+        new = list(verdict.tokens)
+        finish_reason = None
+        stop_at = next((i for i, t in enumerate(new) if t in self.eos_token_ids), None)
+        if stop_at is not None and stop_at < room:
+            new, finish_reason = new[: stop_at + 1], "stop"
+        elif len(new) >= room:
+            new, finish_reason = new[:room], "length"
+        tree = draft.fused
+        stats.target_steps += 1
+        stats.drafted_nodes += len(tree)
+        stats.accepted_tokens += min(verdict.num_accepted, len(new))
+        stats.committed_tokens += len(new)
+        for name in draft.plan.drafters:
+            stats.drafter_steps[name] = stats.drafter_steps.get(name, 0) + 1
+        if not running.produced:
+            stats.first_token_s = time.perf_counter() - running.started
+        running.produced += len(new)
+        running.context.extend(new)
+        running.step += 1
+        outcome = StepOutcome(draft.plan, draft.trees, tree, tuple(new), part.draft_ms, draft.drafter_ms,
+                              part.draft_ms + result.verify_ms, result.pass_ms, result.batch_rows, result.batch_size,
+                              result.batch_trees, draft.fuse_ms, result.prefilled_tokens, result.verify_ms,
+                              result.queue_ms)
+        running.policy.observe(outcome)
+        for drafter in running.drafters.values():  # also the last step: history drafters keep answers
+            await guarded(drafter, "commit", rid, stats, new)
+            layers = drafter.feature_layers
+            if layers and result.features is not None and finish_reason is None:
+                await guarded(drafter, "add_features", rid, stats, result.features.of_layers(layers))
+        if finish_reason is not None:
+            del self._running[rid]
+            await self._release(running)
+        return RequestOutput(rid, new, finish_reason, outcome)
+
+    async def _fail(self, running: _Running, error: Exception) -> RequestOutput:
+        rid = running.request.request_id
+        self._running.pop(rid, None)
+        await self._release(running)
+        return RequestOutput(rid, [], "failed", error=error)
+
+    async def _release(self, running: _Running) -> None:
+        running.stats.total_s = time.perf_counter() - running.started
+        running.policy.end()
+        rid = running.request.request_id
+        names = list(running.drafters)
+        parts = [*(d.end(rid) for d in running.drafters.values()), self.verifier.close(rid)]
+        for name, outcome in zip(names + ["the verifier"], await asyncio.gather(*parts, return_exceptions=True)):
+            if isinstance(outcome, Exception):
+                log.warning("%s failed to free request %s", name, rid, exc_info=outcome)
