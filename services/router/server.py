@@ -23,6 +23,7 @@ from specmesh.cluster.discovery import (
 )
 from specmesh.cluster.gateway import ModelCard, Router, RouterLimits, TextStream, watch_cluster
 from specmesh.cluster.metrics import RouterMetrics, serve_metrics
+from specmesh.cluster.pipeline.engine_client import EngineClient
 from specmesh.cluster.pipeline.messages import QueueKeys, QueueSigner
 from specmesh.cluster.pipeline.router_end import QueueVerifierClient
 from specmesh.cluster.redis_clients import async_redis
@@ -30,11 +31,11 @@ from specmesh.cluster.remote_drafter import RemoteDrafter
 from specmesh.cluster.serving import Service, run_service, start_server
 from specmesh.cluster.service_settings import RouterSettings
 from specmesh.cluster.tls import TlsFiles, channel_options
-from specmesh.cluster.wire import sampling_from_pb
+from specmesh.cluster.wire import sampling_from_pb, trace_to_pb
 from specmesh.drafters.catalog import MODEL_FREE_DRAFTERS
 from specmesh.errors import InvalidArgument
 from specmesh.runtime.loading import configure_threads, load_target_parts, tokenizer_fingerprint
-from specmesh.services.router.convert import SPECULATION, stats_pb, trace_pb, usage_pb
+from specmesh.services.router.convert import SPECULATION, stats_pb, usage_pb
 from specmesh.services.router.openai_api import HttpServer, openai_app
 from specmesh.speculation.classifier import default_classifier
 from specmesh.speculation.expertise import GENERAL, RoutingConfig
@@ -104,7 +105,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 finish_reason=step.finish_reason or "",
             )
             if step.outcome is not None:
-                chunk.step.CopyFrom(trace_pb(step.outcome))
+                chunk.step.CopyFrom(trace_to_pb(step.outcome))
             if final:
                 chunk.usage.CopyFrom(usage_pb(generation))
                 chunk.stats.CopyFrom(stats_pb(generation))
@@ -155,11 +156,17 @@ async def serve(args: RouterSettings) -> None:
     )
     redis = async_redis(args.redis_url)
     metrics = RouterMetrics()
-    verifier = QueueVerifierClient(redis, QueueKeys(args.pool), f"router-{os.getpid()}-{uuid.uuid4().hex[:6]}",
-                                   job_timeout_s=args.job_timeout, signer=QueueSigner.from_environment(args.queue_key_file),
-                                   on_forged=metrics.forged_results.inc, on_resend=metrics.resent_jobs.inc,
-                                   on_pass_curve=policy.calibrate)
+    router_id = f"router-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    signer = QueueSigner.from_environment(args.queue_key_file)
+    verifier = QueueVerifierClient(redis, QueueKeys(args.pool), router_id, job_timeout_s=args.job_timeout,
+                                   signer=signer, on_forged=metrics.forged_results.inc,
+                                   on_resend=metrics.resent_jobs.inc, on_pass_curve=policy.calibrate)
     await verifier.start()
+    engine = None
+    if args.step_loop == "verifier":  # the verifiers run the step loop: requests are admitted there
+        engine = EngineClient(redis, QueueKeys(args.pool), router_id, timeout_s=args.job_timeout, signer=signer,
+                              on_forged=metrics.forged_results.inc)
+        await engine.start()
     local = [LocalDrafter(MODEL_FREE_DRAFTERS[name]()) for name in args.local_drafter_names]
     drafters: list = [*local]
     credentials = tls.channel_credentials() if tls is not None and tls.ca is not None else None  # mTLS to drafters
@@ -178,7 +185,7 @@ async def serve(args: RouterSettings) -> None:
     limits = RouterLimits(args.max_concurrent, args.max_queue_backlog, args.default_max_tokens, args.max_tree_nodes,
                           draft_ahead=args.drafts_ahead(), speculation=args.speculation)
     endpoint = serve_metrics(metrics, args.metrics_address)
-    router = Router(target.tokenizer, card, drafters, verifier, limits, policy, default_classifier(), metrics)
+    router = Router(target.tokenizer, card, drafters, verifier, limits, policy, default_classifier(), metrics, engine)
     servicer = RouterServicer(router, verifier)
     server = await start_server(
         [Service(ROUTER_SERVICE, lambda s: router_pb2_grpc.add_RouterServicer_to_server(servicer, s))],
@@ -206,6 +213,8 @@ async def serve(args: RouterSettings) -> None:
     if endpoint:
         endpoint.close()
     await verifier.stop()
+    if engine is not None:
+        await engine.stop()
     await remote.close()
     await asyncio.gather(*(d.close() for d in drafters if isinstance(d, RemoteDrafter)))
     await redis.aclose()

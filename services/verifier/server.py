@@ -13,19 +13,25 @@ from functools import partial
 from typing import Sequence
 
 from specmesh.cluster.auth import Access, ApiKeys, KeyLimits
+from specmesh.cluster.discovery import DrafterSet
 from specmesh.cluster.metrics import VerifierMetrics, serve_metrics
 from specmesh.cluster.pipeline.messages import ENV_KEY as QUEUE_KEY
 from specmesh.cluster.pipeline.messages import QueueKeys, QueueSigner, new_key
 from specmesh.cluster.pipeline.verifier_end import VerifierQueue
+from specmesh.cluster.pipeline.engine_worker import EngineWorker
 from specmesh.cluster.pipeline.worker import VerifierWorker
 from specmesh.cluster.redis_clients import async_redis, blocking_redis
+from specmesh.cluster.remote_drafter import RemoteDrafter
 from specmesh.cluster.serving import Server, Service, TorchThread, run_service, start_server
 from specmesh.cluster.service_settings import VerifierSettings
 from specmesh.cluster.tls import TlsFiles
+from specmesh.drafters.catalog import MODEL_FREE_DRAFTERS
 from specmesh.runtime.calibration import measure_pass_curve
-from specmesh.runtime.loading import configure_threads, tokenizer_fingerprint
+from specmesh.runtime.loading import configure_threads, parts_of, tokenizer_fingerprint
 from specmesh.runtime.target import load_target
 from specmesh.runtime.tree_verifier import TreeVerifier
+from specmesh.speculation.drafting import LocalDrafter
+from specmesh.speculation.policy import adaptive_policy
 from specmesh.tree import MAX_TREE_NODES
 from specmesh.v1 import verifier_pb2, verifier_pb2_grpc
 
@@ -87,6 +93,25 @@ def load_verifier(args: VerifierSettings):
     return target, runtime, TreeVerifier(runtime, max_sessions=args.max_sessions, max_tree_nodes=MAX_TREE_NODES)
 
 
+async def engine_worker(args: VerifierSettings, target, verifier: TreeVerifier, queue: VerifierQueue,
+                        torch_thread: TorchThread, curve, metrics: VerifierMetrics, tls: TlsFiles | None):
+    """The engine loop of --step-loop verifier, with its drafters: model-free ones in this process, the others
+    over gRPC (mutual TLS with the cluster's CA)."""
+    parts = parts_of(target)
+    drafters: list = [LocalDrafter(MODEL_FREE_DRAFTERS[name]()) for name in args.local_drafter_names]
+    credentials = tls.channel_credentials() if tls is not None and tls.ca is not None else None
+    remote = DrafterSet(drafters, lambda address: RemoteDrafter(address, timeout_s=args.drafter_timeout,
+                                                                credentials=credentials),
+                        tokenizer_fingerprint(target.tokenizer), hidden_size=parts.hidden_size or None,
+                        num_layers=parts.num_layers or None)
+    await remote.update(args.drafter_addresses)
+    policy = adaptive_policy({})
+    policy.calibrate([curve])
+    worker = EngineWorker(verifier, queue, torch_thread, policy, drafters, frozenset(parts.eos_token_ids), metrics)
+    log.info("the step loop runs here: drafters %s", ", ".join(d.name for d in drafters) or "none")
+    return worker, remote
+
+
 async def serve(args: VerifierSettings) -> None:
     tls = TlsFiles.from_flags(args.tls_cert, args.tls_key, args.tls_ca)  # first: a bad flag fails before loading
     if tls is not None and tls.ca is None:
@@ -104,13 +129,19 @@ async def serve(args: VerifierSettings) -> None:
                           results_redis=blocking_redis(args.redis_url))
     metrics = VerifierMetrics()
     endpoint = serve_metrics(metrics, args.metrics_address)
-    worker = VerifierWorker(verifier, queue, torch_thread, max_batch_rows=args.max_batch_rows, metrics=metrics,
-                            session_idle_s=args.session_idle_s, pass_curve=curve)
-    log.info("a pass holds at most %d rows", worker.max_batch_rows)
+    remote = None
+    if args.step_loop == "verifier":
+        worker, remote = await engine_worker(args, target, verifier, queue, torch_thread, curve, metrics, tls)
+        max_rows = args.max_batch_rows
+    else:
+        worker = VerifierWorker(verifier, queue, torch_thread, max_batch_rows=args.max_batch_rows, metrics=metrics,
+                                session_idle_s=args.session_idle_s, pass_curve=curve)
+        max_rows = worker.max_batch_rows
+        log.info("a pass holds at most %d rows", worker.max_batch_rows)
     info = verifier_pb2.VerifierInfo(
         verifier_id=verifier_id, pool=args.pool, model=target.name, tokenizer_hash=tokenizer_fingerprint(target.tokenizer),
         vocab_size=runtime.vocab_size, max_length=runtime.max_length, max_sessions=args.max_sessions,
-        max_batch_tokens=worker.max_batch_rows,
+        max_batch_tokens=max_rows,
     )
     servicer = VerifierServicer(worker, info)
 
@@ -132,6 +163,9 @@ async def serve(args: VerifierSettings) -> None:
     worker.stopped.set()
     await worker_task
     health_task.cancel()
+    if remote is not None:
+        await remote.close()
+        await asyncio.gather(*(d.close() for d in worker.drafters if isinstance(d, RemoteDrafter)))
     await redis.aclose()
     queue.results_redis.close()
     if endpoint:

@@ -146,13 +146,15 @@ def run_oracle_bench(args: argparse.Namespace) -> int:
                     "device": args.device or ("cuda" if torch.cuda.is_available() else "cpu"),
                     "max_tokens": args.max_tokens, "tree_nodes": args.max_tree_nodes,
                     "fixed_tree_nodes": args.fixed_tree_nodes, "rounds": args.sweep_rounds,
-                    "oracle_width": args.oracle_width, "offload": args.offload, "acceptance": {}}
+                    "oracle_width": args.oracle_width, "offload": args.offload,
+                    "step_loop": getattr(args, "step_loop", None) or "router", "acceptance": {}}
     failed = False
     with tempfile.TemporaryDirectory(prefix="specmesh-oracle-") as folder:
         oracle_file = Path(folder) / "oracle.jsonl"
         spec = ClusterSpec(model=args.model, drafters=(f"{PREFIX}{oracle_file}",), device=args.device, dtype=args.dtype,
                            max_tree_nodes=max(args.max_tree_nodes, args.fixed_tree_nodes), job_timeout_s=JOB_TIMEOUT_S,
-                           batch_invariant=args.batch_invariant, offload=args.offload)
+                           batch_invariant=args.batch_invariant, offload=args.offload,
+                           step_loop=getattr(args, "step_loop", None))
         print(f"starting the cluster: {args.model} (random weights), oracle drafter ...", flush=True)
         with LocalCluster(spec) as cluster:
             started = time.perf_counter()

@@ -18,6 +18,7 @@ from jinja2 import TemplateError
 
 from specmesh.cancellation import raise_if_cancelled
 from specmesh.cluster.metrics import MeteredRequest, RequestClock, RouterMetrics
+from specmesh.cluster.pipeline.engine_client import EngineClient
 from specmesh.cluster.pipeline.router_end import QueueVerifierClient
 from specmesh.cluster.serving import Server
 from specmesh.errors import InvalidArgument, ResourceExhausted, Unavailable
@@ -25,7 +26,7 @@ from specmesh.prompts import check_text
 from specmesh.sampling import SamplingParams
 from specmesh.speculation.classifier import RequestClassifier
 from specmesh.speculation.expertise import GENERAL
-from specmesh.speculation.drafting import AsyncDrafter
+from specmesh.speculation.drafting import AsyncDrafter, one_per_name
 from specmesh.speculation.loop import VerifierClient, speculate
 from specmesh.speculation.requests import Request, SpeculationStats, StepOutput, validate_request
 from specmesh.speculation.policy import (
@@ -95,11 +96,13 @@ class Router:
         self, tokenizer, card: ModelCard, drafters: Sequence[AsyncDrafter], verifier: VerifierClient,
         limits: RouterLimits | None = None, policy: AdaptivePolicy | None = None,
         classifier: RequestClassifier | None = None, metrics: RouterMetrics | None = None,
+        engine: EngineClient | None = None,
     ) -> None:
         """``policy``: the adaptive policy over the drafters' names (default: built from their
         advertised domains); ``classifier``: the request kind from the prompt's text (default: none,
         every request is ``general`` and routing learns from acceptance alone); ``metrics``: where the
-        loop's steps and latencies are counted (none: not counted)."""
+        loop's steps and latencies are counted (none: not counted); ``engine``: the verifiers run the step
+        loop (``--step-loop verifier``): requests are admitted there and their answers read as deltas."""
         self.tokenizer = tokenizer
         self.card = card
         self.drafters = list(drafters)
@@ -109,6 +112,7 @@ class Router:
         self.policy = policy or adaptive_policy({})
         self.classifier = classifier
         self.metrics = metrics
+        self.engine = engine
         if metrics is not None:
             metrics.watch(self.policy)
         self.active = 0
@@ -198,15 +202,11 @@ class Router:
         return Ticket(request, budget, speculation, resumed)
 
     def _unique_drafters(self) -> list[AsyncDrafter]:
-        """One drafter per name (a second with the same name — a replica — adds nothing to routing),
-        each advertising its domains to the policy."""
-        unique: dict[str, AsyncDrafter] = {}
-        for drafter in self.drafters:
-            if drafter.name not in unique or not unique[drafter.name].healthy:
-                unique[drafter.name] = drafter
-        for drafter in unique.values():
+        """One drafter per name, each advertising its domains to the policy."""
+        unique = one_per_name(self.drafters)
+        for drafter in unique:
             self.policy.router.register(drafter)
-        return list(unique.values())
+        return unique
 
     # ---- generation ----
 
@@ -219,7 +219,7 @@ class Router:
         self.active += 1  # before any await: the requests arriving meanwhile count this one
         try:
             try:
-                backlog = await self.verifier.backlog()
+                backlog = await (self.engine or self.verifier).backlog()
                 raise_if_cancelled()  # a Redis call (specmesh.cancellation): a client gone by now is not admitted
             except asyncio.CancelledError:  # it held a slot: it ends as aborted, as one that began would
                 if self.metrics is not None:
@@ -249,8 +249,11 @@ class Router:
             self.metrics.requests_by_kind.labels(request.kind or GENERAL).inc()
             self.metrics.in_flight.inc()
         try:
-            steps = speculate(request, drafters, self.verifier, policy, self.card.eos_token_ids, generation.stats,
-                              draft_ahead=self.limits.draft_ahead)
+            if self.engine is not None:
+                steps = self._engine_steps(ticket, generation)
+            else:
+                steps = speculate(request, drafters, self.verifier, policy, self.card.eos_token_ids, generation.stats,
+                                  draft_ahead=self.limits.draft_ahead)
             async with aclosing(steps):
                 async for step in steps:
                     generation.token_ids.extend(step.token_ids)
@@ -263,6 +266,16 @@ class Router:
             if self.metrics is not None:
                 self.metrics.in_flight.dec()
                 self.metrics.finished.labels(generation.finish_reason or "aborted").inc()
+
+
+    async def _engine_steps(self, ticket: Ticket, generation: Generation) -> AsyncIterator[StepOutput]:
+        """The request's answer from the verifier that runs its steps."""
+        deltas = self.engine.generate(ticket.request, ticket.budget, ticket.speculation == "fixed")
+        async with aclosing(deltas):
+            async for delta in deltas:
+                if delta.stats is not None:
+                    generation.stats = delta.stats
+                yield StepOutput(delta.tokens, delta.finish_reason)
 
 
 SPLIT_TOKENS = 3  # a character is 4 bytes at most: the tokens its first bytes may end an answer with

@@ -81,6 +81,7 @@ class ClusterSpec:
     unresponsive_s: float = 30.0  # and kill, then start again, what has stopped serving this long
     redis_url: str | None = None  # a Redis of the caller's (not started, stopped or supervised here)
     extra_env: dict[str, str] = field(default_factory=dict)
+    step_loop: str | None = None  # the routers' and verifiers': router (a queue job per request per step) or verifier
 
     def __post_init__(self) -> None:
         self.router_flags()  # a bad setting fails here, not once the cluster is half up
@@ -95,14 +96,14 @@ class ClusterSpec:
         return RouterSettings.command_line(
             model=self.model, max_tree_nodes=self.max_tree_nodes, draft_ahead=self.draft_ahead,
             speculation=self.speculation, speculation_margin=self.speculation_margin, job_timeout=self.job_timeout_s,
-            api_keys_file=None if self.api_keys_file is None else str(self.api_keys_file))
+            api_keys_file=None if self.api_keys_file is None else str(self.api_keys_file), step_loop=self.step_loop)
 
     def verifier_flags(self) -> list[str]:
         """Every verifier's flags from this spec."""
         return VerifierSettings.command_line(model=self.model, dtype=self.dtype, device=self.device,
                                              precision=self.precision, kv_cache_gb=self.kv_cache_gb,
                                              batch_invariant=self.batch_invariant, offload=self.offload or None,
-                                             tensor_parallel=self.tensor_parallel)
+                                             tensor_parallel=self.tensor_parallel, step_loop=self.step_loop)
 
 
 @dataclass
@@ -299,6 +300,9 @@ class LocalCluster:
         threads = max(1, self.spec.cores // max(1, self.spec.verifiers))
         args = [*self.spec.verifier_flags(),
                 *VerifierSettings.command_line(threads=threads, verifier_id=f"verifier-{index}")]
+        if self.spec.step_loop == "verifier":  # the step loop, and so the drafters' calls, are the verifier's
+            args += VerifierSettings.command_line(drafters=",".join(d.address for d in self.drafters),
+                                                  local_drafters=",".join(self.local_drafters))
         return self._service(f"verifier-{index}", "verifier", args, threads)
 
     def drafter_process(self, drafter: str) -> ServiceProcess:
@@ -333,8 +337,8 @@ class LocalCluster:
                 os.fchmod(handle, 0o600)
                 with os.fdopen(handle, "w") as out:
                     out.write(self.redis_url + "\n")
-            self.verifiers = [self.verifier_process(i) for i in range(spec.verifiers)]
             self.drafters = [self.drafter_process(d) for d in spec.drafters if d not in self.local_drafters]
+            self.verifiers = [self.verifier_process(i) for i in range(spec.verifiers)]
             for process in [*self.verifiers, *self.drafters]:
                 process.start()
             for process in [*self.verifiers, *self.drafters]:

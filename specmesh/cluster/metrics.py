@@ -259,7 +259,8 @@ class VerifierMetrics(ServiceMetrics):
         self.jobs = Counter("specmesh_verify_jobs", "Jobs taken from the queue, by outcome (ok, resync, refused, failed: its request alone failed in the "
                             "pass, repeat, error, expired, closed: its request was "
                             "let go while it waited or prefilled, forged: no valid queue tag, "
-                            "undeliverable: its reply_to cannot take a result)",
+                            "undeliverable: its reply_to cannot take a result; with --step-loop verifier one a "
+                            "request a pass, prefilling: its prompt is cached over several passes)",
                             ["outcome"], registry=r)
         self.batch_requests = Histogram("specmesh_verify_batch_requests", "Requests per verification pass",
                                         buckets=COUNT_BUCKETS[:10], registry=r)

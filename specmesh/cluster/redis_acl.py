@@ -6,6 +6,9 @@
   the queue). It cannot write a result.
 - verifier: takes jobs (consumer group reads, acknowledgements, reclaiming), posts results, beats its
   heartbeat and keeps the member set. It cannot post a job or read a result.
+- the engine-core path (``--step-loop verifier``): the router admits requests, posts aborts and reads its
+  outputs stream; the verifier takes admissions (consumer group; a dead one's it claims), reads aborts,
+  posts outputs and keeps its commit log (and reads and deletes a dead one's).
 - drafter: announces itself in the registry (``--announce``), nothing else.
 
 ``specmesh redis-acl`` prints these as ACL file lines (``users.acl``) or ``ACL SETUSER`` commands; the
@@ -24,6 +27,8 @@ def role_rules(role: str, prefix: str = "specmesh") -> list[str]:
     """The role's ACL rules after ``resetkeys resetchannels -@all`` (each parenthesised one a selector)."""
     jobs, results, alive = f"{prefix}:*:jobs*", f"{prefix}:results:*", f"{prefix}:*:alive:*"
     members, drafters = f"{prefix}:*:verifiers", f"{prefix}:drafters:*"
+    admissions, aborts, outputs = f"{prefix}:*:admissions", f"{prefix}:*:aborts", f"{prefix}:outputs:*"
+    commit_logs = f"{prefix}:*:log:*"
     rules = {
         "router": [
             f"(+xadd +xlen +xrange +xpending %RW~{jobs})",
@@ -31,6 +36,9 @@ def role_rules(role: str, prefix: str = "specmesh") -> list[str]:
             f"(+smembers %R~{members})",
             f"(+exists +get %R~{alive})",
             f"(+scan %R~{drafters})",
+            f"(+xadd +xinfo|groups %RW~{admissions})",
+            f"(+xadd %W~{aborts})",
+            f"(+xread +xtrim %RW~{outputs})",
             "+info",
         ],
         "verifier": [
@@ -38,6 +46,11 @@ def role_rules(role: str, prefix: str = "specmesh") -> list[str]:
             f"(+xadd +expire %W~{results})",
             f"(+set +del +exists %RW~{alive})",
             f"(+sadd +srem +smembers %RW~{members})",
+            f"(+xgroup|create +xreadgroup +xack +xdel +xpending +xclaim %RW~{admissions})",
+            f"(+xadd +xrange +xtrim +del %RW~{commit_logs})",
+            "+multi +exec",  # a step's outputs, its commit log entry and the finished requests' acks go together
+            f"(+xread +xrevrange %R~{aborts})",
+            f"(+xadd %W~{outputs})",
         ],
         "drafter": [f"(+set +del %W~{drafters})"],
     }

@@ -26,6 +26,13 @@ DEFAULT_SELECTOR = "specmesh.io/role=drafter"  # the drafter Services' label (ku
 # has lost its router (killed: it closes nothing) or waited past any job timeout; one that comes back resyncs
 SESSION_IDLE_S = 60.0
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# where a request's step loop runs: in the router (a queue job per request per step) or in the verifier that
+# took the request (an engine core; the router admits it and streams its deltas). Both exist while the
+# verifier's is brought up to every guarantee of the router's; routers and verifiers must agree.
+STEP_LOOPS = ("router", "verifier")
+STEP_LOOP_HELP = ("where requests' step loop runs: router (a queue job per request per step) or verifier (an "
+                  "engine core in each verifier; the router admits requests and streams their answers); routers "
+                  "and verifiers must agree")
 
 
 class ServiceSettings(Settings):
@@ -99,15 +106,12 @@ class RouterSettings(ServiceSettings):
     drafter_timeout: float = setting(2.0, "deadline of each drafter call, seconds", gt=0)
     tls_server_name: str | None = setting(None, "with --tls-ca: the name the drafters have in their certificates, "
                                           "as they are dialled by address (discovered pod IPs)")
+    step_loop: Literal[STEP_LOOPS] = setting("router", STEP_LOOP_HELP)
 
     @field_validator("local_drafters")
     @classmethod
     def _model_free(cls, value: str) -> str:
-        unknown = [n for n in _names(value) if n not in MODEL_FREE_KINDS]
-        if unknown:
-            raise ValueError(f"{', '.join(unknown)} cannot run in the router; model-free drafters: "
-                             f"{', '.join(MODEL_FREE_KINDS)}")
-        return value
+        return _model_free(value, "router")
 
     @property
     def local_drafter_names(self) -> list[str]:
@@ -122,6 +126,14 @@ class RouterSettings(ServiceSettings):
         if self.draft_ahead != "auto":
             return self.draft_ahead == "on"
         return self.discovery != "static" or not all(map(_loopback, self.drafter_addresses))
+
+
+def _model_free(value: str, service: str) -> str:
+    unknown = [n for n in _names(value) if n not in MODEL_FREE_KINDS]
+    if unknown:
+        raise ValueError(f"{', '.join(unknown)} cannot run in the {service}; model-free drafters: "
+                         f"{', '.join(MODEL_FREE_KINDS)}")
+    return value
 
 
 class VerifierSettings(ServiceSettings):
@@ -163,6 +175,24 @@ class VerifierSettings(ServiceSettings):
     queue_key_file: str | None = setting(None, "the queue's HMAC key shared with the routers: only jobs tagged with "
                                          "it run, results are tagged with it (else $SPECMESH_QUEUE_KEY; neither: "
                                          "untagged)")
+    step_loop: Literal[STEP_LOOPS] = setting("router", STEP_LOOP_HELP)
+    drafters: str = setting("", "--step-loop verifier: drafter addresses host:port, comma-separated")
+    local_drafters: str = setting("", "--step-loop verifier: model-free drafters run inside the verifier, "
+                                  "comma-separated: ngram (prompt lookup), history")
+    drafter_timeout: float = setting(2.0, "--step-loop verifier: deadline of each drafter call, seconds", gt=0)
+
+    @field_validator("local_drafters")
+    @classmethod
+    def _model_free(cls, value: str) -> str:
+        return _model_free(value, "verifier")
+
+    @property
+    def local_drafter_names(self) -> list[str]:
+        return _names(self.local_drafters)
+
+    @property
+    def drafter_addresses(self) -> list[str]:
+        return _names(self.drafters)
 
 
 class DrafterSettings(ServiceSettings):

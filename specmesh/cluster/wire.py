@@ -7,8 +7,10 @@ import torch
 from specmesh.errors import InvalidArgument
 from specmesh.runtime.features import Features
 from specmesh.sampling import SamplingParams
+from specmesh.speculation.policy import StepOutcome
+from specmesh.speculation.requests import SpeculationStats
 from specmesh.tree import TokenTree
-from specmesh.v1 import common_pb2
+from specmesh.v1 import common_pb2, router_pb2
 
 
 def tree_to_pb(tree: TokenTree) -> common_pb2.TokenTree:
@@ -38,6 +40,31 @@ def sampling_from_pb(message: common_pb2.SamplingParams) -> SamplingParams:
         top_p=message.top_p or 1.0,  # proto3's default 0 means "not set"
         seed=message.seed if message.HasField("seed") else None,
         max_tokens=message.max_tokens,
+    )
+
+
+def stats_to_pb(s: SpeculationStats) -> router_pb2.SpeculationStats:
+    return router_pb2.SpeculationStats(
+        target_steps=s.target_steps, drafted_nodes=s.drafted_nodes, accepted_tokens=s.accepted_tokens,
+        mean_accepted_length=s.mean_accepted_length, resyncs=s.resyncs, first_token_ms=s.first_token_s * 1e3,
+        total_ms=s.total_s * 1e3, drafters=sorted(s.drafter_steps), drafted_ahead=s.drafted_ahead,
+        draft_ms=s.draft_s * 1e3, verify_ms=s.verify_s * 1e3, verifier_ms=s.verifier_s * 1e3,
+        request_kind=s.request_kind, drafter_steps=s.drafter_steps,
+    )
+
+
+def trace_to_pb(outcome: StepOutcome) -> router_pb2.StepTrace:
+    return router_pb2.StepTrace(budget=outcome.plan.budget, tree_nodes=len(outcome.fused), draft_ms=outcome.draft_ms,
+                                pass_ms=outcome.pass_ms, step_ms=outcome.step_ms, batch_size=outcome.batch_size)
+
+
+def stats_from_pb(message: router_pb2.SpeculationStats) -> SpeculationStats:
+    return SpeculationStats(
+        target_steps=message.target_steps, drafted_nodes=message.drafted_nodes,
+        accepted_tokens=message.accepted_tokens, committed_tokens=round(message.mean_accepted_length * message.target_steps),
+        resyncs=message.resyncs, first_token_s=message.first_token_ms / 1e3, total_s=message.total_ms / 1e3,
+        draft_s=message.draft_ms / 1e3, drafted_ahead=message.drafted_ahead, verify_s=message.verify_ms / 1e3,
+        verifier_s=message.verifier_ms / 1e3, request_kind=message.request_kind, drafter_steps=dict(message.drafter_steps),
     )
 
 

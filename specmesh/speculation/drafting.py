@@ -52,6 +52,16 @@ class AsyncDrafter(Protocol):
     async def end(self, request_id: str) -> None: ...
 
 
+def one_per_name(drafters: Sequence[AsyncDrafter]) -> list[AsyncDrafter]:
+    """One drafter per name, a healthy one where there is (a replica with the same name adds nothing to
+    routing)."""
+    unique: dict[str, AsyncDrafter] = {}
+    for drafter in drafters:
+        if drafter.name not in unique or not unique[drafter.name].healthy:
+            unique[drafter.name] = drafter
+    return list(unique.values())
+
+
 class LocalDrafter:
     """An in-process drafter behind the asynchronous interface (runs inline: deterministic, no threads).
 

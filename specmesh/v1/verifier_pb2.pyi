@@ -1,4 +1,5 @@
 from specmesh.v1 import common_pb2 as _common_pb2
+from specmesh.v1 import router_pb2 as _router_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -127,3 +128,53 @@ class VerifyResult(_message.Message):
     batch_trees: int
     features: _common_pb2.Features
     def __init__(self, request_id: _Optional[str] = ..., step: _Optional[int] = ..., status: _Optional[_Union[VerifyResult.Status, str]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., verifier_id: _Optional[str] = ..., message: _Optional[str] = ..., prefilled_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., pass_ms: _Optional[float] = ..., batch_rows: _Optional[int] = ..., batch_trees: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ...) -> None: ...
+
+class Admission(_message.Message):
+    __slots__ = ("request_id", "prompt", "sampling", "max_tree_nodes", "fixed_budget", "kind", "reply_to")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    FIXED_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    REPLY_TO_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt: _common_pb2.TokenIds
+    sampling: _common_pb2.SamplingParams
+    max_tree_nodes: int
+    fixed_budget: bool
+    kind: str
+    reply_to: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tree_nodes: _Optional[int] = ..., fixed_budget: _Optional[bool] = ..., kind: _Optional[str] = ..., reply_to: _Optional[str] = ...) -> None: ...
+
+class RequestDelta(_message.Message):
+    __slots__ = ("request_id", "position", "tokens", "finish_reason", "message", "step", "stats")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    position: int
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    finish_reason: str
+    message: str
+    step: _router_pb2.StepTrace
+    stats: _router_pb2.SpeculationStats
+    def __init__(self, request_id: _Optional[str] = ..., position: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., message: _Optional[str] = ..., step: _Optional[_Union[_router_pb2.StepTrace, _Mapping]] = ..., stats: _Optional[_Union[_router_pb2.SpeculationStats, _Mapping]] = ...) -> None: ...
+
+class StepOutputs(_message.Message):
+    __slots__ = ("verifier_id", "deltas")
+    VERIFIER_ID_FIELD_NUMBER: _ClassVar[int]
+    DELTAS_FIELD_NUMBER: _ClassVar[int]
+    verifier_id: str
+    deltas: _containers.RepeatedCompositeFieldContainer[RequestDelta]
+    def __init__(self, verifier_id: _Optional[str] = ..., deltas: _Optional[_Iterable[_Union[RequestDelta, _Mapping]]] = ...) -> None: ...
+
+class Abort(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...

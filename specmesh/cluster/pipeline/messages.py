@@ -52,6 +52,20 @@ class QueueKeys:
     def results(self, router_id: str) -> str:
         return f"{self.prefix}:results:{router_id}"
 
+    # the engine-core path (a verifier runs the step loop)
+    @property
+    def admissions(self) -> str:
+        return f"{self.prefix}:{self.pool}:admissions"
+
+    @property
+    def aborts(self) -> str:
+        return f"{self.prefix}:{self.pool}:aborts"
+
+    def outputs(self, router_id: str) -> str:
+        return f"{self.prefix}:outputs:{router_id}"
+
+    def commit_log(self, verifier_id: str) -> str:
+        return f"{self.prefix}:{self.pool}:log:{verifier_id}"
 
 
 # ---- signing ----
@@ -60,6 +74,7 @@ ENV_KEY = "SPECMESH_QUEUE_KEY"
 MIN_KEY_CHARS = 16
 # what a tag vouches for: a result is never a valid job, nor a progress note a result
 JOB, CLOSE, RESULT, PROGRESS = b"job", b"close", b"result", b"progress"
+ADMISSION, ABORT, OUTPUTS = b"admission", b"abort", b"outputs"
 CONTROL = b"control"  # the bearer token of the verifiers' control API (Info, Drain) without mutual TLS
 
 

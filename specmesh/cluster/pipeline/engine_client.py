@@ -1,0 +1,154 @@
+"""A router's end of the engine-core path (``--step-loop verifier``): it admits a request once and reads its
+answer as deltas; the step loop runs in the verifier that took it (``engine_worker.py``).
+
+One listener reads the router's outputs stream (one message a verifier step, every request of this router
+in it) and hands each delta to its request's queue. A delta carries its answer position, so a delta seen
+twice adds nothing. A request whose client left is aborted on the pool's aborts stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from specmesh.cluster.backoff import REDIS_DOWN, redis_reconnect
+from specmesh.cluster.pipeline.messages import ABORT, ADMISSION, GROUP, OUTPUTS, QueueKeys, QueueSigner
+from specmesh.cluster.pipeline.router_end import queue_unreachable
+from specmesh.cluster.wire import sampling_to_pb, stats_from_pb
+from specmesh.errors import RequestFailed, Unavailable
+from specmesh.speculation.requests import Request, SpeculationStats
+from specmesh.v1 import common_pb2, verifier_pb2
+
+log = logging.getLogger(__name__)
+
+LISTEN_BLOCK_MS = 1000
+TRIM_EVERY = 256  # entries read between trims of the outputs stream
+
+
+@dataclass
+class Delta:
+    """Tokens a verifier step added to a request's answer."""
+
+    tokens: list[int]
+    finish_reason: str | None
+    stats: SpeculationStats | None  # with the last one
+
+
+class EngineClient:
+    def __init__(self, redis: aioredis.Redis, keys: QueueKeys, router_id: str, timeout_s: float = 30.0,
+                 signer: QueueSigner | None = None, on_forged=None) -> None:
+        """``timeout_s``: a request that hears nothing this long fails UNAVAILABLE."""
+        self.redis = redis
+        self.keys = keys
+        self.router_id = router_id
+        self.outputs = keys.outputs(router_id)
+        self.timeout_s = timeout_s
+        self.signer = signer or QueueSigner()
+        self.on_forged = on_forged
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._listener: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._listener = asyncio.create_task(self._listen())
+
+    async def stop(self) -> None:
+        if self._listener is not None:
+            self._listener.cancel()
+            await asyncio.gather(self._listener, return_exceptions=True)
+
+    async def backlog(self) -> int:
+        """Admissions no verifier has taken yet."""
+        try:
+            groups = await self.redis.xinfo_groups(self.keys.admissions)
+        except ResponseError:  # no stream yet
+            return 0
+        except REDIS_DOWN as exc:
+            raise queue_unreachable(exc) from None
+        return max((int(g.get("lag") or 0) for g in groups if g.get("name") in (GROUP, GROUP.encode())), default=0)
+
+    async def generate(self, request: Request, budget: int, fixed_budget: bool) -> AsyncIterator[Delta]:
+        """Admit the request and yield its answer's deltas until the last; leaving early aborts it."""
+        rid = request.request_id
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = queue
+        finished = False
+        try:
+            admission = verifier_pb2.Admission(
+                request_id=rid, prompt=common_pb2.TokenIds(ids=request.prompt_ids),
+                sampling=sampling_to_pb(request.params), max_tree_nodes=budget, fixed_budget=fixed_budget,
+                kind=request.kind, reply_to=self.outputs)
+            payload = admission.SerializeToString()
+            try:
+                await self.redis.xadd(self.keys.admissions, {"admission": payload,
+                                                             "tag": self.signer.tag(ADMISSION, payload)})
+            except REDIS_DOWN as exc:
+                raise queue_unreachable(exc) from None
+            have = 0
+            while not finished:
+                try:
+                    delta = await asyncio.wait_for(queue.get(), self.timeout_s)
+                except asyncio.TimeoutError:
+                    raise Unavailable(f"no verifier answered this request for {self.timeout_s:.0f} s; retry later") from None
+                new = list(delta.tokens)[max(have - delta.position, 0):] if delta.position <= have else None
+                if new is None:  # a gap: a step's message was lost
+                    raise Unavailable("a step of this request was lost on its way; retry")
+                have += len(new)
+                finished = bool(delta.finish_reason)
+                if delta.finish_reason == "failed":
+                    raise RequestFailed(delta.message or "the verifier could not serve this request")
+                yield Delta(new, delta.finish_reason or None,
+                            stats_from_pb(delta.stats) if delta.HasField("stats") else None)
+        finally:
+            self._queues.pop(rid, None)
+            if not finished:
+                await asyncio.shield(self._abort(rid))
+
+    async def _abort(self, request_id: str) -> None:
+        payload = verifier_pb2.Abort(request_id=request_id).SerializeToString()
+        try:
+            await self.redis.xadd(self.keys.aborts, {"abort": payload, "tag": self.signer.tag(ABORT, payload)},
+                                  maxlen=10_000, approximate=True)
+        except REDIS_DOWN:
+            log.warning("could not post the abort of %s: its verifier finishes it unheard", request_id)
+
+    async def _listen(self) -> None:
+        last_id, unread = "0-0", 0  # the stream is this router's alone, named afresh at each start
+        backoff = redis_reconnect()
+        while True:
+            try:
+                answer = await self.redis.xread({self.outputs: last_id}, count=256, block=LISTEN_BLOCK_MS)
+                backoff.reset()
+            except REDIS_DOWN:
+                await asyncio.sleep(backoff.next())
+                continue
+            for _, entries in answer or ():
+                for entry_id, fields in entries:
+                    last_id = entry_id
+                    unread += 1
+                    self._deliver(fields.get(b"outputs"), fields.get(b"tag"))
+            if unread >= TRIM_EVERY:
+                try:
+                    await self.redis.xtrim(self.outputs, minid=last_id)
+                    unread = 0
+                except REDIS_DOWN:
+                    pass
+
+    def _deliver(self, payload: bytes | None, tag: bytes | None) -> None:
+        if payload is None or not self.signer.valid(OUTPUTS, payload, tag):
+            if self.on_forged is not None:
+                self.on_forged()
+            return
+        try:
+            message = verifier_pb2.StepOutputs.FromString(payload)
+        except Exception:
+            log.warning("an unreadable outputs message on %s", self.outputs)
+            return
+        for delta in message.deltas:
+            queue = self._queues.get(delta.request_id)
+            if queue is not None:
+                queue.put_nowait(delta)

@@ -1,0 +1,417 @@
+"""A verifier's engine loop (the engine-core path, ``--step-loop verifier``): the step loop of every request
+this verifier holds runs here, beside the target, and the router is the front door.
+
+Each turn: take new requests from the pool's admissions stream while there is room (the consumer group
+hands each to one verifier) and the pool's aborts, run one ``EngineCore`` step for every request held (its
+pass on the torch thread), then post one ``StepOutputs`` message per router with requests in the step and
+acknowledge the admissions of finished requests — one pipelined round trip however many requests moved.
+
+Nothing is lost when a verifier dies: a request's admission stays pending under the verifier that took it
+until the request ends, and each step's outputs are also logged on the verifier's commit log, in the same
+transaction. A verifier that sees another's heartbeat stop (or restarts under its own id) claims its pending
+admissions and rebuilds each request from its prompt and logged tokens; routers drop what they already have.
+
+Keys (besides the job path's, ``pipeline/__init__.py``): ``specmesh:P:admissions`` (consumer group
+``verifiers``), ``specmesh:P:aborts`` (read by every verifier), ``specmesh:outputs:<router>``,
+``specmesh:P:log:<verifier>`` (the commit log, trimmed to what the requests held need).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, replace
+
+from redis.exceptions import ResponseError
+
+from specmesh.cluster.backoff import REDIS_DOWN, redis_reconnect
+from specmesh.cluster.metrics import VerifierMetrics
+from specmesh.cluster.pipeline.messages import ABORT, ADMISSION, GROUP, OUTPUTS, QueueKeys, QueueSigner
+from specmesh.cluster.pipeline.verifier_end import VerifierQueue
+from specmesh.cluster.serving import TorchThread
+from specmesh.cluster.wire import sampling_from_pb, stats_to_pb, trace_to_pb
+from specmesh.errors import InvalidArgument
+from specmesh.runtime.tree_verifier import TreeVerifier, VerifyJob, VerifyResult
+from specmesh.speculation.drafting import AsyncDrafter, one_per_name
+from specmesh.speculation.engine_core import EngineCore, RequestOutput
+from specmesh.speculation.policy import AdaptivePolicy, FixedPolicy
+from specmesh.speculation.requests import Request, SpeculationStats, validate_request
+from specmesh.tree import MAX_TREE_NODES
+from specmesh.v1 import verifier_pb2
+
+log = logging.getLogger(__name__)
+
+IDLE_BLOCK_MS = 100  # with nothing to step, wait this long for an admission
+PREFILL_BUDGET_MS = 25.0  # of a pass beside decoding requests, what prefills may take (over several passes)
+OUTPUTS_MAXLEN = 100_000  # entries kept on a router's outputs stream (approximate trim)
+ABORTED_MEMORY = 4096  # aborted ids remembered, so that an admission read after its abort is dropped
+DRAIN_S = 20.0  # a drain finishes the requests held within this, the others adopt the rest
+ADOPT_EVERY_S = 1.0  # how often the others' heartbeats are looked at (and the commit log trimmed)
+
+
+class ThreadedVerifier:
+    """The tree verifier as the engine core calls it, its passes on the torch thread, counted."""
+
+    def __init__(self, verifier: TreeVerifier, torch_thread: TorchThread, metrics: VerifierMetrics) -> None:
+        self.verifier = verifier
+        self.torch_thread = torch_thread
+        self.metrics = metrics
+
+    async def verify(self, jobs: list[VerifyJob]) -> list[VerifyResult]:
+        started = time.monotonic()
+        # prefills share a pass with decoding requests within a budget; alone, they take the pass whole
+        budget = PREFILL_BUDGET_MS if any(job.history is None for job in jobs) else None
+        results = await self.torch_thread.run(self.verifier.verify, jobs, budget)
+        m = self.metrics
+        m.batch_requests.observe(len(jobs))
+        m.batch_rows.observe(sum(1 + len(job.tree) for job in jobs))
+        m.pass_seconds.observe(time.monotonic() - started)
+        for result in results:
+            m.jobs.labels("refused" if result.refused else "failed" if result.failed else "prefilling"
+                          if result.prefilling else "resync" if result.resync else "ok").inc()
+        m.kv_sessions.set(self.verifier.num_sessions)
+        m.kv_bytes.set(self.verifier.cache_bytes)
+        return results
+
+    async def close(self, request_id: str) -> None:
+        await self.torch_thread.run(self.verifier.close, request_id)
+
+
+@dataclass
+class _Held:
+    """A request this verifier took: where its outputs go, and its admission entry (acknowledged at its end)."""
+
+    reply_to: str
+    entry_id: bytes
+    stats: SpeculationStats
+    sent: int = 0  # answer tokens posted
+    logged_from: bytes | None = None  # the first commit log entry holding its tokens
+
+
+class EngineWorker:
+    def __init__(self, verifier: TreeVerifier, queue: VerifierQueue, torch_thread: TorchThread,
+                 policy: AdaptivePolicy, drafters: list[AsyncDrafter], eos_token_ids: frozenset[int],
+                 metrics: VerifierMetrics | None = None) -> None:
+        self.verifier = verifier
+        self.queue = queue
+        self.torch_thread = torch_thread
+        self.redis = queue.redis
+        self.keys: QueueKeys = queue.keys
+        self.signer: QueueSigner = queue.signer
+        self.policy = policy
+        self.drafters = drafters
+        self.metrics = metrics or VerifierMetrics()
+        self.core = EngineCore(ThreadedVerifier(verifier, torch_thread, self.metrics), eos_token_ids,
+                               max_running=verifier.max_sessions)
+        self._held: dict[str, _Held] = {}
+        self._aborted: dict[str, None] = {}  # insertion-ordered, bounded
+        self._aborts_after = "0-0"
+        self.commit_log = self.keys.commit_log(queue.verifier_id)
+        self._next_adoption = 0.0
+        self.stopped = asyncio.Event()
+        self.unready = asyncio.Event()
+        self.finished = asyncio.Event()
+        self.draining = False
+
+    @property
+    def verifier_id(self) -> str:
+        return self.queue.verifier_id
+
+    async def run(self) -> None:
+        beat = asyncio.create_task(self._beat())
+        try:
+            await self._loop()
+        finally:
+            self.unready.set()
+            self.finished.set()
+            beat.cancel()
+            await self.core.close()
+
+    async def _beat(self) -> None:
+        while not self.unready.is_set():
+            try:
+                await self.queue.heartbeat()
+            except REDIS_DOWN:
+                pass
+            except Exception:
+                log.exception("heartbeat failed")
+            try:
+                await asyncio.wait_for(self.unready.wait(), self.queue.heartbeat_ttl_s / 3)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _register(self) -> None:
+        await self.queue.register()
+        try:
+            await self.redis.xgroup_create(self.keys.admissions, GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        last = await self.redis.xrevrange(self.keys.aborts, count=1)
+        self._aborts_after = last[0][0] if last else "0-0"  # earlier aborts are of requests before this start
+        await self._adopt(self.verifier_id)  # restarted under the same id: what it held is its to finish
+
+    async def _loop(self) -> None:
+        registered = False
+        backoff = redis_reconnect()
+        while not self.stopped.is_set():
+            try:
+                if not registered:
+                    await self._register()
+                    registered = True
+                if time.monotonic() >= self._next_adoption:
+                    await self._look_after_the_others()
+                    self._next_adoption = time.monotonic() + ADOPT_EVERY_S
+                admissions, aborts = await self._read()
+                dropped: list[bytes] = []  # admission entries acknowledged unserved
+                for rid in aborts:
+                    await self._abort(rid, dropped)
+                refused = [r for r in (self._admit(e, fields, dropped) for e, fields in admissions) if r is not None]
+                outputs = refused + await self.core.step()
+                if outputs or dropped:
+                    await self._publish(outputs, dropped)
+                backoff.reset()
+            except REDIS_DOWN as exc:
+                if registered:
+                    log.warning("Redis unreachable (%s); retrying", exc)
+                registered = False
+                await asyncio.sleep(backoff.next())
+            except Exception:
+                log.exception("the engine loop failed; carrying on")
+                self.metrics.worker_errors.inc()
+                await asyncio.sleep(backoff.next())
+
+    async def _read(self) -> tuple[list, list[str]]:
+        """New admissions (as many as there is room for) and aborts, in one round trip; with nothing to step,
+        the admissions read blocks a moment."""
+        room = 0 if self.draining else self.core.max_running - self.core.num_requests
+        idle = self.core.num_requests == 0
+        pipe = self.redis.pipeline(transaction=False)
+        if room > 0:
+            pipe.xreadgroup(GROUP, self.verifier_id, {self.keys.admissions: ">"}, count=room,
+                            block=IDLE_BLOCK_MS if idle else None)
+        pipe.xread({self.keys.aborts: self._aborts_after}, count=1024)
+        if idle and room <= 0:
+            await asyncio.sleep(IDLE_BLOCK_MS / 1e3)
+        try:
+            answers = await pipe.execute()
+        except ResponseError as exc:
+            if "NOGROUP" in str(exc):  # Redis restarted empty
+                await self._register()
+                return [], []
+            raise
+        admissions = [item for _, items in (answers[0] or ()) for item in items] if room > 0 else []
+        aborts = []
+        for _, items in answers[-1] or ():
+            for entry_id, fields in items:
+                self._aborts_after = entry_id
+                payload = fields.get(b"abort")
+                if payload is not None and self.signer.valid(ABORT, payload, fields.get(b"tag")):
+                    abort = _parsed(verifier_pb2.Abort, payload)
+                    if abort is not None:
+                        aborts.append(abort.request_id)
+        return admissions, aborts
+
+    async def _abort(self, request_id: str, dropped: list[bytes]) -> None:
+        self._aborted[request_id] = None
+        while len(self._aborted) > ABORTED_MEMORY:
+            self._aborted.pop(next(iter(self._aborted)))
+        if await self.core.abort(request_id):
+            dropped.append(self._held.pop(request_id).entry_id)
+
+    def _admit(self, entry_id: bytes, fields: dict, dropped: list[bytes],
+               logged: list[int] | None = None) -> RequestOutput | None:
+        """Take an admitted request into the core; a forged or unreadable entry is dropped, and an invalid
+        request answered with its failure (returned). ``logged``: the answer's tokens so far (a request
+        adopted from a verifier that died), after which it goes on."""
+        payload = fields.get(b"admission")
+        if payload is None or not self.signer.valid(ADMISSION, payload, fields.get(b"tag")):
+            self.metrics.jobs.labels("forged").inc()
+            dropped.append(entry_id)
+            return None
+        admission = _parsed(verifier_pb2.Admission, payload)
+        rid = admission.request_id if admission is not None else ""
+        if admission is None or not admission.reply_to.startswith(self.keys.outputs("")) or not rid:
+            self.metrics.jobs.labels("error").inc()
+            dropped.append(entry_id)
+            return None
+        if rid in self._aborted or rid in self._held:
+            dropped.append(entry_id)
+            return None
+        logged = logged or []
+        held = _Held(admission.reply_to, entry_id, SpeculationStats(), sent=len(logged))
+        self._held[rid] = held
+        try:
+            budget = min(max(admission.max_tree_nodes, 0), MAX_TREE_NODES)
+            params = sampling_from_pb(admission.sampling)
+            if logged:
+                if len(logged) >= params.max_tokens:
+                    raise InvalidArgument("max_tokens", "the answer was complete when its verifier stopped")
+                params = replace(params, max_tokens=params.max_tokens - len(logged))
+            request = Request(tuple(admission.prompt.ids) + tuple(logged), params, rid, admission.kind)
+            validate_request(request, self.verifier.runtime.vocab_size, self.verifier.runtime.max_length, budget)
+        except (InvalidArgument, ValueError) as exc:
+            self.metrics.jobs.labels("error").inc()
+            return RequestOutput(rid, [], "failed", error=exc)
+        if budget > 0:
+            policy = self.policy.begin(request.kind, budget, fixed_budget=admission.fixed_budget)
+            drafters = self._unique_drafters()
+        else:
+            policy, drafters = FixedPolicy().begin(request.kind, 0), []
+        self.core.add(request, policy, drafters, held.stats)
+        return None
+
+    def _unique_drafters(self) -> list[AsyncDrafter]:
+        unique = one_per_name(self.drafters)
+        for drafter in unique:
+            self.policy.router.register(drafter)
+        return unique
+
+    async def _publish(self, outputs: list[RequestOutput], dropped: list[bytes]) -> None:
+        """One StepOutputs message per router, and the finished (or ``dropped``) requests' admissions
+        acknowledged: one round trip."""
+        by_router: dict[str, verifier_pb2.StepOutputs] = {}
+        done = list(dropped)
+        for output in outputs:
+            held = self._held.get(output.request_id)
+            if held is None:
+                continue
+            delta = verifier_pb2.RequestDelta(request_id=output.request_id, position=held.sent,
+                                              tokens=output.token_ids, finish_reason=output.finish_reason or "",
+                                              message=str(output.error) if output.error is not None else "")
+            if output.outcome is not None:
+                delta.step.CopyFrom(trace_to_pb(output.outcome))
+            held.sent += len(output.token_ids)
+            if output.finish_reason is not None:
+                delta.stats.CopyFrom(stats_to_pb(held.stats))
+                done.append(held.entry_id)
+                del self._held[output.request_id]
+            by_router.setdefault(held.reply_to, verifier_pb2.StepOutputs(verifier_id=self.verifier_id)).deltas.append(delta)
+        pipe = self.redis.pipeline(transaction=True)  # logged, posted and acknowledged together or not at all
+        step = verifier_pb2.StepOutputs(verifier_id=self.verifier_id,
+                                        deltas=[d for m in by_router.values() for d in m.deltas if d.tokens])
+        if step.deltas:
+            self._log(pipe, step)
+        for reply_to, message in by_router.items():
+            payload = message.SerializeToString()
+            pipe.xadd(reply_to, {"outputs": payload, "tag": self.signer.tag(OUTPUTS, payload)},
+                      maxlen=OUTPUTS_MAXLEN, approximate=True)
+        if done:
+            pipe.xack(self.keys.admissions, GROUP, *done)
+            pipe.xdel(self.keys.admissions, *done)
+        answers = await pipe.execute()
+        if step.deltas:
+            for delta in step.deltas:
+                held = self._held.get(delta.request_id)
+                if held is not None and held.logged_from is None:
+                    held.logged_from = answers[0]
+
+    def _log(self, pipe, step: verifier_pb2.StepOutputs) -> None:
+        payload = step.SerializeToString()
+        pipe.xadd(self.commit_log, {"outputs": payload, "tag": self.signer.tag(OUTPUTS, payload)})
+
+    async def _look_after_the_others(self) -> None:
+        """Adopt what verifiers whose heartbeat stopped held; trim this one's commit log to what its requests need."""
+        if not self.draining:
+            for member in await self.redis.smembers(self.keys.members):
+                name = member.decode()
+                if name != self.verifier_id and not await self.redis.exists(self.keys.alive(name)):
+                    await self._adopt(name)
+        oldest = [h.logged_from for h in self._held.values() if h.logged_from is not None]
+        if oldest:
+            await self.redis.xtrim(self.commit_log, minid=min(oldest, key=_entry_order))
+        elif not self._held:
+            await self.redis.xtrim(self.commit_log, maxlen=0)
+
+    async def _adopt(self, verifier_id: str) -> None:
+        """Claim the admissions ``verifier_id`` held (a dead verifier, or this one before it restarted) and go on
+        with each request from its prompt and logged tokens."""
+        try:
+            pending = await self.redis.xpending_range(self.keys.admissions, GROUP, "-", "+", self.core.max_running,
+                                                      consumername=verifier_id)
+        except ResponseError:  # no group yet
+            return
+        if not pending:
+            if verifier_id != self.verifier_id:
+                await self.redis.delete(self.keys.commit_log(verifier_id))
+            return
+        # a claim resets an entry's idle time: of two verifiers claiming at once, the second gets nothing
+        idle = min(p["time_since_delivered"] for p in pending)
+        claimed = await self.redis.xclaim(self.keys.admissions, GROUP, self.verifier_id, max(idle - 1, 0),
+                                          [p["message_id"] for p in pending])
+        if not claimed:
+            return
+        answers, first = await self._logged(verifier_id)
+        dropped: list[bytes] = []
+        refused, snapshot = [], verifier_pb2.StepOutputs(verifier_id=self.verifier_id)
+        for entry_id, fields in claimed:
+            if not fields:  # deleted meanwhile
+                dropped.append(entry_id)
+                continue
+            admission = _parsed(verifier_pb2.Admission, fields.get(b"admission") or b"")
+            rid = admission.request_id if admission is not None else ""
+            logged = answers.get(rid, [])
+            output = self._admit(entry_id, fields, dropped, logged)
+            if output is not None:
+                refused.append(output)
+            elif rid in self._held and logged:
+                snapshot.deltas.append(verifier_pb2.RequestDelta(request_id=rid, position=0, tokens=logged))
+                self._held[rid].logged_from = first[rid]  # its own log (a restart) keeps it from there
+        log.info("took over %d request(s) %s held%s", len(claimed), verifier_id,
+                 "" if verifier_id == self.verifier_id else " (its heartbeat stopped)")
+        if snapshot.deltas and verifier_id != self.verifier_id:  # this log holds their whole answers from now on
+            pipe = self.redis.pipeline(transaction=True)
+            self._log(pipe, snapshot)
+            pipe.delete(self.keys.commit_log(verifier_id))
+            first = (await pipe.execute())[0]
+            for delta in snapshot.deltas:
+                self._held[delta.request_id].logged_from = first
+        if refused or dropped:
+            await self._publish(refused, dropped)
+
+    async def _logged(self, verifier_id: str) -> tuple[dict[str, list[int]], dict[str, bytes]]:
+        """Each request's answer so far from a verifier's commit log, and the first entry that holds it."""
+        answers: dict[str, list[int]] = {}
+        first: dict[str, bytes] = {}
+        for entry_id, fields in await self.redis.xrange(self.keys.commit_log(verifier_id)):
+            payload = fields.get(b"outputs")
+            if payload is None or not self.signer.valid(OUTPUTS, payload, fields.get(b"tag")):
+                continue
+            for delta in getattr(_parsed(verifier_pb2.StepOutputs, payload), "deltas", ()):
+                first.setdefault(delta.request_id, entry_id)
+                tokens = answers.setdefault(delta.request_id, [])
+                del tokens[delta.position:]
+                tokens.extend(delta.tokens)
+        return answers, first
+
+    async def drain(self) -> int:
+        """Stop taking admissions and finish the requests held, for at most ``DRAIN_S``: what is left stays
+        pending, for another verifier (or this one restarted) to adopt."""
+        self.draining = True
+        try:
+            await self.queue.unregister()
+        except REDIS_DOWN:
+            pass
+        deadline = time.monotonic() + DRAIN_S
+        while self.core.num_requests and not self.finished.is_set() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self.stopped.set()
+        self.unready.set()
+        await self.finished.wait()
+        released = self.verifier.num_sessions
+        await self.torch_thread.run(self.verifier.close_all)
+        return released
+
+
+def _entry_order(entry_id: bytes) -> tuple[int, int]:
+    milliseconds, sequence = entry_id.split(b"-")
+    return int(milliseconds), int(sequence)
+
+
+def _parsed(message_type, payload: bytes):
+    """The message, or None where the bytes are not one."""
+    try:
+        return message_type.FromString(payload)
+    except Exception:
+        return None
