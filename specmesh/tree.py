@@ -156,23 +156,19 @@ class CompiledTree:
 def compile_tree(root_token: int, tree: TokenTree, device: torch.device | str = "cpu") -> CompiledTree:
     n = len(tree) + 1
     parent_rows = [-1] + [p + 1 for p in tree.parents]  # row of each row's parent; -1 for the root
+    # each row's path from the root, itself last (parents precede their children: already ordered); built in
+    # lists and written to the mask at once, as tensor ops row by row cost a step's Python at 64 requests
+    ancestors: list[list[int]] = []
+    for row, parent in enumerate(parent_rows):
+        ancestors.append((ancestors[parent] if parent >= 0 else []) + [row])
+    depths = [len(path) - 1 for path in ancestors]
     mask = torch.zeros(n, n, dtype=torch.bool)
-    depths = [0] * n
-    for row in range(n):
-        mask[row, row] = True
-        parent = parent_rows[row]
-        if parent >= 0:
-            mask[row] |= mask[parent]
-            depths[row] = depths[parent] + 1
+    mask[[row for row, path in enumerate(ancestors) for _ in path], [c for path in ancestors for c in path]] = True
     is_leaf = [True] * n
     for parent in parent_rows[1:]:
         is_leaf[parent] = False
     max_depth = max(depths)
-    paths = []
-    for row in range(n):
-        if is_leaf[row]:
-            path = mask[row].nonzero().flatten().tolist()  # ancestors have smaller rows: already ordered
-            paths.append(path + [-1] * (max_depth + 1 - len(path)))
+    paths = [path + [-1] * (max_depth + 1 - len(path)) for row, path in enumerate(ancestors) if is_leaf[row]]
     return CompiledTree(
         input_ids=torch.tensor([root_token, *tree.tokens], dtype=torch.long, device=device),
         depths=torch.tensor(depths, dtype=torch.long, device=device),
