@@ -7,7 +7,8 @@ n-gram drafter in the verifier and the code expert as a drafter service.
 - a stream the client leaves frees the request on the router and on the verifier;
 - forged and unreadable admissions are dropped and counted; the verifier goes on serving;
 - kill -9 of a verifier (of two) and of the drafter service during 8 streams: the other verifier adopts its
-  requests from their admissions and the commit log, every output is the undisturbed one.
+  requests from their admissions and the commit log, every output is the undisturbed one;
+- the only verifier killed and back after longer than the job timeout: its requests wait and complete.
 """
 
 import signal
@@ -128,7 +129,11 @@ def test_killing_a_verifier_and_the_drafter_loses_no_request(cluster, questions,
     with Client(cluster.router_address) as client, ThreadPoolExecutor(len(chosen)) as pool:
         futures = [pool.submit(stream_collect, client, questions[i], started) for i in chosen]
         started.wait(timeout=120)  # every stream is under way
-        victims = [cluster.verifiers[0], cluster.drafters[0]]
+        signer = QueueSigner(cluster.queue_key)
+        held = {v.name: call_verifier(v.address, "info", signer).get("active_sessions", 0) for v in cluster.verifiers}
+        busiest = max(cluster.verifiers, key=lambda v: held[v.name])
+        assert held[busiest.name] > 0, held
+        victims = [busiest, cluster.drafters[0]]
         killed = [process.popen for process in victims]
         for process in victims:
             process.signal(signal.SIGKILL)
@@ -140,7 +145,7 @@ def test_killing_a_verifier_and_the_drafter_loses_no_request(cluster, questions,
             process.wait_ready(300)
         after = client.generate(chat=[("user", questions[9])], max_tokens=MAX_TOKENS)
         assert after.token_ids == plain_outputs[9]
-    log = cluster.verifiers[1].log_path.read_text() + cluster.verifiers[0].log_path.read_text()
+    log = "".join(v.log_path.read_text() for v in cluster.verifiers)
     assert "took over" in log, "a verifier adopted the killed one's requests"
 
 
@@ -158,3 +163,21 @@ def test_routers_cannot_post_outputs_nor_verifiers_admissions(cluster):
                     own.xadd("specmesh:outputs:r", {"outputs": b"forged"})
                 else:
                     own.xadd("specmesh:default:admissions", {"admission": b"forged"})
+
+
+def test_requests_outlive_a_restart_of_the_only_verifier_longer_than_the_job_timeout(tmp_path, questions,  # noqa: F811
+                                                                                      plain_outputs):
+    spec = ClusterSpec(drafters=("ngram",), verifiers=1, step_loop="verifier", job_timeout_s=2.0, log_dir=tmp_path)
+    chosen = list(range(4))
+    with LocalCluster(spec) as cluster, Client(cluster.router_address) as client:
+        started = threading.Barrier(len(chosen) + 1)
+        with ThreadPoolExecutor(len(chosen)) as pool:
+            futures = [pool.submit(stream_collect, client, questions[i], started) for i in chosen]
+            started.wait(timeout=120)
+            killed_at, popen = time.monotonic(), cluster.verifiers[0].popen
+            cluster.verifiers[0].signal(signal.SIGKILL)
+            outputs = [f.result(timeout=300) for f in futures]
+        assert popen.wait(5) == -signal.SIGKILL
+        assert time.monotonic() - killed_at > 2 * spec.job_timeout_s, "the restart took longer than the job timeout"
+    assert outputs == [plain_outputs[i] for i in chosen]
+    assert "took over" in cluster.verifiers[0].log_path.read_text(), "the restarted verifier adopted its own requests"

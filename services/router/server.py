@@ -104,8 +104,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 text=text.push(step.token_ids, final),
                 finish_reason=step.finish_reason or "",
             )
-            if step.outcome is not None:
-                chunk.step.CopyFrom(trace_to_pb(step.outcome))
+            if step.timing is not None:
+                chunk.step.CopyFrom(trace_to_pb(step.timing))
             if final:
                 chunk.usage.CopyFrom(usage_pb(generation))
                 chunk.stats.CopyFrom(stats_pb(generation))

@@ -7,8 +7,9 @@ cluster (Redis, a verifier on the device, the oracle's drafter service, the rout
 plainly through it to learn the continuations, hands them to the oracle, then runs the load sweep: per
 acceptance and concurrency, plain decoding (``none``), fixed-k and adaptive speculation through the same
 cluster in rotated rounds. Reported: tokens/s and their ratio to plain, tokens per step, tree nodes per
-step (the controller's budgets), answers unlike plain (must be none), adaptive's non-inferiority verdicts,
-and one streamed request's per-step timeline at each acceptance.
+step (the controller's budgets), where the time went (requests a verifier pass, the gap between passes,
+Redis commands and router CPU a token), answers unlike plain (must be none), adaptive's non-inferiority
+verdicts, and one streamed request's per-step timeline at each acceptance.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from specmesh.bench.cluster_meter import ClusterMeter
 from specmesh.bench.provenance import provenance
 from specmesh.bench.run import (
     MAX_CONCURRENCY,
@@ -165,6 +167,7 @@ def run_oracle_bench(args: argparse.Namespace) -> int:
             write_oracle_file(oracle_file, [OracleEntry(prompt, tuple(answer), p, width=args.oracle_width)
                                             for p, prompts in prompt_sets.items()
                                             for prompt, answer in zip(prompts, answers[p])])
+            meter = ClusterMeter(cluster)
             first = acceptances[0]  # untimed: every batch shape's kernels compiled before anything is timed
             load_sweep(cluster, prompt_sets[first], min(args.max_tokens, 16), levels, args.fixed_tree_nodes,
                        args.max_tree_nodes, rounds=1, policies=("fixed", "adaptive"), inputs=ids_input)
@@ -174,7 +177,8 @@ def run_oracle_bench(args: argparse.Namespace) -> int:
                 controller: dict[str, dict] = {}
                 for level in levels:  # one level at a time, each written when done: a run stopped midway keeps them
                     rows += load_sweep(cluster, prompt_sets[p], args.max_tokens, [level], args.fixed_tree_nodes,
-                                       args.max_tree_nodes, rounds=args.sweep_rounds, inputs=ids_input, expected=answers[p])
+                                       args.max_tree_nodes, rounds=args.sweep_rounds, inputs=ids_input, expected=answers[p],
+                                       meter=meter)
                     controller[str(level)] = controller_state(cluster)  # after the level's last round
                     report["acceptance"][str(p)] = {"load_sweep": rows, "vs_plain": summarize(rows),
                                                     "verdicts": adaptive_verdicts(rows), "controller": controller}
@@ -184,6 +188,7 @@ def run_oracle_bench(args: argparse.Namespace) -> int:
                 report["acceptance"][str(p)]["timeline"] = asyncio.run(
                     timeline(cluster, prompt_sets[p][0], args.max_tokens, args.max_tree_nodes))
             report["streamed"] = streamed(cluster)
+            meter.close()
     report["answers_unlike_plain"] = sum(r["answers_unlike_plain"] for a in report["acceptance"].values()
                                          for r in a["load_sweep"])
     _print(report)
@@ -211,6 +216,11 @@ def _print(report: dict) -> None:
                   f"fixed {row['fixed_vs_plain']:.2f}x ({row['fixed_tokens_per_step']} tokens/step), "
                   f"adaptive {row['adaptive_vs_plain']:.2f}x ({row['adaptive_tokens_per_step']} tokens/step, "
                   f"{row['adaptive_tree_nodes_per_step']} nodes/step)")
+        for row in part["load_sweep"]:
+            if "requests_per_pass" in row:
+                print(f"    concurrency {row['concurrency']:3d} {row['policy']:8s}: {row['requests_per_pass']} requests a "
+                      f"pass, {row['pass_gap_ms']} ms between passes, {row['redis_commands_per_token']} Redis "
+                      f"commands and {row['router_cpu_ms_per_token']} ms of router CPU a token")
         for v in part["verdicts"]:
             interval = v["vs_none_ci95"]
             shown = f"[{interval[0]:+.1%}, {interval[1]:+.1%}]" if interval else "no interval"

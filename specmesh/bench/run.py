@@ -25,7 +25,7 @@ import statistics
 import time
 from collections import Counter, defaultdict
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -33,6 +33,7 @@ import torch
 from scipy import stats
 from tqdm.auto import tqdm
 
+from specmesh.bench.cluster_meter import ClusterMeter, Reading, per_token
 from specmesh.bench.isolated import BaselineFailed, IsolatedBaseline
 from specmesh.bench.provenance import provenance
 from specmesh.client import Client
@@ -612,14 +613,14 @@ def chat_input(prompt: Prompt) -> dict:
 def load_sweep(cluster: LocalCluster, prompts: Sequence, max_tokens: int, levels: list[int],
                fixed_tree_nodes: int, tree_nodes: int, rounds: int = LOAD_ROUNDS,
                policies: tuple[str, ...] = LOAD_POLICIES, inputs: Callable[[Any], dict] = chat_input,
-               expected: Sequence[list[int]] | None = None) -> list[dict]:
+               expected: Sequence[list[int]] | None = None, meter: ClusterMeter | None = None) -> list[dict]:
     """At each concurrency, the same requests through the cluster with each of ``policies`` (none: no
     speculation, fixed: k = ``fixed_tree_nodes`` every step, adaptive: up to ``tree_nodes``), ``rounds``
     times in rotated (then mirrored) orders, so that drift and warm-up hit every policy alike. Per (level,
     policy): mean tokens/s over the rounds and its spread, per-token latency percentiles over every
     request of every round, tokens per target step and tree nodes per step. ``inputs`` turns a prompt into
     the request's input; with ``expected`` (each prompt's greedy output), the answers that differ from it
-    are counted."""
+    are counted; with ``meter``, where the time went (``cluster_meter.per_token``, over the rounds)."""
     import asyncio
 
     from specmesh.client import AsyncClient
@@ -654,9 +655,13 @@ def load_sweep(cluster: LocalCluster, prompts: Sequence, max_tokens: int, levels
         speeds: dict[str, list[float]] = {p: [] for p in policies}
         latencies: dict[str, list[float]] = {p: [] for p in policies}
         totals: dict[str, Counter] = {p: Counter() for p in policies}
+        costs: dict[str, list] = {p: [] for p in policies}  # (reading before, after, tokens, wall s) of each run
         for round_ in range(rounds):
             for policy in sweep_order(index + round_, (round_ // len(policies)) % 2 == 1, policies):
+                before = meter.reading() if meter is not None else None
                 speed, latency, counts = asyncio.run(one_run(level, policy, chosen))
+                if meter is not None:
+                    costs[policy].append((before, meter.reading(), counts["tokens"], counts["tokens"] / speed))
                 speeds[policy].append(speed)
                 latencies[policy].extend(latency)
                 totals[policy].update(counts)
@@ -669,8 +674,19 @@ def load_sweep(cluster: LocalCluster, prompts: Sequence, max_tokens: int, levels
                          "p50_ms": _percentile(latencies[policy], 50), "p99_ms": _percentile(latencies[policy], 99),
                          "tokens_per_step": round(tokens / max(steps, 1), 3),
                          "tree_nodes_per_step": round(nodes / max(steps, 1), 2),
-                         **({"answers_unlike_plain": totals[policy]["unlike"]} if expected is not None else {})})
+                         **({"answers_unlike_plain": totals[policy]["unlike"]} if expected is not None else {}),
+                         **(_where_the_time_went(costs[policy]) if meter is not None else {})})
     return rows
+
+
+def _where_the_time_went(runs: list) -> dict[str, float]:
+    """The runs' costs per token (``cluster_meter.per_token``) over their sum: each run's counters from its
+    own readings, other policies' runs between them left out."""
+    if not runs:
+        return {}
+    names = [f.name for f in fields(Reading)]
+    spent = Reading(*(sum(getattr(after, n) - getattr(before, n) for before, after, _, _ in runs) for n in names))
+    return per_token(Reading(*(0 for _ in names)), spent, sum(r[2] for r in runs), sum(r[3] for r in runs))
 
 
 def sweep_order(rotation: int, mirrored: bool, policies: tuple[str, ...] = LOAD_POLICIES) -> tuple[str, ...]:

@@ -275,7 +275,7 @@ class Router:
             async for delta in deltas:
                 if delta.stats is not None:
                     generation.stats = delta.stats
-                yield StepOutput(delta.tokens, delta.finish_reason)
+                yield StepOutput(delta.tokens, delta.finish_reason, timing=delta.timing)
 
 
 SPLIT_TOKENS = 3  # a character is 4 bytes at most: the tokens its first bytes may end an answer with

@@ -7,8 +7,7 @@ import torch
 from specmesh.errors import InvalidArgument
 from specmesh.runtime.features import Features
 from specmesh.sampling import SamplingParams
-from specmesh.speculation.policy import StepOutcome
-from specmesh.speculation.requests import SpeculationStats
+from specmesh.speculation.requests import SpeculationStats, StepTiming
 from specmesh.tree import TokenTree
 from specmesh.v1 import common_pb2, router_pb2
 
@@ -53,9 +52,14 @@ def stats_to_pb(s: SpeculationStats) -> router_pb2.SpeculationStats:
     )
 
 
-def trace_to_pb(outcome: StepOutcome) -> router_pb2.StepTrace:
-    return router_pb2.StepTrace(budget=outcome.plan.budget, tree_nodes=len(outcome.fused), draft_ms=outcome.draft_ms,
-                                pass_ms=outcome.pass_ms, step_ms=outcome.step_ms, batch_size=outcome.batch_size)
+def trace_to_pb(timing: StepTiming) -> router_pb2.StepTrace:
+    return router_pb2.StepTrace(budget=timing.budget, tree_nodes=timing.tree_nodes, draft_ms=timing.draft_ms,
+                                pass_ms=timing.pass_ms, step_ms=timing.step_ms, batch_size=timing.batch_size)
+
+
+def trace_from_pb(message: router_pb2.StepTrace) -> StepTiming:
+    return StepTiming(message.budget, message.tree_nodes, message.draft_ms, message.pass_ms, message.step_ms,
+                      message.batch_size)
 
 
 def stats_from_pb(message: router_pb2.SpeculationStats) -> SpeculationStats:

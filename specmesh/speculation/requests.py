@@ -62,4 +62,26 @@ class SpeculationStats:
 class StepOutput:
     token_ids: list[int]  # newly committed tokens, in order
     finish_reason: str | None  # "stop", "length", or None while generating
-    outcome: StepOutcome | None = None  # how the step went (budget, tree, timings), for the stream's timeline
+    outcome: StepOutcome | None = None  # how the step went (plan, trees, timings), where the step ran here
+    timing: StepTiming | None = None  # the stream's timeline entry (from ``outcome`` where there is one)
+
+    def __post_init__(self) -> None:
+        if self.timing is None and self.outcome is not None:
+            self.timing = StepTiming.of(self.outcome)
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """A step as a stream's timeline shows it."""
+
+    budget: int  # tree nodes the controller allowed
+    tree_nodes: int  # nodes verified
+    draft_ms: float
+    pass_ms: float
+    step_ms: float
+    batch_size: int  # requests in the pass
+
+    @classmethod
+    def of(cls, outcome: StepOutcome) -> StepTiming:
+        return cls(outcome.plan.budget, len(outcome.fused), outcome.draft_ms, outcome.pass_ms, outcome.step_ms,
+                   outcome.batch_size)

@@ -19,9 +19,9 @@ from redis.exceptions import ResponseError
 from specmesh.cluster.backoff import REDIS_DOWN, redis_reconnect
 from specmesh.cluster.pipeline.messages import ABORT, ADMISSION, GROUP, OUTPUTS, QueueKeys, QueueSigner
 from specmesh.cluster.pipeline.router_end import queue_unreachable
-from specmesh.cluster.wire import sampling_to_pb, stats_from_pb
+from specmesh.cluster.wire import sampling_to_pb, stats_from_pb, trace_from_pb
 from specmesh.errors import RequestFailed, Unavailable
-from specmesh.speculation.requests import Request, SpeculationStats
+from specmesh.speculation.requests import Request, SpeculationStats, StepTiming
 from specmesh.v1 import common_pb2, verifier_pb2
 
 log = logging.getLogger(__name__)
@@ -37,12 +37,14 @@ class Delta:
     tokens: list[int]
     finish_reason: str | None
     stats: SpeculationStats | None  # with the last one
+    timing: StepTiming | None  # the step's, for the stream's timeline
 
 
 class EngineClient:
     def __init__(self, redis: aioredis.Redis, keys: QueueKeys, router_id: str, timeout_s: float = 30.0,
                  signer: QueueSigner | None = None, on_forged=None) -> None:
-        """``timeout_s``: a request that hears nothing this long fails UNAVAILABLE."""
+        """``timeout_s``: a request that hears nothing this long, and whose admission is gone from the stream
+        (a Redis that lost it), fails UNAVAILABLE; one still admitted waits on (a lone verifier restarting)."""
         self.redis = redis
         self.keys = keys
         self.router_id = router_id
@@ -84,8 +86,8 @@ class EngineClient:
                 kind=request.kind, reply_to=self.outputs)
             payload = admission.SerializeToString()
             try:
-                await self.redis.xadd(self.keys.admissions, {"admission": payload,
-                                                             "tag": self.signer.tag(ADMISSION, payload)})
+                entry_id = await self.redis.xadd(self.keys.admissions, {"admission": payload,
+                                                                        "tag": self.signer.tag(ADMISSION, payload)})
             except REDIS_DOWN as exc:
                 raise queue_unreachable(exc) from None
             have = 0
@@ -93,6 +95,8 @@ class EngineClient:
                 try:
                     delta = await asyncio.wait_for(queue.get(), self.timeout_s)
                 except asyncio.TimeoutError:
+                    if await self._still_admitted(entry_id):  # waiting for a verifier, or its restart: not lost
+                        continue
                     raise Unavailable(f"no verifier answered this request for {self.timeout_s:.0f} s; retry later") from None
                 new = list(delta.tokens)[max(have - delta.position, 0):] if delta.position <= have else None
                 if new is None:  # a gap: a step's message was lost
@@ -102,11 +106,20 @@ class EngineClient:
                 if delta.finish_reason == "failed":
                     raise RequestFailed(delta.message or "the verifier could not serve this request")
                 yield Delta(new, delta.finish_reason or None,
-                            stats_from_pb(delta.stats) if delta.HasField("stats") else None)
+                            stats_from_pb(delta.stats) if delta.HasField("stats") else None,
+                            trace_from_pb(delta.step) if delta.HasField("step") else None)
         finally:
             self._queues.pop(rid, None)
             if not finished:
                 await asyncio.shield(self._abort(rid))
+
+    async def _still_admitted(self, entry_id: bytes) -> bool:
+        """Whether the request's admission is still on the stream (queued, or held by a verifier that will
+        finish it or whose requests another will adopt)."""
+        try:
+            return bool(await self.redis.xrange(self.keys.admissions, entry_id, entry_id))
+        except REDIS_DOWN as exc:
+            raise queue_unreachable(exc) from None
 
     async def _abort(self, request_id: str) -> None:
         payload = verifier_pb2.Abort(request_id=request_id).SerializeToString()

@@ -36,7 +36,7 @@ from specmesh.runtime.tree_verifier import TreeVerifier, VerifyJob, VerifyResult
 from specmesh.speculation.drafting import AsyncDrafter, one_per_name
 from specmesh.speculation.engine_core import EngineCore, RequestOutput
 from specmesh.speculation.policy import AdaptivePolicy, FixedPolicy
-from specmesh.speculation.requests import Request, SpeculationStats, validate_request
+from specmesh.speculation.requests import Request, SpeculationStats, StepTiming, validate_request
 from specmesh.tree import MAX_TREE_NODES
 from specmesh.v1 import verifier_pb2
 
@@ -281,7 +281,7 @@ class EngineWorker:
                                               tokens=output.token_ids, finish_reason=output.finish_reason or "",
                                               message=str(output.error) if output.error is not None else "")
             if output.outcome is not None:
-                delta.step.CopyFrom(trace_to_pb(output.outcome))
+                delta.step.CopyFrom(trace_to_pb(StepTiming.of(output.outcome)))
             held.sent += len(output.token_ids)
             if output.finish_reason is not None:
                 delta.stats.CopyFrom(stats_to_pb(held.stats))
