@@ -290,6 +290,35 @@ def test_nothing_outlives_a_killed_launcher(command, tmp_path):
     assert not left, f"left running: {left}"
 
 
+def test_a_redis_started_by_a_passing_thread_lives_until_its_process_ends():
+    """The kernel's parent-death signal follows the thread that forked: a Redis started by a thread that then
+    ends (the soak's fault injector restarting it) must live on, and still end with its process."""
+    import psutil
+
+    script = ("import sys, threading\n"
+              "from specmesh.cluster.redis_server import RedisServer\n"
+              "box = {}\n"
+              "thread = threading.Thread(target=lambda: box.setdefault('redis', RedisServer().start()))\n"
+              "thread.start(); thread.join()\n"
+              "print(box['redis'].process.pid, flush=True)\n"
+              "sys.stdin.read()\n")
+    starter = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        redis = psutil.Process(int(starter.stdout.readline()))
+        time.sleep(1.0)
+        assert redis.is_running() and redis.status() != psutil.STATUS_ZOMBIE, "Redis ended with its starting thread"
+        starter.kill()
+        starter.wait()
+        deadline = time.monotonic() + 10
+        while running([redis]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not running([redis]), "Redis outlived the process that started it"
+    finally:
+        starter.kill()
+        with contextlib.suppress(psutil.NoSuchProcess):
+            redis.kill()
+
+
 def test_batch_invariant_products_are_the_default_and_can_be_turned_off(monkeypatch):
     from specmesh.cluster.service_settings import VerifierSettings
 

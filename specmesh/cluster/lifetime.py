@@ -1,8 +1,9 @@
 """Child processes that end with the process that started them, even when it is killed by SIGKILL (Linux's
 PR_SET_PDEATHSIG; elsewhere nothing is done).
 
-The kernel sends the signal when the *thread* that forked the child ends, not its process: start such a
-child from the main thread or from one that lives as long as the child should (the supervisor's). The
+The kernel sends the signal when the *thread* that forked the child ends, not its process: a child started
+by a short-lived thread (a fault injector's restart of Redis) would be ended with that thread. So
+``spawn_ending_with_this_process`` forks on a thread of its own that lives as long as the process. The
 setting is made in the child after the fork's exec, never between fork and exec (a ``preexec_fn``): there
 a process with other threads may find their locks held, and a child of the supervisor aborted so.
 """
@@ -13,7 +14,9 @@ import ctypes
 import functools
 import os
 import signal
+import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 PR_SET_PDEATHSIG = 1
 # run by a fresh interpreter: set the signal, check the parent is still the one that started it, then become
@@ -44,3 +47,15 @@ def ending_with_this_process(command: list[str], sig: int = signal.SIGTERM) -> l
     if not sys.platform.startswith("linux"):
         return list(command)
     return [sys.executable, "-I", "-S", "-c", _PROLOGUE, str(os.getpid()), str(int(sig)), *command]
+
+
+@functools.cache
+def _spawner() -> ThreadPoolExecutor:
+    """One thread that forks the children tied to this process: it lives until the interpreter exits."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="spawner")
+
+
+def spawn_ending_with_this_process(command: list[str], sig: int = signal.SIGTERM, **popen) -> subprocess.Popen:
+    """``subprocess.Popen(ending_with_this_process(command, sig), **popen)``, forked on the spawner thread,
+    whichever thread calls it."""
+    return _spawner().submit(subprocess.Popen, ending_with_this_process(command, sig), **popen).result()

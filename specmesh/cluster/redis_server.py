@@ -16,7 +16,7 @@ from pathlib import Path
 from urllib.parse import quote
 from typing import Sequence
 
-from specmesh.cluster.lifetime import ending_with_this_process
+from specmesh.cluster.lifetime import spawn_ending_with_this_process
 from specmesh.cluster.ports import free_port
 from specmesh.cluster.tls import TlsFiles
 from specmesh.errors import Unavailable
@@ -116,8 +116,9 @@ class RedisServer:
         output = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         # a session of its own: a terminal's Ctrl-C reaches the launcher, which stops Redis last; and it ends
         # with this process, however that ends
-        self.process = subprocess.Popen(ending_with_this_process(command), stdout=output, stderr=subprocess.STDOUT,
-                                        start_new_session=True, stdin=subprocess.PIPE if lines else subprocess.DEVNULL)
+        self.process = spawn_ending_with_this_process(command, stdout=output, stderr=subprocess.STDOUT,
+                                                      start_new_session=True,
+                                                      stdin=subprocess.PIPE if lines else subprocess.DEVNULL)
         if lines:
             self.process.stdin.write("".join(f"{line}\n" for line in lines).encode())
             self.process.stdin.close()
