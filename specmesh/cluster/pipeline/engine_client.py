@@ -16,6 +16,7 @@ from typing import AsyncIterator
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
+from specmesh.cancellation import raise_if_cancelled
 from specmesh.cluster.backoff import REDIS_DOWN, redis_reconnect
 from specmesh.cluster.pipeline.messages import ABORT, ADMISSION, GROUP, OUTPUTS, QueueKeys, QueueSigner
 from specmesh.cluster.pipeline.router_end import queue_unreachable
@@ -90,12 +91,15 @@ class EngineClient:
                                                                         "tag": self.signer.tag(ADMISSION, payload)})
             except REDIS_DOWN as exc:
                 raise queue_unreachable(exc) from None
+            raise_if_cancelled()  # redis-py may have swallowed it (specmesh.cancellation)
             have = 0
             while not finished:
                 try:
                     delta = await asyncio.wait_for(queue.get(), self.timeout_s)
                 except asyncio.TimeoutError:
-                    if await self._still_admitted(entry_id):  # waiting for a verifier, or its restart: not lost
+                    still = await self._still_admitted(entry_id)
+                    raise_if_cancelled()
+                    if still:  # waiting for a verifier, or its restart: not lost
                         continue
                     raise Unavailable(f"no verifier answered this request for {self.timeout_s:.0f} s; retry later") from None
                 new = list(delta.tokens)[max(have - delta.position, 0):] if delta.position <= have else None
