@@ -119,7 +119,7 @@ class EngineWorker:
         return self.queue.verifier_id
 
     async def run(self) -> None:
-        beat = asyncio.create_task(self._beat())
+        beat = asyncio.create_task(self.queue.keep_beating(self.unready))
         try:
             await self._loop()
         finally:
@@ -127,19 +127,6 @@ class EngineWorker:
             self.finished.set()
             beat.cancel()
             await self.core.close()
-
-    async def _beat(self) -> None:
-        while not self.unready.is_set():
-            try:
-                await self.queue.heartbeat()
-            except REDIS_DOWN:
-                pass
-            except Exception:
-                log.exception("heartbeat failed")
-            try:
-                await asyncio.wait_for(self.unready.wait(), self.queue.heartbeat_ttl_s / 3)
-            except asyncio.TimeoutError:
-                pass
 
     async def _register(self) -> None:
         await self.queue.register()

@@ -6,10 +6,11 @@ The pipeline as a whole (keys, delivery guarantees) is described in ``specmesh.c
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import redis
 import redis.asyncio as aioredis
@@ -81,6 +82,27 @@ class VerifierQueue:
         pipe.sadd(self.keys.members, self.verifier_id)
         pipe.set(self.keys.alive(self.verifier_id), self.beat, px=int(self.heartbeat_ttl_s * 1000))
         await pipe.execute()
+
+    async def keep_beating(self, until: asyncio.Event, on_lapse: Callable[[], None] | None = None) -> None:
+        """The heartbeat, on its own task (a pass of any length is not a death), every third of the TTL until
+        ``until`` is set, so that the others then reclaim what this verifier held. ``on_lapse``: called when
+        a beat came later than the TTL (stopped, SIGSTOP, or starved): the others presumed it dead meanwhile."""
+        last = time.monotonic()
+        while not until.is_set():
+            now = time.monotonic()
+            if now - last > self.heartbeat_ttl_s and on_lapse is not None:
+                on_lapse()
+            last = now
+            try:
+                await self.heartbeat()
+            except REDIS_DOWN:
+                pass  # the worker's loop reconnects; the key expires meanwhile
+            except Exception:
+                log.exception("heartbeat failed")
+            try:
+                await asyncio.wait_for(until.wait(), self.heartbeat_ttl_s / 3)
+            except asyncio.TimeoutError:
+                pass
 
     async def held_before(self) -> list[Entry]:
         """Entries this verifier had taken and not answered (before it restarted under the same id, or lost

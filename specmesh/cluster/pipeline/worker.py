@@ -86,7 +86,7 @@ class VerifierWorker:
         return self.queue.verifier_id
 
     async def run(self) -> None:
-        beat = asyncio.create_task(self._beat())
+        beat = asyncio.create_task(self.queue.keep_beating(self.unready, self._lapse))
         try:
             await self._loop()
         finally:
@@ -94,25 +94,8 @@ class VerifierWorker:
             self.finished.set()
             beat.cancel()
 
-    async def _beat(self) -> None:
-        """The heartbeat, on its own: a pass of any length is not a death. It stops when the worker does
-        (or drains), so that the others reclaim what this verifier held."""
-        last = time.monotonic()
-        while not self.unready.is_set():
-            now = time.monotonic()
-            if now - last > self.queue.heartbeat_ttl_s:  # stopped (SIGSTOP) or starved: presumed dead meanwhile
-                self.lapsed = True
-            last = now
-            try:
-                await self.queue.heartbeat()
-            except REDIS_DOWN:
-                pass  # the worker's loop reconnects; the key expires meanwhile
-            except Exception:
-                log.exception("heartbeat failed")
-            try:
-                await asyncio.wait_for(self.unready.wait(), self.queue.heartbeat_ttl_s / 3)
-            except asyncio.TimeoutError:
-                pass
+    def _lapse(self) -> None:
+        self.lapsed = True
 
     async def _loop(self) -> None:
         backlog: list[Entry] = []
