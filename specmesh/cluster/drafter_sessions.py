@@ -23,6 +23,8 @@ DEFAULT_IDLE_S = 60.0
 # Requests closed lately: a router's open and close of a request are separate calls, and a client that
 # leaves at once can have its close run first; the open that comes after it then opens nothing
 CLOSED_REMEMBERED = 4096
+# Proposals in one ProposeMany call: a step's worth (the engine core runs at most 256 requests a pass)
+MAX_PROPOSE_ITEMS = 256
 
 
 def trim_heap() -> None:

@@ -303,6 +303,9 @@ class DrafterMetrics(ServiceMetrics):
         self.proposed_nodes = Counter("specmesh_drafter_proposed_nodes", "Nodes of the trees proposed", ["drafter"], registry=r)
         self.propose_seconds = Histogram("specmesh_drafter_propose_seconds", "Time to propose a tree (catch-up included)",
                                          ["drafter"], buckets=LATENCY_BUCKETS, registry=r)
+        self.propose_batch_items = Histogram("specmesh_drafter_propose_batch_items",
+                                             "Proposals asked for in each ProposeMany call (one a request in a step)",
+                                             ["drafter"], buckets=COUNT_BUCKETS[:10], registry=r)
         self.sessions = Gauge("specmesh_drafter_sessions", "Requests whose drafting state this service holds", ["drafter"], registry=r)
 
 

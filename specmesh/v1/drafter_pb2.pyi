@@ -41,6 +41,28 @@ class ProposeResponse(_message.Message):
     draft_ms: float
     def __init__(self, tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., draft_ms: _Optional[float] = ...) -> None: ...
 
+class ProposeManyRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[ProposeRequest]
+    def __init__(self, items: _Optional[_Iterable[_Union[ProposeRequest, _Mapping]]] = ...) -> None: ...
+
+class ProposeManyResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[ProposeResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[ProposeResult, _Mapping]]] = ...) -> None: ...
+
+class ProposeResult(_message.Message):
+    __slots__ = ("code", "message", "answer")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    answer: ProposeResponse
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., answer: _Optional[_Union[ProposeResponse, _Mapping]] = ...) -> None: ...
+
 class CloseSessionRequest(_message.Message):
     __slots__ = ("request_id", "committed")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -44,6 +44,11 @@ class DrafterStub:
                 request_serializer=specmesh_dot_v1_dot_drafter__pb2.ProposeRequest.SerializeToString,
                 response_deserializer=specmesh_dot_v1_dot_drafter__pb2.ProposeResponse.FromString,
                 _registered_method=True)
+        self.ProposeMany = channel.unary_unary(
+                '/specmesh.v1.Drafter/ProposeMany',
+                request_serializer=specmesh_dot_v1_dot_drafter__pb2.ProposeManyRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_drafter__pb2.ProposeManyResponse.FromString,
+                _registered_method=True)
         self.CloseSession = channel.unary_unary(
                 '/specmesh.v1.Drafter/CloseSession',
                 request_serializer=specmesh_dot_v1_dot_drafter__pb2.CloseSessionRequest.SerializeToString,
@@ -76,6 +81,17 @@ class DrafterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProposeMany(self, request, context):
+        """Since v1.3: Propose for many requests in one call — what a router or verifier asks of this drafter in
+        one step, one call instead of one a request. The items are drafted in order, each as its own Propose
+        would be, and each answered alone: an item whose session is unknown gets NOT_FOUND, an invalid one
+        INVALID_ARGUMENT, and the others their trees. The call itself is INVALID_ARGUMENT past
+        MAX_PROPOSE_ITEMS (256) items. A drafter older than v1.3 answers UNIMPLEMENTED: call Propose instead.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CloseSession(self, request, context):
         """Tell the last committed tokens and free the session (unknown ids are fine).
         """
@@ -101,6 +117,11 @@ def add_DrafterServicer_to_server(servicer, server):
                     servicer.Propose,
                     request_deserializer=specmesh_dot_v1_dot_drafter__pb2.ProposeRequest.FromString,
                     response_serializer=specmesh_dot_v1_dot_drafter__pb2.ProposeResponse.SerializeToString,
+            ),
+            'ProposeMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProposeMany,
+                    request_deserializer=specmesh_dot_v1_dot_drafter__pb2.ProposeManyRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_drafter__pb2.ProposeManyResponse.SerializeToString,
             ),
             'CloseSession': grpc.unary_unary_rpc_method_handler(
                     servicer.CloseSession,
@@ -167,6 +188,33 @@ class Drafter:
             '/specmesh.v1.Drafter/Propose',
             specmesh_dot_v1_dot_drafter__pb2.ProposeRequest.SerializeToString,
             specmesh_dot_v1_dot_drafter__pb2.ProposeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProposeMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specmesh.v1.Drafter/ProposeMany',
+            specmesh_dot_v1_dot_drafter__pb2.ProposeManyRequest.SerializeToString,
+            specmesh_dot_v1_dot_drafter__pb2.ProposeManyResponse.FromString,
             options,
             channel_credentials,
             insecure,
