@@ -86,7 +86,7 @@ def metric_total(process: ServiceProcess, name: str, **labels: str) -> float:
 MOVING = {"router": [(name, {}) for name in (
               "specmesh_generated_tokens_total", "specmesh_target_steps_total", "specmesh_drafter_drafts_total",
               "specmesh_drafter_draft_tokens_total", "specmesh_routing_decisions_total")],
-          "drafter": [("specmesh_rpc_requests_total", {"method": "Propose"})],
+          "drafter": [("specmesh_rpc_requests_total", {"method": "ProposeMany"})],
           "verifier": [("specmesh_verify_jobs_total", {}), ("specmesh_verify_batch_tokens_count", {})]}
 
 

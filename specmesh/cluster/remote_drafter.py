@@ -4,6 +4,9 @@ The adapter holds each request's committed tokens, so a drafter that restarted (
 session re-opened with the whole context, and one that is down (UNAVAILABLE, deadline exceeded) just
 proposes nothing — the request goes on with the other drafters, or as plain decoding — until a
 back-off has passed. A drafter's failure costs speculation, never a request.
+
+The proposals asked for in one event-loop turn (a step's, one a request) go in one ``ProposeMany`` call,
+each item answered alone; a drafter that predates it (UNIMPLEMENTED) is called once a proposal instead.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import grpc
 import torch
 
 from specmesh.cluster.backoff import unreachable_node
+from specmesh.cluster.drafter_sessions import MAX_PROPOSE_ITEMS
 from specmesh.cluster.wire import features_to_pb, tree_from_pb
 from specmesh.errors import InvalidArgument
 from specmesh.runtime.features import MAX_PROMPT_FEATURES, Features
@@ -30,6 +34,12 @@ log = logging.getLogger("specmesh.cluster.remote_drafter")
 LEARNS_FROM_EVERY_ANSWER = frozenset({"history"})
 # a call that failed with these may still have run on the drafter (its session opened): it is closed too
 MAY_HAVE_RUN = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})
+# a ProposeMany call's items stop at this many bytes (a feature drafter's first blocks are big) or at
+# MAX_PROPOSE_ITEMS; the rest go in further calls. Well under the services' 64 MB messages
+MAX_CALL_BYTES = 16 << 20
+STATUS_OF_CODE = {code.value[0]: code for code in grpc.StatusCode}
+
+Answer = drafter_pb2.ProposeResponse | grpc.aio.AioRpcError  # an item's: its tree, or its failure
 
 
 class RemoteDrafter:
@@ -56,6 +66,9 @@ class RemoteDrafter:
         self._features: dict[str, list[Features]] = {}  # request -> blocks not yet sent (feature drafters)
         self._feature_end: dict[str, int] = {}  # request -> where the next block must start
         self._refused: set[str] = set()  # requests whose features the drafter refused: it sits them out
+        self._batching = True  # False once the drafter answered UNIMPLEMENTED to ProposeMany (an older one)
+        self._queued: list[tuple[drafter_pb2.ProposeRequest, asyncio.Future]] = []  # this turn's proposals
+        self._calls: set[asyncio.Task] = set()  # ProposeMany calls in flight
         self._down_until = 0.0
         self._backoff = unreachable_node(max_backoff_s)
         self._expected_hash: str | None = None
@@ -96,7 +109,7 @@ class RemoteDrafter:
         return True
 
     async def close(self) -> None:
-        await asyncio.gather(*self._closing, return_exceptions=True)
+        await asyncio.gather(*self._closing, *self._calls, return_exceptions=True)
         await self._channel.close()
 
     async def start(self, request_id: str, prompt_ids: Sequence[int]) -> None:
@@ -128,8 +141,8 @@ class RemoteDrafter:
             if blocks:
                 request.features.CopyFrom(features_to_pb(_joined(blocks)))
             try:
-                answer = await self._stub.Propose(request, timeout=self.timeout_s)
-            except grpc.aio.AioRpcError as exc:
+                answer = await self._answer(request)
+            except grpc.aio.AioRpcError as exc:  # counted against the drafter where the call ended
                 if exc.code() == grpc.StatusCode.NOT_FOUND:  # the drafter lost it: open it again
                     self._open.discard(request_id)
                     continue
@@ -138,8 +151,10 @@ class RemoteDrafter:
                 self._stale.add(request_id)
                 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT and blocks:
                     self._refused.add(request_id)  # features it cannot read: the request goes on without it
-                self._mark_down(exc)
                 return TokenTree()
+            except asyncio.CancelledError:  # its item may have been drafted there all the same
+                self._stale.add(request_id)
+                raise
             self._unsent[request_id] = []
             self._features[request_id] = []
             self._up()
@@ -149,6 +164,76 @@ class RemoteDrafter:
                 log.warning("drafter %s sent a malformed tree; ignoring it", self.name)
                 return TokenTree()
         return TokenTree()
+
+    async def _answer(self, request: drafter_pb2.ProposeRequest) -> drafter_pb2.ProposeResponse:
+        """The drafter's answer to one proposal, sent with the others of this event-loop turn; raises its
+        failure (``AioRpcError``)."""
+        if not self._batching:
+            answer = await self._propose_one(request)
+        else:
+            loop = asyncio.get_running_loop()
+            if not self._queued:  # the first of this turn: the others join it until the loop comes round
+                loop.call_soon(self._send_queued)
+            future = loop.create_future()
+            self._queued.append((request, future))
+            answer = await future
+        if isinstance(answer, grpc.aio.AioRpcError):
+            raise answer
+        return answer
+
+    def _send_queued(self) -> None:
+        queued = [(r, f) for r, f in self._queued if not f.cancelled()]  # a caller gone: its item is not sent
+        self._queued = []
+        for chunk in _chunks(queued):
+            task = asyncio.ensure_future(self._propose_many(chunk))
+            self._calls.add(task)
+            task.add_done_callback(self._calls.discard)
+
+    async def _propose_many(self, chunk: list[tuple[drafter_pb2.ProposeRequest, asyncio.Future]]) -> None:
+        """One ProposeMany call for ``chunk``; each item's answer goes to its own caller."""
+        answers: list[Answer] = []
+        try:
+            answers = await self._call_many([request for request, _ in chunk])
+        finally:  # a cancelled caller's answer is dropped; the others get theirs (CANCELLED if this was)
+            for i, (_, future) in enumerate(chunk):
+                if not future.done():
+                    future.set_result(answers[i] if i < len(answers)
+                                      else _failure(grpc.StatusCode.CANCELLED, "the drafter's adapter stopped"))
+
+    async def _call_many(self, requests: list[drafter_pb2.ProposeRequest]) -> list[Answer]:
+        try:
+            reply = await self._stub.ProposeMany(drafter_pb2.ProposeManyRequest(items=requests), timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # an older drafter: one call a proposal, for good
+                self._batching = False
+                return list(await asyncio.gather(*(self._propose_one(r) for r in requests)))
+            self._mark_down(exc)  # the whole call failed: one failure of the drafter's, every item's answer
+            return [_failure(exc.code(), exc.details()) for _ in requests]
+        return self._item_answers(reply, len(requests))
+
+    def _item_answers(self, reply: drafter_pb2.ProposeManyResponse, items: int) -> list[Answer]:
+        if len(reply.results) != items:
+            why = f"{len(reply.results)} answers to {items} proposals"
+            self._mark_down(_failure(grpc.StatusCode.INTERNAL, why))
+            return [_failure(grpc.StatusCode.INTERNAL, why) for _ in range(items)]
+        answers: list[Answer] = []
+        for result in reply.results:
+            if result.code == grpc.StatusCode.OK.value[0]:
+                answers.append(result.answer)
+                continue
+            exc = _failure(STATUS_OF_CODE.get(result.code, grpc.StatusCode.UNKNOWN), result.message)
+            if exc.code() != grpc.StatusCode.NOT_FOUND:  # as a Propose call failing so would count
+                self._mark_down(exc)
+            answers.append(exc)
+        return answers
+
+    async def _propose_one(self, request: drafter_pb2.ProposeRequest) -> Answer:
+        try:
+            return await self._stub.Propose(request, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND:
+                self._mark_down(exc)
+            return exc
 
     async def commit(self, request_id: str, new_token_ids: Sequence[int]) -> None:
         if request_id in self._context:  # sent with the next proposal: one call a step
@@ -228,6 +313,26 @@ class RemoteDrafter:
 
     def _up(self) -> None:
         self._backoff.reset()
+
+
+def _failure(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    """One item's failure, as its own Propose call would have raised it."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+def _chunks(queued: list) -> list[list]:
+    """``queued`` (proposals and their futures) cut into ProposeMany calls of at most ``MAX_PROPOSE_ITEMS``
+    items and ``MAX_CALL_BYTES`` bytes (an item bigger than that goes alone)."""
+    chunks: list[list] = []
+    size = 0
+    for item in queued:
+        item_size = item[0].ByteSize()
+        if not chunks or len(chunks[-1]) >= MAX_PROPOSE_ITEMS or size + item_size > MAX_CALL_BYTES:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(item)
+        size += item_size
+    return chunks
 
 
 def _joined(blocks: list[Features]) -> Features:
