@@ -3,6 +3,7 @@
 
 import asyncio
 import threading
+import time
 import uuid
 from contextlib import asynccontextmanager
 
@@ -10,6 +11,8 @@ from conftest import wait_until_async
 
 from specmesh.cluster.gateway import ModelCard, Router, RouterLimits
 from specmesh.cluster.metrics import DrafterMetrics, MetricsEndpoint, RouterMetrics, serve_metrics
+from specmesh.cluster.pipeline.engine_client import EngineClient
+from specmesh.cluster.pipeline.engine_worker import EngineWorker
 from specmesh.cluster.pipeline.messages import QueueKeys
 from specmesh.cluster.pipeline.router_end import QueueVerifierClient
 from specmesh.cluster.pipeline.verifier_end import VerifierQueue
@@ -18,6 +21,7 @@ from specmesh.cluster.remote_drafter import RemoteDrafter
 from specmesh.cluster.serving import Service, TorchThread, start_server
 from specmesh.cluster.pipeline.messages import QueueSigner, new_key
 from specmesh.drafters.base import Drafter
+from specmesh.drafters.ngram import NgramDrafter
 from specmesh.runtime.llama import LlamaRuntime
 from specmesh.runtime.loading import tokenizer_fingerprint
 from specmesh.runtime.tree_verifier import TreeVerifier
@@ -29,6 +33,8 @@ from specmesh.cluster.gateway import watch_cluster
 from specmesh.services.router.server import ROUTER_SERVICE, RouterServicer
 from specmesh.cluster.pipeline.worker import VerifierWorker
 from specmesh.speculation.classifier import default_classifier
+from specmesh.speculation.drafting import LocalDrafter
+from specmesh.speculation.policy import adaptive_policy
 from specmesh.speculation.engine import Request, SpeculativeEngine
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc, router_pb2_grpc
 
@@ -173,3 +179,97 @@ async def passes_held(worker: VerifierWorker):
     finally:
         hold.set()
         await busy
+
+
+class EngineNode:
+    """A verifier's engine worker (``--step-loop verifier``) on a thread and event loop of its own, as in a
+    process of its own: it can stand still (``stall``, a SIGSTOP as far as the others can tell) while the
+    rest of the test goes on. Tiny model, an n-gram drafter in process."""
+
+    def __init__(self, url: str, keys: QueueKeys, signer: QueueSigner, model, name: str,
+                 heartbeat_ttl_s: float = 1.0, verifier=TreeVerifier) -> None:
+        """``verifier``: makes the node's verifier from its runtime (a slow one, say)."""
+        self.url, self.keys, self.signer, self.model, self.name = url, keys, signer, model, name
+        self.heartbeat_ttl_s = heartbeat_ttl_s
+        self.make_verifier = verifier
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=f"node-{name}", daemon=True)
+        self.worker: EngineWorker | None = None
+        self.running = None
+
+    def start(self) -> "EngineNode":
+        self.thread.start()
+        self.worker = self.call(self._build())
+        self.running = asyncio.run_coroutine_threadsafe(self.worker.run(), self.loop)
+        return self
+
+    async def _build(self) -> EngineWorker:
+        queue = VerifierQueue(async_redis(self.url), self.keys, self.name, heartbeat_ttl_s=self.heartbeat_ttl_s,
+                              signer=self.signer)
+        return EngineWorker(self.make_verifier(LlamaRuntime(self.model)), queue, TorchThread(self.name),
+                            adaptive_policy({}), [LocalDrafter(NgramDrafter())], frozenset())
+
+    def call(self, coroutine, timeout_s: float = 60.0):
+        """Run ``coroutine`` on the node's loop and return its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout_s)
+
+    def stall(self, seconds: float) -> None:
+        """The node's loop stands still for ``seconds`` (its heartbeat, reads and posts with it)."""
+        self.loop.call_soon_threadsafe(time.sleep, seconds)
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self.worker._held
+
+    @property
+    def sessions(self) -> int:
+        return self.worker.verifier.num_sessions
+
+    def stop(self) -> None:
+        """Stop as a process killed would: no drain; its admissions stay pending for whoever adopts them."""
+        if self.running is not None:
+            self.loop.call_soon_threadsafe(self.worker.stopped.set)
+            self.running.result(60)
+            self.call(self.worker.queue.redis.aclose())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+class EnginePool:
+    """Engine nodes over a real Redis, and a router's ``EngineClient`` on the test's event loop."""
+
+    def __init__(self, url: str, model, workers: int = 1, timeout_s: float = 30.0, node_url: str | None = None) -> None:
+        """``url``: the router's Redis URL; ``node_url``: the verifiers' (another user's), else the same."""
+        self.keys = QueueKeys(pool=uuid.uuid4().hex[:8])
+        self.signer = QueueSigner(new_key())
+        self.redis = async_redis(url)
+        self.client = EngineClient(self.redis, self.keys, f"router-{self.keys.pool}", timeout_s=timeout_s,
+                                   signer=self.signer)
+        self.url, self.model = node_url or url, model
+        self.nodes = [EngineNode(self.url, self.keys, self.signer, model, f"v{i}") for i in range(workers)]
+
+    async def add_node(self, name: str, **node_args) -> EngineNode:
+        node = EngineNode(self.url, self.keys, self.signer, self.model, name, **node_args)
+        self.nodes.append(node)
+        return await asyncio.to_thread(node.start)
+
+    async def __aenter__(self):
+        for node in self.nodes:
+            await asyncio.to_thread(node.start)
+        await self.client.start()
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.client.stop()
+        for node in self.nodes:
+            if node.thread.is_alive():
+                await asyncio.to_thread(node.stop)
+        await self.redis.aclose()
+
+    async def answer(self, request: Request, budget: int = 6, on_delta=None) -> list[int]:
+        """The request's whole answer through the nodes (fixed budget); ``on_delta`` sees each delta."""
+        tokens: list[int] = []
+        async for delta in self.client.generate(request, budget, fixed_budget=True):
+            tokens += delta.tokens
+            if on_delta is not None:
+                on_delta(delta)
+        return tokens

@@ -164,3 +164,23 @@ def test_a_router_user_made_before_info_was_its_own_still_watches_the_verifiers(
     with caplog.at_level("WARNING", logger="specmesh.cluster.pipeline"):
         asyncio.run(main())
     assert sum("refuses INFO" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_the_engine_core_path_runs_with_each_sides_own_user(secured, tiny_model):
+    """Admissions, steps (the verifier's fenced publish script) and aborts, each side with its own user."""
+    from cluster_parts import EnginePool, plain_greedy
+
+    prompt = (5, 6, 7, 5, 6)
+
+    async def main():
+        async with EnginePool(url(secured, "router"), tiny_model, node_url=url(secured, "verifier")) as pool:
+            answer = await asyncio.wait_for(pool.answer(Request(prompt, SamplingParams(max_tokens=12))), 60)
+            left = asyncio.create_task(pool.answer(Request(prompt, SamplingParams(max_tokens=400), "left")))
+            await wait_until_async(lambda: pool.nodes[0].holds("left"), what="the verifier took it")
+            left.cancel()
+            await asyncio.gather(left, return_exceptions=True)
+            await wait_until_async(lambda: not pool.nodes[0].holds("left"), what="the abort reached the verifier")
+            return answer, pool.nodes[0].worker.metrics.worker_errors._value.get()
+
+    answer, errors = asyncio.run(main())
+    assert answer == plain_greedy(tiny_model, prompt, 12) and errors == 0

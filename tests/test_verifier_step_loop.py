@@ -52,7 +52,7 @@ def admin_redis(cluster) -> redis.Redis:
 @pytest.mark.parametrize("concurrency, speculation", [(1, "adaptive"), (8, "adaptive"), (8, "fixed")])
 def test_greedy_through_the_verifiers_step_loop_is_plain_greedy(cluster, questions, plain_outputs, concurrency,  # noqa: F811
                                                                  speculation):
-    drafted_before = metric_total(cluster.drafters[0], "specmesh_rpc_requests_total", method="Propose")
+    drafted_before = metric_total(cluster.drafters[0], "specmesh_rpc_requests_total", method="ProposeMany")
     with Client(cluster.router_address) as client:
         if speculation == "fixed":
             with ThreadPoolExecutor(concurrency) as pool:
@@ -66,7 +66,7 @@ def test_greedy_through_the_verifiers_step_loop_is_plain_greedy(cluster, questio
     if speculation == "fixed":  # the whole budget every step: the trees are accepted in part at least
         steps, tokens = sum(r.stats.target_steps for r in results), sum(len(r.token_ids) for r in results)
         assert steps < tokens, (steps, tokens)
-        assert metric_total(cluster.drafters[0], "specmesh_rpc_requests_total", method="Propose") > drafted_before
+        assert metric_total(cluster.drafters[0], "specmesh_rpc_requests_total", method="ProposeMany") > drafted_before
 
 
 def test_the_openai_api_streams_the_verifiers_answers(cluster, questions, plain_outputs):  # noqa: F811

@@ -48,7 +48,11 @@ def role_rules(role: str, prefix: str = "specmesh") -> list[str]:
             f"(+sadd +srem +smembers %RW~{members})",
             f"(+xgroup|create +xreadgroup +xack +xdel +xpending +xclaim %RW~{admissions})",
             f"(+xadd +xrange +xtrim +del %RW~{commit_logs})",
-            "+multi +exec",  # a step's outputs, its commit log entry and the finished requests' acks go together
+            "+multi +exec",  # an adoption's snapshot and the dead verifier's log deletion go together
+            # a step's outputs, its commit log entry and the finished requests' acks: one script, fenced by
+            # the alive key (engine_worker.PUBLISH); the commands it runs are checked against the rules here
+            f"(+evalsha +eval %RW~{alive} %RW~{commit_logs} %RW~{admissions} %RW~{outputs})",
+            "+script|load",
             f"(+xread +xrevrange %R~{aborts})",
             f"(+xadd %W~{outputs})",
         ],

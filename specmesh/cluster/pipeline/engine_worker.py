@@ -49,6 +49,29 @@ ABORTED_MEMORY = 4096  # aborted ids remembered, so that an admission read after
 DRAIN_S = 20.0  # a drain finishes the requests held within this, the others adopt the rest
 ADOPT_EVERY_S = 1.0  # how often the others' heartbeats are looked at (and the commit log trimmed)
 
+# A step's outputs: logged on the verifier's commit log, posted to each router's stream, and the finished
+# requests' admissions acknowledged, all at once, and only while the verifier's alive key lives: once it
+# expired the others may have adopted its requests, and a verifier back from a stall must not answer them.
+# KEYS: alive, commit log, admissions, the routers' outputs streams. ARGV: the log entry ('' none) and its
+# tag, the outputs streams' length, the group, n, n admission ids, then a payload and tag per outputs stream.
+PUBLISH = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+local logged = ''
+if ARGV[1] ~= '' then logged = redis.call('XADD', KEYS[2], '*', 'outputs', ARGV[1], 'tag', ARGV[2]) end
+local done = tonumber(ARGV[5])
+local at = 6 + done
+for i = 4, #KEYS do
+  redis.call('XADD', KEYS[i], 'MAXLEN', '~', ARGV[3], '*', 'outputs', ARGV[at], 'tag', ARGV[at + 1])
+  at = at + 2
+end
+if done > 0 then
+  redis.call('XACK', KEYS[3], ARGV[4], unpack(ARGV, 6, 5 + done))
+  redis.call('XDEL', KEYS[3], unpack(ARGV, 6, 5 + done))
+end
+return logged
+"""
+FENCED = -1
+
 
 class ThreadedVerifier:
     """The tree verifier as the engine core calls it, its passes on the torch thread, counted."""
@@ -113,13 +136,15 @@ class EngineWorker:
         self.unready = asyncio.Event()
         self.finished = asyncio.Event()
         self.draining = False
+        self.lapsed = False  # its heartbeat lapsed: the others may have adopted what it holds
+        self._publish_script = self.redis.register_script(PUBLISH)
 
     @property
     def verifier_id(self) -> str:
         return self.queue.verifier_id
 
     async def run(self) -> None:
-        beat = asyncio.create_task(self.queue.keep_beating(self.unready))
+        beat = asyncio.create_task(self.queue.keep_beating(self.unready, self._lapse, renew_only=True))
         try:
             await self._loop()
         finally:
@@ -128,23 +153,47 @@ class EngineWorker:
             beat.cancel()
             await self.core.close()
 
+    def _lapse(self) -> None:
+        self.lapsed = True
+
     async def _register(self) -> None:
-        await self.queue.register()
+        """Join the pool, at the start or after losing Redis or its heartbeat. Its alive key gone (expired, or
+        Redis restarted empty), the others may have adopted its requests: it lets them all go first, then
+        takes back from its log those still its own (all of them after a restart under the same id)."""
+        self.lapsed = False
+        # renewed only if still there, in one command: a stall between a look and a write would slip through
+        if self.core.num_requests and not await self.queue.heartbeat(renew_only=True):
+            await self._let_go()
+        if not self.core.num_requests:
+            await self.queue.register()
         try:
             await self.redis.xgroup_create(self.keys.admissions, GROUP, id="0", mkstream=True)
         except ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
-        last = await self.redis.xrevrange(self.keys.aborts, count=1)
-        self._aborts_after = last[0][0] if last else "0-0"  # earlier aborts are of requests before this start
-        await self._adopt(self.verifier_id)  # restarted under the same id: what it held is its to finish
+        # the recent aborts too: an admission still unread may be of a client that left before any verifier ran
+        recent = await self.redis.xrevrange(self.keys.aborts, count=ABORTED_MEMORY)
+        self._aborts_after = recent[0][0] if recent else "0-0"
+        dropped: list[bytes] = []
+        for rid in self._aborts_in(reversed(recent)):
+            await self._abort(rid, dropped)
+        if dropped:
+            await self._publish([], dropped)
+        if not self.core.num_requests:
+            await self._adopt(self.verifier_id)
+
+    async def _let_go(self) -> None:
+        log.warning("this verifier stood still past its heartbeat: letting its %d request(s) go (those still its "
+                    "own are taken back from its log)", self.core.num_requests)
+        self._held.clear()
+        await self.core.close()
 
     async def _loop(self) -> None:
         registered = False
         backoff = redis_reconnect()
         while not self.stopped.is_set():
             try:
-                if not registered:
+                if not registered or self.lapsed:
                     await self._register()
                     registered = True
                 if time.monotonic() >= self._next_adoption:
@@ -189,16 +238,21 @@ class EngineWorker:
                 return [], []
             raise
         admissions = [item for _, items in (answers[0] or ()) for item in items] if room > 0 else []
+        entries = [entry for _, items in answers[-1] or () for entry in items]
+        if entries:
+            self._aborts_after = entries[-1][0]
+        return admissions, self._aborts_in(entries)
+
+    def _aborts_in(self, entries) -> list[str]:
+        """The request ids of the validly signed aborts among the stream's ``entries``."""
         aborts = []
-        for _, items in answers[-1] or ():
-            for entry_id, fields in items:
-                self._aborts_after = entry_id
-                payload = fields.get(b"abort")
-                if payload is not None and self.signer.valid(ABORT, payload, fields.get(b"tag")):
-                    abort = _parsed(verifier_pb2.Abort, payload)
-                    if abort is not None:
-                        aborts.append(abort.request_id)
-        return admissions, aborts
+        for _, fields in entries:
+            payload = fields.get(b"abort")
+            if payload is not None and self.signer.valid(ABORT, payload, fields.get(b"tag")):
+                abort = _parsed(verifier_pb2.Abort, payload)
+                if abort is not None:
+                    aborts.append(abort.request_id)
+        return aborts
 
     async def _abort(self, request_id: str, dropped: list[bytes]) -> None:
         self._aborted[request_id] = None
@@ -275,24 +329,21 @@ class EngineWorker:
                 done.append(held.entry_id)
                 del self._held[output.request_id]
             by_router.setdefault(held.reply_to, verifier_pb2.StepOutputs(verifier_id=self.verifier_id)).deltas.append(delta)
-        pipe = self.redis.pipeline(transaction=True)  # logged, posted and acknowledged together or not at all
         step = verifier_pb2.StepOutputs(verifier_id=self.verifier_id,
                                         deltas=[d for m in by_router.values() for d in m.deltas if d.tokens])
-        if step.deltas:
-            self._log(pipe, step)
-        for reply_to, message in by_router.items():
-            payload = message.SerializeToString()
-            pipe.xadd(reply_to, {"outputs": payload, "tag": self.signer.tag(OUTPUTS, payload)},
-                      maxlen=OUTPUTS_MAXLEN, approximate=True)
-        if done:
-            pipe.xack(self.keys.admissions, GROUP, *done)
-            pipe.xdel(self.keys.admissions, *done)
-        answers = await pipe.execute()
-        if step.deltas:
-            for delta in step.deltas:
-                held = self._held.get(delta.request_id)
-                if held is not None and held.logged_from is None:
-                    held.logged_from = answers[0]
+        logged = step.SerializeToString() if step.deltas else b""
+        posts = [(message.SerializeToString(), reply_to) for reply_to, message in by_router.items()]
+        logged_at = await self._publish_script(
+            keys=[self.keys.alive(self.verifier_id), self.commit_log, self.keys.admissions, *(r for _, r in posts)],
+            args=[logged, self.signer.tag(OUTPUTS, logged) if logged else b"", OUTPUTS_MAXLEN, GROUP, len(done), *done,
+                  *(part for payload, _ in posts for part in (payload, self.signer.tag(OUTPUTS, payload)))])
+        if logged_at == FENCED:
+            self.lapsed = True  # nothing was posted: the next turn lets every request go
+            return
+        for delta in step.deltas:
+            held = self._held.get(delta.request_id)
+            if held is not None and held.logged_from is None:
+                held.logged_from = logged_at
 
     def _log(self, pipe, step: verifier_pb2.StepOutputs) -> None:
         payload = step.SerializeToString()
@@ -347,10 +398,13 @@ class EngineWorker:
                 self._held[rid].logged_from = first[rid]  # its own log (a restart) keeps it from there
         log.info("took over %d request(s) %s held%s", len(claimed), verifier_id,
                  "" if verifier_id == self.verifier_id else " (its heartbeat stopped)")
+        if verifier_id != self.verifier_id:
+            self.metrics.reclaimed.inc(len(claimed))
         if snapshot.deltas and verifier_id != self.verifier_id:  # this log holds their whole answers from now on
             pipe = self.redis.pipeline(transaction=True)
             self._log(pipe, snapshot)
-            pipe.delete(self.keys.commit_log(verifier_id))
+            if len(claimed) == len(pending):  # else the other took some back (a stall, not a death): its log stays
+                pipe.delete(self.keys.commit_log(verifier_id))
             first = (await pipe.execute())[0]
             for delta in snapshot.deltas:
                 self._held[delta.request_id].logged_from = first

@@ -76,17 +76,22 @@ class VerifierQueue:
                     raise
         await self.heartbeat()
 
-    async def heartbeat(self) -> None:
-        """I am alive (and a member: Redis may have restarted empty since registering)."""
+    async def heartbeat(self, renew_only: bool = False) -> bool:
+        """I am alive (and a member: Redis may have restarted empty since registering). ``renew_only``: only
+        if the alive key is still there; False when it was not (it expired: the others may have taken over
+        what this verifier held, and it must not come back to life holding it)."""
         pipe = self.redis.pipeline(transaction=False)
         pipe.sadd(self.keys.members, self.verifier_id)
-        pipe.set(self.keys.alive(self.verifier_id), self.beat, px=int(self.heartbeat_ttl_s * 1000))
-        await pipe.execute()
+        pipe.set(self.keys.alive(self.verifier_id), self.beat, px=int(self.heartbeat_ttl_s * 1000), xx=renew_only)
+        return bool((await pipe.execute())[1])
 
-    async def keep_beating(self, until: asyncio.Event, on_lapse: Callable[[], None] | None = None) -> None:
+    async def keep_beating(self, until: asyncio.Event, on_lapse: Callable[[], None] | None = None,
+                           renew_only: bool = False) -> None:
         """The heartbeat, on its own task (a pass of any length is not a death), every third of the TTL until
         ``until`` is set, so that the others then reclaim what this verifier held. ``on_lapse``: called when
-        a beat came later than the TTL (stopped, SIGSTOP, or starved): the others presumed it dead meanwhile."""
+        a beat came later than the TTL (stopped, SIGSTOP, or starved): the others presumed it dead meanwhile;
+        ``renew_only``: also when the alive key had expired, which is then left to the worker to set again
+        (``heartbeat``) once it let go of what it held."""
         last = time.monotonic()
         while not until.is_set():
             now = time.monotonic()
@@ -94,7 +99,8 @@ class VerifierQueue:
                 on_lapse()
             last = now
             try:
-                await self.heartbeat()
+                if not await self.heartbeat(renew_only) and on_lapse is not None:
+                    on_lapse()
             except REDIS_DOWN:
                 pass  # the worker's loop reconnects; the key expires meanwhile
             except Exception:
