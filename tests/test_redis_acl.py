@@ -184,3 +184,62 @@ def test_the_engine_core_path_runs_with_each_sides_own_user(secured, tiny_model)
 
     answer, errors = asyncio.run(main())
     assert answer == plain_greedy(tiny_model, prompt, 12) and errors == 0
+
+
+def test_routers_write_the_routing_snapshot_and_verifiers_only_read_it(secured, caplog):
+    """The routing snapshot (policy_sync.py): a router publishes it (its compare-and-set script), a verifier
+    applies it and may not write it (nor run the script on it); a verifier user made before the key existed
+    is told once and routes by its own learning."""
+    from specmesh.cluster.metrics import VerifierMetrics
+    from specmesh.cluster.pipeline.messages import QueueSigner, new_key
+    from specmesh.cluster.pipeline.policy_sync import RoutingFollower, RoutingPublisher
+    from specmesh.cluster.redis_acl import CONNECTION, role_rules
+    from specmesh.speculation.expertise import ExpertRouter, LevelCounts, Tally
+
+    password = "old-verifier-password-0123456789"
+    older = [word for rule in role_rules("verifier") if "routing" not in rule  # a selector is one argument
+             for word in ([rule] if rule.startswith("(") else rule.split())]
+    admin_url = url(secured, "router").replace(f"specmesh-router:{PASSWORDS['router']}@", f"default:{ADMIN}@")
+    with BlockingRedis.from_url(admin_url) as admin:
+        admin.execute_command("ACL", "SETUSER", "old-verifier", "on", f">{password}", "resetkeys", "resetchannels",
+                              "-@all", *CONNECTION.split(), *older)
+
+    def learnt(publisher: RoutingPublisher) -> RoutingPublisher:  # with counts to publish
+        publisher.router.learn(Tally(drafters={("general", "ngram"): LevelCounts([1], [1])}))
+        return publisher
+
+    async def main():
+        keys, signer = QueueKeys(pool=uuid.uuid4().hex[:8]), QueueSigner(new_key())
+        router_redis, verifier_redis = (aioredis.Redis.from_url(url(secured, role)) for role in ("router", "verifier"))
+        old_redis = aioredis.Redis.from_url(
+            url(secured, "verifier").replace(f"specmesh-verifier:{PASSWORDS['verifier']}@", f"old-verifier:{password}@"))
+        try:
+            published = await RoutingPublisher(router_redis, keys, "router-acl", ExpertRouter({}), signer).sync()
+            follower = RoutingFollower(ExpertRouter({}), signer, VerifierMetrics())
+            applied = await follower.poll(verifier_redis, keys.routing, set)
+            refused = {}
+            for name, call in [
+                ("verifier writes the snapshot", verifier_redis.hset(keys.routing, "snapshot", b"forged")),
+                ("verifier deletes it", verifier_redis.delete(keys.routing)),
+                ("verifier publishes one", learnt(RoutingPublisher(verifier_redis, keys, "v", ExpertRouter({}),
+                                                                   signer)).sync()),
+            ]:
+                try:
+                    await call
+                    refused[name] = False
+                except NoPermissionError:
+                    refused[name] = True
+            old = RoutingFollower(ExpertRouter({}), signer)
+            for _ in range(2):
+                assert not await old.poll(old_redis, keys.routing, set)
+                old._next_read = 0.0
+            return published, applied, follower.version, refused, old.readable
+        finally:
+            for connection in (router_redis, verifier_redis, old_redis):
+                await connection.aclose()
+
+    with caplog.at_level("WARNING", logger="specmesh.cluster.pipeline"):
+        published, applied, version, refused, readable = asyncio.run(main())
+    assert published and applied and version > 0
+    assert all(refused.values()), refused
+    assert not readable and sum("may not read" in r.getMessage() for r in caplog.records) == 1

@@ -25,6 +25,7 @@ from specmesh.cluster.gateway import ModelCard, Router, RouterLimits, TextStream
 from specmesh.cluster.metrics import RouterMetrics, serve_metrics
 from specmesh.cluster.pipeline.engine_client import EngineClient
 from specmesh.cluster.pipeline.messages import QueueKeys, QueueSigner
+from specmesh.cluster.pipeline.policy_sync import RoutingPublisher
 from specmesh.cluster.pipeline.router_end import QueueVerifierClient
 from specmesh.cluster.redis_clients import async_redis
 from specmesh.cluster.remote_drafter import RemoteDrafter
@@ -162,11 +163,14 @@ async def serve(args: RouterSettings) -> None:
                                    signer=signer, on_forged=metrics.forged_results.inc,
                                    on_resend=metrics.resent_jobs.inc, on_pass_curve=policy.calibrate)
     await verifier.start()
-    engine = None
+    engine = publishing = None
     if args.step_loop == "verifier":  # the verifiers run the step loop: requests are admitted there
+        # ... and route by this router's policy, learnt from what they report (policy_sync.py)
+        publisher = RoutingPublisher(redis, QueueKeys(args.pool), router_id, policy.router, signer, metrics)
         engine = EngineClient(redis, QueueKeys(args.pool), router_id, timeout_s=args.job_timeout, signer=signer,
-                              on_forged=metrics.forged_results.inc)
+                              on_forged=metrics.forged_results.inc, on_report=publisher.receive)
         await engine.start()
+        publishing = asyncio.create_task(publisher.run())
     local = [LocalDrafter(MODEL_FREE_DRAFTERS[name]()) for name in args.local_drafter_names]
     drafters: list = [*local]
     credentials = tls.channel_credentials() if tls is not None and tls.ca is not None else None  # mTLS to drafters
@@ -208,6 +212,8 @@ async def serve(args: RouterSettings) -> None:
     if http is not None:
         await http.stop()
     gauges.cancel()
+    if publishing is not None:
+        publishing.cancel()
     if discovery is not None:
         discovery.cancel()
     if endpoint:

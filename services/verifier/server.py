@@ -105,7 +105,7 @@ async def engine_worker(args: VerifierSettings, target, verifier: TreeVerifier, 
                         tokenizer_fingerprint(target.tokenizer), hidden_size=parts.hidden_size or None,
                         num_layers=parts.num_layers or None)
     await remote.update(args.drafter_addresses)
-    policy = adaptive_policy({})
+    policy = adaptive_policy({})  # its routing table and settings then follow the routers' snapshots (policy_sync)
     policy.calibrate([curve])
     worker = EngineWorker(verifier, queue, torch_thread, policy, drafters, frozenset(parts.eos_token_ids), metrics)
     log.info("the step loop runs here: drafters %s", ", ".join(d.name for d in drafters) or "none")

@@ -130,6 +130,11 @@ class RouterMetrics(ServiceMetrics):
                                    "unanswered (Redis lost them)", registry=r)
         self.drafter_up = Gauge("specmesh_drafter_up", "1 while the router can reach a drafter, else 0",
                                 ["drafter", "address"], registry=r)
+        # --step-loop verifier: the routing policy learnt here from the verifiers' reports (policy_sync.py)
+        self.routing_reports = Counter("specmesh_routing_reports", "Reports of per-level hit counts received from "
+                                       "verifiers and learnt from", registry=r)
+        self.routing_published = Gauge("specmesh_routing_snapshot_published_version", "Version of the routing "
+                                       "snapshot this router last published (0: none yet)", registry=r)
 
     def watch(self, policy: AdaptivePolicy) -> None:
         """Export what ``policy``'s controller has learned (``ControllerCollector``)."""
@@ -276,6 +281,12 @@ class VerifierMetrics(ServiceMetrics):
         self.kv_bytes = Gauge("specmesh_kv_cache_bytes", "Memory held by the KV caches", registry=r)
         self.worker_errors = Counter("specmesh_verifier_worker_errors", "Unexpected errors the worker survived "
                                      "(logged with their traceback)", registry=r)
+        # --step-loop verifier: the routers' routing snapshots (policy_sync.py)
+        self.routing_applied = Gauge("specmesh_routing_snapshot_applied_version", "Version of the routing snapshot "
+                                     "this verifier routes by (0: none yet, its own learning alone)", registry=r)
+        self.routing_refused = Counter("specmesh_routing_snapshots_refused", "Routing snapshots refused, by reason "
+                                       "(forged: no valid queue tag; unreadable: not a sound snapshot)", ["reason"],
+                                       registry=r)
 
     def watch(self, runtime: object) -> None:
         """Export what ``runtime`` streams (``StreamingCollector``)."""

@@ -8,7 +8,8 @@
   heartbeat and keeps the member set. It cannot post a job or read a result.
 - the engine-core path (``--step-loop verifier``): the router admits requests, posts aborts and reads its
   outputs stream; the verifier takes admissions (consumer group; a dead one's it claims), reads aborts,
-  posts outputs and keeps its commit log (and reads and deletes a dead one's).
+  posts outputs and keeps its commit log (and reads and deletes a dead one's). The routing snapshot
+  (``pipeline/policy_sync.py``): routers write it (a compare-and-set script), verifiers only read it.
 - drafter: announces itself in the registry (``--announce``), nothing else.
 
 ``specmesh redis-acl`` prints these as ACL file lines (``users.acl``) or ``ACL SETUSER`` commands; the
@@ -28,7 +29,7 @@ def role_rules(role: str, prefix: str = "specmesh") -> list[str]:
     jobs, results, alive = f"{prefix}:*:jobs*", f"{prefix}:results:*", f"{prefix}:*:alive:*"
     members, drafters = f"{prefix}:*:verifiers", f"{prefix}:drafters:*"
     admissions, aborts, outputs = f"{prefix}:*:admissions", f"{prefix}:*:aborts", f"{prefix}:outputs:*"
-    commit_logs = f"{prefix}:*:log:*"
+    commit_logs, routing = f"{prefix}:*:log:*", f"{prefix}:*:routing"
     rules = {
         "router": [
             f"(+xadd +xlen +xrange +xpending %RW~{jobs})",
@@ -40,6 +41,10 @@ def role_rules(role: str, prefix: str = "specmesh") -> list[str]:
             f"(+xadd %W~{aborts})",
             f"(+xread +xtrim %RW~{outputs})",
             "+info",
+            # the routing snapshot: read, and written by compare-and-set (policy_sync.PUBLISH, whose commands
+            # are checked against these rules)
+            f"(+hmget +hget +hset +evalsha +eval %RW~{routing})",
+            "+script|load",
         ],
         "verifier": [
             f"(+xgroup|create +xreadgroup +xautoclaim +xpending +xclaim +xack +xdel +xlen +del %RW~{jobs})",
@@ -55,6 +60,7 @@ def role_rules(role: str, prefix: str = "specmesh") -> list[str]:
             "+script|load",
             f"(+xread +xrevrange %R~{aborts})",
             f"(+xadd %W~{outputs})",
+            f"(+hmget %R~{routing})",  # the routers' routing snapshot: read only
         ],
         "drafter": [f"(+set +del %W~{drafters})"],
     }

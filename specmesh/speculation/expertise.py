@@ -7,6 +7,10 @@ drafter) across requests, starting from the drafter's advertised domains, and pe
 so a misclassified request switches experts mid-way. Selection is greedy with exploration (a bandit):
 the best few model drafters, every useful model-free one, and now and then one more. The request's
 estimates are also the fusion's trust weights. See docs/design.md.
+
+Where verifiers run the step loop, the per-kind records are shared (``cluster/pipeline/policy_sync.py``):
+a ``Tally`` keeps the per-level counts not yet in the pool's shared table, ``learn`` takes in counts
+observed elsewhere, and ``adopt`` puts a shared table in place of this one's.
 """
 
 from __future__ import annotations
@@ -98,6 +102,71 @@ class LevelRecord:
                 estimates.append(level_prior)  # no record: the prior itself
         return estimates
 
+    def add_counts(self, counts: LevelCounts, decay: float) -> None:
+        """Many walks' outcomes at once, as if spread evenly over them: n walks at a level decay the old
+        record by decay^n and add their hits at the weight their mean age gives (one walk: ``add``'s sum)."""
+        while len(self.levels) < len(counts.attempts):
+            self.levels.append(Record())
+        for record, hits, attempts in zip(self.levels, counts.hits, counts.attempts):
+            if attempts <= 0:
+                continue
+            kept = decay ** attempts
+            weight = (1.0 - kept) / (attempts * (1.0 - decay)) if decay < 1.0 else 1.0
+            record.hits = record.hits * kept + hits * weight
+            record.attempts = record.attempts * kept + attempts * weight
+
+
+@dataclass
+class LevelCounts:
+    """Per-level hits and attempts summed over many walks, each level counted as ``LevelRecord.add`` counts
+    it (level ``l`` attempted only when every level above was hit): what a ``LevelRecord`` takes in at once."""
+
+    hits: list[float] = field(default_factory=list)
+    attempts: list[float] = field(default_factory=list)
+
+    def add(self, hits: int, attempts: int) -> None:
+        """One walk's outcome (``level_hits``)."""
+        while len(self.attempts) < attempts:
+            self.hits.append(0)
+            self.attempts.append(0)
+        for level in range(hits):
+            self.hits[level] += 1
+            self.attempts[level] += 1
+        if attempts > hits:
+            self.attempts[hits] += 1
+
+    def merge(self, other: LevelCounts) -> None:
+        while len(self.attempts) < len(other.attempts):
+            self.hits.append(0)
+            self.attempts.append(0)
+        for level, (hits, attempts) in enumerate(zip(other.hits, other.attempts)):
+            self.hits[level] += hits
+            self.attempts[level] += attempts
+
+
+@dataclass
+class Tally:
+    """Counts of the per-kind records (drafters' and teams') that the pool's shared table does not hold yet,
+    as far as this node knows: a verifier's own observations until it reports them, a router's received
+    reports until it publishes them. Keys: (kind, drafter name) and (kind, team key)."""
+
+    drafters: dict[tuple[str, str], LevelCounts] = field(default_factory=dict)
+    teams: dict[tuple[str, str], LevelCounts] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.drafters or self.teams)
+
+    def take(self) -> Tally:
+        """What it holds; it starts afresh."""
+        taken = Tally(self.drafters, self.teams)
+        self.drafters, self.teams = {}, {}
+        return taken
+
+    def merge(self, other: Tally) -> None:
+        for mine, theirs in ((self.drafters, other.drafters), (self.teams, other.teams)):
+            for key, counts in theirs.items():
+                mine.setdefault(key, LevelCounts()).merge(counts)
+
 
 @dataclass(frozen=True)
 class RoutingConfig:
@@ -143,6 +212,7 @@ class ExpertRouter:
         self._teams: dict[tuple[str, str], LevelRecord] = {}  # (kind, team_key) -> fused trees' record
         self._random = random.Random(seed)
         self.learned = 0  # how many times its table changed: a weighing since then would read the same
+        self.tally: Tally | None = None  # kept where the table is shared (policy_sync); None: not kept
 
     def add(self, name: str, domains: Sequence[str], free: bool = False) -> None:
         """A drafter that joined (or re-advertised its domains)."""
@@ -200,6 +270,8 @@ class ExpertRouter:
         self.learned += 1
         route.teams.setdefault(key, LevelRecord()).add(hits, attempts, self.config.request_decay)
         self._teams.setdefault((route.kind, key), LevelRecord()).add(hits, attempts, self.config.kind_decay)
+        if self.tally is not None:
+            self.tally.teams.setdefault((route.kind, key), LevelCounts()).add(hits, attempts)
 
     def estimate(self, route: Route, name: str) -> float:
         """Expected acceptance of ``name``'s first guess on this request."""
@@ -235,6 +307,33 @@ class ExpertRouter:
         route.records.setdefault(name, LevelRecord()).add(hits, attempts, self.config.request_decay)
         if attempts:
             self._kinds.setdefault((route.kind, name), LevelRecord()).add(hits, attempts, self.config.kind_decay)
+            if self.tally is not None:
+                self.tally.drafters.setdefault((route.kind, name), LevelCounts()).add(hits, attempts)
+
+    def shared(self) -> tuple[dict[tuple[str, str], LevelRecord], dict[tuple[str, str], LevelRecord]]:
+        """The per-kind records, (kind, drafter) and (kind, team key): what a snapshot of the table holds."""
+        return self._kinds, self._teams
+
+    def learn(self, counts: Tally) -> None:
+        """Counts observed elsewhere (a verifier's report), taken into the per-kind records (and the tally)."""
+        self._add(counts)
+        if self.tally is not None:
+            self.tally.merge(counts)
+
+    def adopt(self, drafters: dict[tuple[str, str], LevelRecord], teams: dict[tuple[str, str], LevelRecord]) -> None:
+        """A shared table in place of this one's per-kind records; what the tally holds (not in it yet)
+        is added again. Requests' own records stay."""
+        self._kinds, self._teams = dict(drafters), dict(teams)
+        if self.tally:
+            self._add(self.tally)
+        self.learned += 1
+
+    def _add(self, counts: Tally) -> None:
+        decay = self.config.kind_decay
+        for table, entries in ((self._kinds, counts.drafters), (self._teams, counts.teams)):
+            for key, levels in entries.items():
+                table.setdefault(key, LevelRecord()).add_counts(levels, decay)
+        self.learned += 1
 
     def table(self) -> dict[str, dict[str, float]]:
         """Kind -> drafter -> current estimate, for every pair with evidence (for Info and metrics)."""

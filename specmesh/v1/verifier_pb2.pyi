@@ -166,15 +166,51 @@ class RequestDelta(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., position: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., message: _Optional[str] = ..., step: _Optional[_Union[_router_pb2.StepTrace, _Mapping]] = ..., stats: _Optional[_Union[_router_pb2.SpeculationStats, _Mapping]] = ...) -> None: ...
 
 class StepOutputs(_message.Message):
-    __slots__ = ("verifier_id", "deltas")
+    __slots__ = ("verifier_id", "deltas", "report")
     VERIFIER_ID_FIELD_NUMBER: _ClassVar[int]
     DELTAS_FIELD_NUMBER: _ClassVar[int]
+    REPORT_FIELD_NUMBER: _ClassVar[int]
     verifier_id: str
     deltas: _containers.RepeatedCompositeFieldContainer[RequestDelta]
-    def __init__(self, verifier_id: _Optional[str] = ..., deltas: _Optional[_Iterable[_Union[RequestDelta, _Mapping]]] = ...) -> None: ...
+    report: RoutingReport
+    def __init__(self, verifier_id: _Optional[str] = ..., deltas: _Optional[_Iterable[_Union[RequestDelta, _Mapping]]] = ..., report: _Optional[_Union[RoutingReport, _Mapping]] = ...) -> None: ...
 
 class Abort(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class RoutingRecord(_message.Message):
+    __slots__ = ("kind", "name", "team", "hits", "attempts")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TEAM_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    name: str
+    team: bool
+    hits: _containers.RepeatedScalarFieldContainer[float]
+    attempts: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., team: _Optional[bool] = ..., hits: _Optional[_Iterable[float]] = ..., attempts: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class RoutingReport(_message.Message):
+    __slots__ = ("records",)
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    records: _containers.RepeatedCompositeFieldContainer[RoutingRecord]
+    def __init__(self, records: _Optional[_Iterable[_Union[RoutingRecord, _Mapping]]] = ...) -> None: ...
+
+class RoutingSnapshot(_message.Message):
+    __slots__ = ("version", "router_id", "records", "max_drafters", "explore")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_DRAFTERS_FIELD_NUMBER: _ClassVar[int]
+    EXPLORE_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    router_id: str
+    records: _containers.RepeatedCompositeFieldContainer[RoutingRecord]
+    max_drafters: int
+    explore: float
+    def __init__(self, version: _Optional[int] = ..., router_id: _Optional[str] = ..., records: _Optional[_Iterable[_Union[RoutingRecord, _Mapping]]] = ..., max_drafters: _Optional[int] = ..., explore: _Optional[float] = ...) -> None: ...

@@ -43,9 +43,10 @@ class Delta:
 
 class EngineClient:
     def __init__(self, redis: aioredis.Redis, keys: QueueKeys, router_id: str, timeout_s: float = 30.0,
-                 signer: QueueSigner | None = None, on_forged=None) -> None:
+                 signer: QueueSigner | None = None, on_forged=None, on_report=None) -> None:
         """``timeout_s``: a request that hears nothing this long, and whose admission is gone from the stream
-        (a Redis that lost it), fails UNAVAILABLE; one still admitted waits on (a lone verifier restarting)."""
+        (a Redis that lost it), fails UNAVAILABLE; one still admitted waits on (a lone verifier restarting).
+        ``on_report``: takes the routing reports that verifiers' messages carry (``policy_sync.py``)."""
         self.redis = redis
         self.keys = keys
         self.router_id = router_id
@@ -53,6 +54,7 @@ class EngineClient:
         self.timeout_s = timeout_s
         self.signer = signer or QueueSigner()
         self.on_forged = on_forged
+        self.on_report = on_report
         self._queues: dict[str, asyncio.Queue] = {}
         self._listener: asyncio.Task | None = None
 
@@ -165,6 +167,8 @@ class EngineClient:
         except Exception:
             log.warning("an unreadable outputs message on %s", self.outputs)
             return
+        if self.on_report is not None and message.HasField("report"):
+            self.on_report(message.report)
         for delta in message.deltas:
             queue = self._queues.get(delta.request_id)
             if queue is not None:

@@ -13,7 +13,12 @@ admissions and rebuilds each request from its prompt and logged tokens; routers 
 
 Keys (besides the job path's, ``pipeline/__init__.py``): ``specmesh:P:admissions`` (consumer group
 ``verifiers``), ``specmesh:P:aborts`` (read by every verifier), ``specmesh:outputs:<router>``,
-``specmesh:P:log:<verifier>`` (the commit log, trimmed to what the requests held need).
+``specmesh:P:log:<verifier>`` (the commit log, trimmed to what the requests held need), ``specmesh:P:routing``
+(the routers' routing snapshot, read about once a second).
+
+Routing and fusion follow the routers' policy (``policy_sync.py``): the per-level hit counts its steps
+observe ride to the routers on one of a step's outputs messages, about every half second; the snapshot the
+routers publish from them is applied here.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from redis.exceptions import ResponseError
 from specmesh.cluster.backoff import REDIS_DOWN, redis_reconnect
 from specmesh.cluster.metrics import VerifierMetrics
 from specmesh.cluster.pipeline.messages import ABORT, ADMISSION, GROUP, OUTPUTS, QueueKeys, QueueSigner
+from specmesh.cluster.pipeline.policy_sync import RoutingFollower
 from specmesh.cluster.pipeline.verifier_end import VerifierQueue
 from specmesh.cluster.serving import TorchThread
 from specmesh.cluster.wire import sampling_from_pb, stats_to_pb, trace_to_pb
@@ -125,6 +131,8 @@ class EngineWorker:
         self.policy = policy
         self.drafters = drafters
         self.metrics = metrics or VerifierMetrics()
+        # the routers own the routing table: this one's steps' counts go to them, their snapshots come here
+        self.routing = RoutingFollower(policy.router, self.signer, self.metrics)
         self.core = EngineCore(ThreadedVerifier(verifier, torch_thread, self.metrics), eos_token_ids,
                                max_running=verifier.max_sessions)
         self._held: dict[str, _Held] = {}
@@ -199,6 +207,8 @@ class EngineWorker:
                 if time.monotonic() >= self._next_adoption:
                     await self._look_after_the_others()
                     self._next_adoption = time.monotonic() + ADOPT_EVERY_S
+                # the routers' routing snapshot, about once a second, for the drafters it has
+                await self.routing.poll(self.redis, self.keys.routing, self._drafter_names)
                 admissions, aborts = await self._read()
                 dropped: list[bytes] = []  # admission entries acknowledged unserved
                 for rid in aborts:
@@ -303,6 +313,9 @@ class EngineWorker:
         self.core.add(request, policy, drafters, held.stats)
         return None
 
+    def _drafter_names(self) -> set[str]:
+        return {drafter.name for drafter in self.drafters}
+
     def _unique_drafters(self) -> list[AsyncDrafter]:
         unique = one_per_name(self.drafters)
         for drafter in unique:
@@ -329,6 +342,9 @@ class EngineWorker:
                 done.append(held.entry_id)
                 del self._held[output.request_id]
             by_router.setdefault(held.reply_to, verifier_pb2.StepOutputs(verifier_id=self.verifier_id)).deltas.append(delta)
+        report = self.routing.report(flush=any(o.finish_reason for o in outputs)) if by_router else None
+        if report is not None:  # on one router's message: no Redis command of its own
+            next(iter(by_router.values())).report.CopyFrom(report)
         step = verifier_pb2.StepOutputs(verifier_id=self.verifier_id,
                                         deltas=[d for m in by_router.values() for d in m.deltas if d.tokens])
         logged = step.SerializeToString() if step.deltas else b""

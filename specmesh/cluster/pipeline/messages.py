@@ -67,6 +67,12 @@ class QueueKeys:
     def commit_log(self, verifier_id: str) -> str:
         return f"{self.prefix}:{self.pool}:log:{verifier_id}"
 
+    @property
+    def routing(self) -> str:
+        """The routing policy's snapshot (a hash: version, snapshot, tag): routers write it, verifiers read it
+        (``policy_sync.py``)."""
+        return f"{self.prefix}:{self.pool}:routing"
+
 
 # ---- signing ----
 
@@ -75,6 +81,7 @@ MIN_KEY_CHARS = 16
 # what a tag vouches for: a result is never a valid job, nor a progress note a result
 JOB, CLOSE, RESULT, PROGRESS = b"job", b"close", b"result", b"progress"
 ADMISSION, ABORT, OUTPUTS = b"admission", b"abort", b"outputs"
+ROUTING = b"routing"  # a routing snapshot (policy_sync.py)
 CONTROL = b"control"  # the bearer token of the verifiers' control API (Info, Drain) without mutual TLS
 
 
