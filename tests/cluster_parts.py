@@ -14,6 +14,7 @@ from specmesh.cluster.metrics import DrafterMetrics, MetricsEndpoint, RouterMetr
 from specmesh.cluster.pipeline.engine_client import EngineClient
 from specmesh.cluster.pipeline.engine_worker import EngineWorker
 from specmesh.cluster.pipeline.messages import QueueKeys
+from specmesh.cluster.pipeline.policy_sync import RoutingPublisher
 from specmesh.cluster.pipeline.router_end import QueueVerifierClient
 from specmesh.cluster.pipeline.verifier_end import VerifierQueue
 from specmesh.cluster.redis_clients import async_redis, blocking_redis
@@ -36,7 +37,7 @@ from specmesh.speculation.classifier import default_classifier
 from specmesh.speculation.drafting import LocalDrafter
 from specmesh.speculation.policy import adaptive_policy
 from specmesh.speculation.engine import Request, SpeculativeEngine
-from specmesh.v1 import drafter_pb2, drafter_pb2_grpc, router_pb2_grpc
+from specmesh.v1 import drafter_pb2, drafter_pb2_grpc, router_pb2_grpc, verifier_pb2_grpc
 
 
 class InProcessPool:
@@ -86,7 +87,8 @@ class ServiceStack:
     """A router and one drafter as real gRPC servers on loopback, over an in-process verifier pool."""
 
     def __init__(self, url: str, model, tokenizer, drafter: Drafter, limits: RouterLimits | None = None,
-                 metrics: bool = False, http: bool = False, access=None, tls=None, verifiers: int = 1) -> None:
+                 metrics: bool = False, http: bool = False, access=None, tls=None, verifiers: int = 1,
+                 step_loop: str = "verifier") -> None:
         """``metrics``: each service counts into its own registry, served over HTTP on a free port
         (``metrics_urls``), as the real services do. ``http``: the router's OpenAI API too, at ``http_url``."""
         self.with_metrics = metrics
@@ -95,7 +97,8 @@ class ServiceStack:
         self.tls = tls  # TlsFiles: TLS on the router's ports, mutual TLS between router and drafter
         self.http = None
         self.endpoints: dict[str, MetricsEndpoint] = {}
-        self.pool = InProcessPool(url, model, workers=verifiers)
+        self.step_loop = step_loop  # "verifier": engine nodes run the step loop; "router": the router runs it
+        self.url, self.verifiers = url, verifiers
         self.model = model
         self.tokenizer = tokenizer
         self.drafter = drafter
@@ -104,7 +107,6 @@ class ServiceStack:
         self.limits = limits or RouterLimits(max_tree_nodes=6, speculation="fixed")
 
     async def __aenter__(self):
-        await self.pool.__aenter__()
         vocab = self.model.config.vocab_size
         self.sessions = DrafterSessions(self.drafter, vocab, max_sessions=16)
         layers = getattr(self.drafter, "feature_layers", ())
@@ -117,14 +119,25 @@ class ServiceStack:
             [Service("specmesh.v1.Drafter", lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s))],
             "127.0.0.1:0", metrics=drafter_metrics, tls=self.tls, require_client_cert=self.tls is not None,
         )
-        credentials = self.tls.channel_credentials() if self.tls is not None else None
-        self.remote = RemoteDrafter(f"127.0.0.1:{self.drafter_server.port}", credentials=credentials)
-        await self.remote.connect(tokenizer_fingerprint(self.tokenizer), self.model.config.hidden_size)
+        self.remote = await self._remote_drafter()
+        if self.step_loop == "verifier":  # each node its own channel to the drafter, on its own loop
+            self.pool = EnginePool(self.url, self.model, self.verifiers,
+                                   drafters=lambda: self._remote_drafter_list())
+        else:
+            self.pool = InProcessPool(self.url, self.model, workers=self.verifiers)
+        await self.pool.__aenter__()
+        watch, engine = (self.pool.watch, self.pool.client) if self.step_loop == "verifier" else (self.pool.client, None)
         card = ModelCard("tiny", vocab, self.model.config.max_position_embeddings,
                          tokenizer_fingerprint(self.tokenizer), frozenset())
-        self.router = Router(self.tokenizer, card, [self.remote], self.pool.client, self.limits,
-                             classifier=default_classifier(), metrics=router_metrics)
-        router_servicer = RouterServicer(self.router, self.pool.client)
+        self.router = Router(self.tokenizer, card, [self.remote], watch, self.limits,
+                             classifier=default_classifier(), metrics=router_metrics, engine=engine)
+        self.publishing = None
+        if self.step_loop == "verifier":  # the router learns routing from the verifiers' reports, as serve() does
+            publisher = RoutingPublisher(self.pool.redis, self.pool.keys, self.pool.client.router_id,
+                                         self.router.policy.router, self.pool.signer, router_metrics)
+            self.pool.client.on_report = publisher.receive
+            self.publishing = asyncio.create_task(publisher.run())
+        router_servicer = RouterServicer(self.router, watch)
         # (a test may serve it once more, on an address of its own)
         self.router_service = Service("specmesh.v1.Router",
                                       lambda s: router_pb2_grpc.add_RouterServicer_to_server(router_servicer, s))
@@ -132,12 +145,12 @@ class ServiceStack:
                                                 access=self.access, tls=self.tls)
         self.address = f"127.0.0.1:{self.router_server.port}"
         if self.with_http:
-            app = openai_app(self.router, lambda: len(self.pool.client.alive), max_body_bytes=1 << 20, access=self.access)
+            app = openai_app(self.router, lambda: len(watch.alive), max_body_bytes=1 << 20, access=self.access)
             self.http = HttpServer(app, "127.0.0.1:0", self.tls)
             await self.http.start()
             self.http_url = self.http.url
         # as the router's serve(): gauges, and the Router service's health from the live verifiers
-        self.watcher = asyncio.create_task(watch_cluster(self.router, self.pool.client, router_metrics or RouterMetrics(),
+        self.watcher = asyncio.create_task(watch_cluster(self.router, watch, router_metrics or RouterMetrics(),
                                                          every_s=0.2, server=self.router_server, service=ROUTER_SERVICE))
         if self.with_metrics:
             self.endpoints = {"router": serve_metrics(router_metrics, "127.0.0.1:0"),
@@ -146,13 +159,36 @@ class ServiceStack:
                                  for i, w in enumerate(self.pool.workers)}}
         return self
 
+    async def _remote_drafter(self) -> RemoteDrafter:
+        credentials = self.tls.channel_credentials() if self.tls is not None else None
+        remote = RemoteDrafter(f"127.0.0.1:{self.drafter_server.port}", credentials=credentials)
+        await remote.connect(tokenizer_fingerprint(self.tokenizer), self.model.config.hidden_size)
+        return remote
+
+    async def _remote_drafter_list(self) -> list[RemoteDrafter]:
+        return [await self._remote_drafter()]
+
+    async def add_verifier(self, name: str) -> None:
+        if self.step_loop == "verifier":
+            await self.pool.add_node(name)
+        else:
+            self.pool.add_worker(name)
+
+    @property
+    def drafter_failures(self) -> int:
+        """Failed calls to the drafter service, by whoever drafts: the verifiers' step loops, or the router's."""
+        if self.step_loop == "verifier":
+            return sum(d.failures for node in self.pool.nodes for d in node.drafters)
+        return self.remote.failures
+
     @property
     def metrics_urls(self) -> dict[str, str]:
         return {name: endpoint.url for name, endpoint in self.endpoints.items()}
 
     async def __aexit__(self, *exc):
-        if self.watcher is not None:
-            self.watcher.cancel()
+        for task in (self.watcher, self.publishing):
+            if task is not None:
+                task.cancel()
         for endpoint in self.endpoints.values():
             endpoint.close()
         if self.http is not None:
@@ -187,11 +223,13 @@ class EngineNode:
     rest of the test goes on. Tiny model, an n-gram drafter in process."""
 
     def __init__(self, url: str, keys: QueueKeys, signer: QueueSigner, model, name: str,
-                 heartbeat_ttl_s: float = 1.0, verifier=TreeVerifier) -> None:
-        """``verifier``: makes the node's verifier from its runtime (a slow one, say)."""
+                 heartbeat_ttl_s: float = 1.0, verifier=TreeVerifier, drafters=None) -> None:
+        """``verifier``: makes the node's verifier from its runtime (a slow one, say); ``drafters``: an async
+        function making the node's drafters on its loop (default: an n-gram drafter in process)."""
         self.url, self.keys, self.signer, self.model, self.name = url, keys, signer, model, name
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.make_verifier = verifier
+        self.make_drafters = drafters
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name=f"node-{name}", daemon=True)
         self.worker: EngineWorker | None = None
@@ -206,8 +244,10 @@ class EngineNode:
     async def _build(self) -> EngineWorker:
         queue = VerifierQueue(async_redis(self.url), self.keys, self.name, heartbeat_ttl_s=self.heartbeat_ttl_s,
                               signer=self.signer)
+        drafters = await self.make_drafters() if self.make_drafters else [LocalDrafter(NgramDrafter())]
+        self.drafters = drafters
         return EngineWorker(self.make_verifier(LlamaRuntime(self.model)), queue, TorchThread(self.name),
-                            adaptive_policy({}), [LocalDrafter(NgramDrafter())], frozenset())
+                            adaptive_policy({}), drafters, frozenset())
 
     def call(self, coroutine, timeout_s: float = 60.0):
         """Run ``coroutine`` on the node's loop and return its result."""
@@ -216,6 +256,17 @@ class EngineNode:
     def stall(self, seconds: float) -> None:
         """The node's loop stands still for ``seconds`` (its heartbeat, reads and posts with it)."""
         self.loop.call_soon_threadsafe(time.sleep, seconds)
+
+    def serve_control(self, info, **server_args):
+        """The verifier's control API (Info, Drain) for this node, served on its loop; returns the server."""
+        from specmesh.services.verifier.server import VerifierServicer
+
+        async def start():
+            servicer = VerifierServicer(self.worker, info)
+            return await start_server([Service("specmesh.v1.Verifier", lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(
+                servicer, s))], "127.0.0.1:0", **server_args)
+
+        return self.call(start())
 
     def holds(self, request_id: str) -> bool:
         return request_id in self.worker._held
@@ -230,6 +281,9 @@ class EngineNode:
             self.loop.call_soon_threadsafe(self.worker.stopped.set)
             self.running.result(60)
             self.call(self.worker.queue.redis.aclose())
+            for drafter in self.drafters:
+                if hasattr(drafter, "close"):
+                    self.call(drafter.close())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
 
@@ -237,18 +291,27 @@ class EngineNode:
 class EnginePool:
     """Engine nodes over a real Redis, and a router's ``EngineClient`` on the test's event loop."""
 
-    def __init__(self, url: str, model, workers: int = 1, timeout_s: float = 30.0, node_url: str | None = None) -> None:
-        """``url``: the router's Redis URL; ``node_url``: the verifiers' (another user's), else the same."""
+    def __init__(self, url: str, model, workers: int = 1, timeout_s: float = 30.0, node_url: str | None = None,
+                 drafters=None) -> None:
+        """``url``: the router's Redis URL; ``node_url``: the verifiers' (another user's), else the same;
+        ``drafters``: as ``EngineNode``'s. ``watch``: the router's view of which verifiers are alive."""
         self.keys = QueueKeys(pool=uuid.uuid4().hex[:8])
         self.signer = QueueSigner(new_key())
         self.redis = async_redis(url)
         self.client = EngineClient(self.redis, self.keys, f"router-{self.keys.pool}", timeout_s=timeout_s,
                                    signer=self.signer)
-        self.url, self.model = node_url or url, model
-        self.nodes = [EngineNode(self.url, self.keys, self.signer, model, f"v{i}") for i in range(workers)]
+        self.watch = QueueVerifierClient(self.redis, self.keys, self.client.router_id, signer=self.signer,
+                                         liveness_every_s=0.1)
+        self.url, self.model, self.drafters = node_url or url, model, drafters
+        self.nodes = [EngineNode(self.url, self.keys, self.signer, model, f"v{i}", drafters=drafters)
+                      for i in range(workers)]
+
+    @property
+    def workers(self) -> list[EngineWorker]:
+        return [node.worker for node in self.nodes]
 
     async def add_node(self, name: str, **node_args) -> EngineNode:
-        node = EngineNode(self.url, self.keys, self.signer, self.model, name, **node_args)
+        node = EngineNode(self.url, self.keys, self.signer, self.model, name, **{"drafters": self.drafters, **node_args})
         self.nodes.append(node)
         return await asyncio.to_thread(node.start)
 
@@ -256,9 +319,12 @@ class EnginePool:
         for node in self.nodes:
             await asyncio.to_thread(node.start)
         await self.client.start()
+        await self.watch.start()
+        await wait_until_async(lambda: len(self.watch.alive) >= len(self.nodes), what="the router sees every node")
         return self
 
     async def __aexit__(self, *exc):
+        await self.watch.stop()
         await self.client.stop()
         for node in self.nodes:
             if node.thread.is_alive():

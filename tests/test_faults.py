@@ -212,7 +212,7 @@ def test_the_router_says_when_no_verifier_is_live_and_its_requests_wait_for_one(
                 waiting = asyncio.create_task(client.generate(prompt_ids=list(PROMPT), max_tokens=8))
                 await asyncio.sleep(1.0)
                 assert not waiting.done()
-                stack.pool.add_worker("late")
+                await stack.add_verifier("late")
                 answer = await asyncio.wait_for(waiting, HANG_S)
             await wait_until_async(lambda: router_serving(stack.address), what="the Router service is SERVING again")
             return without, answer.token_ids
@@ -453,7 +453,8 @@ def test_without_a_verifier_requests_wait_in_a_bounded_queue_then_fail_cleanly(r
     limits = RouterLimits(max_tree_nodes=0, max_queue_backlog=2, speculation="off")
 
     async def main():
-        async with ServiceStack(redis_server.url, model, tokenizer, NgramDrafter(), limits, verifiers=0) as stack:
+        async with ServiceStack(redis_server.url, model, tokenizer, NgramDrafter(), limits, verifiers=0,
+                                step_loop="router") as stack:
             async with AsyncClient(stack.address, retries=0) as client:
                 waiting = [asyncio.create_task(client.generate(prompt_ids=[5 + i, 6, 7], max_tokens=4)) for i in range(2)]
                 await wait_until_async(lambda: backlog_is(stack, 2), what="two jobs wait")
@@ -474,6 +475,36 @@ def test_without_a_verifier_requests_wait_in_a_bounded_queue_then_fail_cleanly(r
     assert full.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue" in full.details()
     assert late.code() == grpc.StatusCode.UNAVAILABLE and "no verifier answered" in late.details() and waited < 30
     assert [a.token_ids for a in answers] == [plain_greedy(model, [5 + i, 6, 7], 4) for i in range(2)]
+
+
+def test_without_a_verifier_admissions_wait_in_a_bounded_queue_past_the_timeout_until_one_comes(redis_server, model,
+                                                                                                tokenizer):
+    """The engine path with no verifier yet: requests are admitted and wait; past the pool's backlog limit new
+    ones are refused RESOURCE_EXHAUSTED; the admitted ones outlive the router's timeout (they wait in Redis,
+    as for a restarting verifier) and complete when a verifier comes."""
+    limits = RouterLimits(max_tree_nodes=0, max_queue_backlog=2, speculation="off")
+
+    async def main():
+        async with ServiceStack(redis_server.url, model, tokenizer, NgramDrafter(), limits, verifiers=0) as stack:
+            stack.pool.client.timeout_s = 0.5
+            async with AsyncClient(stack.address, retries=0) as client:
+                waiting = [asyncio.create_task(client.generate(prompt_ids=[5 + i, 6, 7], max_tokens=4)) for i in range(3)]
+                await wait_until_async(lambda: admissions_are(stack, 3), what="three admissions wait")
+                with pytest.raises(grpc.aio.AioRpcError) as full:
+                    await client.generate(prompt_ids=[9, 9, 9], max_tokens=4)
+                await asyncio.sleep(1.5)  # three timeouts
+                assert not any(w.done() for w in waiting)
+                await stack.add_verifier("late")
+                answers = await asyncio.wait_for(asyncio.gather(*waiting), HANG_S)
+        return full.value, answers
+
+    full, answers = asyncio.run(main())
+    assert full.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue" in full.details()
+    assert [a.token_ids for a in answers] == [plain_greedy(model, [5 + i, 6, 7], 4) for i in range(3)]
+
+
+async def admissions_are(stack: ServiceStack, count: int) -> bool:
+    return await stack.pool.client.backlog() == count
 
 
 async def backlog_is(stack: ServiceStack, count: int) -> bool:

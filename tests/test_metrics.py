@@ -96,7 +96,7 @@ def test_a_plain_step_has_no_drafting_stages_and_an_unreported_pass_no_verifier_
 def test_the_controllers_learned_state_is_exported_at_each_scrape():
     policy = adaptive_policy({"ngram": ["general"]})
     metrics = RouterMetrics()
-    metrics.watch(policy)
+    metrics.watch_policy(policy)
     value = metrics.registry.get_sample_value
     assert value("specmesh_controller_step_overhead_ms", {"load": "16"}) is None  # nothing learned yet
     for _ in range(20):  # read when scraped: what the controller learns later shows without a step counted here
@@ -256,13 +256,14 @@ def test_prometheus_scrapes_the_services_and_every_panel_and_rule_returns_data(r
     limits = RouterLimits(max_tree_nodes=6, speculation="fixed")
 
     async def main():
+        # the router's loop: on the verifiers' the per-drafter series come from their reports (issue 66, point 3)
         async with ServiceStack(redis_server.url, model, tokenizer, HistoryDrafter(min_n=1, max_n=3), limits,
                                 metrics=True) as stack:
             prometheus = Prometheus(binary, _prometheus_config(tmp_path, stack.metrics_urls), tmp_path / "data")
             try:
                 up = lambda: len([r for r in prometheus.query("up == 1")]) == len(stack.metrics_urls)  # noqa: E731
                 await asyncio.to_thread(prometheus.wait, "every target up", up)
-                before = _scrape(stack.metrics_urls["router"])
+                before = "".join(_scrape(u) for u in stack.metrics_urls.values())  # the steps: the verifiers'
                 async with AsyncClient(stack.address) as client:
                     started = time.monotonic()
                     while time.monotonic() - started < 8.0:  # long enough for rates over several scrapes
@@ -272,7 +273,7 @@ def test_prometheus_scrapes_the_services_and_every_panel_and_rule_returns_data(r
                         with pytest.raises(grpc.aio.AioRpcError) as refused:  # the error series get data too
                             await client.generate(chat=chat, max_tokens=1 << 20)
                         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-                after = _scrape(stack.metrics_urls["router"])
+                after = "".join(_scrape(u) for u in stack.metrics_urls.values())
                 await asyncio.to_thread(prometheus.wait, "recorded rules", lambda: prometheus.query(
                     "specmesh:drafter_acceptance:ratio"), 30.0)
                 await asyncio.to_thread(_every_query_has_data, prometheus)  # while the services still answer

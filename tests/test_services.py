@@ -451,9 +451,11 @@ def test_grpc_calls_left_before_their_first_answer_are_cancelled(redis_server, m
                     await wait_until_async(lambda: stack.router.active == 2 * calls, what="the calls admitted")
                     for call in asking:  # the clients leave before any answer
                         call.cancel()
-                    await wait_until_async(lambda: stack.router.active == 0 and not stack.sessions, timeout_s=5.0,
-                                           what="the calls left before their first answer were freed")
-            await wait_until_async(lambda: verifier.verifier.num_sessions == 0, what="the verifier holds nothing")
+                    await wait_until_async(lambda: stack.router.active == 0, timeout_s=5.0,
+                                           what="the calls left before their first answer left the router")
+            # the verifier lets them go between passes, with their drafter sessions: once the pass held ends
+            await wait_until_async(lambda: verifier.verifier.num_sessions == 0 and not stack.sessions,
+                                   what="the verifier and the drafter hold nothing")
             registry = stack.router.metrics.registry
             return {reason: registry.get_sample_value("specmesh_requests_finished_total", {"reason": reason})
                     for reason in ("aborted", "length", "stop")}
@@ -472,7 +474,7 @@ def test_a_dead_drafter_costs_speculation_not_the_request(redis_server, model, t
                 async for chunk in stream:
                     tokens += chunk.token_ids
                 after = await client.generate(chat=CHAT, max_tokens=MAX_TOKENS)
-            return tokens, after, stack.router.encode_chat(CHAT), stack.remote.failures
+            return tokens, after, stack.router.encode_chat(CHAT), stack.drafter_failures
 
     tokens, after, prompt, failures = run(main())
     assert tokens == plain_greedy(model, prompt, MAX_TOKENS) == after.token_ids

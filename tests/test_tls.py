@@ -15,11 +15,10 @@ from cluster_parts import ServiceStack
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specmesh.client import AsyncClient
-from specmesh.cluster.serving import Service, start_server
+from specmesh.cluster.serving import start_server
 from specmesh.cluster.tls import TlsFiles
 from specmesh.drafters.ngram import NgramDrafter
 from specmesh.errors import InvalidArgument
-from specmesh.services.verifier.server import VerifierServicer
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
 CHAT = [("user", "one two three one two three")]
@@ -69,9 +68,7 @@ def test_tls_outside_and_mutual_tls_inside(redis_server, model, tokenizer, tmp_p
                     await client.models.list()
             # the verifier's control API: Drain takes a verifier out of service, so only the cluster may call it
             info = verifier_pb2.VerifierInfo(verifier_id="v0")
-            servicer = VerifierServicer(stack.pool.workers[0], info)
-            control = await start_server([Service("specmesh.v1.Verifier", lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(
-                servicer, s))], "127.0.0.1:0", tls=mine, require_client_cert=True)
+            control = await asyncio.to_thread(stack.pool.nodes[0].serve_control, info, tls=mine, require_client_cert=True)
             address = f"127.0.0.1:{control.port}"
             drains = {}
             for name, credentials in (("plaintext", None),
@@ -85,7 +82,7 @@ def test_tls_outside_and_mutual_tls_inside(redis_server, model, tokenizer, tmp_p
                         drains[name] = "OK"
                     except grpc.aio.AioRpcError as exc:
                         drains[name] = exc.code().name
-            await control.server.stop(0)
+            stack.pool.nodes[0].call(control.server.stop(0))
             return calls, answer, refused, over_https, drains, stack.remote.name
 
     calls, answer, refused, over_https, drains, drafter_name = asyncio.run(main())

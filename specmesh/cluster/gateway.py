@@ -114,7 +114,7 @@ class Router:
         self.metrics = metrics
         self.engine = engine
         if metrics is not None:
-            metrics.watch(self.policy)
+            metrics.watch_policy(self.policy)
         self.active = 0
         # one thread: encodings run one at a time (a fast tokenizer's encode may change its settings)
         self._inputs = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inputs")

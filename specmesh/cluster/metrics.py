@@ -82,16 +82,12 @@ class ServiceMetrics:
         self.rpc_seconds.labels(short).observe(seconds)
 
 
-class RouterMetrics(ServiceMetrics):
-    """The speculation loop as the router sees it: tokens, latency, drafters, routing, budgets."""
+class StepMetrics:
+    """The speculation steps, counted where the step loop runs (the verifiers, or the router's loop): budgets,
+    routing, what each drafter guessed and got accepted, and where a step's time went."""
 
-    def __init__(self) -> None:
-        super().__init__("router")
-        r = self.registry
-        self.in_flight = Gauge("specmesh_requests_in_flight", "Requests being generated", registry=r)
-        self.finished = Counter("specmesh_requests_finished", "Requests that ended, by finish reason (stop, length; aborted: an error or the client left)",
-                                ["reason"], registry=r)
-        self.generated = Counter("specmesh_generated_tokens", "Tokens delivered to clients", registry=r)
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = r = registry
         self.target_steps = Counter("specmesh_target_steps", "Verification passes that committed tokens", registry=r)
         self.committed = Counter("specmesh_committed_tokens", "Tokens committed (accepted guesses + the target's own token)", registry=r)
         self.tree_accepted = Counter("specmesh_tree_accepted_tokens", "Fused-tree nodes the target accepted", registry=r)
@@ -101,8 +97,6 @@ class RouterMetrics(ServiceMetrics):
                                 buckets=COUNT_BUCKETS[:8], registry=r)
         self.routing = Counter("specmesh_routing_decisions", "Steps each drafter was asked to draft, by request kind",
                                ["kind", "drafter"], registry=r)
-        self.requests_by_kind = Counter("specmesh_requests_by_kind", "Requests admitted, by the kind they were classified as",
-                                        ["kind"], registry=r)
         self.drafts = Counter("specmesh_drafter_drafts", "Trees asked of each drafter", ["drafter"], registry=r)
         self.draft_tokens = Counter("specmesh_drafter_draft_tokens", "Nodes of each drafter's own trees", ["drafter"], registry=r)
         self.accepted = Counter("specmesh_drafter_accepted_tokens", "Nodes of each drafter's own tree on the committed path",
@@ -118,25 +112,8 @@ class RouterMetrics(ServiceMetrics):
                                        "for a pass), verify (the verifier's pass, any prefill included), transport (the "
                                        "rest: posting the job, Redis, the result's way back), step (all of it)",
                                        ["stage"], buckets=LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("specmesh_time_to_first_token_seconds", "Time from admission to the first token",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.inter_token = Histogram("specmesh_inter_token_seconds", "Time between successive tokens of a request",
-                                     buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_depth = Gauge("specmesh_queue_depth", "Jobs in the verifier pool's stream (waiting or held)", registry=r)
-        self.verifiers_alive = Gauge("specmesh_verifiers_alive", "Verifiers of the pool with a live heartbeat", registry=r)
-        self.forged_results = Counter("specmesh_forged_results", "Results dropped for want of a valid queue tag "
-                                      "(written to Redis by something other than a verifier)", registry=r)
-        self.resent_jobs = Counter("specmesh_resent_jobs", "Jobs posted again because they left the queue "
-                                   "unanswered (Redis lost them)", registry=r)
-        self.drafter_up = Gauge("specmesh_drafter_up", "1 while the router can reach a drafter, else 0",
-                                ["drafter", "address"], registry=r)
-        # --step-loop verifier: the routing policy learnt here from the verifiers' reports (policy_sync.py)
-        self.routing_reports = Counter("specmesh_routing_reports", "Reports of per-level hit counts received from "
-                                       "verifiers and learnt from", registry=r)
-        self.routing_published = Gauge("specmesh_routing_snapshot_published_version", "Version of the routing "
-                                       "snapshot this router last published (0: none yet)", registry=r)
 
-    def watch(self, policy: AdaptivePolicy) -> None:
+    def watch_policy(self, policy: AdaptivePolicy) -> None:
         """Export what ``policy``'s controller has learned (``ControllerCollector``)."""
         self.registry.register(ControllerCollector(policy))
 
@@ -162,6 +139,39 @@ class RouterMetrics(ServiceMetrics):
                     self.position_hits.labels(name, position_label(depth)).inc()
         for stage, ms in step_timeline(outcome).items():
             self.stage_seconds.labels(stage).observe(ms / 1e3)
+
+
+class RouterMetrics(ServiceMetrics, StepMetrics):
+    """The requests as the router sees them: tokens, latency, kinds; and with the router's step loop (the
+    default loop runs in the verifiers), its steps (``StepMetrics``)."""
+
+    def __init__(self) -> None:
+        ServiceMetrics.__init__(self, "router")
+        StepMetrics.__init__(self, self.registry)
+        r = self.registry
+        self.in_flight = Gauge("specmesh_requests_in_flight", "Requests being generated", registry=r)
+        self.finished = Counter("specmesh_requests_finished", "Requests that ended, by finish reason (stop, length; aborted: an error or the client left)",
+                                ["reason"], registry=r)
+        self.generated = Counter("specmesh_generated_tokens", "Tokens delivered to clients", registry=r)
+        self.requests_by_kind = Counter("specmesh_requests_by_kind", "Requests admitted, by the kind they were classified as",
+                                        ["kind"], registry=r)
+        self.ttft = Histogram("specmesh_time_to_first_token_seconds", "Time from admission to the first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.inter_token = Histogram("specmesh_inter_token_seconds", "Time between successive tokens of a request",
+                                     buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_depth = Gauge("specmesh_queue_depth", "Jobs in the verifier pool's stream (waiting or held)", registry=r)
+        self.verifiers_alive = Gauge("specmesh_verifiers_alive", "Verifiers of the pool with a live heartbeat", registry=r)
+        self.forged_results = Counter("specmesh_forged_results", "Results dropped for want of a valid queue tag "
+                                      "(written to Redis by something other than a verifier)", registry=r)
+        self.resent_jobs = Counter("specmesh_resent_jobs", "Jobs posted again because they left the queue "
+                                   "unanswered (Redis lost them)", registry=r)
+        self.drafter_up = Gauge("specmesh_drafter_up", "1 while the router can reach a drafter, else 0",
+                                ["drafter", "address"], registry=r)
+        # --step-loop verifier: the routing policy learnt here from the verifiers' reports (policy_sync.py)
+        self.routing_reports = Counter("specmesh_routing_reports", "Reports of per-level hit counts received from "
+                                       "verifiers and learnt from", registry=r)
+        self.routing_published = Gauge("specmesh_routing_snapshot_published_version", "Version of the routing "
+                                       "snapshot this router last published (0: none yet)", registry=r)
 
 
 class ControllerCollector(Collector):
@@ -213,7 +223,7 @@ def step_timeline(outcome: StepOutcome) -> dict[str, float]:
 class MeteredRequest:
     """A request's policy, with every plan and outcome also counted (the policy itself stays pure)."""
 
-    def __init__(self, inner: RequestPolicy, metrics: RouterMetrics) -> None:
+    def __init__(self, inner: RequestPolicy, metrics: StepMetrics) -> None:
         self.inner = inner
         self.metrics = metrics
 
@@ -257,9 +267,12 @@ class RequestClock:
         self.last = now
 
 
-class VerifierMetrics(ServiceMetrics):
+class VerifierMetrics(ServiceMetrics, StepMetrics):
+    """Passes, the queue and the KV cache; and with the step loop here (``--step-loop verifier``), its steps."""
+
     def __init__(self) -> None:
-        super().__init__("verifier")
+        ServiceMetrics.__init__(self, "verifier")
+        StepMetrics.__init__(self, self.registry)
         r = self.registry
         self.jobs = Counter("specmesh_verify_jobs", "Jobs taken from the queue, by outcome (ok, resync, refused, failed: its request alone failed in the "
                             "pass, repeat, error, expired, closed: its request was "

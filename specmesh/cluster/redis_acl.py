@@ -37,7 +37,7 @@ def role_rules(role: str, prefix: str = "specmesh") -> list[str]:
             f"(+smembers %R~{members})",
             f"(+exists +get %R~{alive})",
             f"(+scan %R~{drafters})",
-            f"(+xadd +xrange +xinfo|groups %RW~{admissions})",
+            f"(+xadd +xlen +xrange +xinfo|groups %RW~{admissions})",
             f"(+xadd %W~{aborts})",
             f"(+xread +xtrim %RW~{outputs})",
             "+info",

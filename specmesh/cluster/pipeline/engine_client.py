@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
+from redis.exceptions import NoPermissionError
 
 from specmesh.cancellation import raise_if_cancelled
 from specmesh.cluster.backoff import REDIS_DOWN, redis_reconnect
@@ -57,6 +57,7 @@ class EngineClient:
         self.on_report = on_report
         self._queues: dict[str, asyncio.Queue] = {}
         self._listener: asyncio.Task | None = None
+        self._warned_xlen = False
 
     async def start(self) -> None:
         self._listener = asyncio.create_task(self._listen())
@@ -69,12 +70,27 @@ class EngineClient:
     async def backlog(self) -> int:
         """Admissions no verifier has taken yet."""
         try:
-            groups = await self.redis.xinfo_groups(self.keys.admissions)
-        except ResponseError:  # no stream yet
-            return 0
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.xlen(self.keys.admissions)
+            pipe.xinfo_groups(self.keys.admissions)
+            length, groups = await pipe.execute(raise_on_error=False)
         except REDIS_DOWN as exc:
             raise queue_unreachable(exc) from None
-        return max((int(g.get("lag") or 0) for g in groups if g.get("name") in (GROUP, GROUP.encode())), default=0)
+        if isinstance(length, NoPermissionError):  # a router user made before XLEN was its right
+            if not self._warned_xlen:
+                log.warning("this router's Redis user may not XLEN the admissions: the backlog before any verifier "
+                            "joined is not counted (make the ACL users again: specmesh redis-acl)")
+                self._warned_xlen = True
+            length = 0
+        elif isinstance(length, Exception):
+            raise length
+        group = next((g for g in groups if g.get("name") in (GROUP, GROUP.encode())), None) \
+            if not isinstance(groups, Exception) else None
+        if group is None:  # no verifier ever joined: every admission waits
+            return length
+        if group.get("lag") is not None:
+            return int(group["lag"])
+        return max(length - int(group.get("pending") or 0), 0)  # Redis cannot tell the lag after deletions
 
     async def generate(self, request: Request, budget: int, fixed_budget: bool) -> AsyncIterator[Delta]:
         """Admit the request and yield its answer's deltas until the last; leaving early aborts it."""

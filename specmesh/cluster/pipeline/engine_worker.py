@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 from redis.exceptions import ResponseError
 
 from specmesh.cluster.backoff import REDIS_DOWN, redis_reconnect
-from specmesh.cluster.metrics import VerifierMetrics
+from specmesh.cluster.metrics import MeteredRequest, VerifierMetrics
 from specmesh.cluster.pipeline.messages import ABORT, ADMISSION, GROUP, OUTPUTS, QueueKeys, QueueSigner
 from specmesh.cluster.pipeline.policy_sync import RoutingFollower
 from specmesh.cluster.pipeline.verifier_end import VerifierQueue
@@ -131,6 +131,8 @@ class EngineWorker:
         self.policy = policy
         self.drafters = drafters
         self.metrics = metrics or VerifierMetrics()
+        self.metrics.watch(verifier.runtime)
+        self.metrics.watch_policy(policy)  # what the controller learned, where it plans
         # the routers own the routing table: this one's steps' counts go to them, their snapshots come here
         self.routing = RoutingFollower(policy.router, self.signer, self.metrics)
         self.core = EngineCore(ThreadedVerifier(verifier, torch_thread, self.metrics), eos_token_ids,
@@ -310,7 +312,7 @@ class EngineWorker:
             drafters = self._unique_drafters()
         else:
             policy, drafters = FixedPolicy().begin(request.kind, 0), []
-        self.core.add(request, policy, drafters, held.stats)
+        self.core.add(request, MeteredRequest(policy, self.metrics), drafters, held.stats)
         return None
 
     def _drafter_names(self) -> set[str]:
