@@ -199,6 +199,18 @@ class ServiceStack:
         await self.pool.__aexit__(*exc)
 
 
+class SlowVerifier(TreeVerifier):
+    """The real verifier, each pass ``pass_s`` longer: a long prefill or a slow device, as far as timing goes."""
+
+    def __init__(self, runtime, pass_s: float) -> None:
+        super().__init__(runtime)
+        self.pass_s = pass_s
+
+    def verify(self, jobs, prefill_ms=None):
+        time.sleep(self.pass_s)
+        return super().verify(jobs, prefill_ms)
+
+
 def plain_greedy(model, prompt_ids, max_tokens: int) -> list[int]:
     """The model's plain greedy decoding in process: what every path through the cluster must give."""
     engine = SpeculativeEngine(LlamaRuntime(model), [], max_tree_nodes=0)

@@ -33,6 +33,7 @@ class LocalPod:
     def __init__(self, workload: dict, docs: list[dict], root: Path, hosts: dict[str, str] | None = None) -> None:
         self.spec = workload["spec"]["template"]["spec"]
         self.name = f"{workload['metadata']['name']}-0"
+        self.namespace = workload["metadata"].get("namespace", "default")
         self.docs = docs
         self.hosts = hosts or {}
         self.volumes = {v["name"]: self._volume(v, root / v["name"]) for v in self.spec.get("volumes", [])}
@@ -74,6 +75,8 @@ class LocalPod:
                 value = secret_data(self.docs, ref["name"])[ref["key"]].decode()
             elif entry["valueFrom"].get("fieldRef", {}).get("fieldPath") == "metadata.name":
                 value = self.name
+            elif entry["valueFrom"].get("fieldRef", {}).get("fieldPath") == "metadata.namespace":
+                value = self.namespace
             else:
                 raise ValueError(f"env {entry['name']}: {entry['valueFrom']} is not resolved here")
             own[entry["name"]] = self._local(container, value)

@@ -27,6 +27,7 @@ from specmesh.client import Client
 from specmesh.cluster.control import call_verifier
 from specmesh.cluster.launcher import ClusterSpec, LocalCluster, ServiceProcess
 from specmesh.cluster.pipeline.messages import QueueSigner
+from specmesh.cluster.service_settings import VerifierSettings
 from specmesh.prompts import encode_chat, mtbench_prompts
 from specmesh.runtime.loading import EMBEDDED_DEFAULT, load_hf_model
 from specmesh.runtime.target import target_runtime
@@ -82,12 +83,12 @@ def metric_total(process: ServiceProcess, name: str, **labels: str) -> float:
 
 
 # what each kind of service counts for every request: (metric, labels to filter by); the drafters' RPCs
-# are counted by method, as the supervisor's health checks count too
-MOVING = {"router": [(name, {}) for name in (
-              "specmesh_generated_tokens_total", "specmesh_target_steps_total", "specmesh_drafter_drafts_total",
-              "specmesh_drafter_draft_tokens_total", "specmesh_routing_decisions_total")],
+# are counted by method, as the supervisor's health checks count too; the steps where the loop runs
+STEPS = [(name, {}) for name in ("specmesh_target_steps_total", "specmesh_drafter_drafts_total",
+                                 "specmesh_drafter_draft_tokens_total", "specmesh_routing_decisions_total")]
+MOVING = {"router": [("specmesh_generated_tokens_total", {}), ("specmesh_routing_reports_total", {})],
           "drafter": [("specmesh_rpc_requests_total", {"method": "ProposeMany"})],
-          "verifier": [("specmesh_verify_jobs_total", {}), ("specmesh_verify_batch_tokens_count", {})]}
+          "verifier": [("specmesh_verify_jobs_total", {}), ("specmesh_verify_batch_tokens_count", {}), *STEPS]}
 
 
 @pytest.mark.parametrize("concurrency", [1, 8])
@@ -100,8 +101,8 @@ def test_greedy_through_the_cluster_is_plain_greedy(cluster, questions, plain_ou
                 found[kind, name] = found.get((kind, name), 0.0) + metric_total(process, name, **labels)
         return found
 
-    def code_drafts():  # trees the router asked of the code expert (sessions open with the first one)
-        return metric_total(cluster.router, "specmesh_drafter_drafts_total", drafter="code")
+    def code_drafts():  # trees the step loops asked of the code expert (sessions open with the first one)
+        return sum(metric_total(v, "specmesh_drafter_drafts_total", drafter="code") for v in cluster.verifiers)
 
     before, drafts_before = totals(), code_drafts()
     with Client(cluster.router_address) as client:
@@ -266,7 +267,8 @@ def test_the_verifiers_control_api_answers_the_cluster_only(cluster, monkeypatch
     info = call_verifier(address, "info", QueueSigner(cluster.queue_key))  # the cluster's control token
     assert info["verifier_id"] and not info.get("draining", False)
     capped = re.findall(r"a pass holds at most (\d+) rows", cluster.verifiers[0].log_path.read_text())
-    assert info["max_batch_tokens"] == int(capped[-1])  # the cap its measured pass curve set, not the flag
+    # the router's loop: the cap its measured pass curve set, not the flag; the verifiers': the flag's
+    assert info["max_batch_tokens"] == (int(capped[-1]) if capped else VerifierSettings().max_batch_rows)
     monkeypatch.setenv("SPECMESH_QUEUE_KEY", cluster.queue_key)  # the operator's command, as docs/security.md shows
     assert main(["verifier", "info", "--address", address]) == 0
     out = capsys.readouterr().out  # the supervisor's lines may land around it (a restart in the background)

@@ -380,8 +380,8 @@ def test_tls_from_a_secret_in_every_service_with_probes_that_speak_it(render):
         (mount,) = [m for m in container["volumeMounts"] if files["SPECMESH_TLS_CA"].startswith(m["mountPath"] + "/")]
         (volume,) = [v for v in workload["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]]
         assert volume["secret"]["secretName"] == "specmesh-tls"
-        # the router dials drafters by pod IP: it alone is told the name in their certificates
-        assert bool(env_value(container, "SPECMESH_TLS_SERVER_NAME")) == (component(workload) == "router")
+        # the routers and verifiers dial drafters by pod IP: they alone are told the name in their certificates
+        assert bool(env_value(container, "SPECMESH_TLS_SERVER_NAME")) == (component(workload) in ("router", "verifier"))
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert container[probe]["exec"]["command"] == ["python", "-m", "specmesh.cluster.health_probe"]
             assert "grpc" not in container[probe]
@@ -404,7 +404,7 @@ def test_routers_and_verifiers_share_the_queue_key_from_a_secret(render, values)
     assert rendered or secret == "specmesh-queue-key"  # generated, or the one ci/secured.yaml names
 
 
-def test_network_policies_let_only_the_router_reach_drafters_and_verifiers(render):
+def test_network_policies_let_only_the_router_reach_verifiers_and_the_step_loops_reach_drafters(render):
     docs = render()
     policies = {d["metadata"]["name"].removeprefix("sm-specmesh-"): d["spec"] for d in docs if d["kind"] == "NetworkPolicy"}
     assert set(policies) == {"router", "drafter", "verifier", "redis"}
@@ -425,8 +425,10 @@ def test_network_policies_let_only_the_router_reach_drafters_and_verifiers(rende
         rules = {tuple(p["port"] for p in rule["ports"]): sources(rule) for rule in spec["ingress"]}
         if name != "redis":
             assert rules[("metrics",)] == ["ns:monitoring"]
-        if name in ("drafter", "verifier"):
+        if name == "verifier":
             assert rules[("grpc",)] == ["router"]
+        if name == "drafter":  # the verifiers' step loops draft, the routers route by the drafters
+            assert rules[("grpc",)] == ["router", "verifier"]
         if name == "router":
             assert rules[("grpc", "http")] == []  # clients from anywhere, with API keys
         if name == "redis":
@@ -631,31 +633,36 @@ def test_cpu_small_runs_without_gpus_or_prometheus_operator(render):
 
 
 @pytest.mark.parametrize("values", VALUES)
-def test_router_finds_the_drafters(render, values):
+def test_routers_and_verifiers_find_the_drafters(render, values):
     docs = render_values(render, values)
     (router,) = named(docs, "Deployment", "sm-specmesh-router")["spec"]["template"]["spec"]["containers"]
+    verifiers = [d for d in workloads(docs) if component(d) == "verifier"]
     drafter_services = [s for s in of_kind(docs, "Service") if s["metadata"]["labels"].get("specmesh.io/role") == "drafter"]
-    assert len(drafter_services) == len(drafter_deployments(docs)) > 0
-    # statically: every pool's Service address
-    expected = {f"{s['metadata']['name']}.{NAMESPACE}.svc.cluster.local:{s['spec']['ports'][0]['port']}" for s in drafter_services}
-    assert set(env_value(router, "SPECMESH_DRAFTERS").split(",")) == expected
-    # by discovery: the selector picks exactly the drafter Services
-    assert env_value(router, "SPECMESH_DISCOVERY") == "kubernetes"
-    selector = dict(term.split("=", 1) for term in env_value(router, "SPECMESH_DISCOVERY_SELECTOR").split(","))
-    assert [s for s in of_kind(docs, "Service") if selects(selector, s["metadata"]["labels"])] == drafter_services
+    assert len(drafter_services) == len(drafter_deployments(docs)) > 0 and verifiers
+    for container in [router, *(v["spec"]["template"]["spec"]["containers"][0] for v in verifiers)]:
+        # statically: every pool's Service address
+        expected = {f"{s['metadata']['name']}.{NAMESPACE}.svc.cluster.local:{s['spec']['ports'][0]['port']}"
+                    for s in drafter_services}
+        assert set(env_value(container, "SPECMESH_DRAFTERS").split(",")) == expected
+        # by discovery: the selector picks exactly the drafter Services
+        assert env_value(container, "SPECMESH_DISCOVERY") == "kubernetes"
+        selector = dict(term.split("=", 1) for term in env_value(container, "SPECMESH_DISCOVERY_SELECTOR").split(","))
+        assert [s for s in of_kind(docs, "Service") if selects(selector, s["metadata"]["labels"])] == drafter_services
     # ... with the rights to watch them, and only those
     (role,) = of_kind(docs, "Role")
     rights = {(g, r): set(rule["verbs"]) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
     assert rights == {("", "endpoints"): {"get", "list", "watch"}, ("", "services"): {"get", "list", "watch"},
                       ("discovery.k8s.io", "endpointslices"): {"get", "list", "watch"}}
     (binding,) = of_kind(docs, "RoleBinding")
-    pod = named(docs, "Deployment", "sm-specmesh-router")["spec"]["template"]["spec"]
+    pods = [named(docs, "Deployment", "sm-specmesh-router")["spec"]["template"]["spec"],
+            *(v["spec"]["template"]["spec"] for v in verifiers)]
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": pod["serviceAccountName"], "namespace": NAMESPACE}]
-    assert pod["automountServiceAccountToken"] is True
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": name, "namespace": NAMESPACE}
+                                   for name in dict.fromkeys(pod["serviceAccountName"] for pod in pods)]
+    assert all(pod["automountServiceAccountToken"] is True for pod in pods)
     # no other pod gets an API token
     for workload in workloads(docs):
-        if component(workload) != "router":
+        if component(workload) not in ("router", "verifier"):
             assert workload["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
 
 
@@ -664,7 +671,7 @@ def test_static_discovery_needs_no_rights(render):
     assert not of_kind(docs, "Role") and not of_kind(docs, "RoleBinding")
     (router,) = named(docs, "Deployment", "sm-specmesh-router")["spec"]["template"]["spec"]["containers"]
     assert env_value(router, "SPECMESH_DISCOVERY") == "static"
-    assert named(docs, "Deployment", "sm-specmesh-router")["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+    assert all(w["spec"]["template"]["spec"]["automountServiceAccountToken"] is False for w in workloads(docs))
 
 
 @pytest.mark.parametrize("values", ["default", "gpu-pools"])
@@ -789,7 +796,9 @@ def test_the_rendered_defaults_close_the_verifiers_control_api_and_redis(render,
     try:
         running.append(verifier_pod.start("verifier", tmp_path / "verifier.log", env={
             "SPECMESH_LISTEN": f"127.0.0.1:{verifier_port}", "SPECMESH_METRICS_ADDRESS": "", "SPECMESH_DEVICE": "cpu",
-            "SPECMESH_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}))
+            "SPECMESH_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+            # no Kubernetes API and no drafter pods here: the step loop goes without drafters
+            "SPECMESH_DISCOVERY": "static", "SPECMESH_DRAFTERS": ""}))
         with grpc.insecure_channel(f"127.0.0.1:{verifier_port}") as channel:
             def serving():
                 assert running[1].poll() is None, (tmp_path / "verifier.log").read_text()[-3000:]

@@ -5,11 +5,10 @@ import asyncio
 import logging
 import time
 
-from cluster_parts import EnginePool, plain_greedy
+from cluster_parts import EnginePool, SlowVerifier, plain_greedy
 from conftest import HANG_S, wait_until_async
 
 from specmesh.cluster.pipeline.messages import ADMISSION, OUTPUTS
-from specmesh.runtime.tree_verifier import TreeVerifier
 from specmesh.sampling import SamplingParams
 from specmesh.speculation.requests import Request
 from specmesh.v1 import common_pb2, verifier_pb2
@@ -54,18 +53,6 @@ def test_a_verifier_that_stood_still_past_its_heartbeat_posts_nothing_for_what_a
     assert adopter is not None, f"the other verifier adopted the request: {posted}"
     assert holder not in posted[adopter:], f"the stalled verifier posted after the adoption: {posted}"
     assert "stood still past its heartbeat" in caplog.text
-
-
-class SlowVerifier(TreeVerifier):
-    """The real verifier, each pass ``pass_s`` longer: a long prefill or a slow device, as far as timing goes."""
-
-    def __init__(self, runtime, pass_s: float) -> None:
-        super().__init__(runtime)
-        self.pass_s = pass_s
-
-    def verify(self, jobs, prefill_ms=None):
-        time.sleep(self.pass_s)
-        return super().verify(jobs, prefill_ms)
 
 
 def jobs(node, outcome: str) -> float:

@@ -11,7 +11,7 @@ import time
 
 import grpc
 import pytest
-from cluster_parts import InProcessPool, ServiceStack, plain_greedy
+from cluster_parts import InProcessPool, ServiceStack, SlowVerifier, plain_greedy
 from conftest import HANG_S, wait_until_async
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -44,18 +44,6 @@ def first_job(request_id: str, prompt=PROMPT) -> VerifyJob:
 
 def outcome(worker: VerifierWorker, name: str) -> float:
     return worker.metrics.registry.get_sample_value("specmesh_verify_jobs_total", {"outcome": name}) or 0
-
-
-class SlowVerifier(TreeVerifier):
-    """The real verifier, each pass ``pass_s`` longer: a long prefill, as far as timing goes."""
-
-    def __init__(self, runtime, pass_s: float) -> None:
-        super().__init__(runtime)
-        self.pass_s = pass_s
-
-    def verify(self, jobs, prefill_ms=None):
-        time.sleep(self.pass_s)
-        return super().verify(jobs, prefill_ms)
 
 
 def test_a_poisoned_entry_is_acknowledged_and_the_worker_lives_on(redis_server, tiny_model):

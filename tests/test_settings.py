@@ -17,7 +17,13 @@ import pytest
 
 from specmesh.cli import build_parser
 from specmesh.cluster.launcher import ClusterSpec, LocalCluster
-from specmesh.cluster.service_settings import SERVICES, RouterSettings, VerifierSettings, with_flags_tables
+from specmesh.cluster.service_settings import (
+    SERVICES,
+    DrafterClientSettings,
+    RouterSettings,
+    VerifierSettings,
+    with_flags_tables,
+)
 from specmesh.cluster.settings import Settings, env_name, flag_name
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,10 +96,11 @@ def test_a_renamed_variable_is_refused_with_its_new_name(monkeypatch, capsys, no
     assert "SPECMESH_TARGET is now SPECMESH_MODEL (--model)" in capsys.readouterr().err
 
 
-def test_a_local_drafter_the_router_cannot_run_is_refused(no_specmesh_environment, capsys):
+@pytest.mark.parametrize("service", [RouterSettings, VerifierSettings])
+def test_a_local_drafter_a_service_cannot_run_is_refused(no_specmesh_environment, capsys, service):
     with pytest.raises(SystemExit):
-        RouterSettings.parse(["--local-drafters", "ngram,code"], "specmesh-router", "")
-    assert "--local-drafters (SPECMESH_LOCAL_DRAFTERS): Value error, code cannot run in the router" in \
+        service.parse(["--local-drafters", "ngram,code"], "specmesh-service", "")
+    assert "--local-drafters (SPECMESH_LOCAL_DRAFTERS): Value error, code cannot run inside a service" in \
         capsys.readouterr().err
 
 
@@ -152,9 +159,12 @@ def test_the_specmesh_commands_declare_no_service_setting_again():
 
 
 def service_sources(service: str) -> list[Path]:
-    """Where a service reads its settings: its own package, and the command line every service runs
-    (``serving.run_service``: --log-level)."""
-    return [*sorted((ROOT / "services" / service).glob("*.py")), ROOT / "specmesh" / "cluster" / "serving.py"]
+    """Where a service reads its settings: its own package, the command line every service runs
+    (``serving.run_service``: --log-level), and for those that call drafters, how they reach them."""
+    shared = [ROOT / "specmesh" / "cluster" / "serving.py"]
+    if issubclass(SERVICES[service], DrafterClientSettings):
+        shared.append(ROOT / "specmesh" / "cluster" / "discovery.py")
+    return [*sorted((ROOT / "services" / service).glob("*.py")), *shared]
 
 
 def settings_read(settings: type[Settings], sources: list[Path]) -> set[str]:

@@ -12,15 +12,7 @@ from typing import Sequence
 
 from specmesh import __version__
 from specmesh.cluster.auth import Access, ApiKeys, KeyLimits, check_exposure
-from specmesh.cluster.discovery import (
-    DrafterSet,
-    KubernetesWatcher,
-    RedisRegistry,
-    follow_kubernetes,
-    follow_registry,
-    kubernetes_api,
-    pod_namespace,
-)
+from specmesh.cluster.discovery import reach_drafters
 from specmesh.cluster.gateway import ModelCard, Router, RouterLimits, TextStream, watch_cluster
 from specmesh.cluster.metrics import RouterMetrics, serve_metrics
 from specmesh.cluster.pipeline.engine_client import EngineClient
@@ -31,7 +23,7 @@ from specmesh.cluster.redis_clients import async_redis
 from specmesh.cluster.remote_drafter import RemoteDrafter
 from specmesh.cluster.serving import Service, run_service, start_server
 from specmesh.cluster.service_settings import RouterSettings
-from specmesh.cluster.tls import TlsFiles, channel_options
+from specmesh.cluster.tls import TlsFiles
 from specmesh.cluster.wire import sampling_from_pb, trace_to_pb
 from specmesh.drafters.catalog import MODEL_FREE_DRAFTERS
 from specmesh.errors import InvalidArgument
@@ -173,19 +165,8 @@ async def serve(args: RouterSettings) -> None:
         publishing = asyncio.create_task(publisher.run())
     local = [LocalDrafter(MODEL_FREE_DRAFTERS[name]()) for name in args.local_drafter_names]
     drafters: list = [*local]
-    credentials = tls.channel_credentials() if tls is not None and tls.ca is not None else None  # mTLS to drafters
-    options = channel_options(args.tls_server_name) if credentials is not None else []
-    remote = DrafterSet(drafters, lambda address: RemoteDrafter(address, timeout_s=args.drafter_timeout,
-                                                                credentials=credentials, options=options),
-                        card.tokenizer_hash,
-                        hidden_size=target.hidden_size or None, num_layers=target.num_layers or None)
-    await remote.update(args.drafter_addresses)
-    discovery = None
-    if args.discovery == "redis":
-        discovery = asyncio.create_task(follow_registry(RedisRegistry(redis), remote))
-    elif args.discovery == "kubernetes":
-        watcher = KubernetesWatcher(kubernetes_api(), args.namespace or pod_namespace(), args.discovery_selector)
-        discovery = asyncio.create_task(follow_kubernetes(watcher, remote))
+    remote, discovery = await reach_drafters(args, redis, drafters, card.tokenizer_hash, target.hidden_size or None,
+                                             target.num_layers or None, tls)
     limits = RouterLimits(args.max_concurrent, args.max_queue_backlog, args.default_max_tokens, args.max_tree_nodes,
                           draft_ahead=args.drafts_ahead(), speculation=args.speculation)
     endpoint = serve_metrics(metrics, args.metrics_address)

@@ -13,7 +13,7 @@ from functools import partial
 from typing import Sequence
 
 from specmesh.cluster.auth import Access, ApiKeys, KeyLimits
-from specmesh.cluster.discovery import DrafterSet
+from specmesh.cluster.discovery import reach_drafters
 from specmesh.cluster.metrics import VerifierMetrics, serve_metrics
 from specmesh.cluster.pipeline.messages import ENV_KEY as QUEUE_KEY
 from specmesh.cluster.pipeline.messages import QueueKeys, QueueSigner, new_key
@@ -96,20 +96,18 @@ def load_verifier(args: VerifierSettings):
 async def engine_worker(args: VerifierSettings, target, verifier: TreeVerifier, queue: VerifierQueue,
                         torch_thread: TorchThread, curve, metrics: VerifierMetrics, tls: TlsFiles | None):
     """The engine loop of --step-loop verifier, with its drafters: model-free ones in this process, the others
-    over gRPC (mutual TLS with the cluster's CA)."""
+    over gRPC (mutual TLS with the cluster's CA), found as --discovery says. Returns the worker, its drafter
+    set and the task that keeps the set up to date (None: static)."""
     parts = parts_of(target)
     drafters: list = [LocalDrafter(MODEL_FREE_DRAFTERS[name]()) for name in args.local_drafter_names]
-    credentials = tls.channel_credentials() if tls is not None and tls.ca is not None else None
-    remote = DrafterSet(drafters, lambda address: RemoteDrafter(address, timeout_s=args.drafter_timeout,
-                                                                credentials=credentials),
-                        tokenizer_fingerprint(target.tokenizer), hidden_size=parts.hidden_size or None,
-                        num_layers=parts.num_layers or None)
-    await remote.update(args.drafter_addresses)
+    remote, discovery = await reach_drafters(args, queue.redis, drafters, tokenizer_fingerprint(target.tokenizer),
+                                             parts.hidden_size or None, parts.num_layers or None, tls)
     policy = adaptive_policy({})  # its routing table and settings then follow the routers' snapshots (policy_sync)
     policy.calibrate([curve])
     worker = EngineWorker(verifier, queue, torch_thread, policy, drafters, frozenset(parts.eos_token_ids), metrics)
-    log.info("the step loop runs here: drafters %s", ", ".join(d.name for d in drafters) or "none")
-    return worker, remote
+    log.info("the step loop runs here: drafters %s (discovery %s)", ", ".join(d.name for d in drafters) or "none yet",
+             args.discovery)
+    return worker, remote, discovery
 
 
 async def serve(args: VerifierSettings) -> None:
@@ -129,9 +127,9 @@ async def serve(args: VerifierSettings) -> None:
                           results_redis=blocking_redis(args.redis_url))
     metrics = VerifierMetrics()
     endpoint = serve_metrics(metrics, args.metrics_address)
-    remote = None
+    remote = discovery = None
     if args.step_loop == "verifier":
-        worker, remote = await engine_worker(args, target, verifier, queue, torch_thread, curve, metrics, tls)
+        worker, remote, discovery = await engine_worker(args, target, verifier, queue, torch_thread, curve, metrics, tls)
         max_rows = args.max_batch_rows
     else:
         worker = VerifierWorker(verifier, queue, torch_thread, max_batch_rows=args.max_batch_rows, metrics=metrics,
@@ -163,6 +161,8 @@ async def serve(args: VerifierSettings) -> None:
     worker.stopped.set()
     await worker_task
     health_task.cancel()
+    if discovery is not None:
+        discovery.cancel()
     if remote is not None:
         await remote.close()
         await asyncio.gather(*(d.close() for d in worker.drafters if isinstance(d, RemoteDrafter)))

@@ -149,7 +149,7 @@ def run_oracle_bench(args: argparse.Namespace) -> int:
                     "max_tokens": args.max_tokens, "tree_nodes": args.max_tree_nodes,
                     "fixed_tree_nodes": args.fixed_tree_nodes, "rounds": args.sweep_rounds,
                     "oracle_width": args.oracle_width, "offload": args.offload,
-                    "step_loop": getattr(args, "step_loop", None) or "router", "acceptance": {}}
+                    "step_loop": "verifier" if ClusterSpec(step_loop=getattr(args, "step_loop", None)).loop_in_verifiers else "router", "acceptance": {}}
     failed = False
     with tempfile.TemporaryDirectory(prefix="specmesh-oracle-") as folder:
         oracle_file = Path(folder) / "oracle.jsonl"

@@ -1,4 +1,4 @@
-"""How the router finds its drafters, and keeps finding them as nodes join and leave.
+"""How the routers and verifiers find their drafters, and keep finding them as nodes join and leave.
 
 Three sources of drafter addresses (``host:port`` of a drafter service's gRPC port):
 
@@ -9,8 +9,8 @@ Three sources of drafter addresses (``host:port`` of a drafter service's gRPC po
   ``specmesh.io/role=drafter``), listed then watched through the API server, so a pod that becomes
   ready, is replaced or goes away changes the set within a second.
 
-``DrafterSet`` applies each new set of addresses to the router: a new address becomes a connected
-``RemoteDrafter``; a vanished one leaves the router at once (no new request uses it) and its channel is
+``DrafterSet`` applies each new set of addresses to the service: a new address becomes a connected
+``RemoteDrafter``; a vanished one leaves the service at once (no new request uses it) and its channel is
 closed once the requests already using it have ended.
 """
 
@@ -27,7 +27,8 @@ from typing import Callable, Iterable, Sequence
 from specmesh.cluster.backoff import unreachable_node
 from specmesh.cluster.backoff import REDIS_DOWN
 from specmesh.cluster.remote_drafter import RemoteDrafter
-from specmesh.cluster.service_settings import DEFAULT_SELECTOR
+from specmesh.cluster.service_settings import DEFAULT_SELECTOR, DrafterClientSettings
+from specmesh.cluster.tls import channel_options
 from specmesh.errors import InvalidArgument
 
 log = logging.getLogger("specmesh.cluster.discovery")
@@ -276,3 +277,23 @@ async def follow_kubernetes(watcher: KubernetesWatcher, drafters: DrafterSet) ->
             await drafters.update(addresses)
     finally:
         watcher.stop()
+
+
+async def reach_drafters(args: DrafterClientSettings, redis, drafters: list, tokenizer_hash: str, hidden_size: int | None,
+                         num_layers: int | None, tls) -> tuple[DrafterSet, asyncio.Task | None]:
+    """The drafters a service calls (``args``: its ``DrafterClientSettings``), found as ``--discovery`` says
+    and kept up to date by the returned task (None: static), over mutual TLS when ``tls`` has the cluster's CA.
+    ``drafters``: the service's list, holding its model-free drafters; the remote ones join it."""
+    credentials = tls.channel_credentials() if tls is not None and tls.ca is not None else None
+    options = channel_options(args.tls_server_name) if credentials is not None else []
+    remote = DrafterSet(drafters, lambda address: RemoteDrafter(address, timeout_s=args.drafter_timeout,
+                                                                credentials=credentials, options=options),
+                        tokenizer_hash, hidden_size=hidden_size, num_layers=num_layers)
+    await remote.update(args.drafter_addresses)
+    following = None
+    if args.discovery == "redis":
+        following = asyncio.create_task(follow_registry(RedisRegistry(redis), remote))
+    elif args.discovery == "kubernetes":
+        watcher = KubernetesWatcher(kubernetes_api(), args.namespace or pod_namespace(), args.discovery_selector)
+        following = asyncio.create_task(follow_kubernetes(watcher, remote))
+    return remote, following

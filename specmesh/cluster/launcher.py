@@ -81,7 +81,7 @@ class ClusterSpec:
     unresponsive_s: float = 30.0  # and kill, then start again, what has stopped serving this long
     redis_url: str | None = None  # a Redis of the caller's (not started, stopped or supervised here)
     extra_env: dict[str, str] = field(default_factory=dict)
-    step_loop: str | None = None  # the routers' and verifiers': router (a queue job per request per step) or verifier
+    step_loop: str | None = None  # the routers' and verifiers' (None: the settings' default, the verifiers')
 
     def __post_init__(self) -> None:
         self.router_flags()  # a bad setting fails here, not once the cluster is half up
@@ -90,6 +90,11 @@ class ClusterSpec:
             raise InvalidArgument("routers", f"must be >= 1, got {self.routers}")
         if not self.unresponsive_s > 0:
             raise InvalidArgument("unresponsive_s", f"must be > 0, got {self.unresponsive_s}")
+
+    @property
+    def loop_in_verifiers(self) -> bool:
+        """Whether the step loop, and so the drafters' calls, are the verifiers'."""
+        return (self.step_loop or VerifierSettings.model_fields["step_loop"].default) == "verifier"
 
     def router_flags(self) -> list[str]:
         """Every router's flags from this spec (checked as the router checks them)."""
@@ -300,7 +305,7 @@ class LocalCluster:
         threads = max(1, self.spec.cores // max(1, self.spec.verifiers))
         args = [*self.spec.verifier_flags(),
                 *VerifierSettings.command_line(threads=threads, verifier_id=f"verifier-{index}")]
-        if self.spec.step_loop == "verifier":  # the step loop, and so the drafters' calls, are the verifier's
+        if self.spec.loop_in_verifiers:
             args += VerifierSettings.command_line(drafters=",".join(d.address for d in self.drafters),
                                                   local_drafters=",".join(self.local_drafters))
         return self._service(f"verifier-{index}", "verifier", args, threads)

@@ -26,13 +26,13 @@ DEFAULT_SELECTOR = "specmesh.io/role=drafter"  # the drafter Services' label (ku
 # has lost its router (killed: it closes nothing) or waited past any job timeout; one that comes back resyncs
 SESSION_IDLE_S = 60.0
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-# where a request's step loop runs: in the router (a queue job per request per step) or in the verifier that
-# took the request (an engine core; the router admits it and streams its deltas). Both exist while the
-# verifier's is brought up to every guarantee of the router's; routers and verifiers must agree.
-STEP_LOOPS = ("router", "verifier")
-STEP_LOOP_HELP = ("where requests' step loop runs: router (a queue job per request per step) or verifier (an "
-                  "engine core in each verifier; the router admits requests and streams their answers); routers "
-                  "and verifiers must agree")
+# where a request's step loop runs: in the verifier that took the request (an engine core; the router admits
+# it and streams its deltas) or in the router (a queue job per request per step, the older path, to be
+# removed). Routers and verifiers must agree.
+STEP_LOOPS = ("verifier", "router")
+STEP_LOOP_HELP = ("where requests' step loop runs: verifier (an engine core in each verifier; the router admits "
+                  "requests and streams their answers) or router (a queue job per request per step: the older "
+                  "path); routers and verifiers must agree")
 
 
 class ServiceSettings(Settings):
@@ -54,13 +54,11 @@ class ServiceSettings(Settings):
         return value.upper() if isinstance(value, str) else value
 
 
-class RouterSettings(ServiceSettings):
-    model: str = setting(EMBEDDED_DEFAULT, "the target: only its tokenizer and config are read, not its weights")
-    pool: str = setting("default", "the verifier pool to send jobs to (one Redis stream)")
-    listen: str = setting("127.0.0.1:50051", "gRPC address, host:port")
-    http_listen: str = setting("127.0.0.1:8000", "OpenAI-compatible HTTP API (/v1/chat/completions, ...; "
-                               "docs/openai-api.md), host:port; empty: off")
-    metrics_address: str = setting("127.0.0.1:9400", "serve Prometheus metrics at http://ADDRESS/metrics; empty: off")
+class DrafterClientSettings(ServiceSettings):
+    """What a service that calls the drafters takes (the verifiers, whose step loops draft; the routers, which
+    route by them, and draft with the router's step loop): where the drafters are and how they are called."""
+
+    step_loop: Literal[STEP_LOOPS] = setting("verifier", STEP_LOOP_HELP)
     drafters: str = setting("", "drafter addresses host:port, comma-separated (static discovery; the Helm chart "
                             "always sets them)")
     discovery: Literal[DISCOVERY_MODES] = setting("static", "how drafters are found: static (--drafters), redis "
@@ -68,8 +66,37 @@ class RouterSettings(ServiceSettings):
                                                   "(EndpointSlices of labelled Services)")
     discovery_selector: str = setting(DEFAULT_SELECTOR, "kubernetes: label selector of the drafter Services")
     namespace: str | None = setting(None, "kubernetes: namespace of the drafter Services", shown="the pod's")
-    local_drafters: str = setting("", "model-free drafters run inside the router, comma-separated: ngram (prompt "
-                                  "lookup), history; they need only the tokens the router holds, so no network hop")
+    local_drafters: str = setting("", "model-free drafters run inside this service, comma-separated: ngram (prompt "
+                                  "lookup), history; they need only the tokens it holds, so no network hop")
+    drafter_timeout: float = setting(2.0, "deadline of each drafter call, seconds", gt=0)
+    tls_server_name: str | None = setting(None, "with --tls-ca: the name the drafters have in their certificates, "
+                                          "as they are dialled by address (discovered pod IPs)")
+
+    @field_validator("local_drafters")
+    @classmethod
+    def _model_free(cls, value: str) -> str:
+        unknown = [n for n in _names(value) if n not in MODEL_FREE_KINDS]
+        if unknown:
+            raise ValueError(f"{', '.join(unknown)} cannot run inside a service; model-free drafters: "
+                             f"{', '.join(MODEL_FREE_KINDS)}")
+        return value
+
+    @property
+    def local_drafter_names(self) -> list[str]:
+        return _names(self.local_drafters)
+
+    @property
+    def drafter_addresses(self) -> list[str]:
+        return _names(self.drafters)
+
+
+class RouterSettings(DrafterClientSettings):
+    model: str = setting(EMBEDDED_DEFAULT, "the target: only its tokenizer and config are read, not its weights")
+    pool: str = setting("default", "the verifier pool to send jobs to (one Redis stream)")
+    listen: str = setting("127.0.0.1:50051", "gRPC address, host:port")
+    http_listen: str = setting("127.0.0.1:8000", "OpenAI-compatible HTTP API (/v1/chat/completions, ...; "
+                               "docs/openai-api.md), host:port; empty: off")
+    metrics_address: str = setting("127.0.0.1:9400", "serve Prometheus metrics at http://ADDRESS/metrics; empty: off")
     http_max_body: int = setting(DEFAULT_MAX_BODY_BYTES, "largest HTTP request body in bytes (larger: 413)", gt=0)
     api_keys_file: str | None = setting(None, "API keys callers must send as 'authorization: Bearer <key>', one a "
                                         "line (or sha256:<hex>), each optionally followed by a name, read again when "
@@ -103,24 +130,6 @@ class RouterSettings(ServiceSettings):
     explore: float = setting(0.1, "chance per step of also asking a drafter outside the best", ge=0, le=1)
     job_timeout: float = setting(30.0, "seconds a verification step may take before the request fails UNAVAILABLE "
                                  "(a long prompt's prefill counts from its verifier's last progress report)", gt=0)
-    drafter_timeout: float = setting(2.0, "deadline of each drafter call, seconds", gt=0)
-    tls_server_name: str | None = setting(None, "with --tls-ca: the name the drafters have in their certificates, "
-                                          "as they are dialled by address (discovered pod IPs)")
-    step_loop: Literal[STEP_LOOPS] = setting("router", STEP_LOOP_HELP)
-
-    @field_validator("local_drafters")
-    @classmethod
-    def _model_free(cls, value: str) -> str:
-        return _model_free(value, "router")
-
-    @property
-    def local_drafter_names(self) -> list[str]:
-        return _names(self.local_drafters)
-
-    @property
-    def drafter_addresses(self) -> list[str]:
-        return _names(self.drafters)
-
     def drafts_ahead(self) -> bool:
         """--draft-ahead resolved: auto is on unless every drafter is static and on a loopback address."""
         if self.draft_ahead != "auto":
@@ -128,15 +137,7 @@ class RouterSettings(ServiceSettings):
         return self.discovery != "static" or not all(map(_loopback, self.drafter_addresses))
 
 
-def _model_free(value: str, service: str) -> str:
-    unknown = [n for n in _names(value) if n not in MODEL_FREE_KINDS]
-    if unknown:
-        raise ValueError(f"{', '.join(unknown)} cannot run in the {service}; model-free drafters: "
-                         f"{', '.join(MODEL_FREE_KINDS)}")
-    return value
-
-
-class VerifierSettings(ServiceSettings):
+class VerifierSettings(DrafterClientSettings):
     pool: str = setting("default", "the verifier pool it serves (one Redis stream)")
     listen: str = setting("127.0.0.1:50071", "control API (health, Info, Drain), host:port")
     metrics_address: str = setting("127.0.0.1:9401", "serve Prometheus metrics at http://ADDRESS/metrics; empty: off")
@@ -175,24 +176,6 @@ class VerifierSettings(ServiceSettings):
     queue_key_file: str | None = setting(None, "the queue's HMAC key shared with the routers: only jobs tagged with "
                                          "it run, results are tagged with it (else $SPECMESH_QUEUE_KEY; neither: "
                                          "untagged)")
-    step_loop: Literal[STEP_LOOPS] = setting("router", STEP_LOOP_HELP)
-    drafters: str = setting("", "--step-loop verifier: drafter addresses host:port, comma-separated")
-    local_drafters: str = setting("", "--step-loop verifier: model-free drafters run inside the verifier, "
-                                  "comma-separated: ngram (prompt lookup), history")
-    drafter_timeout: float = setting(2.0, "--step-loop verifier: deadline of each drafter call, seconds", gt=0)
-
-    @field_validator("local_drafters")
-    @classmethod
-    def _model_free(cls, value: str) -> str:
-        return _model_free(value, "verifier")
-
-    @property
-    def local_drafter_names(self) -> list[str]:
-        return _names(self.local_drafters)
-
-    @property
-    def drafter_addresses(self) -> list[str]:
-        return _names(self.drafters)
 
 
 class DrafterSettings(ServiceSettings):

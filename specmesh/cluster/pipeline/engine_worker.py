@@ -49,7 +49,11 @@ from specmesh.v1 import verifier_pb2
 log = logging.getLogger(__name__)
 
 IDLE_BLOCK_MS = 100  # with nothing to step, wait this long for an admission
-PREFILL_BUDGET_MS = 25.0  # of a pass beside decoding requests, what prefills may take (over several passes)
+# beside decoding requests, prefills take at most this share of a decode pass's time (a long prompt's over
+# several passes): its neighbours' tokens come at most ~1.5x slower while it is cached; within these bounds
+PREFILL_SHARE = 0.5
+PREFILL_MS = (2.0, 25.0)
+PREFILL_ALONE_MS = 200.0  # a prompt cached with no one decoding still goes in passes this long: newcomers join the next
 OUTPUTS_MAXLEN = 100_000  # entries kept on a router's outputs stream (approximate trim)
 ABORTED_MEMORY = 4096  # aborted ids remembered, so that an admission read after its abort is dropped
 DRAIN_S = 20.0  # a drain finishes the requests held within this, the others adopt the rest
@@ -86,16 +90,27 @@ class ThreadedVerifier:
         self.verifier = verifier
         self.torch_thread = torch_thread
         self.metrics = metrics
+        self.decode_ms: float | None = None  # a pass without prefills, smoothed
+
+    @property
+    def prefill_budget_ms(self) -> float:
+        low, high = PREFILL_MS
+        return high if self.decode_ms is None else min(max(PREFILL_SHARE * self.decode_ms, low), high)
 
     async def verify(self, jobs: list[VerifyJob]) -> list[VerifyResult]:
         started = time.monotonic()
-        # prefills share a pass with decoding requests within a budget; alone, they take the pass whole
-        budget = PREFILL_BUDGET_MS if any(job.history is None for job in jobs) else None
+        # prefills share a pass with decoding requests within a budget; alone, within a larger one
+        decoding = sum(job.history is None for job in jobs)
+        budget = self.prefill_budget_ms if decoding else PREFILL_ALONE_MS
         results = await self.torch_thread.run(self.verifier.verify, jobs, budget)
+        seconds = time.monotonic() - started
+        if decoding == len(jobs):
+            ms = seconds * 1e3
+            self.decode_ms = ms if self.decode_ms is None else 0.8 * self.decode_ms + 0.2 * ms
         m = self.metrics
         m.batch_requests.observe(len(jobs))
         m.batch_rows.observe(sum(1 + len(job.tree) for job in jobs))
-        m.pass_seconds.observe(time.monotonic() - started)
+        m.pass_seconds.observe(seconds)
         for result in results:
             m.jobs.labels("refused" if result.refused else "failed" if result.failed else "prefilling"
                           if result.prefilling else "resync" if result.resync else "ok").inc()
