@@ -131,9 +131,10 @@ def test_a_request_whose_client_left_is_let_go_with_its_cache(redis_server, tiny
             leaving.cancel()
             await asyncio.gather(leaving, return_exceptions=True)
             await wait_until_async(lambda: node.sessions == 0 and not node.holds("left"), what="the request let go")
-            return await pool.redis.xlen(pool.keys.admissions)
+            gauge = node.worker.metrics.registry.get_sample_value("specmesh_kv_sessions")
+            return await pool.redis.xlen(pool.keys.admissions), gauge
 
-    assert asyncio.run(main()) == 0  # its admission acknowledged and deleted
+    assert asyncio.run(main()) == (0, 0)  # its admission acknowledged and deleted; the gauge says so at once
 
 
 def test_an_admission_whose_client_left_before_a_verifier_took_it_is_never_run(redis_server, tiny_model):

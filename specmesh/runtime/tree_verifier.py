@@ -138,6 +138,11 @@ class TreeVerifier:
         return len(self._sessions)
 
     @property
+    def session_ids(self) -> set[str]:
+        """The requests whose KV cache it holds."""
+        return set(self._sessions)
+
+    @property
     def cache_bytes(self) -> int:
         """Memory held by every session's KV cache."""
         return sum(session.nbytes for session in self._sessions.values())

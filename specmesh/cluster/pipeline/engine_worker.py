@@ -120,6 +120,8 @@ class ThreadedVerifier:
 
     async def close(self, request_id: str) -> None:
         await self.torch_thread.run(self.verifier.close, request_id)
+        self.metrics.kv_sessions.set(self.verifier.num_sessions)  # no pass may follow: the gauge says so now
+        self.metrics.kv_bytes.set(self.verifier.cache_bytes)
 
 
 @dataclass
@@ -214,8 +216,13 @@ class EngineWorker:
         await self.core.close()
 
     async def _loop(self) -> None:
+        """Each turn: the admissions and aborts read, one core step, its outputs published. The next turn's
+        read and this step's publish run while a pass does (the pass is on the torch thread): a step waits
+        for Redis only when there is nothing to step. Publishes go out one after another, in step order."""
         registered = False
         backoff = redis_reconnect()
+        reading: asyncio.Task | None = None
+        publishing: asyncio.Task | None = None
         while not self.stopped.is_set():
             try:
                 if not registered or self.lapsed:
@@ -226,24 +233,34 @@ class EngineWorker:
                     self._next_adoption = time.monotonic() + ADOPT_EVERY_S
                 # the routers' routing snapshot, about once a second, for the drafters it has
                 await self.routing.poll(self.redis, self.keys.routing, self._drafter_names)
-                admissions, aborts = await self._read()
+                admissions, aborts = await (reading or self._read())
+                reading = None
                 dropped: list[bytes] = []  # admission entries acknowledged unserved
                 for rid in aborts:
                     await self._abort(rid, dropped)
                 refused = [r for r in (self._admit(e, fields, dropped) for e, fields in admissions) if r is not None]
+                if self.core.num_requests:
+                    reading = asyncio.create_task(self._read())
                 outputs = refused + await self.core.step()
+                if publishing is not None:
+                    await publishing  # the last step's, sent while this one's pass ran
+                    publishing = None
+                self._forget_unheld(outputs, dropped)
                 if outputs or dropped:
-                    await self._publish(outputs, dropped)
+                    publishing = asyncio.create_task(self._publish(outputs, dropped))
                 backoff.reset()
             except REDIS_DOWN as exc:
+                reading, publishing = await _kept(reading), await _settled(publishing)
                 if registered:
                     log.warning("Redis unreachable (%s); retrying", exc)
                 registered = False
                 await asyncio.sleep(backoff.next())
             except Exception:
+                reading, publishing = await _kept(reading), await _settled(publishing)
                 log.exception("the engine loop failed; carrying on")
                 self.metrics.worker_errors.inc()
                 await asyncio.sleep(backoff.next())
+        await _settled(reading, publishing)  # the last step's outputs go out
 
     async def _read(self) -> tuple[list, list[str]]:
         """New admissions (as many as there is room for) and aborts, in one round trip; with nothing to step,
@@ -333,6 +350,14 @@ class EngineWorker:
     def _drafter_names(self) -> set[str]:
         return {drafter.name for drafter in self.drafters}
 
+    def _forget_unheld(self, outputs: list[RequestOutput], dropped: list[bytes]) -> None:
+        """The core is the authority on what runs here: a request it no longer holds whose end no publish
+        carried (a publish Redis did not take) is forgotten and its admission acknowledged with ``dropped``."""
+        published = {o.request_id for o in outputs}
+        for rid in [rid for rid in self._held if rid not in published and not self.core.holds(rid)]:
+            log.warning("request %s ended here unpublished; its admission is acknowledged", rid)
+            dropped.append(self._held.pop(rid).entry_id)
+
     def _unique_drafters(self) -> list[AsyncDrafter]:
         unique = one_per_name(self.drafters)
         for drafter in unique:
@@ -383,7 +408,13 @@ class EngineWorker:
         pipe.xadd(self.commit_log, {"outputs": payload, "tag": self.signer.tag(OUTPUTS, payload)})
 
     async def _look_after_the_others(self) -> None:
-        """Adopt what verifiers whose heartbeat stopped held; trim this one's commit log to what its requests need."""
+        """Adopt what verifiers whose heartbeat stopped held; trim this one's commit log to what its requests
+        need; free the KV caches of requests the core does not hold (the core is the authority)."""
+        unheld = [rid for rid in self.verifier.session_ids if not self.core.holds(rid)]
+        if unheld:
+            log.warning("freeing the KV caches of %d request(s) no longer running here", len(unheld))
+            for rid in unheld:
+                await self.core.verifier.close(rid)
         if not self.draining:
             for member in await self.redis.smembers(self.keys.members):
                 name = member.decode()
@@ -476,6 +507,18 @@ class EngineWorker:
         released = self.verifier.num_sessions
         await self.torch_thread.run(self.verifier.close_all)
         return released
+
+
+async def _settled(*tasks: asyncio.Task | None) -> None:
+    """Wait for ``tasks`` (None: none) to end, whatever their outcome (the loop has logged or will retry it)."""
+    await asyncio.gather(*(t for t in tasks if t is not None), return_exceptions=True)
+
+
+async def _kept(reading: asyncio.Task | None) -> asyncio.Task | None:
+    """A read under way, once ended: kept if it succeeded (the admissions it took are this verifier's now,
+    served at the next turn), else None."""
+    await _settled(reading)
+    return reading if reading is not None and not reading.cancelled() and reading.exception() is None else None
 
 
 def _entry_order(entry_id: bytes) -> tuple[int, int]:
