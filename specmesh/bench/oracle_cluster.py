@@ -149,7 +149,7 @@ def run_oracle_bench(args: argparse.Namespace) -> int:
                     "max_tokens": args.max_tokens, "tree_nodes": args.max_tree_nodes,
                     "fixed_tree_nodes": args.fixed_tree_nodes, "rounds": args.sweep_rounds,
                     "oracle_width": args.oracle_width, "offload": args.offload,
-                    "step_loop": "verifier" if ClusterSpec(step_loop=getattr(args, "step_loop", None)).loop_in_verifiers else "router", "acceptance": {}}
+                    "acceptance": {}}
     failed = False
     with tempfile.TemporaryDirectory(prefix="specmesh-oracle-") as folder:
         oracle_file = Path(folder) / "oracle.jsonl"
@@ -157,6 +157,7 @@ def run_oracle_bench(args: argparse.Namespace) -> int:
                            max_tree_nodes=max(args.max_tree_nodes, args.fixed_tree_nodes), job_timeout_s=JOB_TIMEOUT_S,
                            batch_invariant=args.batch_invariant, offload=args.offload,
                            step_loop=getattr(args, "step_loop", None))
+        report["step_loop"] = spec.loop
         print(f"starting the cluster: {args.model} (random weights), oracle drafter ...", flush=True)
         with LocalCluster(spec) as cluster:
             started = time.perf_counter()

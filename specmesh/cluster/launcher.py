@@ -92,9 +92,14 @@ class ClusterSpec:
             raise InvalidArgument("unresponsive_s", f"must be > 0, got {self.unresponsive_s}")
 
     @property
+    def loop(self) -> str:
+        """Where the step loop runs: ``step_loop``, else the settings' default."""
+        return self.step_loop or VerifierSettings.model_fields["step_loop"].default
+
+    @property
     def loop_in_verifiers(self) -> bool:
         """Whether the step loop, and so the drafters' calls, are the verifiers'."""
-        return (self.step_loop or VerifierSettings.model_fields["step_loop"].default) == "verifier"
+        return self.loop == "verifier"
 
     def router_flags(self) -> list[str]:
         """Every router's flags from this spec (checked as the router checks them)."""

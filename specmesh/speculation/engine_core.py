@@ -104,9 +104,10 @@ class EngineCore:
         """Requests running or waiting their turn."""
         return len(self._running) + len(self._waiting)
 
-    def holds(self, request_id: str) -> bool:
-        """Whether the request is running or waiting its turn here."""
-        return request_id in self._running or any(r.request.request_id == request_id for r in self._waiting)
+    @property
+    def request_ids(self) -> set[str]:
+        """The requests running or waiting their turn."""
+        return {*self._running, *(r.request.request_id for r in self._waiting)}
 
     def add(self, request: Request, policy: RequestPolicy, drafters: Sequence[AsyncDrafter] = (),
             stats: SpeculationStats | None = None) -> None:

@@ -114,13 +114,15 @@ class ThreadedVerifier:
         for result in results:
             m.jobs.labels("refused" if result.refused else "failed" if result.failed else "prefilling"
                           if result.prefilling else "resync" if result.resync else "ok").inc()
-        m.kv_sessions.set(self.verifier.num_sessions)
-        m.kv_bytes.set(self.verifier.cache_bytes)
+        self._cache_gauges()
         return results
 
     async def close(self, request_id: str) -> None:
         await self.torch_thread.run(self.verifier.close, request_id)
-        self.metrics.kv_sessions.set(self.verifier.num_sessions)  # no pass may follow: the gauge says so now
+        self._cache_gauges()  # no pass may follow: the gauges say so now
+
+    def _cache_gauges(self) -> None:
+        self.metrics.kv_sessions.set(self.verifier.num_sessions)
         self.metrics.kv_bytes.set(self.verifier.cache_bytes)
 
 
@@ -353,8 +355,8 @@ class EngineWorker:
     def _forget_unheld(self, outputs: list[RequestOutput], dropped: list[bytes]) -> None:
         """The core is the authority on what runs here: a request it no longer holds whose end no publish
         carried (a publish Redis did not take) is forgotten and its admission acknowledged with ``dropped``."""
-        published = {o.request_id for o in outputs}
-        for rid in [rid for rid in self._held if rid not in published and not self.core.holds(rid)]:
+        known = self.core.request_ids | {o.request_id for o in outputs}
+        for rid in [rid for rid in self._held if rid not in known]:
             log.warning("request %s ended here unpublished; its admission is acknowledged", rid)
             dropped.append(self._held.pop(rid).entry_id)
 
@@ -410,7 +412,7 @@ class EngineWorker:
     async def _look_after_the_others(self) -> None:
         """Adopt what verifiers whose heartbeat stopped held; trim this one's commit log to what its requests
         need; free the KV caches of requests the core does not hold (the core is the authority)."""
-        unheld = [rid for rid in self.verifier.session_ids if not self.core.holds(rid)]
+        unheld = self.verifier.session_ids - self.core.request_ids
         if unheld:
             log.warning("freeing the KV caches of %d request(s) no longer running here", len(unheld))
             for rid in unheld:
