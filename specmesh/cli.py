@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --oracle-acceptance: the oracle's ranked guesses a position (1: chains; more: trees "
                        "grown best-first, the target's token its r-th guess with probability P (1 - P)^(r - 1))")
     _add_model_args(bench)
-    VerifierSettings.add_flags(bench, ["offload", "step_loop"], defaults=True, environment=False)
+    VerifierSettings.add_flags(bench, ["offload"], defaults=True, environment=False)
 
     tune = commands.add_parser("tune", help="measure the speculation constants on held-out prompts (not MT-Bench)")
     tune.add_argument("--prompts", help="JSONL prompts sharing no word 8-gram with MT-Bench (default: the shipped "

@@ -1,5 +1,5 @@
-"""In-process cluster parts for tests: verifier workers on the real Redis queue, and the gRPC services
-(drafter, router) on loopback ports, all on the test's event loop."""
+"""In-process cluster parts for tests: verifiers' engine workers on the real Redis queue, each on a thread and
+event loop of its own, and the gRPC services (drafter, router) on loopback ports on the test's event loop."""
 
 import asyncio
 import threading
@@ -15,9 +15,9 @@ from specmesh.cluster.pipeline.engine_client import EngineClient
 from specmesh.cluster.pipeline.engine_worker import EngineWorker
 from specmesh.cluster.pipeline.messages import QueueKeys
 from specmesh.cluster.pipeline.policy_sync import RoutingPublisher
-from specmesh.cluster.pipeline.router_end import QueueVerifierClient
 from specmesh.cluster.pipeline.verifier_end import VerifierQueue
-from specmesh.cluster.redis_clients import async_redis, blocking_redis
+from specmesh.cluster.pipeline.verifier_watch import VerifierWatch
+from specmesh.cluster.redis_clients import async_redis
 from specmesh.cluster.remote_drafter import RemoteDrafter
 from specmesh.cluster.serving import Service, TorchThread, start_server
 from specmesh.cluster.pipeline.messages import QueueSigner, new_key
@@ -32,7 +32,6 @@ from specmesh.services.drafter.server import DrafterServicer
 from specmesh.services.router.openai_api import HttpServer, openai_app
 from specmesh.cluster.gateway import watch_cluster
 from specmesh.services.router.server import ROUTER_SERVICE, RouterServicer
-from specmesh.cluster.pipeline.worker import VerifierWorker
 from specmesh.speculation.classifier import default_classifier
 from specmesh.speculation.drafting import LocalDrafter
 from specmesh.speculation.policy import adaptive_policy
@@ -40,55 +39,11 @@ from specmesh.speculation.engine import Request, SpeculativeEngine
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc, router_pb2_grpc, verifier_pb2_grpc
 
 
-class InProcessPool:
-    """Verifier workers and a router-side client on one event loop, each worker with its own runtime."""
-
-    def __init__(self, url: str, model, workers: int = 1, **client_args) -> None:
-        self.url = url
-        self.redis = async_redis(url)
-        self.keys = QueueKeys(pool=uuid.uuid4().hex[:8])
-        self.model = model
-        self.signer = QueueSigner(new_key())  # entries tagged as in a real cluster
-        self.client = QueueVerifierClient(self.redis, self.keys, "router-test", signer=self.signer,
-                                          **{"liveness_every_s": 0.1, **client_args})
-        self.workers: list[VerifierWorker] = []
-        self.tasks: list[asyncio.Task] = []
-        self.count = workers
-
-    def worker(self, name: str) -> VerifierWorker:
-        # results posted from the pass's thread, as the verifier service does
-        queue = VerifierQueue(self.redis, self.keys, name, heartbeat_ttl_s=1.0, signer=self.signer,
-                              results_redis=blocking_redis(self.url))
-        return VerifierWorker(TreeVerifier(LlamaRuntime(self.model)), queue, TorchThread(name))
-
-    def add_worker(self, name: str) -> VerifierWorker:
-        worker = self.worker(name)
-        self.workers.append(worker)
-        self.tasks.append(asyncio.create_task(worker.run()))
-        return worker
-
-    async def __aenter__(self):
-        for i in range(self.count):
-            self.add_worker(f"v{i}")
-        await self.client.start()
-        await wait_until_async(lambda: len(self.client.alive) >= self.count, what="the client sees every worker")
-        return self
-
-    async def __aexit__(self, *exc):
-        for worker in self.workers:
-            worker.stopped.set()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-        await self.client.stop()
-        await self.redis.aclose()
-
-
-
 class ServiceStack:
-    """A router and one drafter as real gRPC servers on loopback, over an in-process verifier pool."""
+    """A router and one drafter as real gRPC servers on loopback, over engine nodes that call the drafter."""
 
     def __init__(self, url: str, model, tokenizer, drafter: Drafter, limits: RouterLimits | None = None,
-                 metrics: bool = False, http: bool = False, access=None, tls=None, verifiers: int = 1,
-                 step_loop: str = "verifier") -> None:
+                 metrics: bool = False, http: bool = False, access=None, tls=None, verifiers: int = 1) -> None:
         """``metrics``: each service counts into its own registry, served over HTTP on a free port
         (``metrics_urls``), as the real services do. ``http``: the router's OpenAI API too, at ``http_url``."""
         self.with_metrics = metrics
@@ -97,7 +52,6 @@ class ServiceStack:
         self.tls = tls  # TlsFiles: TLS on the router's ports, mutual TLS between router and drafter
         self.http = None
         self.endpoints: dict[str, MetricsEndpoint] = {}
-        self.step_loop = step_loop  # "verifier": engine nodes run the step loop; "router": the router runs it
         self.url, self.verifiers = url, verifiers
         self.model = model
         self.tokenizer = tokenizer
@@ -120,23 +74,19 @@ class ServiceStack:
             "127.0.0.1:0", metrics=drafter_metrics, tls=self.tls, require_client_cert=self.tls is not None,
         )
         self.remote = await self._remote_drafter()
-        if self.step_loop == "verifier":  # each node its own channel to the drafter, on its own loop
-            self.pool = EnginePool(self.url, self.model, self.verifiers,
-                                   drafters=lambda: self._remote_drafter_list())
-        else:
-            self.pool = InProcessPool(self.url, self.model, workers=self.verifiers)
+        # each node its own channel to the drafter, on its own loop
+        self.pool = EnginePool(self.url, self.model, self.verifiers, drafters=lambda: self._remote_drafter_list())
         await self.pool.__aenter__()
-        watch, engine = (self.pool.watch, self.pool.client) if self.step_loop == "verifier" else (self.pool.client, None)
+        watch = self.pool.watch
         card = ModelCard("tiny", vocab, self.model.config.max_position_embeddings,
                          tokenizer_fingerprint(self.tokenizer), frozenset())
-        self.router = Router(self.tokenizer, card, [self.remote], watch, self.limits,
-                             classifier=default_classifier(), metrics=router_metrics, engine=engine)
-        self.publishing = None
-        if self.step_loop == "verifier":  # the router learns routing from the verifiers' reports, as serve() does
-            publisher = RoutingPublisher(self.pool.redis, self.pool.keys, self.pool.client.router_id,
-                                         self.router.policy.router, self.pool.signer, router_metrics)
-            self.pool.client.on_report = publisher.receive
-            self.publishing = asyncio.create_task(publisher.run())
+        self.router = Router(self.tokenizer, card, [self.remote], self.pool.client, self.limits,
+                             classifier=default_classifier(), metrics=router_metrics)
+        # the router learns routing from the verifiers' reports, as serve() does
+        publisher = RoutingPublisher(self.pool.redis, self.pool.keys, self.pool.client.router_id,
+                                     self.router.policy.router, self.pool.signer, router_metrics)
+        self.pool.client.on_report = publisher.receive
+        self.publishing = asyncio.create_task(publisher.run())
         router_servicer = RouterServicer(self.router, watch)
         # (a test may serve it once more, on an address of its own)
         self.router_service = Service("specmesh.v1.Router",
@@ -169,17 +119,12 @@ class ServiceStack:
         return [await self._remote_drafter()]
 
     async def add_verifier(self, name: str) -> None:
-        if self.step_loop == "verifier":
-            await self.pool.add_node(name)
-        else:
-            self.pool.add_worker(name)
+        await self.pool.add_node(name)
 
     @property
     def drafter_failures(self) -> int:
-        """Failed calls to the drafter service, by whoever drafts: the verifiers' step loops, or the router's."""
-        if self.step_loop == "verifier":
-            return sum(d.failures for node in self.pool.nodes for d in node.drafters)
-        return self.remote.failures
+        """Failed calls to the drafter service by the verifiers' step loops."""
+        return sum(d.failures for node in self.pool.nodes for d in node.drafters)
 
     @property
     def metrics_urls(self) -> dict[str, str]:
@@ -187,8 +132,7 @@ class ServiceStack:
 
     async def __aexit__(self, *exc):
         for task in (self.watcher, self.publishing):
-            if task is not None:
-                task.cancel()
+            task.cancel()
         for endpoint in self.endpoints.values():
             endpoint.close()
         if self.http is not None:
@@ -218,7 +162,7 @@ def plain_greedy(model, prompt_ids, max_tokens: int) -> list[int]:
 
 
 @asynccontextmanager
-async def passes_held(worker: VerifierWorker):
+async def passes_held(worker: EngineWorker):
     """No verification pass runs inside (the worker's torch thread waits), as behind a long pass."""
     hold = threading.Event()
     busy = asyncio.ensure_future(worker.torch_thread.run(hold.wait))
@@ -230,7 +174,7 @@ async def passes_held(worker: VerifierWorker):
 
 
 class EngineNode:
-    """A verifier's engine worker (``--step-loop verifier``) on a thread and event loop of its own, as in a
+    """A verifier's engine worker on a thread and event loop of its own, as in a
     process of its own: it can stand still (``stall``, a SIGSTOP as far as the others can tell) while the
     rest of the test goes on. Tiny model, an n-gram drafter in process."""
 
@@ -312,8 +256,7 @@ class EnginePool:
         self.redis = async_redis(url)
         self.client = EngineClient(self.redis, self.keys, f"router-{self.keys.pool}", timeout_s=timeout_s,
                                    signer=self.signer)
-        self.watch = QueueVerifierClient(self.redis, self.keys, self.client.router_id, signer=self.signer,
-                                         liveness_every_s=0.1)
+        self.watch = VerifierWatch(self.redis, self.keys, liveness_every_s=0.1)
         self.url, self.model, self.drafters = node_url or url, model, drafters
         self.nodes = [EngineNode(self.url, self.keys, self.signer, model, f"v{i}", drafters=drafters)
                       for i in range(workers)]

@@ -1,4 +1,4 @@
-"""Faults on the engine-core path (``--step-loop verifier``), one at a time: engine workers on threads of
+"""Faults on the pipeline, one at a time: engine workers on threads of
 their own (tiny model, real Redis) and a router's ``EngineClient``."""
 
 import asyncio
@@ -80,6 +80,29 @@ def test_forged_and_unreadable_admissions_are_dropped_and_counted_and_the_verifi
     answer, posted, left = asyncio.run(main())
     assert answer == plain_greedy(tiny_model, PROMPT, 24)
     assert posted == 0 and left == 0  # none served, none left behind
+
+
+def test_forged_outputs_are_dropped_and_counted_and_the_answer_is_the_verifiers(redis_server, tiny_model):
+    """Outputs on a router's stream without a valid tag (written by something that is not a verifier) never
+    reach a client: the request's answer is the verifier's, and the router counts each one."""
+    request = Request(PROMPT, SamplingParams(max_tokens=200), "target")
+    forged = verifier_pb2.StepOutputs(verifier_id="v0", deltas=[verifier_pb2.RequestDelta(
+        request_id="target", position=0, tokens=[1, 2, 3], finish_reason="stop")]).SerializeToString()
+
+    async def main():
+        async with EnginePool(redis_server.url, tiny_model) as pool:
+            dropped = []
+            pool.client.on_forged = lambda: dropped.append(1)
+            seen = asyncio.Event()
+            answering = asyncio.create_task(pool.answer(request, on_delta=lambda delta: seen.set()))
+            await asyncio.wait_for(seen.wait(), HANG_S)  # under way: the forged ones would be taken now
+            await pool.redis.xadd(pool.client.outputs, {"outputs": forged, "tag": b"\x00" * 32})  # a wrong tag
+            await pool.redis.xadd(pool.client.outputs, {"outputs": forged})  # none
+            return await asyncio.wait_for(answering, HANG_S), len(dropped)
+
+    answer, dropped = asyncio.run(main())
+    assert answer == plain_greedy(tiny_model, PROMPT, 200)
+    assert dropped == 2
 
 
 def test_a_pass_longer_than_the_heartbeat_is_not_taken_for_a_death(redis_server, tiny_model, caplog):

@@ -23,7 +23,7 @@ from conftest import need, tiny_llama
 
 from specmesh.client import AsyncClient
 from specmesh.cluster.gateway import RouterLimits
-from specmesh.cluster.metrics import ALERTS, DERIVED, RouterMetrics, serve_metrics
+from specmesh.cluster.metrics import ALERTS, DERIVED, RouterMetrics, VerifierMetrics, serve_metrics
 from specmesh.cluster.ports import free_port
 from specmesh.drafters.ngram import HistoryDrafter
 from specmesh.errors import InvalidArgument
@@ -62,7 +62,7 @@ def _scrape(url: str) -> str:
 
 
 def test_a_step_counts_each_drafters_guesses_and_hits_by_depth():
-    metrics = RouterMetrics()
+    metrics = VerifierMetrics()
     right = TokenTree.chain([5, 6, 7])  # the target commits 5, 6, then 9: two hits, a miss at depth 3
     wrong = TokenTree.chain([8])
     outcome = StepOutcome(StepPlan(("expert", "ngram"), (1.0, 1.0), 4), (right, wrong), right, (5, 6, 9),
@@ -86,7 +86,7 @@ def test_a_step_counts_each_drafters_guesses_and_hits_by_depth():
 
 
 def test_a_plain_step_has_no_drafting_stages_and_an_unreported_pass_no_verifier_stages():
-    metrics = RouterMetrics()
+    metrics = VerifierMetrics()
     metrics.step(StepOutcome(StepPlan(), (), TokenTree(), (5,), step_ms=7.0, pass_ms=5.0, verify_ms=5.5, queue_ms=0.2))
     metrics.step(StepOutcome(StepPlan(), (), TokenTree(), (6,), step_ms=6.0))
     count = lambda stage: metrics.registry.get_sample_value("specmesh_step_stage_seconds_count", {"stage": stage})  # noqa: E731

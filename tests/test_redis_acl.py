@@ -1,6 +1,6 @@
 """Redis with a password per role (ACL users: specmesh/cluster/redis_acl.py) on a real redis-server:
-the pipeline runs with each side's own user; a router's user cannot post a result, a verifier's cannot
-post a job or read a result; without the password nothing is served."""
+the pipeline runs with each side's own user; a router's user cannot post outputs or take an admission, a
+verifier's cannot admit a request or read outputs; without the password nothing is served."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import asyncio
 import uuid
 
 import pytest
+from cluster_parts import EnginePool, plain_greedy
 from conftest import need, wait_until_async
 import redis.asyncio as aioredis
 from redis import Redis as BlockingRedis
@@ -18,18 +19,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from specmesh.cli import main as cli_main
 from specmesh.cluster.pki import local_pki
 from specmesh.cluster.pipeline.messages import QueueKeys
-from specmesh.cluster.pipeline.router_end import QueueVerifierClient
-from specmesh.cluster.pipeline.verifier_end import VerifierQueue
 from specmesh.cluster.redis_server import RedisServer, redis_server_binary, supports_tls
-from specmesh.cluster.serving import TorchThread
-from specmesh.drafters.ngram import NgramDrafter
-from specmesh.runtime.llama import LlamaRuntime
-from specmesh.runtime.tree_verifier import TreeVerifier
 from specmesh.sampling import SamplingParams
-from specmesh.cluster.pipeline.worker import VerifierWorker
-from specmesh.speculation.engine import Request, SpeculativeEngine
-from specmesh.speculation.drafting import LocalDrafter
-from specmesh.speculation.loop import speculate
+from specmesh.speculation.engine import Request
 
 PASSWORDS = {"router": "router-password-0123456789", "verifier": "verifier-password-0123456789",
              "drafter": "drafter-password-0123456789"}
@@ -66,110 +58,8 @@ def url(server: RedisServer, role: str) -> str:
 
 
 def test_each_role_runs_the_pipeline_with_its_own_user_and_nothing_more(secured, tiny_model):
-    prompt = (5, 6, 7, 5, 6)
-    reference = SpeculativeEngine(LlamaRuntime(tiny_model), [], max_tree_nodes=0).generate(
-        [Request(prompt, SamplingParams(max_tokens=16))])[0].token_ids
-
-    async def main():
-        keys = QueueKeys(pool=uuid.uuid4().hex[:8])
-        router_redis, verifier_redis = aioredis.Redis.from_url(url(secured, "router")), \
-            aioredis.Redis.from_url(url(secured, "verifier"))
-        drafter_redis = aioredis.Redis.from_url(url(secured, "drafter"))
-        client = QueueVerifierClient(router_redis, keys, "router-acl", liveness_every_s=0.1)
-        queue = VerifierQueue(verifier_redis, keys, "v0", heartbeat_ttl_s=1.0,
-                              results_redis=BlockingRedis.from_url(url(secured, "verifier")))
-        worker = VerifierWorker(TreeVerifier(LlamaRuntime(tiny_model)), queue, TorchThread("acl"))
-        running = asyncio.create_task(worker.run())
-        await client.start()
-        try:
-            tokens = []
-            request = Request(prompt, SamplingParams(max_tokens=16))
-            async for step in speculate(request, [LocalDrafter(NgramDrafter())], client, 6):
-                tokens += step.token_ids
-            refused = {}
-            for name, call in [
-                ("router posts a result", router_redis.xadd(client.reply_to, {"result": b"forged"})),
-                ("router reads the verifiers' jobs as a group", router_redis.xreadgroup("verifiers", "x", {keys.jobs: ">"})),
-                ("verifier posts a job", verifier_redis.xadd(keys.jobs, {"job": b"forged"})),
-                ("verifier reads a result", verifier_redis.xread({client.reply_to: "0-0"})),
-                ("drafter posts a job", drafter_redis.xadd(keys.jobs, {"job": b"forged"})),
-                ("drafter flushes the database", drafter_redis.flushall()),
-            ]:
-                try:
-                    await call
-                    refused[name] = False
-                except NoPermissionError:
-                    refused[name] = True
-            # no password (over TLS too), and over TLS plaintext: refused
-            anonymous = aioredis.Redis.from_url(url(secured, "router").replace(f"specmesh-router:{PASSWORDS['router']}@", ""))
-            try:
-                await anonymous.xlen(keys.jobs)
-                anonymous_refused = False
-            except (AuthenticationError, ResponseError) as exc:
-                anonymous_refused = "NOAUTH" in str(exc) or isinstance(exc, AuthenticationError)
-            await anonymous.aclose()
-            if secured.tls is not None:
-                plaintext = aioredis.Redis.from_url(f"redis://specmesh-router:{PASSWORDS['router']}@127.0.0.1:{secured.port}/0",
-                                                    socket_timeout=5)
-                with pytest.raises((RedisConnectionError, RedisTimeoutError)):
-                    await plaintext.xlen(keys.jobs)
-                await plaintext.aclose()
-            return tokens, refused, anonymous_refused
-        finally:
-            worker.stopped.set()
-            await asyncio.gather(running, return_exceptions=True)
-            await client.stop()
-            for connection in (router_redis, verifier_redis, drafter_redis):
-                await connection.aclose()
-
-    tokens, refused, anonymous_refused = asyncio.run(main())
-    assert tokens == reference
-    assert all(refused.values()), refused
-    assert anonymous_refused
-
-
-def test_a_router_user_made_before_info_was_its_own_still_watches_the_verifiers(secured, caplog):
-    """A Redis whose router user predates the router's INFO right (it reads the server's run id to see a
-    quick restart): the router says so once and watches the verifiers as before."""
-    from specmesh.cluster.redis_acl import CONNECTION, role_rules
-
-    password = "old-router-password-0123456789"
-    older = [rule for rule in role_rules("router") if rule != "+info"]
-    admin_url = url(secured, "router").replace(f"specmesh-router:{PASSWORDS['router']}@", f"default:{ADMIN}@")
-    with BlockingRedis.from_url(admin_url) as admin:
-        admin.execute_command("ACL", "SETUSER", "old-router", "on", f">{password}", "resetkeys", "resetchannels",
-                              "-@all", *CONNECTION.split(), *older)
-
-    async def main():
-        keys = QueueKeys(pool=uuid.uuid4().hex[:8])
-        router_redis = aioredis.Redis.from_url(
-            url(secured, "router").replace(f"specmesh-router:{PASSWORDS['router']}@", f"old-router:{password}@"))
-        verifier_redis = aioredis.Redis.from_url(url(secured, "verifier"))
-        client = QueueVerifierClient(router_redis, keys, "router-old", liveness_every_s=0.1)
-        queue = VerifierQueue(verifier_redis, keys, "v0", heartbeat_ttl_s=1.0,
-                              results_redis=BlockingRedis.from_url(url(secured, "verifier")))
-        await client.start()
-        try:
-            with pytest.raises(NoPermissionError):
-                await router_redis.info("server")
-            await queue.register()
-            await wait_until_async(lambda: client.alive == {"v0"}, what="the router sees the verifier")
-        finally:
-            await client.stop()
-            await queue.unregister()
-            for connection in (router_redis, verifier_redis):
-                await connection.aclose()
-            queue.results_redis.close()
-
-    with caplog.at_level("WARNING", logger="specmesh.cluster.pipeline"):
-        asyncio.run(main())
-    assert sum("refuses INFO" in r.getMessage() for r in caplog.records) == 1
-
-
-def test_the_engine_core_path_runs_with_each_sides_own_user(secured, tiny_model):
-    """Admissions, steps (the verifier's fenced publish script) and aborts, each side with its own user."""
-    from cluster_parts import EnginePool, plain_greedy
-
+    """Admissions, steps (the verifier's fenced publish script) and aborts, each side with its own user; what
+    another role writes is refused; without the password (and, over TLS, in plaintext) nothing is served."""
     prompt = (5, 6, 7, 5, 6)
 
     async def main():
@@ -180,10 +70,48 @@ def test_the_engine_core_path_runs_with_each_sides_own_user(secured, tiny_model)
             left.cancel()
             await asyncio.gather(left, return_exceptions=True)
             await wait_until_async(lambda: not pool.nodes[0].holds("left"), what="the abort reached the verifier")
-            return answer, pool.nodes[0].worker.metrics.worker_errors._value.get()
+            keys = pool.keys
+            verifier_redis = aioredis.Redis.from_url(url(secured, "verifier"))
+            drafter_redis = aioredis.Redis.from_url(url(secured, "drafter"))
+            refused = {}
+            try:
+                for name, call in [
+                    ("router posts outputs", pool.redis.xadd(pool.client.outputs, {"outputs": b"forged"})),
+                    ("router takes an admission", pool.redis.xreadgroup("verifiers", "x", {keys.admissions: ">"})),
+                    ("router beats a heartbeat", pool.redis.set(keys.alive("x"), b"1")),
+                    ("verifier admits a request", verifier_redis.xadd(keys.admissions, {"admission": b"forged"})),
+                    ("verifier reads outputs", verifier_redis.xread({pool.client.outputs: "0-0"})),
+                    ("drafter admits a request", drafter_redis.xadd(keys.admissions, {"admission": b"forged"})),
+                    ("drafter flushes the database", drafter_redis.flushall()),
+                ]:
+                    try:
+                        await call
+                        refused[name] = False
+                    except NoPermissionError:
+                        refused[name] = True
+            finally:
+                for connection in (verifier_redis, drafter_redis):
+                    await connection.aclose()
+            # no password (over TLS too), and over TLS plaintext: refused
+            anonymous = aioredis.Redis.from_url(url(secured, "router").replace(f"specmesh-router:{PASSWORDS['router']}@", ""))
+            try:
+                await anonymous.xlen(keys.admissions)
+                anonymous_refused = False
+            except (AuthenticationError, ResponseError) as exc:
+                anonymous_refused = "NOAUTH" in str(exc) or isinstance(exc, AuthenticationError)
+            await anonymous.aclose()
+            if secured.tls is not None:
+                plaintext = aioredis.Redis.from_url(f"redis://specmesh-router:{PASSWORDS['router']}@127.0.0.1:{secured.port}/0",
+                                                    socket_timeout=5)
+                with pytest.raises((RedisConnectionError, RedisTimeoutError)):
+                    await plaintext.xlen(keys.admissions)
+                await plaintext.aclose()
+            return answer, pool.nodes[0].worker.metrics.worker_errors._value.get(), refused, anonymous_refused
 
-    answer, errors = asyncio.run(main())
+    answer, errors, refused, anonymous_refused = asyncio.run(main())
     assert answer == plain_greedy(tiny_model, prompt, 12) and errors == 0
+    assert all(refused.values()), refused
+    assert anonymous_refused
 
 
 def test_routers_write_the_routing_snapshot_and_verifiers_only_read_it(secured, caplog):

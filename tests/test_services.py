@@ -399,7 +399,7 @@ def test_a_cancellation_the_queue_s_redis_call_swallowed_still_stops_admission(r
     """redis-py's send (asyncio.wait_for on Python 3.11) returns the answer when the task's cancellation
     lands in the same loop round: the cancellation is consumed, no later await raises, and a client that
     left went on decoding (4 runs in 10 of the HTTP burst test, which cannot choose the round). Here the
-    admission's real XLEN is followed by exactly that: the request must not be admitted, nor any job posted."""
+    admission's real XLEN is followed by exactly that: the request must not be admitted."""
     async def main():
         async with ServiceStack(redis_server.url, model, tokenizer, NgramDrafter()) as stack:
             client, real_backlog = stack.pool.client, stack.pool.client.backlog
@@ -427,7 +427,7 @@ def test_a_cancellation_the_queue_s_redis_call_swallowed_still_stops_admission(r
                 await task
             except asyncio.CancelledError:
                 cancelled = True
-            stream = await stack.pool.redis.xinfo_stream(stack.pool.keys.jobs)
+            stream = await stack.pool.redis.xinfo_stream(stack.pool.keys.admissions)
             return cancelled, steps, stack.router.active, stream["entries-added"]
 
     cancelled, steps, active, posted = run(main())

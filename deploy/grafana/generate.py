@@ -119,22 +119,21 @@ DASHBOARDS: dict[str, tuple[str, str, tuple[PanelSpec, ...]]] = {
             f'sum by (stage) (rate(specmesh_step_stage_seconds_sum{{stage!="step"}}[{RATE}])) / scalar(sum '
             f'(rate(specmesh_step_stage_seconds_count{{stage="step"}}[{RATE}])))', "{{stage}}"),), "s",
                   "The stages add up to a step: draft (waiting for the drafters), fuse (merging their trees), queue "
-                  "(the job waiting on its verifier), verify (the verifier's pass), transport (posting the job, "
-                  "Redis, the result's way back)", stacked=True, width=24),
+                  "(waiting for the pass), verify (the verifier's pass), transport (the rest)", stacked=True, width=24),
         PanelSpec("Step time by stage (p99)", (derived("specmesh:step_stage_seconds:p99", "{{stage}}"),), "s",
-                  "draft: waiting for drafters; fuse: merging their trees; queue: the job waiting on its verifier; "
+                  "draft: waiting for drafters; fuse: merging their trees; queue: waiting for the pass; "
                   "verify: the verifier's pass; transport: the rest"),
         PanelSpec("Step time by stage (p50)", (quantile(0.5, "specmesh_step_stage_seconds", "stage", "{{stage}}"),), "s"),
-        PanelSpec("Queue depth", (Query("max(specmesh_queue_depth)", "pool stream"),
-                                  Query("sum by (instance) (specmesh_queue_pending_jobs)", "held by {{instance}}")), "short"),
-        PanelSpec("Reclaimed jobs", (rate("specmesh_queue_reclaimed_jobs_total", "instance", "{{instance}}"),), "short",
-                  "Jobs per second taken over from verifiers that stopped answering"),
-        PanelSpec("Jobs by outcome", (rate("specmesh_verify_jobs_total", "outcome", "{{outcome}}"),), "short"),
+        PanelSpec("Queue depth", (Query("max(specmesh_queue_depth)", "admissions waiting"),), "short",
+                  "Admitted requests no verifier has taken yet"),
+        PanelSpec("Adopted requests", (rate("specmesh_queue_reclaimed_jobs_total", "instance", "{{instance}}"),),
+                  "short", "Requests per second taken over from verifiers whose heartbeat stopped"),
+        PanelSpec("Requests' passes by outcome", (rate("specmesh_verify_jobs_total", "outcome", "{{outcome}}"),),
+                  "short"),
         PanelSpec("Verification batch", (derived("specmesh:verify_batch_requests:mean", "requests {{instance}}"),
                                          quantile(0.5, "specmesh_verify_batch_tokens", legend="tokens p50")), "short"),
         PanelSpec("Verification pass", (quantile(0.5, "specmesh_verify_pass_seconds", legend="p50"),
                                         quantile(0.99, "specmesh_verify_pass_seconds", legend="p99")), "s"),
-        PanelSpec("Queue wait on the verifier (p99)", (quantile(0.99, "specmesh_queue_wait_seconds", legend="p99"),), "s"),
         PanelSpec("Drafter proposal time (p99)", (quantile(0.99, "specmesh_drafter_propose_seconds", "drafter",
                                                            "{{drafter}}"),), "s"),
         PanelSpec("Drafters reachable", (Query("specmesh_drafter_up", "{{drafter}} {{address}}"),), "none"),

@@ -1,5 +1,6 @@
-"""The router service: the client API over the speculation loop, with remote drafters and the
-Redis-backed verifier pool. The servicer only converts messages; ``specmesh.cluster.gateway`` does the work."""
+"""The router service: the client API in front of the verifier pool, which runs the requests' steps; the
+router admits requests, streams their answers and owns the routing policy. The servicer only converts
+messages; ``specmesh.cluster.gateway`` does the work."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from specmesh.cluster.metrics import RouterMetrics, serve_metrics
 from specmesh.cluster.pipeline.engine_client import EngineClient
 from specmesh.cluster.pipeline.messages import QueueKeys, QueueSigner
 from specmesh.cluster.pipeline.policy_sync import RoutingPublisher
-from specmesh.cluster.pipeline.router_end import QueueVerifierClient
+from specmesh.cluster.pipeline.verifier_watch import VerifierWatch
 from specmesh.cluster.redis_clients import async_redis
 from specmesh.cluster.remote_drafter import RemoteDrafter
 from specmesh.cluster.serving import Service, run_service, start_server
@@ -40,9 +41,9 @@ log = logging.getLogger("specmesh.router")
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    def __init__(self, router: Router, verifier_client: QueueVerifierClient) -> None:
+    def __init__(self, router: Router, verifiers: VerifierWatch) -> None:
         self.router = router
-        self.verifier_client = verifier_client
+        self.verifiers = verifiers
 
     def _prompt_ids(self, message) -> list[int]:
         kind = message.WhichOneof("input")
@@ -124,7 +125,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                                healthy=d.healthy)
                       for d in self.router.drafters],
             active_requests=self.router.active, max_concurrent_requests=limits.max_concurrent_requests,
-            max_tree_nodes=limits.max_tree_nodes, verifiers=len(self.verifier_client.alive), version=__version__,
+            max_tree_nodes=limits.max_tree_nodes, verifiers=len(self.verifiers.alive), version=__version__,
             routing=[router_pb2.RoutingEstimate(kind=kind, drafter=name, acceptance=value)
                      for kind, row in sorted(self.router.policy.router.table().items()) for name, value in sorted(row.items())],
             speculation=limits.speculation,
@@ -151,18 +152,15 @@ async def serve(args: RouterSettings) -> None:
     metrics = RouterMetrics()
     router_id = f"router-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     signer = QueueSigner.from_environment(args.queue_key_file)
-    verifier = QueueVerifierClient(redis, QueueKeys(args.pool), router_id, job_timeout_s=args.job_timeout,
-                                   signer=signer, on_forged=metrics.forged_results.inc,
-                                   on_resend=metrics.resent_jobs.inc, on_pass_curve=policy.calibrate)
-    await verifier.start()
-    engine = publishing = None
-    if args.step_loop == "verifier":  # the verifiers run the step loop: requests are admitted there
-        # ... and route by this router's policy, learnt from what they report (policy_sync.py)
-        publisher = RoutingPublisher(redis, QueueKeys(args.pool), router_id, policy.router, signer, metrics)
-        engine = EngineClient(redis, QueueKeys(args.pool), router_id, timeout_s=args.job_timeout, signer=signer,
-                              on_forged=metrics.forged_results.inc, on_report=publisher.receive)
-        await engine.start()
-        publishing = asyncio.create_task(publisher.run())
+    keys = QueueKeys(args.pool)
+    verifiers = VerifierWatch(redis, keys, on_pass_curve=policy.calibrate)
+    await verifiers.start()
+    # the verifiers run the requests' steps, routed by this router's policy, learnt from what they report
+    publisher = RoutingPublisher(redis, keys, router_id, policy.router, signer, metrics)
+    engine = EngineClient(redis, keys, router_id, timeout_s=args.job_timeout, signer=signer,
+                          on_forged=metrics.forged_results.inc, on_report=publisher.receive)
+    await engine.start()
+    publishing = asyncio.create_task(publisher.run())
     local = [LocalDrafter(MODEL_FREE_DRAFTERS[name]()) for name in args.local_drafter_names]
     drafters: list = [*local]
     remote, discovery = await reach_drafters(args, redis, drafters, card.tokenizer_hash, target.hidden_size or None,
@@ -170,18 +168,18 @@ async def serve(args: RouterSettings) -> None:
     limits = RouterLimits(args.max_concurrent, args.max_queue_backlog, args.default_max_tokens, args.max_tree_nodes,
                           draft_ahead=args.drafts_ahead(), speculation=args.speculation)
     endpoint = serve_metrics(metrics, args.metrics_address)
-    router = Router(target.tokenizer, card, drafters, verifier, limits, policy, default_classifier(), metrics, engine)
-    servicer = RouterServicer(router, verifier)
+    router = Router(target.tokenizer, card, drafters, engine, limits, policy, default_classifier(), metrics)
+    servicer = RouterServicer(router, verifiers)
     server = await start_server(
         [Service(ROUTER_SERVICE, lambda s: router_pb2_grpc.add_RouterServicer_to_server(servicer, s))],
         args.listen, metrics=metrics, access=access if access.keys.enabled else None, tls=tls,
     )
     http = None
     if args.http_listen:
-        http = HttpServer(openai_app(router, lambda: len(verifier.alive), args.http_max_body,
+        http = HttpServer(openai_app(router, lambda: len(verifiers.alive), args.http_max_body,
                                      access if access.keys.enabled else None), args.http_listen, tls)
         await http.start()
-    gauges = asyncio.create_task(watch_cluster(router, verifier, metrics, server=server, service=ROUTER_SERVICE))
+    gauges = asyncio.create_task(watch_cluster(router, verifiers, metrics, server=server, service=ROUTER_SERVICE))
     log.info("router on port %d: drafters %s (discovery %s), pool %s", server.port,
              ", ".join(d.name for d in drafters) or "none yet", args.discovery, args.pool)
     metrics_note = f", metrics at {endpoint.url}" if endpoint else ""
@@ -193,15 +191,13 @@ async def serve(args: RouterSettings) -> None:
     if http is not None:
         await http.stop()
     gauges.cancel()
-    if publishing is not None:
-        publishing.cancel()
+    publishing.cancel()
     if discovery is not None:
         discovery.cancel()
     if endpoint:
         endpoint.close()
-    await verifier.stop()
-    if engine is not None:
-        await engine.stop()
+    await verifiers.stop()
+    await engine.stop()
     await remote.close()
     await asyncio.gather(*(d.close() for d in drafters if isinstance(d, RemoteDrafter)))
     await redis.aclose()

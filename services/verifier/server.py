@@ -1,5 +1,6 @@
-"""The verifier service: the target model behind the pipeline queue (``specmesh.cluster.pipeline.worker``),
-with a gRPC control API (Info, Drain) and Prometheus metrics.
+"""The verifier service: the target model and the step loop of the requests it takes from the pipeline queue
+(``specmesh.cluster.pipeline.engine_worker``), with its drafters; a gRPC control API (Info, Drain) and
+Prometheus metrics.
 """
 
 from __future__ import annotations
@@ -19,8 +20,7 @@ from specmesh.cluster.pipeline.messages import ENV_KEY as QUEUE_KEY
 from specmesh.cluster.pipeline.messages import QueueKeys, QueueSigner, new_key
 from specmesh.cluster.pipeline.verifier_end import VerifierQueue
 from specmesh.cluster.pipeline.engine_worker import EngineWorker
-from specmesh.cluster.pipeline.worker import VerifierWorker
-from specmesh.cluster.redis_clients import async_redis, blocking_redis
+from specmesh.cluster.redis_clients import async_redis
 from specmesh.cluster.remote_drafter import RemoteDrafter
 from specmesh.cluster.serving import Server, Service, TorchThread, run_service, start_server
 from specmesh.cluster.service_settings import VerifierSettings
@@ -39,7 +39,7 @@ log = logging.getLogger("specmesh.verifier")
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
-    def __init__(self, worker: VerifierWorker, info: verifier_pb2.VerifierInfo) -> None:
+    def __init__(self, worker: EngineWorker, info: verifier_pb2.VerifierInfo) -> None:
         self.worker = worker
         self.info = info
 
@@ -70,7 +70,7 @@ def control_access(signer: QueueSigner, tls: TlsFiles | None) -> Access | None:
     return Access(ApiKeys(token or new_key()), KeyLimits())
 
 
-async def follow_worker(worker: VerifierWorker, server: Server) -> None:
+async def follow_worker(worker: EngineWorker, server: Server) -> None:
     """Health tells the truth: a drained verifier, or one whose worker has ended, is NOT_SERVING."""
     await worker.unready.wait()
     await server.set_serving(False)
@@ -95,7 +95,7 @@ def load_verifier(args: VerifierSettings):
 
 async def engine_worker(args: VerifierSettings, target, verifier: TreeVerifier, queue: VerifierQueue,
                         torch_thread: TorchThread, curve, metrics: VerifierMetrics, tls: TlsFiles | None):
-    """The engine loop of --step-loop verifier, with its drafters: model-free ones in this process, the others
+    """The engine loop, with its drafters: model-free ones in this process, the others
     over gRPC (mutual TLS with the cluster's CA), found as --discovery says. Returns the worker, its drafter
     set and the task that keeps the set up to date (None: static)."""
     parts = parts_of(target)
@@ -123,23 +123,14 @@ async def serve(args: VerifierSettings) -> None:
     redis = async_redis(args.redis_url)
     signer = QueueSigner.from_environment(args.queue_key_file)
     queue = VerifierQueue(redis, QueueKeys(args.pool), verifier_id, heartbeat_ttl_s=args.heartbeat_ttl,
-                          signer=signer, pass_curve=curve,
-                          results_redis=blocking_redis(args.redis_url))
+                          signer=signer, pass_curve=curve)
     metrics = VerifierMetrics()
     endpoint = serve_metrics(metrics, args.metrics_address)
-    remote = discovery = None
-    if args.step_loop == "verifier":
-        worker, remote, discovery = await engine_worker(args, target, verifier, queue, torch_thread, curve, metrics, tls)
-        max_rows = args.max_batch_rows
-    else:
-        worker = VerifierWorker(verifier, queue, torch_thread, max_batch_rows=args.max_batch_rows, metrics=metrics,
-                                session_idle_s=args.session_idle_s, pass_curve=curve)
-        max_rows = worker.max_batch_rows
-        log.info("a pass holds at most %d rows", worker.max_batch_rows)
+    worker, remote, discovery = await engine_worker(args, target, verifier, queue, torch_thread, curve, metrics, tls)
     info = verifier_pb2.VerifierInfo(
         verifier_id=verifier_id, pool=args.pool, model=target.name, tokenizer_hash=tokenizer_fingerprint(target.tokenizer),
         vocab_size=runtime.vocab_size, max_length=runtime.max_length, max_sessions=args.max_sessions,
-        max_batch_tokens=max_rows,
+        max_batch_tokens=args.max_batch_rows,
     )
     servicer = VerifierServicer(worker, info)
 
@@ -163,11 +154,9 @@ async def serve(args: VerifierSettings) -> None:
     health_task.cancel()
     if discovery is not None:
         discovery.cancel()
-    if remote is not None:
-        await remote.close()
-        await asyncio.gather(*(d.close() for d in worker.drafters if isinstance(d, RemoteDrafter)))
+    await remote.close()
+    await asyncio.gather(*(d.close() for d in worker.drafters if isinstance(d, RemoteDrafter)))
     await redis.aclose()
-    queue.results_redis.close()
     if endpoint:
         endpoint.close()
 

@@ -155,9 +155,7 @@ def run_oracle_bench(args: argparse.Namespace) -> int:
         oracle_file = Path(folder) / "oracle.jsonl"
         spec = ClusterSpec(model=args.model, drafters=(f"{PREFIX}{oracle_file}",), device=args.device, dtype=args.dtype,
                            max_tree_nodes=max(args.max_tree_nodes, args.fixed_tree_nodes), job_timeout_s=JOB_TIMEOUT_S,
-                           batch_invariant=args.batch_invariant, offload=args.offload,
-                           step_loop=getattr(args, "step_loop", None))
-        report["step_loop"] = spec.loop
+                           batch_invariant=args.batch_invariant, offload=args.offload)
         print(f"starting the cluster: {args.model} (random weights), oracle drafter ...", flush=True)
         with LocalCluster(spec) as cluster:
             started = time.perf_counter()

@@ -765,7 +765,7 @@ def _start_cluster(args: argparse.Namespace, drafters, secure: bool = False) -> 
     cap = max(args.max_tree_nodes, args.fixed_tree_nodes)
     spec = ClusterSpec(model=args.model, drafters=tuple(drafters), max_tree_nodes=cap, dtype=args.dtype,
                        precision=args.precision, tls=secure, api_keys=(f"sk-{new_key()}",) if secure else (),
-                       offload=getattr(args, "offload", False), step_loop=getattr(args, "step_loop", None))
+                       offload=getattr(args, "offload", False))
     return LocalCluster(spec).start()
 
 

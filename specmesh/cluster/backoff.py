@@ -10,12 +10,21 @@ policy, ``specmesh/client.py``.)
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from specmesh.errors import Unavailable
+
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)  # Redis unreachable, for now
+
+
+def queue_unreachable(exc: BaseException) -> Unavailable:
+    """The client's error for a Redis call that failed; where Redis is and why goes to the log only."""
+    logging.getLogger("specmesh.cluster.pipeline").warning("the pipeline queue (Redis) is unreachable: %s", exc)
+    return Unavailable("the pipeline queue is unreachable; retry later")
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """The router's domain logic: turn a client's request into token ids, classify it, admit it within the
-limits, and run the speculation loop with the remote drafters and the queue-backed verifier client,
-planned step by step by the adaptive policy (expertise routing, trust-weighted fusion, goodput budget).
+limits to the verifiers, which run its steps (``pipeline/engine_client.py``), and stream its answer. The
+router's adaptive policy (expertise routing, trust-weighted fusion, goodput budget) learns from what the
+verifiers report and is published to them (``pipeline/policy_sync.py``).
 
 The servicer in ``services/router`` only converts messages; everything here is testable without gRPC.
 """
@@ -17,9 +18,9 @@ from typing import AsyncIterator, Callable, Sequence, TypeVar
 from jinja2 import TemplateError
 
 from specmesh.cancellation import raise_if_cancelled
-from specmesh.cluster.metrics import MeteredRequest, RequestClock, RouterMetrics
+from specmesh.cluster.metrics import RequestClock, RouterMetrics
 from specmesh.cluster.pipeline.engine_client import EngineClient
-from specmesh.cluster.pipeline.router_end import QueueVerifierClient
+from specmesh.cluster.pipeline.verifier_watch import VerifierWatch
 from specmesh.cluster.serving import Server
 from specmesh.errors import InvalidArgument, ResourceExhausted, Unavailable
 from specmesh.prompts import check_text
@@ -27,12 +28,10 @@ from specmesh.sampling import SamplingParams
 from specmesh.speculation.classifier import RequestClassifier
 from specmesh.speculation.expertise import GENERAL
 from specmesh.speculation.drafting import AsyncDrafter, one_per_name
-from specmesh.speculation.loop import VerifierClient, speculate
 from specmesh.speculation.requests import Request, SpeculationStats, StepOutput, validate_request
 from specmesh.speculation.policy import (
     DEFAULT_TREE_NODES,
     AdaptivePolicy,
-    FixedPolicy,
     adaptive_policy,
     check_speculation,
 )
@@ -58,7 +57,7 @@ class ModelCard:
 @dataclass
 class RouterLimits:
     max_concurrent_requests: int = 64
-    max_queue_backlog: int = 256  # pool jobs no verifier has taken yet: beyond this, new requests wait elsewhere
+    max_queue_backlog: int = 256  # admissions no verifier has taken yet: beyond this, new requests wait elsewhere
     default_max_tokens: int = 256
     max_tree_nodes: int = DEFAULT_TREE_NODES  # a cap: adaptive picks smaller trees (or none) where they pay more
     draft_ahead: bool = True  # draft the next tree while the current one is verified
@@ -93,26 +92,25 @@ class Generation:
 
 class Router:
     def __init__(
-        self, tokenizer, card: ModelCard, drafters: Sequence[AsyncDrafter], verifier: VerifierClient,
+        self, tokenizer, card: ModelCard, drafters: Sequence[AsyncDrafter], engine: EngineClient,
         limits: RouterLimits | None = None, policy: AdaptivePolicy | None = None,
         classifier: RequestClassifier | None = None, metrics: RouterMetrics | None = None,
-        engine: EngineClient | None = None,
     ) -> None:
-        """``policy``: the adaptive policy over the drafters' names (default: built from their
-        advertised domains); ``classifier``: the request kind from the prompt's text (default: none,
-        every request is ``general`` and routing learns from acceptance alone); ``metrics``: where the
-        loop's steps and latencies are counted (none: not counted); ``engine``: the verifiers run the step
-        loop (``--step-loop verifier``): requests are admitted there and their answers read as deltas."""
+        """``engine``: the verifiers, which run the requests' steps: requests are admitted there and their
+        answers read as deltas; ``drafters``: those the router reports and routes by (the verifiers draft);
+        ``policy``: the adaptive policy over the drafters' names (default: built from their advertised
+        domains); ``classifier``: the request kind from the prompt's text (default: none, every request is
+        ``general`` and routing learns from acceptance alone); ``metrics``: where requests and latencies are
+        counted (none: not counted)."""
         self.tokenizer = tokenizer
         self.card = card
         self.drafters = list(drafters)
-        self.verifier = verifier
+        self.engine = engine
         self.limits = limits or RouterLimits()
         check_speculation(self.limits.speculation)
         self.policy = policy or adaptive_policy({})
         self.classifier = classifier
         self.metrics = metrics
-        self.engine = engine
         if metrics is not None:
             metrics.watch_policy(self.policy)
         self.active = 0
@@ -219,14 +217,14 @@ class Router:
         self.active += 1  # before any await: the requests arriving meanwhile count this one
         try:
             try:
-                backlog = await (self.engine or self.verifier).backlog()
+                backlog = await self.engine.backlog()
                 raise_if_cancelled()  # a Redis call (specmesh.cancellation): a client gone by now is not admitted
             except asyncio.CancelledError:  # it held a slot: it ends as aborted, as one that began would
                 if self.metrics is not None:
                     self.metrics.finished.labels("aborted").inc()
                 raise
             if backlog > self.limits.max_queue_backlog:
-                raise ResourceExhausted(f"the verification queue holds {backlog} jobs; retry later")
+                raise ResourceExhausted(f"the queue holds {backlog} requests no verifier has taken; retry later")
             async with aclosing(self._run(ticket)) as steps:
                 async for output in steps:
                     yield output
@@ -234,48 +232,31 @@ class Router:
             self.active -= 1
 
     async def _run(self, ticket: Ticket) -> AsyncIterator[tuple[Generation, StepOutput]]:
-        """An admitted request's steps, planned by its policy, counted in the metrics."""
-        request, budget = ticket.request, ticket.budget
-        drafters = self._unique_drafters() if budget > 0 else []
-        if budget <= 0:
-            policy = FixedPolicy().begin(request.kind, 0)
-        else:
-            policy = self.policy.begin(request.kind, budget, fixed_budget=ticket.speculation == "fixed")
+        """An admitted request's answer from the verifier that runs its steps, counted in the metrics."""
+        request = ticket.request
+        if ticket.budget > 0:
+            self._unique_drafters()  # the drafters' advertised domains: the routing table's priors
         generation = Generation(request, len(request.prompt_ids) - len(ticket.resumed), list(ticket.resumed))
         clock = None
         if self.metrics is not None:
-            policy = MeteredRequest(policy, self.metrics)
             clock = RequestClock(self.metrics)
             self.metrics.requests_by_kind.labels(request.kind or GENERAL).inc()
             self.metrics.in_flight.inc()
         try:
-            if self.engine is not None:
-                steps = self._engine_steps(ticket, generation)
-            else:
-                steps = speculate(request, drafters, self.verifier, policy, self.card.eos_token_ids, generation.stats,
-                                  draft_ahead=self.limits.draft_ahead)
-            async with aclosing(steps):
-                async for step in steps:
-                    generation.token_ids.extend(step.token_ids)
-                    generation.finish_reason = step.finish_reason
+            deltas = self.engine.generate(request, ticket.budget, ticket.speculation == "fixed")
+            async with aclosing(deltas):
+                async for delta in deltas:
+                    if delta.stats is not None:
+                        generation.stats = delta.stats
+                    generation.token_ids.extend(delta.tokens)
+                    generation.finish_reason = delta.finish_reason
                     if clock is not None:
-                        clock.tokens_arrived(len(step.token_ids))
-                    yield generation, step
+                        clock.tokens_arrived(len(delta.tokens))
+                    yield generation, StepOutput(delta.tokens, delta.finish_reason, timing=delta.timing)
         finally:
-            policy.end()  # also when the loop never started
             if self.metrics is not None:
                 self.metrics.in_flight.dec()
                 self.metrics.finished.labels(generation.finish_reason or "aborted").inc()
-
-
-    async def _engine_steps(self, ticket: Ticket, generation: Generation) -> AsyncIterator[StepOutput]:
-        """The request's answer from the verifier that runs its steps."""
-        deltas = self.engine.generate(ticket.request, ticket.budget, ticket.speculation == "fixed")
-        async with aclosing(deltas):
-            async for delta in deltas:
-                if delta.stats is not None:
-                    generation.stats = delta.stats
-                yield StepOutput(delta.tokens, delta.finish_reason, timing=delta.timing)
 
 
 SPLIT_TOKENS = 3  # a character is 4 bytes at most: the tokens its first bytes may end an answer with
@@ -322,7 +303,7 @@ class TextStream:
         return delta
 
 
-async def watch_cluster(router: Router, verifier: QueueVerifierClient, metrics: RouterMetrics, every_s: float = 1.0,
+async def watch_cluster(router: Router, verifier: VerifierWatch, metrics: RouterMetrics, every_s: float = 1.0,
                         server: Server | None = None, service: str = "") -> None:
     """Keep the cluster gauges current: queue depth, live verifiers, reachable drafters. With ``server``,
     the health of ``service`` (the Router service) says whether any verifier is live (the server's own, "", stays
@@ -330,7 +311,7 @@ async def watch_cluster(router: Router, verifier: QueueVerifierClient, metrics: 
     shown: set[tuple[str, str]] = set()
     while True:
         try:
-            metrics.queue_depth.set(await verifier.backlog())
+            metrics.queue_depth.set(await router.engine.backlog())
         except Unavailable:
             pass  # Redis is down: the depth is unknown, the last value stays
         metrics.verifiers_alive.set(len(verifier.alive))

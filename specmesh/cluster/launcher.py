@@ -81,7 +81,6 @@ class ClusterSpec:
     unresponsive_s: float = 30.0  # and kill, then start again, what has stopped serving this long
     redis_url: str | None = None  # a Redis of the caller's (not started, stopped or supervised here)
     extra_env: dict[str, str] = field(default_factory=dict)
-    step_loop: str | None = None  # the routers' and verifiers' (None: the settings' default, the verifiers')
 
     def __post_init__(self) -> None:
         self.router_flags()  # a bad setting fails here, not once the cluster is half up
@@ -91,29 +90,19 @@ class ClusterSpec:
         if not self.unresponsive_s > 0:
             raise InvalidArgument("unresponsive_s", f"must be > 0, got {self.unresponsive_s}")
 
-    @property
-    def loop(self) -> str:
-        """Where the step loop runs: ``step_loop``, else the settings' default."""
-        return self.step_loop or VerifierSettings.model_fields["step_loop"].default
-
-    @property
-    def loop_in_verifiers(self) -> bool:
-        """Whether the step loop, and so the drafters' calls, are the verifiers'."""
-        return self.loop == "verifier"
-
     def router_flags(self) -> list[str]:
         """Every router's flags from this spec (checked as the router checks them)."""
         return RouterSettings.command_line(
             model=self.model, max_tree_nodes=self.max_tree_nodes, draft_ahead=self.draft_ahead,
             speculation=self.speculation, speculation_margin=self.speculation_margin, job_timeout=self.job_timeout_s,
-            api_keys_file=None if self.api_keys_file is None else str(self.api_keys_file), step_loop=self.step_loop)
+            api_keys_file=None if self.api_keys_file is None else str(self.api_keys_file))
 
     def verifier_flags(self) -> list[str]:
         """Every verifier's flags from this spec."""
         return VerifierSettings.command_line(model=self.model, dtype=self.dtype, device=self.device,
                                              precision=self.precision, kv_cache_gb=self.kv_cache_gb,
                                              batch_invariant=self.batch_invariant, offload=self.offload or None,
-                                             tensor_parallel=self.tensor_parallel, step_loop=self.step_loop)
+                                             tensor_parallel=self.tensor_parallel)
 
 
 @dataclass
@@ -309,10 +298,9 @@ class LocalCluster:
     def verifier_process(self, index: int) -> ServiceProcess:
         threads = max(1, self.spec.cores // max(1, self.spec.verifiers))
         args = [*self.spec.verifier_flags(),
-                *VerifierSettings.command_line(threads=threads, verifier_id=f"verifier-{index}")]
-        if self.spec.loop_in_verifiers:
-            args += VerifierSettings.command_line(drafters=",".join(d.address for d in self.drafters),
-                                                  local_drafters=",".join(self.local_drafters))
+                *VerifierSettings.command_line(threads=threads, verifier_id=f"verifier-{index}",
+                                               drafters=",".join(d.address for d in self.drafters),
+                                               local_drafters=",".join(self.local_drafters))]
         return self._service(f"verifier-{index}", "verifier", args, threads)
 
     def drafter_process(self, drafter: str) -> ServiceProcess:

@@ -78,6 +78,10 @@ class ServiceMetrics:
         self.rpc_seconds = Histogram("specmesh_rpc_duration_seconds", "gRPC call duration (streams: until the last message)",
                                      ["method"], buckets=LATENCY_BUCKETS, registry=r)
 
+    def watch_policy(self, policy: AdaptivePolicy) -> None:
+        """Export what ``policy``'s controller has learned (``ControllerCollector``)."""
+        self.registry.register(ControllerCollector(policy))
+
     def rpc_done(self, method: str, code: str, seconds: float) -> None:
         short = method.rsplit("/", 1)[-1]
         self.rpc_requests.labels(short, code).inc()
@@ -105,7 +109,7 @@ class _Histogram:
 
 
 class StepMetrics(Collector):
-    """The speculation steps, counted where the step loop runs (the verifiers, or the router's loop): budgets,
+    """The speculation steps, counted where the step loop runs (the verifiers): budgets,
     routing, what each drafter guessed and got accepted, and where a step's time went. Every request of a
     step is metered, so the counts are plain numbers read at each scrape: prometheus_client's per-call
     locks and label lookups cost ~40 µs a request-step, at 64 requests about a pass of a small target."""
@@ -119,10 +123,6 @@ class StepMetrics(Collector):
             "position_hits": {}}
         self.stages: dict[str, _Histogram] = {}
         registry.register(self)
-
-    def watch_policy(self, policy: AdaptivePolicy) -> None:
-        """Export what ``policy``'s controller has learned (``ControllerCollector``)."""
-        self.registry.register(ControllerCollector(policy))
 
     def plan(self, kind: str, plan: StepPlan) -> None:
         self.budget.observe(plan.budget)
@@ -190,18 +190,16 @@ _BY_DRAFTER = {
                       "drafter's guesses was accepted"),
 }
 STAGE_HELP = ("A step's timeline, stage by stage (all but step add up to step): draft (waiting for the drafters), "
-              "fuse (merging their trees), queue (the job waiting on its verifier for a pass), verify (the "
-              "verifier's pass, any prefill included), transport (the rest: posting the job, Redis, the result's "
-              "way back), step (all of it)")
+              "fuse (merging their trees), queue (waiting for the pass), verify (the pass, any prefill included), "
+              "transport (the rest), step (all of it)")
 
 
-class RouterMetrics(ServiceMetrics, StepMetrics):
-    """The requests as the router sees them: tokens, latency, kinds; and with the router's step loop (the
-    default loop runs in the verifiers), its steps (``StepMetrics``)."""
+class RouterMetrics(ServiceMetrics):
+    """The requests as the router sees them: tokens, latency, kinds, the pool; and the routing policy it learns
+    from the verifiers' reports (their steps are counted where they run, ``VerifierMetrics``)."""
 
     def __init__(self) -> None:
-        ServiceMetrics.__init__(self, "router")
-        StepMetrics.__init__(self, self.registry)
+        super().__init__("router")
         r = self.registry
         self.in_flight = Gauge("specmesh_requests_in_flight", "Requests being generated", registry=r)
         self.finished = Counter("specmesh_requests_finished", "Requests that ended, by finish reason (stop, length; aborted: an error or the client left)",
@@ -213,15 +211,13 @@ class RouterMetrics(ServiceMetrics, StepMetrics):
                               buckets=LATENCY_BUCKETS, registry=r)
         self.inter_token = Histogram("specmesh_inter_token_seconds", "Time between successive tokens of a request",
                                      buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_depth = Gauge("specmesh_queue_depth", "Jobs in the verifier pool's stream (waiting or held)", registry=r)
+        self.queue_depth = Gauge("specmesh_queue_depth", "Admitted requests no verifier has taken yet", registry=r)
         self.verifiers_alive = Gauge("specmesh_verifiers_alive", "Verifiers of the pool with a live heartbeat", registry=r)
-        self.forged_results = Counter("specmesh_forged_results", "Results dropped for want of a valid queue tag "
+        self.forged_results = Counter("specmesh_forged_results", "Outputs dropped for want of a valid queue tag "
                                       "(written to Redis by something other than a verifier)", registry=r)
-        self.resent_jobs = Counter("specmesh_resent_jobs", "Jobs posted again because they left the queue "
-                                   "unanswered (Redis lost them)", registry=r)
         self.drafter_up = Gauge("specmesh_drafter_up", "1 while the router can reach a drafter, else 0",
                                 ["drafter", "address"], registry=r)
-        # --step-loop verifier: the routing policy learnt here from the verifiers' reports (policy_sync.py)
+        # the routing policy learnt here from the verifiers' reports (policy_sync.py)
         self.routing_reports = Counter("specmesh_routing_reports", "Reports of per-level hit counts received from "
                                        "verifiers and learnt from", registry=r)
         self.routing_published = Gauge("specmesh_routing_snapshot_published_version", "Version of the routing "
@@ -322,33 +318,29 @@ class RequestClock:
 
 
 class VerifierMetrics(ServiceMetrics, StepMetrics):
-    """Passes, the queue and the KV cache; and with the step loop here (``--step-loop verifier``), its steps."""
+    """Passes, the queue, the KV cache, and the steps of the requests it runs."""
 
     def __init__(self) -> None:
         ServiceMetrics.__init__(self, "verifier")
         StepMetrics.__init__(self, self.registry)
         r = self.registry
-        self.jobs = Counter("specmesh_verify_jobs", "Jobs taken from the queue, by outcome (ok, resync, refused, failed: its request alone failed in the "
-                            "pass, repeat, error, expired, closed: its request was "
-                            "let go while it waited or prefilled, forged: no valid queue tag, "
-                            "undeliverable: its reply_to cannot take a result; with --step-loop verifier one a "
-                            "request a pass, prefilling: its prompt is cached over several passes)",
-                            ["outcome"], registry=r)
+        self.jobs = Counter("specmesh_verify_jobs", "Requests' parts of a pass, and admissions refused, by outcome "
+                            "(ok, resync, refused, failed: its request alone failed in the pass, prefilling: its "
+                            "prompt is cached over several passes; forged: an admission without a valid queue tag, "
+                            "error: an admission that could not be run)", ["outcome"], registry=r)
         self.batch_requests = Histogram("specmesh_verify_batch_requests", "Requests per verification pass",
                                         buckets=COUNT_BUCKETS[:10], registry=r)
         self.batch_rows = Histogram("specmesh_verify_batch_tokens", "Rows (tokens: roots, tree nodes, prefill) per verification pass",
                                     buckets=COUNT_BUCKETS, registry=r)
         self.pass_seconds = Histogram("specmesh_verify_pass_seconds", "Duration of a verification pass",
                                       buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_wait = Histogram("specmesh_queue_wait_seconds", "Time a job waited on this verifier before its pass",
-                                    buckets=LATENCY_BUCKETS, registry=r)
-        self.reclaimed = Counter("specmesh_queue_reclaimed_jobs", "Jobs reclaimed from verifiers that stopped answering", registry=r)
-        self.pending = Gauge("specmesh_queue_pending_jobs", "Jobs read from the queue and not yet answered", registry=r)
+        self.reclaimed = Counter("specmesh_queue_reclaimed_jobs", "Requests adopted from verifiers whose heartbeat "
+                                 "stopped", registry=r)
         self.kv_sessions = Gauge("specmesh_kv_sessions", "Requests whose KV cache this verifier holds", registry=r)
         self.kv_bytes = Gauge("specmesh_kv_cache_bytes", "Memory held by the KV caches", registry=r)
         self.worker_errors = Counter("specmesh_verifier_worker_errors", "Unexpected errors the worker survived "
                                      "(logged with their traceback)", registry=r)
-        # --step-loop verifier: the routers' routing snapshots (policy_sync.py)
+        # the routers' routing snapshots (policy_sync.py)
         self.routing_applied = Gauge("specmesh_routing_snapshot_applied_version", "Version of the routing snapshot "
                                      "this verifier routes by (0: none yet, its own learning alone)", registry=r)
         self.routing_refused = Counter("specmesh_routing_snapshots_refused", "Routing snapshots refused, by reason "

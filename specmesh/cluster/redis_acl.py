@@ -1,15 +1,13 @@
 """Redis users per role: each may run only the commands its side of the pipeline needs, on its own keys
 (Redis 7 ACL selectors: a command allowed on one key pattern only).
 
-- router: posts jobs and closes (and looks whether one is still queued), reads results (and trims and drops the streams it read), reads the
-  verifiers' liveness and the drafters' registry, and the server's run id (INFO: a restart that emptied
-  the queue). It cannot write a result.
-- verifier: takes jobs (consumer group reads, acknowledgements, reclaiming), posts results, beats its
-  heartbeat and keeps the member set. It cannot post a job or read a result.
-- the engine-core path (``--step-loop verifier``): the router admits requests, posts aborts and reads its
-  outputs stream; the verifier takes admissions (consumer group; a dead one's it claims), reads aborts,
-  posts outputs and keeps its commit log (and reads and deletes a dead one's). The routing snapshot
-  (``pipeline/policy_sync.py``): routers write it (a compare-and-set script), verifiers only read it.
+- router: admits requests (and looks whether one is still waiting), posts aborts, reads and trims its
+  outputs stream, reads the verifiers' liveness and the drafters' registry, and reads and writes the routing
+  snapshot (``pipeline/policy_sync.py``, by a compare-and-set script). It cannot post outputs or take an
+  admission.
+- verifier: takes admissions (consumer group; a dead one's it claims), reads aborts, posts outputs, keeps
+  its commit log (and reads and deletes a dead one's), beats its heartbeat and joins the member set, and
+  reads the routing snapshot. It cannot admit a request, read outputs or write the routing snapshot.
 - drafter: announces itself in the registry (``--announce``), nothing else.
 
 ``specmesh redis-acl`` prints these as ACL file lines (``users.acl``) or ``ACL SETUSER`` commands; the
@@ -26,31 +24,26 @@ CONNECTION = "+ping +client|setname +hello +select"  # what any client may send 
 
 def role_rules(role: str, prefix: str = "specmesh") -> list[str]:
     """The role's ACL rules after ``resetkeys resetchannels -@all`` (each parenthesised one a selector)."""
-    jobs, results, alive = f"{prefix}:*:jobs*", f"{prefix}:results:*", f"{prefix}:*:alive:*"
+    alive = f"{prefix}:*:alive:*"
     members, drafters = f"{prefix}:*:verifiers", f"{prefix}:drafters:*"
     admissions, aborts, outputs = f"{prefix}:*:admissions", f"{prefix}:*:aborts", f"{prefix}:outputs:*"
     commit_logs, routing = f"{prefix}:*:log:*", f"{prefix}:*:routing"
     rules = {
         "router": [
-            f"(+xadd +xlen +xrange +xpending %RW~{jobs})",
-            f"(+xread +xtrim +del %RW~{results})",
             f"(+smembers %R~{members})",
-            f"(+exists +get %R~{alive})",
+            f"(+get %R~{alive})",
             f"(+scan %R~{drafters})",
             f"(+xadd +xlen +xrange +xinfo|groups %RW~{admissions})",
             f"(+xadd %W~{aborts})",
             f"(+xread +xtrim %RW~{outputs})",
-            "+info",
             # the routing snapshot: read, and written by compare-and-set (policy_sync.PUBLISH, whose commands
             # are checked against these rules)
             f"(+hmget +hget +hset +evalsha +eval %RW~{routing})",
             "+script|load",
         ],
         "verifier": [
-            f"(+xgroup|create +xreadgroup +xautoclaim +xpending +xclaim +xack +xdel +xlen +del %RW~{jobs})",
-            f"(+xadd +expire %W~{results})",
             f"(+set +del +exists %RW~{alive})",
-            f"(+sadd +srem +smembers %RW~{members})",
+            f"(+sadd +smembers %RW~{members})",
             f"(+xgroup|create +xreadgroup +xack +xdel +xpending +xclaim %RW~{admissions})",
             f"(+xadd +xrange +xtrim +del %RW~{commit_logs})",
             "+multi +exec",  # an adoption's snapshot and the dead verifier's log deletion go together

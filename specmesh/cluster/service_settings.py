@@ -22,17 +22,7 @@ from specmesh.tree import MAX_TREE_NODES
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # a 4 MiB request is ~1M tokens of text: far past any context
 DISCOVERY_MODES = ("static", "redis", "kubernetes")
 DEFAULT_SELECTOR = "specmesh.io/role=drafter"  # the drafter Services' label (kubernetes discovery)
-# A verifier's KV session unused this long is freed: a live request uses it every step, so one unused this long
-# has lost its router (killed: it closes nothing) or waited past any job timeout; one that comes back resyncs
-SESSION_IDLE_S = 60.0
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-# where a request's step loop runs: in the verifier that took the request (an engine core; the router admits
-# it and streams its deltas) or in the router (a queue job per request per step, the older path, to be
-# removed). Routers and verifiers must agree.
-STEP_LOOPS = ("verifier", "router")
-STEP_LOOP_HELP = ("where requests' step loop runs: verifier (an engine core in each verifier; the router admits "
-                  "requests and streams their answers) or router (a queue job per request per step: the older "
-                  "path); routers and verifiers must agree")
 
 
 class ServiceSettings(Settings):
@@ -55,10 +45,9 @@ class ServiceSettings(Settings):
 
 
 class DrafterClientSettings(ServiceSettings):
-    """What a service that calls the drafters takes (the verifiers, whose step loops draft; the routers, which
-    route by them, and draft with the router's step loop): where the drafters are and how they are called."""
+    """What a service that knows the drafters takes (the verifiers, whose step loops draft; the routers, which
+    route by them): where the drafters are and how they are called."""
 
-    step_loop: Literal[STEP_LOOPS] = setting("verifier", STEP_LOOP_HELP)
     drafters: str = setting("", "drafter addresses host:port, comma-separated (static discovery; the Helm chart "
                             "always sets them)")
     discovery: Literal[DISCOVERY_MODES] = setting("static", "how drafters are found: static (--drafters), redis "
@@ -92,7 +81,7 @@ class DrafterClientSettings(ServiceSettings):
 
 class RouterSettings(DrafterClientSettings):
     model: str = setting(EMBEDDED_DEFAULT, "the target: only its tokenizer and config are read, not its weights")
-    pool: str = setting("default", "the verifier pool to send jobs to (one Redis stream)")
+    pool: str = setting("default", "the verifier pool to admit requests to (one Redis stream)")
     listen: str = setting("127.0.0.1:50051", "gRPC address, host:port")
     http_listen: str = setting("127.0.0.1:8000", "OpenAI-compatible HTTP API (/v1/chat/completions, ...; "
                                "docs/openai-api.md), host:port; empty: off")
@@ -104,12 +93,12 @@ class RouterSettings(DrafterClientSettings):
                                         "only, no authentication (docs/security.md)")
     key_max_concurrent: int = setting(0, "calls in flight per API key (0: only --max-concurrent)", ge=0)
     key_requests_per_minute: int = setting(0, "calls a minute per API key (0: no limit)", ge=0)
-    queue_key_file: str | None = setting(None, "the queue's HMAC key shared with the verifiers: jobs are tagged with "
-                                         "it, only results tagged with it are taken (else $SPECMESH_QUEUE_KEY; "
-                                         "neither: untagged)")
+    queue_key_file: str | None = setting(None, "the queue's HMAC key shared with the verifiers: admissions and aborts "
+                                         "are tagged with it, only outputs tagged with it are taken (else "
+                                         "$SPECMESH_QUEUE_KEY; neither: untagged)")
     max_concurrent: int = setting(64, "requests in flight; more get RESOURCE_EXHAUSTED", gt=0)
-    max_queue_backlog: int = setting(256, "pool jobs no verifier has taken yet; beyond it new requests get "
-                                     "RESOURCE_EXHAUSTED", gt=0)
+    max_queue_backlog: int = setting(256, "admitted requests no verifier has taken yet; beyond it new "
+                                     "requests get RESOURCE_EXHAUSTED", gt=0)
     max_tree_nodes: int = setting(DEFAULT_TREE_NODES, "cap on a step's tree (adaptive drafts fewer where they do not "
                                   f"pay); a request may ask less (0-{MAX_TREE_NODES}), never more; 0: no "
                                   "speculation", ge=0, le=MAX_TREE_NODES)
@@ -128,8 +117,8 @@ class RouterSettings(DrafterClientSettings):
     max_drafters: int = setting(1, "model drafters asked per step, the best for the request, besides the model-free "
                                 "ones", ge=1)
     explore: float = setting(0.1, "chance per step of also asking a drafter outside the best", ge=0, le=1)
-    job_timeout: float = setting(30.0, "seconds a verification step may take before the request fails UNAVAILABLE "
-                                 "(a long prompt's prefill counts from its verifier's last progress report)", gt=0)
+    job_timeout: float = setting(30.0, "seconds a request may hear nothing from the verifiers before it fails "
+                                 "UNAVAILABLE, unless its admission still waits in the queue (a verifier restarting)", gt=0)
     def drafts_ahead(self) -> bool:
         """--draft-ahead resolved: auto is on unless every drafter is static and on a loopback address."""
         if self.draft_ahead != "auto":
@@ -138,19 +127,17 @@ class RouterSettings(DrafterClientSettings):
 
 
 class VerifierSettings(DrafterClientSettings):
-    pool: str = setting("default", "the verifier pool it serves (one Redis stream)")
+    pool: str = setting("default", "the verifier pool it serves (one Redis stream of admissions)")
     listen: str = setting("127.0.0.1:50071", "control API (health, Info, Drain), host:port")
     metrics_address: str = setting("127.0.0.1:9401", "serve Prometheus metrics at http://ADDRESS/metrics; empty: off")
-    verifier_id: str | None = setting(None, "its Redis consumer name and own stream (the chart uses the "
+    verifier_id: str | None = setting(None, "its Redis consumer name and commit log (the chart uses the "
                                       "StatefulSet pod's name)", shown="host-pid-random")
     threads: int | None = setting(None, "torch threads", shown="all cores", ge=1)
     max_sessions: int = setting(256, "KV sessions held (requests whose cache it keeps)", gt=0)
     max_batch_rows: int = setting(2048, "rows (roots, tree nodes, prefill) a pass may take (fewer where the pass "
                                   "curve says they take over 250 ms)", gt=0)
-    session_idle_s: float = setting(SESSION_IDLE_S, "a KV session unused this long is freed: a live request uses its "
-                                    "session every step, so its router is gone; one that comes back resyncs", gt=0)
-    heartbeat_ttl: float = setting(3.0, "seconds its heartbeat key lives without renewal (then the others take "
-                                   "over its jobs)", gt=0)
+    heartbeat_ttl: float = setting(3.0, "seconds its heartbeat key lives without renewal (then the others adopt "
+                                   "its requests)", gt=0)
     device: str | None = setting(None, "where the target runs: cpu, cuda, cuda:N", shown="CUDA when present")
     dtype: str | None = setting(None, "float32, bfloat16 or float16", shown="fp32 on CPU, bf16 on CUDA")
     precision: Literal[PRECISIONS] = setting(
@@ -173,9 +160,9 @@ class VerifierSettings(DrafterClientSettings):
     tensor_parallel: int = setting(1, "processes the target is split over (tensor parallelism: each holds 1/N of "
                                    "every layer and its KV cache; one per GPU, NCCL; gloo on a CPU); they fail and "
                                    "start again as one", ge=1)
-    queue_key_file: str | None = setting(None, "the queue's HMAC key shared with the routers: only jobs tagged with "
-                                         "it run, results are tagged with it (else $SPECMESH_QUEUE_KEY; neither: "
-                                         "untagged)")
+    queue_key_file: str | None = setting(None, "the queue's HMAC key shared with the routers: only admissions tagged "
+                                         "with it run, outputs are tagged with it (else $SPECMESH_QUEUE_KEY; "
+                                         "neither: untagged)")
 
 
 class DrafterSettings(ServiceSettings):

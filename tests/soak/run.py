@@ -41,7 +41,6 @@ from specmesh.bench.tune import TUNING_PROMPTS  # noqa: E402
 from specmesh.client import AsyncClient, Client  # noqa: E402
 from specmesh.cluster.drafter_sessions import DEFAULT_IDLE_S as DRAFTER_IDLE_S  # noqa: E402
 from specmesh.cluster.launcher import DEFAULT_DRAFTERS, ClusterSpec, LocalCluster, ServiceProcess  # noqa: E402
-from specmesh.cluster.pipeline.worker import SESSION_IDLE_S as VERIFIER_IDLE_S  # noqa: E402
 from specmesh.cluster.redis_server import RedisServer  # noqa: E402
 from specmesh.prompts import encode_chat, mtbench_prompts  # noqa: E402
 
@@ -50,7 +49,7 @@ FAULT_KINDS = ("kill_verifier", "kill_drafter", "kill_router", "stop_verifier", 
                "delay_redis")
 LENGTHS = (24, 64, 128, 256)  # the greedy answers' max_tokens, in turn over the prompts
 ROUTER_DIED = ("HTTP_CONNECTION",)  # what a router's death does to the HTTP requests sent to it
-SESSION_IDLE_S = max(VERIFIER_IDLE_S, DRAFTER_IDLE_S)
+SESSION_IDLE_S = DRAFTER_IDLE_S  # verifiers free a request's KV cache at its end (its router there or not)
 FAULT_S = 20.0  # about how long a fault lasts, a restarted model process's loading included
 QUIET_S = 20.0  # the load's last seconds are fault-free: the run ends on a calm cluster
 
@@ -297,8 +296,8 @@ HELD = {"specmesh_requests_in_flight": "requests_in_flight", "specmesh_kv_sessio
 
 
 def counters(cluster: LocalCluster) -> dict[str, float]:
-    """What the services counted (since each last started): jobs re-sent by the router, the verifiers' jobs
-    by outcome (repeat: a re-sent job answered again), worker errors; and what they hold now (``HELD``)."""
+    """What the services counted (since each last started): the verifiers' requests' passes by outcome, worker
+    errors; and what they hold now (``HELD``)."""
     totals: dict[str, float] = dict.fromkeys(HELD.values(), 0.0)
     for process in cluster.processes():
         try:
@@ -307,9 +306,7 @@ def counters(cluster: LocalCluster) -> dict[str, float]:
             continue
         for family in families:
             for sample in family.samples:
-                if sample.name == "specmesh_resent_jobs_total":
-                    key = "resent_jobs"
-                elif sample.name == "specmesh_verify_jobs_total":
+                if sample.name == "specmesh_verify_jobs_total":
                     key = f"verifier_jobs_{sample.labels['outcome']}"
                 elif sample.name == "specmesh_verifier_worker_errors_total":
                     key = "worker_errors"
@@ -323,8 +320,8 @@ def counters(cluster: LocalCluster) -> dict[str, float]:
 
 def settled(cluster: LocalCluster, last_fault_end: float, timeout_s: float = 30.0) -> dict[str, float]:
     """``counters`` once nothing is held any more, or at the timeout: 30 s (closes are served within a second
-    or so), and at least the sessions' idle limit after the last fault (a killed router closes nothing: its
-    requests' KV and drafter sessions are freed once idle that long)."""
+    or so), and at least the drafter sessions' idle limit after the last fault (a killed verifier closes
+    nothing: the drafter sessions it had opened are freed once idle that long)."""
     deadline = time.monotonic() + max(timeout_s, last_fault_end + SESSION_IDLE_S + timeout_s - time.time())
     while True:
         found = counters(cluster)

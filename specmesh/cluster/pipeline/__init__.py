@@ -1,21 +1,20 @@
-"""The pipeline queue: verification jobs and their results over Redis Streams.
+"""The pipeline queue: requests admitted to the verifiers, and their answers, over Redis Streams.
 
 Keys, for a verifier pool ``P`` (prefix ``specmesh``):
-- ``specmesh:P:jobs`` — the pool's stream; consumer group ``verifiers``; requests without a verifier yet.
-- ``specmesh:P:jobs:<verifier>`` — one verifier's own stream (affinity: its KV cache holds the request).
+- ``specmesh:P:admissions`` — requests admitted by the routers; consumer group ``verifiers``: one verifier
+  takes each, and holds it pending until the request ends.
+- ``specmesh:P:aborts`` — requests whose client left; read by every verifier.
+- ``specmesh:outputs:<router>`` — a router's outputs stream: one message a verifier step, every delta of the
+  router's requests in it.
+- ``specmesh:P:log:<verifier>`` — a verifier's commit log, from which another adopts a dead one's requests.
 - ``specmesh:P:alive:<verifier>`` — a heartbeat key that expires when the verifier stops beating; its value
   is the verifier's pass curve measured at start-up, which calibrates the routers' cost models.
-- ``specmesh:P:verifiers`` — the set of verifiers that ever registered (to find dead ones' streams).
-- ``specmesh:results:<router>`` — a router's results stream.
+- ``specmesh:P:verifiers`` — the set of verifiers that ever registered (to find dead ones' admissions).
+- ``specmesh:P:routing`` — the routers' routing snapshot (``policy_sync.py``).
 
-Delivery is at least once. A verifier acknowledges (and deletes) an entry only after its result is
-posted; entries held by a verifier whose heartbeat stopped are reclaimed by the others (its pending
-pool entries claimed, its own stream adopted), and a restarted verifier serves what it held before. A
-router whose job is no longer in its stream without an answer (Redis lost it) posts it again, and once
-it is answered closes the request on the other verifiers (one may hold a session a lost copy opened);
-a job still queued, or held by a live verifier however long its pass, is waited for; a prefill longer
-than the job timeout is too, while its verifier reports progress on the results stream. Results are
-idempotent: (request, step) names a job, and a router takes the first result of a step and ignores the
-rest. Every stream is bounded: jobs are deleted once answered, result streams are trimmed to what was
-read (and capped), and the router refuses new requests when the pool's backlog is too long.
+Nothing is lost: an admission stays pending under the verifier that took it until its request ends; a
+verifier whose heartbeat stopped has its admissions claimed by another, which goes on from its commit log
+(``engine_worker.py``); routers drop deltas they already have. Every stream is bounded: outputs streams are
+trimmed to what was read, commit logs to what the held requests need, admissions acknowledged and deleted
+at their request's end, and a router refuses new requests when the admissions backlog is too long.
 """

@@ -17,9 +17,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import NoPermissionError
 
 from specmesh.cancellation import raise_if_cancelled
-from specmesh.cluster.backoff import REDIS_DOWN, redis_reconnect
+from specmesh.cluster.backoff import REDIS_DOWN, queue_unreachable, redis_reconnect
 from specmesh.cluster.pipeline.messages import ABORT, ADMISSION, GROUP, OUTPUTS, QueueKeys, QueueSigner
-from specmesh.cluster.pipeline.router_end import queue_unreachable
 from specmesh.cluster.wire import sampling_to_pb, stats_from_pb, trace_from_pb
 from specmesh.errors import RequestFailed, Unavailable
 from specmesh.speculation.requests import Request, SpeculationStats, StepTiming
