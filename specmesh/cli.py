@@ -18,7 +18,7 @@ from specmesh.speculation.policy import DEFAULT_FIXED_TREE_NODES
 
 DEMO_PROMPT = "Write a Python function that checks whether a string is a palindrome, and explain it."
 # what `specmesh up` passes on to its routers and verifiers
-UP_ROUTER_SETTINGS = ("api_keys_file", "max_tree_nodes", "speculation", "speculation_margin", "draft_ahead")
+UP_ROUTER_SETTINGS = ("api_keys_file", "max_tree_nodes", "speculation", "speculation_margin")
 UP_VERIFIER_SETTINGS = ("precision", "kv_cache_gb", "batch_invariant", "offload", "tensor_parallel")
 
 
@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--fixed-tree-nodes-candidates", default="4,8,16", help="fixed k to compare")
     tune.add_argument("--sweeps", default="budget,margin",
                       help="which to run, comma-separated: budget (caps and fixed k), margin (in process), cluster "
-                      "(draft-ahead, OpenMP spin), load (the margin under concurrent load; one cluster per margin) "
+                      "(OpenMP spin), load (the margin under concurrent load; one cluster per margin) "
                       "(default budget,margin: the in-process ones)")
     tune.add_argument("--margins", default="0.1,0.3,0.6,1", help="SPECULATION_MARGIN values to compare")
     tune.add_argument("--batch", type=int, default=4, help="requests a pass in the margin sweep (default 4)")
@@ -451,7 +451,6 @@ def _up(args: argparse.Namespace) -> int:
 
     spec = ClusterSpec(model=args.model, drafters=tuple(args.drafter or DEFAULT_DRAFTERS), verifiers=args.verifiers,
                        routers=args.routers, max_tree_nodes=args.max_tree_nodes, router_port=args.port,
-                       draft_ahead=args.draft_ahead,
                        http_port=None if args.no_http else args.http_port,
                        api_keys_file=Path(args.api_keys_file) if args.api_keys_file else None, tls=args.tls,
                        log_dir=args.log_dir, speculation=args.speculation, speculation_margin=args.speculation_margin,

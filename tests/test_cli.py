@@ -39,7 +39,7 @@ BAD_INPUT = [
     (["generate", "hi", "--max-tree-nodes", "1025"], "max_tree_nodes"),
     (["generate", "hi", "--threads", "0"], "threads"),
     (["up", "--kv-cache-gb", "-1"], "kv_cache_gb"),
-    (["up", "--draft-ahead", "sometimes"], "draft_ahead"),
+    (["up", "--speculation", "sometimes"], "speculation"),
     (["generate", "hi", "--model", "/no/such/model"], "model"),
     (["generate", "hi", "--model", "missing.gguf"], "model"),
     (["generate", "--prompts", "/no/such/file.jsonl"], "prompts"),
@@ -166,9 +166,9 @@ def test_a_cluster_spec_is_checked_as_its_services_check_their_settings():
                 {"job_timeout_s": 0}, {"tensor_parallel": 0}):
         with pytest.raises(InvalidArgument):
             ClusterSpec(model="m", **bad)
-    spec = ClusterSpec(model="m", precision="fp32", draft_ahead="off", kv_cache_gb=2.5)
+    spec = ClusterSpec(model="m", precision="fp32", speculation="off", kv_cache_gb=2.5)
     assert spec.verifier_flags() == ["--model", "m", "--precision", "fp32", "--kv-cache-gb", "2.5"]
-    assert spec.router_flags() == ["--model", "m", "--draft-ahead", "off"]  # the rest: the router's own defaults
+    assert spec.router_flags() == ["--model", "m", "--speculation", "off"]  # the rest: the router's own defaults
 
 
 def read_until(process: subprocess.Popen, marker: str, lines: list[str], timeout_s: float = 600) -> None:

@@ -70,7 +70,7 @@ def plain_outputs(questions):
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, plain_outputs):
-    spec = ClusterSpec(drafters=("ngram", "code"), verifiers=2, routers=2, job_timeout_s=JOB_TIMEOUT_S, draft_ahead="on",
+    spec = ClusterSpec(drafters=("ngram", "code"), verifiers=2, routers=2, job_timeout_s=JOB_TIMEOUT_S,
                        unresponsive_s=UNRESPONSIVE_S, log_dir=tmp_path_factory.mktemp("cluster-logs"))
     with LocalCluster(spec) as running:
         yield running

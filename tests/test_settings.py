@@ -104,21 +104,11 @@ def test_a_local_drafter_a_service_cannot_run_is_refused(no_specmesh_environment
         capsys.readouterr().err
 
 
-def test_draft_ahead_is_on_when_a_drafter_is_across_the_network():
-    assert not RouterSettings(drafters="127.0.0.1:5001,[::1]:5002,localhost:5003").drafts_ahead()
-    assert not RouterSettings().drafts_ahead()  # the model-free drafters in the router only
-    assert RouterSettings(drafters="127.0.0.1:5001,10.0.0.7:5002").drafts_ahead()
-    assert RouterSettings(drafters="drafter-code.specmesh.svc:50061").drafts_ahead()
-    assert RouterSettings(discovery="redis").drafts_ahead()  # where they are is not known
-    assert not RouterSettings(drafters="10.0.0.7:5002", draft_ahead="off").drafts_ahead()
-    assert RouterSettings(draft_ahead="on").drafts_ahead()
-
-
 def test_the_launchers_command_lines_are_read_back_as_the_spec_says(tmp_path, no_specmesh_environment):
     """What `specmesh up` starts is parsed by each service's own settings to the spec's values."""
     spec = ClusterSpec(model="smollm2-135m-instruct", drafters=("ngram", "code"), precision="fp32", kv_cache_gb=1.5,
                        batch_invariant=False, speculation="fixed", speculation_margin=0.25, max_tree_nodes=8,
-                       draft_ahead="on", job_timeout_s=12.5, log_dir=tmp_path, cores=4, verifiers=2, tls=True,
+                       job_timeout_s=12.5, log_dir=tmp_path, cores=4, verifiers=2, tls=True,
                        offload=True)
     cluster = LocalCluster(spec)
     cluster.drafters = [cluster.drafter_process("code")]
@@ -130,14 +120,11 @@ def test_the_launchers_command_lines_are_read_back_as_the_spec_says(tmp_path, no
     assert (verifier.model, verifier.precision, verifier.kv_cache_gb, verifier.batch_invariant, verifier.threads,
             verifier.verifier_id, verifier.offload) == (spec.model, "fp32", 1.5, False, 2, "verifier-1", True)
     assert (drafter.model, drafter.drafter, drafter.threads) == (spec.model, "code", 1)
-    assert (router.speculation, router.speculation_margin, router.max_tree_nodes, router.draft_ahead,
-            router.job_timeout, router.local_drafters) == ("fixed", 0.25, 8, "on", 12.5, "ngram")
+    assert (router.speculation, router.speculation_margin, router.max_tree_nodes, router.job_timeout,
+            router.local_drafters) == ("fixed", 0.25, 8, 12.5, "ngram")
     assert router.drafter_addresses == [cluster.drafters[0].address]
     for settings in read.values():  # and the cluster's TLS, to each
         assert settings.tls_ca == str(cluster.tls.ca) and settings.listen.startswith("127.0.0.1:")
-    default = LocalCluster(ClusterSpec(log_dir=tmp_path / "default"))
-    plain = RouterSettings.parse(default.router_process(0).command[3:], "r", "")
-    assert plain.draft_ahead == "auto" and not plain.drafts_ahead()  # off: every drafter is on this machine
 
 
 def test_the_specmesh_commands_declare_no_service_setting_again():

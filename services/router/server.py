@@ -166,7 +166,7 @@ async def serve(args: RouterSettings) -> None:
     remote, discovery = await reach_drafters(args, redis, drafters, card.tokenizer_hash, target.hidden_size or None,
                                              target.num_layers or None, tls)
     limits = RouterLimits(args.max_concurrent, args.max_queue_backlog, args.default_max_tokens, args.max_tree_nodes,
-                          draft_ahead=args.drafts_ahead(), speculation=args.speculation)
+                          speculation=args.speculation)
     endpoint = serve_metrics(metrics, args.metrics_address)
     router = Router(target.tokenizer, card, drafters, engine, limits, policy, default_classifier(), metrics)
     servicer = RouterServicer(router, verifiers)

@@ -43,7 +43,6 @@ from specmesh.bench.run import (
 )
 from specmesh.client import Client
 from specmesh.cluster.launcher import DEFAULT_DRAFTERS, OPENMP_SPIN_COUNT, ClusterSpec, LocalCluster
-from specmesh.cluster.service_settings import RouterSettings
 from specmesh.distill.overlap import overlapped_questions
 from specmesh.errors import InvalidArgument
 from specmesh.prompts import Prompt, load_prompts
@@ -61,7 +60,6 @@ TUNING_PROMPTS = files("specmesh.bench") / "tuning_prompts.jsonl"  # `make tunin
 LIBGOMP_DEFAULT_SPIN = "300000"
 CLUSTER_SETTINGS = {
     "shipped": {},
-    "draft_ahead": {"draft_ahead": "on"},
     f"spin_{LIBGOMP_DEFAULT_SPIN}": {"extra_env": {"GOMP_SPINCOUNT": LIBGOMP_DEFAULT_SPIN}},
 }
 
@@ -287,7 +285,6 @@ def run_tune(args: argparse.Namespace) -> int:
             margins, key=lambda m: rows[f"margin:{m:g}"][f"concurrency:{level}"]["paired_vs_plain"]) for level in levels}
     report["shipped"] = {"tree_nodes": DEFAULT_TREE_NODES, "fixed_tree_nodes": DEFAULT_FIXED_TREE_NODES,
                          "margin": SPECULATION_MARGIN,
-                         "draft_ahead": RouterSettings.model_construct().drafts_ahead(),  # as `specmesh up` runs it
                          "openmp_spin_count": int(OPENMP_SPIN_COUNT)}
     _print(report)
     if args.json_out:

@@ -60,7 +60,6 @@ class RouterLimits:
     max_queue_backlog: int = 256  # admissions no verifier has taken yet: beyond this, new requests wait elsewhere
     default_max_tokens: int = 256
     max_tree_nodes: int = DEFAULT_TREE_NODES  # a cap: adaptive picks smaller trees (or none) where they pay more
-    draft_ahead: bool = True  # draft the next tree while the current one is verified
     speculation: str = "adaptive"  # for requests that do not say: adaptive, fixed (the whole budget) or off
 
 

@@ -58,7 +58,6 @@ class ClusterSpec:
     verifiers: int = 1
     # The services' settings (specmesh.cluster.service_settings); None: the service's own default
     max_tree_nodes: int | None = None  # the router's
-    draft_ahead: str | None = None  # the router's: auto (off here, every drafter being on this machine), on, off
     speculation: str | None = None  # the router's default for requests: adaptive, fixed or off
     speculation_margin: float | None = None  # adaptive's margin in a shared pass (the router's)
     job_timeout_s: float | None = None  # the router's
@@ -93,7 +92,7 @@ class ClusterSpec:
     def router_flags(self) -> list[str]:
         """Every router's flags from this spec (checked as the router checks them)."""
         return RouterSettings.command_line(
-            model=self.model, max_tree_nodes=self.max_tree_nodes, draft_ahead=self.draft_ahead,
+            model=self.model, max_tree_nodes=self.max_tree_nodes,
             speculation=self.speculation, speculation_margin=self.speculation_margin, job_timeout=self.job_timeout_s,
             api_keys_file=None if self.api_keys_file is None else str(self.api_keys_file))
 

@@ -5,7 +5,6 @@ the flags tables of docs/operations.md all come from these fields. It imports no
 
 from __future__ import annotations
 
-import ipaddress
 from typing import Literal
 
 from pydantic import field_validator
@@ -103,10 +102,6 @@ class RouterSettings(DrafterClientSettings):
                                   f"pay); a request may ask less (0-{MAX_TREE_NODES}), never more; 0: no "
                                   "speculation", ge=0, le=MAX_TREE_NODES)
     default_max_tokens: int = setting(256, "for requests that give no max_tokens", gt=0)
-    draft_ahead: Literal["auto", "on", "off"] = setting(
-        "auto", "draft the next tree while the current one is verified; auto: on when some drafter is reached over "
-        "the network, off when every one is on this machine (they would take the verifier's cores: "
-        "docs/experiments/2026-11-22-draft-ahead-on-one-machine.md)")
     speculation: Literal[SPECULATION_MODES] = setting(
         "adaptive", "adaptive (drafters routed by the request's kind, the budget chosen each step by goodput), fixed "
         "(routed drafters, the whole budget every step) or off (plain decoding); the router's is for requests that "
@@ -119,11 +114,6 @@ class RouterSettings(DrafterClientSettings):
     explore: float = setting(0.1, "chance per step of also asking a drafter outside the best", ge=0, le=1)
     job_timeout: float = setting(30.0, "seconds a request may hear nothing from the verifiers before it fails "
                                  "UNAVAILABLE, unless its admission still waits in the queue (a verifier restarting)", gt=0)
-    def drafts_ahead(self) -> bool:
-        """--draft-ahead resolved: auto is on unless every drafter is static and on a loopback address."""
-        if self.draft_ahead != "auto":
-            return self.draft_ahead == "on"
-        return self.discovery != "static" or not all(map(_loopback, self.drafter_addresses))
 
 
 class VerifierSettings(DrafterClientSettings):
@@ -196,16 +186,6 @@ class DrafterSettings(ServiceSettings):
 
 def _names(text: str) -> list[str]:
     return [n.strip() for n in text.split(",") if n.strip()]
-
-
-def _loopback(address: str) -> bool:
-    host = address.rsplit(":", 1)[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 SERVICES = {"router": RouterSettings, "verifier": VerifierSettings, "drafter": DrafterSettings}
