@@ -494,7 +494,7 @@ ALERTS = (
           "< 0.05 and on (drafter) sum by (drafter) (rate(specmesh_drafter_drafts_total[10m])) > 0.1", "15m", "warning",
           "Drafter {{ $labels.drafter }} gets under 5 % of its guesses accepted: it costs time and earns nothing"),
     Alert("SpecmeshQueueBacklog", "max(specmesh_queue_depth)", "> 200", "5m", "warning",
-          "{{ $value }} verification jobs are queued: the verifiers cannot keep up"),
+          "{{ $value }} admitted requests wait for a verifier: the verifiers cannot keep up"),
     Alert("SpecmeshNoVerifier", "max(specmesh_verifiers_alive)", "< 1", "1m", "critical",
           "No verifier of the pool has a live heartbeat: every request is failing"),
     Alert("SpecmeshDrafterUnreachable", "max by (drafter, address) (specmesh_drafter_up)", "< 1", "5m", "warning",
