@@ -1,5 +1,5 @@
-"""The routing policy between routers and verifiers (``--step-loop verifier``): learnt by the routers from
-what the verifiers observe, applied by the verifiers, where the drafts meet.
+"""The routing policy between routers and verifiers: learnt by the routers from what the verifiers observe,
+applied by the verifiers, where the drafts meet.
 
 The verifiers run every request's steps, so they see how each drafter's tree, and each team's fused tree,
 fared level by level; the routers own the routing policy. What goes round is the per-kind table of
