@@ -26,7 +26,7 @@ from specmesh.v1 import common_pb2 as specmesh_dot_v1_dot_common__pb2
 from specmesh.v1 import router_pb2 as specmesh_dot_v1_dot_router__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecmesh/v1/verifier.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\x1a\x18specmesh/v1/router.proto\"\x15\n\x13VerifierInfoRequest\"\xa7\x02\n\x0cVerifierInfo\x12\x13\n\x0bverifier_id\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x16\n\x0etokenizer_hash\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x12\n\nmax_length\x18\x06 \x01(\x05\x12\x14\n\x0cmax_sessions\x18\x07 \x01(\x05\x12\x17\n\x0f\x61\x63tive_sessions\x18\x08 \x01(\x05\x12\x18\n\x10max_batch_tokens\x18\t \x01(\x05\x12\x0f\n\x07\x62\x61tches\x18\n \x01(\x03\x12\x0c\n\x04jobs\x18\x0b \x01(\x03\x12\x15\n\ridle_fraction\x18\x0c \x01(\x01\x12\x10\n\x08\x64raining\x18\r \x01(\x08\x12\x14\n\x0c\x62usy_seconds\x18\x0e \x01(\x01\"\x0e\n\x0c\x44rainRequest\"*\n\rDrainResponse\x12\x19\n\x11released_sessions\x18\x01 \x01(\x05\"\xbc\x02\n\tVerifyJob\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x05\x12\x10\n\x08position\x18\x03 \x01(\x05\x12\x0c\n\x04root\x18\x04 \x01(\x05\x12$\n\x04tree\x18\x05 \x01(\x0b\x32\x16.specmesh.v1.TokenTree\x12-\n\x08sampling\x18\x06 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12+\n\x07history\x18\x07 \x01(\x0b\x32\x15.specmesh.v1.TokenIdsH\x00\x88\x01\x01\x12\x10\n\x08reply_to\x18\x08 \x01(\t\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\t \x01(\x03\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\n \x03(\x05\x12\x1b\n\x13max_prompt_features\x18\x0b \x01(\x05\x42\n\n\x08_history\"\xc2\x03\n\x0cVerifyResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x05\x12\x30\n\x06status\x18\x03 \x01(\x0e\x32 .specmesh.v1.VerifyResult.Status\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x04 \x03(\x05\x12\x0e\n\x06tokens\x18\x05 \x03(\x05\x12\x13\n\x0bverifier_id\x18\x06 \x01(\t\x12\x0f\n\x07message\x18\x07 \x01(\t\x12\x18\n\x10prefilled_tokens\x18\x08 \x01(\x05\x12\x10\n\x08queue_ms\x18\t \x01(\x01\x12\x11\n\tverify_ms\x18\n \x01(\x01\x12\x12\n\nbatch_size\x18\x0b \x01(\x05\x12\x0f\n\x07pass_ms\x18\x0c \x01(\x01\x12\x12\n\nbatch_rows\x18\r \x01(\x05\x12\x13\n\x0b\x62\x61tch_trees\x18\x0e \x01(\x05\x12\'\n\x08\x66\x65\x61tures\x18\x0f \x01(\x0b\x32\x15.specmesh.v1.Features\"Z\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x06\n\x02OK\x10\x01\x12\n\n\x06RESYNC\x10\x02\x12\t\n\x05\x45RROR\x10\x03\x12\r\n\tEXHAUSTED\x10\x04\x12\n\n\x06\x46\x41ILED\x10\x05\"\xc3\x01\n\tAdmission\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x06prompt\x18\x02 \x01(\x0b\x32\x15.specmesh.v1.TokenIds\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x16\n\x0emax_tree_nodes\x18\x04 \x01(\x05\x12\x14\n\x0c\x66ixed_budget\x18\x05 \x01(\x08\x12\x0c\n\x04kind\x18\x06 \x01(\t\x12\x10\n\x08reply_to\x18\x07 \x01(\t\"\xc0\x01\n\x0cRequestDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\x05\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x0f\n\x07message\x18\x05 \x01(\t\x12$\n\x04step\x18\x06 \x01(\x0b\x32\x16.specmesh.v1.StepTrace\x12,\n\x05stats\x18\x07 \x01(\x0b\x32\x1d.specmesh.v1.SpeculationStats\"y\n\x0bStepOutputs\x12\x13\n\x0bverifier_id\x18\x01 \x01(\t\x12)\n\x06\x64\x65ltas\x18\x02 \x03(\x0b\x32\x19.specmesh.v1.RequestDelta\x12*\n\x06report\x18\x03 \x01(\x0b\x32\x1a.specmesh.v1.RoutingReport\"\x1b\n\x05\x41\x62ort\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"Y\n\rRoutingRecord\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04team\x18\x03 \x01(\x08\x12\x0c\n\x04hits\x18\x04 \x03(\x01\x12\x10\n\x08\x61ttempts\x18\x05 \x03(\x01\"<\n\rRoutingReport\x12+\n\x07records\x18\x01 \x03(\x0b\x32\x1a.specmesh.v1.RoutingRecord\"\x89\x01\n\x0fRoutingSnapshot\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x11\n\trouter_id\x18\x02 \x01(\t\x12+\n\x07records\x18\x03 \x03(\x0b\x32\x1a.specmesh.v1.RoutingRecord\x12\x14\n\x0cmax_drafters\x18\x04 \x01(\x05\x12\x0f\n\x07\x65xplore\x18\x05 \x01(\x01\x32\x8f\x01\n\x08Verifier\x12\x43\n\x04Info\x12 .specmesh.v1.VerifierInfoRequest\x1a\x19.specmesh.v1.VerifierInfo\x12>\n\x05\x44rain\x12\x19.specmesh.v1.DrainRequest\x1a\x1a.specmesh.v1.DrainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecmesh/v1/verifier.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\x1a\x18specmesh/v1/router.proto\"\x15\n\x13VerifierInfoRequest\"\xa7\x02\n\x0cVerifierInfo\x12\x13\n\x0bverifier_id\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x16\n\x0etokenizer_hash\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x12\n\nmax_length\x18\x06 \x01(\x05\x12\x14\n\x0cmax_sessions\x18\x07 \x01(\x05\x12\x17\n\x0f\x61\x63tive_sessions\x18\x08 \x01(\x05\x12\x18\n\x10max_batch_tokens\x18\t \x01(\x05\x12\x0f\n\x07\x62\x61tches\x18\n \x01(\x03\x12\x0c\n\x04jobs\x18\x0b \x01(\x03\x12\x15\n\ridle_fraction\x18\x0c \x01(\x01\x12\x10\n\x08\x64raining\x18\r \x01(\x08\x12\x14\n\x0c\x62usy_seconds\x18\x0e \x01(\x01\"\x0e\n\x0c\x44rainRequest\"*\n\rDrainResponse\x12\x19\n\x11released_sessions\x18\x01 \x01(\x05\"\xc3\x01\n\tAdmission\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x06prompt\x18\x02 \x01(\x0b\x32\x15.specmesh.v1.TokenIds\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x16\n\x0emax_tree_nodes\x18\x04 \x01(\x05\x12\x14\n\x0c\x66ixed_budget\x18\x05 \x01(\x08\x12\x0c\n\x04kind\x18\x06 \x01(\t\x12\x10\n\x08reply_to\x18\x07 \x01(\t\"\xc0\x01\n\x0cRequestDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\x05\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x0f\n\x07message\x18\x05 \x01(\t\x12$\n\x04step\x18\x06 \x01(\x0b\x32\x16.specmesh.v1.StepTrace\x12,\n\x05stats\x18\x07 \x01(\x0b\x32\x1d.specmesh.v1.SpeculationStats\"y\n\x0bStepOutputs\x12\x13\n\x0bverifier_id\x18\x01 \x01(\t\x12)\n\x06\x64\x65ltas\x18\x02 \x03(\x0b\x32\x19.specmesh.v1.RequestDelta\x12*\n\x06report\x18\x03 \x01(\x0b\x32\x1a.specmesh.v1.RoutingReport\"\x1b\n\x05\x41\x62ort\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"Y\n\rRoutingRecord\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04team\x18\x03 \x01(\x08\x12\x0c\n\x04hits\x18\x04 \x03(\x01\x12\x10\n\x08\x61ttempts\x18\x05 \x03(\x01\"<\n\rRoutingReport\x12+\n\x07records\x18\x01 \x03(\x0b\x32\x1a.specmesh.v1.RoutingRecord\"\x89\x01\n\x0fRoutingSnapshot\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x11\n\trouter_id\x18\x02 \x01(\t\x12+\n\x07records\x18\x03 \x03(\x0b\x32\x1a.specmesh.v1.RoutingRecord\x12\x14\n\x0cmax_drafters\x18\x04 \x01(\x05\x12\x0f\n\x07\x65xplore\x18\x05 \x01(\x01\x32\x8f\x01\n\x08Verifier\x12\x43\n\x04Info\x12 .specmesh.v1.VerifierInfoRequest\x1a\x19.specmesh.v1.VerifierInfo\x12>\n\x05\x44rain\x12\x19.specmesh.v1.DrainRequest\x1a\x1a.specmesh.v1.DrainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,26 +41,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAINREQUEST']._serialized_end=430
   _globals['_DRAINRESPONSE']._serialized_start=432
   _globals['_DRAINRESPONSE']._serialized_end=474
-  _globals['_VERIFYJOB']._serialized_start=477
-  _globals['_VERIFYJOB']._serialized_end=793
-  _globals['_VERIFYRESULT']._serialized_start=796
-  _globals['_VERIFYRESULT']._serialized_end=1246
-  _globals['_VERIFYRESULT_STATUS']._serialized_start=1156
-  _globals['_VERIFYRESULT_STATUS']._serialized_end=1246
-  _globals['_ADMISSION']._serialized_start=1249
-  _globals['_ADMISSION']._serialized_end=1444
-  _globals['_REQUESTDELTA']._serialized_start=1447
-  _globals['_REQUESTDELTA']._serialized_end=1639
-  _globals['_STEPOUTPUTS']._serialized_start=1641
-  _globals['_STEPOUTPUTS']._serialized_end=1762
-  _globals['_ABORT']._serialized_start=1764
-  _globals['_ABORT']._serialized_end=1791
-  _globals['_ROUTINGRECORD']._serialized_start=1793
-  _globals['_ROUTINGRECORD']._serialized_end=1882
-  _globals['_ROUTINGREPORT']._serialized_start=1884
-  _globals['_ROUTINGREPORT']._serialized_end=1944
-  _globals['_ROUTINGSNAPSHOT']._serialized_start=1947
-  _globals['_ROUTINGSNAPSHOT']._serialized_end=2084
-  _globals['_VERIFIER']._serialized_start=2087
-  _globals['_VERIFIER']._serialized_end=2230
+  _globals['_ADMISSION']._serialized_start=477
+  _globals['_ADMISSION']._serialized_end=672
+  _globals['_REQUESTDELTA']._serialized_start=675
+  _globals['_REQUESTDELTA']._serialized_end=867
+  _globals['_STEPOUTPUTS']._serialized_start=869
+  _globals['_STEPOUTPUTS']._serialized_end=990
+  _globals['_ABORT']._serialized_start=992
+  _globals['_ABORT']._serialized_end=1019
+  _globals['_ROUTINGRECORD']._serialized_start=1021
+  _globals['_ROUTINGRECORD']._serialized_end=1110
+  _globals['_ROUTINGREPORT']._serialized_start=1112
+  _globals['_ROUTINGREPORT']._serialized_end=1172
+  _globals['_ROUTINGSNAPSHOT']._serialized_start=1175
+  _globals['_ROUTINGSNAPSHOT']._serialized_end=1312
+  _globals['_VERIFIER']._serialized_start=1315
+  _globals['_VERIFIER']._serialized_end=1458
 # @@protoc_insertion_point(module_scope)

@@ -1,7 +1,6 @@
 from specmesh.v1 import common_pb2 as _common_pb2
 from specmesh.v1 import router_pb2 as _router_pb2
 from google.protobuf.internal import containers as _containers
-from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -54,80 +53,6 @@ class DrainResponse(_message.Message):
     RELEASED_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     released_sessions: int
     def __init__(self, released_sessions: _Optional[int] = ...) -> None: ...
-
-class VerifyJob(_message.Message):
-    __slots__ = ("request_id", "step", "position", "root", "tree", "sampling", "history", "reply_to", "deadline_unix_ms", "feature_layers", "max_prompt_features")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    STEP_FIELD_NUMBER: _ClassVar[int]
-    POSITION_FIELD_NUMBER: _ClassVar[int]
-    ROOT_FIELD_NUMBER: _ClassVar[int]
-    TREE_FIELD_NUMBER: _ClassVar[int]
-    SAMPLING_FIELD_NUMBER: _ClassVar[int]
-    HISTORY_FIELD_NUMBER: _ClassVar[int]
-    REPLY_TO_FIELD_NUMBER: _ClassVar[int]
-    DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
-    FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
-    MAX_PROMPT_FEATURES_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    step: int
-    position: int
-    root: int
-    tree: _common_pb2.TokenTree
-    sampling: _common_pb2.SamplingParams
-    history: _common_pb2.TokenIds
-    reply_to: str
-    deadline_unix_ms: int
-    feature_layers: _containers.RepeatedScalarFieldContainer[int]
-    max_prompt_features: int
-    def __init__(self, request_id: _Optional[str] = ..., step: _Optional[int] = ..., position: _Optional[int] = ..., root: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., history: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., reply_to: _Optional[str] = ..., deadline_unix_ms: _Optional[int] = ..., feature_layers: _Optional[_Iterable[int]] = ..., max_prompt_features: _Optional[int] = ...) -> None: ...
-
-class VerifyResult(_message.Message):
-    __slots__ = ("request_id", "step", "status", "accepted_nodes", "tokens", "verifier_id", "message", "prefilled_tokens", "queue_ms", "verify_ms", "batch_size", "pass_ms", "batch_rows", "batch_trees", "features")
-    class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
-        __slots__ = ()
-        STATUS_UNSPECIFIED: _ClassVar[VerifyResult.Status]
-        OK: _ClassVar[VerifyResult.Status]
-        RESYNC: _ClassVar[VerifyResult.Status]
-        ERROR: _ClassVar[VerifyResult.Status]
-        EXHAUSTED: _ClassVar[VerifyResult.Status]
-        FAILED: _ClassVar[VerifyResult.Status]
-    STATUS_UNSPECIFIED: VerifyResult.Status
-    OK: VerifyResult.Status
-    RESYNC: VerifyResult.Status
-    ERROR: VerifyResult.Status
-    EXHAUSTED: VerifyResult.Status
-    FAILED: VerifyResult.Status
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    STEP_FIELD_NUMBER: _ClassVar[int]
-    STATUS_FIELD_NUMBER: _ClassVar[int]
-    ACCEPTED_NODES_FIELD_NUMBER: _ClassVar[int]
-    TOKENS_FIELD_NUMBER: _ClassVar[int]
-    VERIFIER_ID_FIELD_NUMBER: _ClassVar[int]
-    MESSAGE_FIELD_NUMBER: _ClassVar[int]
-    PREFILLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
-    VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
-    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
-    PASS_MS_FIELD_NUMBER: _ClassVar[int]
-    BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
-    BATCH_TREES_FIELD_NUMBER: _ClassVar[int]
-    FEATURES_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    step: int
-    status: VerifyResult.Status
-    accepted_nodes: _containers.RepeatedScalarFieldContainer[int]
-    tokens: _containers.RepeatedScalarFieldContainer[int]
-    verifier_id: str
-    message: str
-    prefilled_tokens: int
-    queue_ms: float
-    verify_ms: float
-    batch_size: int
-    pass_ms: float
-    batch_rows: int
-    batch_trees: int
-    features: _common_pb2.Features
-    def __init__(self, request_id: _Optional[str] = ..., step: _Optional[int] = ..., status: _Optional[_Union[VerifyResult.Status, str]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., verifier_id: _Optional[str] = ..., message: _Optional[str] = ..., prefilled_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., pass_ms: _Optional[float] = ..., batch_rows: _Optional[int] = ..., batch_trees: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ...) -> None: ...
 
 class Admission(_message.Message):
     __slots__ = ("request_id", "prompt", "sampling", "max_tree_nodes", "fixed_budget", "kind", "reply_to")
