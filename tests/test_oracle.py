@@ -181,6 +181,12 @@ def test_the_oracle_bench_runs_the_cluster_losslessly(tmp_path):
     steps = part["timeline"]["steps"]
     assert sum(s["tokens"] for s in steps) == 16
     assert all(s["step_ms"] > 0 and s["tree_nodes"] <= s["budget"] <= 16 for s in steps)
+    # plain at each load beside the same stepper in process, on the same requests
+    for level, row in report["cluster_at_load"].items():
+        assert row["cluster_tokens_per_s"] == rows[(int(level), "none")]["tokens_per_s"], row
+        assert row["engine_tokens_per_s"] > 0 and row["verifier_capacity_tokens_per_s"] > 0, row
+        assert 0 < row["in_flight"] <= int(level) and row["cluster_vs_engine"] > 0, row
+    assert set(report["cluster_at_load"]) == {"1", "2"}
 
 
 @pytest.mark.slow

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from specmesh.bench.cluster_meter import ClusterMeter
+from specmesh.bench.engine_at_load import engine_at_load
 from specmesh.bench.provenance import provenance
 from specmesh.bench.run import (
     MAX_CONCURRENCY,
@@ -149,7 +150,7 @@ def run_oracle_bench(args: argparse.Namespace) -> int:
                     "max_tokens": args.max_tokens, "tree_nodes": args.max_tree_nodes,
                     "fixed_tree_nodes": args.fixed_tree_nodes, "rounds": args.sweep_rounds,
                     "oracle_width": args.oracle_width, "offload": args.offload,
-                    "acceptance": {}}
+                    "acceptance": {}, "cluster_at_load": {}}
     failed = False
     with tempfile.TemporaryDirectory(prefix="specmesh-oracle-") as folder:
         oracle_file = Path(folder) / "oracle.jsonl"
@@ -167,6 +168,7 @@ def run_oracle_bench(args: argparse.Namespace) -> int:
                                             for p, prompts in prompt_sets.items()
                                             for prompt, answer in zip(prompts, answers[p])])
             meter = ClusterMeter(cluster)
+            yardstick = InProcessYardstick(args, cluster.spec)
             first = acceptances[0]  # untimed: every batch shape's kernels compiled before anything is timed
             load_sweep(cluster, prompt_sets[first], min(args.max_tokens, 16), levels, args.fixed_tree_nodes,
                        args.max_tree_nodes, rounds=1, policies=("fixed", "adaptive"), inputs=ids_input)
@@ -179,6 +181,10 @@ def run_oracle_bench(args: argparse.Namespace) -> int:
                                        args.max_tree_nodes, rounds=args.sweep_rounds, inputs=ids_input, expected=answers[p],
                                        meter=meter)
                     controller[str(level)] = controller_state(cluster)  # after the level's last round
+                    if p == first:  # plain decoding at this load against the same stepper in process
+                        report["cluster_at_load"][str(level)] = yardstick.compare(
+                            [r for r in rows if r["concurrency"] == level], prompt_sets[p], args.max_tokens,
+                            args.sweep_rounds)
                     report["acceptance"][str(p)] = {"load_sweep": rows, "vs_plain": summarize(rows),
                                                     "verdicts": adaptive_verdicts(rows), "controller": controller}
                     if args.json_out:
@@ -196,6 +202,39 @@ def run_oracle_bench(args: argparse.Namespace) -> int:
     if failed:
         print("FAILED: a speculative answer differs from plain decoding through the same cluster")
     return 1 if failed else 0
+
+
+class InProcessYardstick:
+    """The verifier's stepper in this process, on the same target and threads: plain decoding of the sweep's
+    requests at the sweep's concurrency, for ``cluster_at_load`` (docs/bench.md)."""
+
+    def __init__(self, args: argparse.Namespace, spec: ClusterSpec) -> None:
+        from specmesh.runtime.loading import configure_threads, parts_of
+        from specmesh.runtime.target import load_target
+        from specmesh.runtime.tree_verifier import TreeVerifier
+
+        configure_threads(max(1, spec.cores // max(1, spec.verifiers)))  # the verifier's share
+        target, runtime = load_target(args.model, args.dtype, args.device, "shipped", None, args.batch_invariant,
+                                      args.offload)
+        self.verifier = TreeVerifier(runtime, max_sessions=MAX_CONCURRENCY, max_tree_nodes=MAX_TREE_NODES)
+        self.eos_token_ids = frozenset(parts_of(target).eos_token_ids)
+
+    def compare(self, rows: list[dict], prompts: list[tuple[int, ...]], max_tokens: int, rounds: int) -> dict:
+        """``rows``: one level's sweep rows; its plain run's figures beside the same requests in process."""
+        plain = next(r for r in rows if r["policy"] == "none")
+        level = plain["concurrency"]
+        chosen = [prompts[i % len(prompts)] for i in range(plain["requests"])]
+        engine_at_load(self.verifier, chosen[:level], 16, level, self.eos_token_ids)  # untimed: shapes compiled
+        runs = [engine_at_load(self.verifier, chosen, max_tokens, level, self.eos_token_ids) for _ in range(rounds)]
+        engine = sum(r.tokens_per_s for r in runs) / len(runs)
+        full_ms = sum(r.full_pass_ms for r in runs) / len(runs)
+        return {"cluster_tokens_per_s": plain["tokens_per_s"], "engine_tokens_per_s": round(engine, 2),
+                "cluster_vs_engine": round(plain["tokens_per_s"] / engine, 3),
+                "requests_per_pass": plain.get("requests_per_pass", 0.0), "in_flight": plain["in_flight"],
+                "redis_commands_per_token": plain.get("redis_commands_per_token", 0.0),
+                "router_cpu_ms_per_token": plain.get("router_cpu_ms_per_token", 0.0),
+                "pass_gap_ms": plain.get("pass_gap_ms", 0.0),
+                "verifier_capacity_tokens_per_s": round(level / full_ms * 1e3, 1) if full_ms else 0.0}
 
 
 def _print(report: dict) -> None:
@@ -228,4 +267,8 @@ def _print(report: dict) -> None:
         steps = part["timeline"]["steps"]
         print(f"    one request streamed: {part['timeline']['tokens_per_s']} tok/s; budgets "
               f"{[s.get('budget') for s in steps][:24]}; tokens {[s['tokens'] for s in steps][:24]}")
-
+    for level, row in report["cluster_at_load"].items():
+        print(f"  plain at {level:>3} in flight: cluster {row['cluster_tokens_per_s']:.1f} tok/s = "
+              f"{row['cluster_vs_engine']:.2f}x the same stepper in process ({row['engine_tokens_per_s']:.1f}); "
+              f"{row['requests_per_pass']} requests a pass of {row['in_flight']} in flight; verifier capacity "
+              f"{row['verifier_capacity_tokens_per_s']} tok/s")

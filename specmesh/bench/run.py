@@ -628,7 +628,7 @@ def load_sweep(cluster: LocalCluster, prompts: Sequence, max_tokens: int, levels
     async def one_run(level: int, policy: str, chosen: list[int]) -> tuple[float, list[float], Counter]:
         gate = asyncio.Semaphore(level)
         latencies: list[float] = []
-        counts: Counter = Counter()  # tokens, steps (target passes), nodes (drafted), unlike (``expected``)
+        counts: Counter = Counter()  # tokens, steps (target passes), nodes (drafted), unlike (``expected``), busy_us, wall_us
 
         async def send(client: AsyncClient, index: int) -> None:
             async with gate:
@@ -637,6 +637,7 @@ def load_sweep(cluster: LocalCluster, prompts: Sequence, max_tokens: int, levels
                                                speculation=_SPECULATION_OF[policy],
                                                max_tree_nodes=fixed_tree_nodes if policy == "fixed" else tree_nodes)
                 latencies.append((time.perf_counter() - started) * 1e3 / max(len(answer.token_ids), 1))
+                counts["busy_us"] += round((time.perf_counter() - started) * 1e6)
                 counts["tokens"] += len(answer.token_ids)
                 counts["steps"] += answer.stats.target_steps
                 counts["nodes"] += answer.stats.drafted_nodes
@@ -646,6 +647,7 @@ def load_sweep(cluster: LocalCluster, prompts: Sequence, max_tokens: int, levels
             started = time.perf_counter()
             await asyncio.gather(*(send(client, i) for i in chosen))
             wall = time.perf_counter() - started
+        counts["wall_us"] += round(wall * 1e6)
         return counts["tokens"] / wall, latencies, counts
 
     rows = []
@@ -674,6 +676,8 @@ def load_sweep(cluster: LocalCluster, prompts: Sequence, max_tokens: int, levels
                          "p50_ms": _percentile(latencies[policy], 50), "p99_ms": _percentile(latencies[policy], 99),
                          "tokens_per_step": round(tokens / max(steps, 1), 3),
                          "tree_nodes_per_step": round(nodes / max(steps, 1), 2),
+                         # requests a client waited on, on average (Little's law): what a pass could hold
+                         "in_flight": round(totals[policy]["busy_us"] / max(totals[policy]["wall_us"], 1), 2),
                          **({"answers_unlike_plain": totals[policy]["unlike"]} if expected is not None else {}),
                          **(_where_the_time_went(costs[policy]) if meter is not None else {})})
     return rows

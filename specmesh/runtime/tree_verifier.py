@@ -144,8 +144,8 @@ class TreeVerifier:
 
     @property
     def cache_bytes(self) -> int:
-        """Memory held by every session's KV cache."""
-        return sum(session.nbytes for session in self._sessions.values())
+        """Memory held by every session's KV cache (read from any thread: a pass may open or close one)."""
+        return sum(session.nbytes for session in list(self._sessions.values()))
 
     def check(self, job: VerifyJob) -> None:
         """Refuse a job that no model could verify (the router validates requests before this)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 
 LISTEN_BLOCK_MS = 1000
 TRIM_EVERY = 256  # entries read between trims of the outputs stream
+BACKLOG_FRESH_S = 0.05  # a reading of the admissions backlog stands this long (plus what was admitted since)
 
 
 @dataclass
@@ -57,6 +59,9 @@ class EngineClient:
         self._queues: dict[str, asyncio.Queue] = {}
         self._listener: asyncio.Task | None = None
         self._warned_xlen = False
+        self._backlog = self._admitted_since = 0
+        self._backlog_until = 0.0  # time.monotonic() until which the last reading stands
+        self._reading_backlog: asyncio.Task | None = None
 
     async def start(self) -> None:
         self._listener = asyncio.create_task(self._listen())
@@ -67,7 +72,15 @@ class EngineClient:
             await asyncio.gather(self._listener, return_exceptions=True)
 
     async def backlog(self) -> int:
-        """Admissions no verifier has taken yet."""
+        """Admissions no verifier has taken yet: Redis is asked at most every ``BACKLOG_FRESH_S`` (requests
+        arriving together share one reading), plus those this router admitted since."""
+        if time.monotonic() >= self._backlog_until:
+            if self._reading_backlog is None or self._reading_backlog.done():
+                self._reading_backlog = asyncio.create_task(self._read_backlog())
+            await asyncio.shield(self._reading_backlog)  # its error reaches every request waiting for it
+        return self._backlog + self._admitted_since
+
+    async def _read_backlog(self) -> None:
         try:
             pipe = self.redis.pipeline(transaction=False)
             pipe.xlen(self.keys.admissions)
@@ -86,10 +99,13 @@ class EngineClient:
         group = next((g for g in groups if g.get("name") in (GROUP, GROUP.encode())), None) \
             if not isinstance(groups, Exception) else None
         if group is None:  # no verifier ever joined: every admission waits
-            return length
-        if group.get("lag") is not None:
-            return int(group["lag"])
-        return max(length - int(group.get("pending") or 0), 0)  # Redis cannot tell the lag after deletions
+            backlog = length
+        elif group.get("lag") is not None:
+            backlog = int(group["lag"])
+        else:  # Redis cannot tell the lag after deletions
+            backlog = max(length - int(group.get("pending") or 0), 0)
+        self._backlog, self._admitted_since = backlog, 0
+        self._backlog_until = time.monotonic() + BACKLOG_FRESH_S
 
     async def generate(self, request: Request, budget: int, fixed_budget: bool) -> AsyncIterator[Delta]:
         """Admit the request and yield its answer's deltas until the last; leaving early aborts it."""
@@ -108,31 +124,50 @@ class EngineClient:
                                                                         "tag": self.signer.tag(ADMISSION, payload)})
             except REDIS_DOWN as exc:
                 raise queue_unreachable(exc) from None
+            self._admitted_since += 1
             raise_if_cancelled()  # redis-py may have swallowed it (specmesh.cancellation)
             have = 0
             while not finished:
-                try:
-                    delta = await asyncio.wait_for(queue.get(), self.timeout_s)
-                except asyncio.TimeoutError:
-                    still = await self._still_admitted(entry_id)
-                    raise_if_cancelled()
-                    if still:  # waiting for a verifier, or its restart: not lost
-                        continue
-                    raise Unavailable(f"no verifier answered this request for {self.timeout_s:.0f} s; retry later") from None
-                new = list(delta.tokens)[max(have - delta.position, 0):] if delta.position <= have else None
-                if new is None:  # a gap: a step's message was lost
-                    raise Unavailable("a step of this request was lost on its way; retry")
-                have += len(new)
-                finished = bool(delta.finish_reason)
-                if delta.finish_reason == "failed":
-                    raise RequestFailed(delta.message or "the verifier could not serve this request")
-                yield Delta(new, delta.finish_reason or None,
+                deltas = await self._next_deltas(queue, entry_id)
+                tokens: list[int] = []
+                for delta in deltas:  # the steps that arrived since the last turn, as one delta
+                    if delta.position > have + len(tokens):  # a gap: a step's message was lost
+                        raise Unavailable("a step of this request was lost on its way; retry")
+                    if delta.finish_reason == "failed":
+                        if tokens:
+                            yield Delta(tokens, None, None, None)
+                        raise RequestFailed(delta.message or "the verifier could not serve this request")
+                    tokens += list(delta.tokens)[have + len(tokens) - delta.position:]
+                    if delta.finish_reason:
+                        finished = True
+                        break
+                have += len(tokens)
+                yield Delta(tokens, delta.finish_reason or None,
                             stats_from_pb(delta.stats) if delta.HasField("stats") else None,
                             trace_from_pb(delta.step) if delta.HasField("step") else None)
         finally:
             self._queues.pop(rid, None)
             if not finished:
                 await asyncio.shield(self._abort(rid))
+
+    async def _next_deltas(self, queue: asyncio.Queue, entry_id: bytes) -> list:
+        """Every delta queued for a request, waiting for the first: a request that hears nothing for
+        ``timeout_s`` is asked after (a router behind by a few steps takes them in one turn)."""
+        while queue.empty():
+            try:
+                async with asyncio.timeout(self.timeout_s):  # no task a wait, unlike wait_for
+                    deltas = [await queue.get()]
+                break
+            except TimeoutError:
+                still = await self._still_admitted(entry_id)
+                raise_if_cancelled()
+                if not still:  # else waiting for a verifier, or its restart: not lost
+                    raise Unavailable(f"no verifier answered this request for {self.timeout_s:.0f} s; retry later") from None
+        else:
+            deltas = []
+        while not queue.empty():
+            deltas.append(queue.get_nowait())
+        return deltas
 
     async def _still_admitted(self, entry_id: bytes) -> bool:
         """Whether the request's admission is still on the stream (queued, or held by a verifier that will
@@ -188,3 +223,4 @@ class EngineClient:
             queue = self._queues.get(delta.request_id)
             if queue is not None:
                 queue.put_nowait(delta)
+

@@ -55,6 +55,7 @@ PREFILL_SHARE = 0.5
 PREFILL_MS = (2.0, 25.0)
 PREFILL_ALONE_MS = 200.0  # a prompt cached with no one decoding still goes in passes this long: newcomers join the next
 OUTPUTS_MAXLEN = 100_000  # entries kept on a router's outputs stream (approximate trim)
+ABORTS_EVERY_S = 0.05  # aborts are read at most this often while requests run (a Redis command a step saved)
 ABORTED_MEMORY = 4096  # aborted ids remembered, so that an admission read after its abort is dropped
 DRAIN_S = 20.0  # a drain finishes the requests held within this, the others adopt the rest
 ADOPT_EVERY_S = 1.0  # how often the others' heartbeats are looked at (and the commit log trimmed)
@@ -91,6 +92,9 @@ class ThreadedVerifier:
         self.torch_thread = torch_thread
         self.metrics = metrics
         self.decode_ms: float | None = None  # a pass without prefills, smoothed
+        # read when scraped, not set at each pass: what the caches hold now, closes and evictions included
+        metrics.kv_sessions.set_function(lambda: verifier.num_sessions)
+        metrics.kv_bytes.set_function(lambda: verifier.cache_bytes)
 
     @property
     def prefill_budget_ms(self) -> float:
@@ -114,16 +118,10 @@ class ThreadedVerifier:
         for result in results:
             m.jobs.labels("refused" if result.refused else "failed" if result.failed else "prefilling"
                           if result.prefilling else "resync" if result.resync else "ok").inc()
-        self._cache_gauges()
         return results
 
     async def close(self, request_id: str) -> None:
         await self.torch_thread.run(self.verifier.close, request_id)
-        self._cache_gauges()  # no pass may follow: the gauges say so now
-
-    def _cache_gauges(self) -> None:
-        self.metrics.kv_sessions.set(self.verifier.num_sessions)
-        self.metrics.kv_bytes.set(self.verifier.cache_bytes)
 
 
 @dataclass
@@ -159,6 +157,7 @@ class EngineWorker:
         self._held: dict[str, _Held] = {}
         self._aborted: dict[str, None] = {}  # insertion-ordered, bounded
         self._aborts_after = "0-0"
+        self._next_aborts_read = 0.0  # time.monotonic()
         self.commit_log = self.keys.commit_log(queue.verifier_id)
         self._next_adoption = 0.0
         self.stopped = asyncio.Event()
@@ -269,13 +268,18 @@ class EngineWorker:
         the admissions read blocks a moment."""
         room = 0 if self.draining else self.core.max_running - self.core.num_requests
         idle = self.core.num_requests == 0
+        aborts = idle or time.monotonic() >= self._next_aborts_read
         pipe = self.redis.pipeline(transaction=False)
         if room > 0:
             pipe.xreadgroup(GROUP, self.verifier_id, {self.keys.admissions: ">"}, count=room,
                             block=IDLE_BLOCK_MS if idle else None)
-        pipe.xread({self.keys.aborts: self._aborts_after}, count=1024)
+        if aborts:
+            pipe.xread({self.keys.aborts: self._aborts_after}, count=1024)
+            self._next_aborts_read = time.monotonic() + ABORTS_EVERY_S
         if idle and room <= 0:
             await asyncio.sleep(IDLE_BLOCK_MS / 1e3)
+        if not len(pipe):
+            return [], []
         try:
             answers = await pipe.execute()
         except ResponseError as exc:
@@ -284,7 +288,7 @@ class EngineWorker:
                 return [], []
             raise
         admissions = [item for _, items in (answers[0] or ()) for item in items] if room > 0 else []
-        entries = [entry for _, items in answers[-1] or () for entry in items]
+        entries = [entry for _, items in answers[-1] or () for entry in items] if aborts else []
         if entries:
             self._aborts_after = entries[-1][0]
         return admissions, self._aborts_in(entries)
