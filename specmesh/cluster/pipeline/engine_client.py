@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import redis.asyncio as aioredis
 from redis.exceptions import NoPermissionError
@@ -42,6 +42,37 @@ class Delta:
     timing: StepTiming | None  # the step's, for the stream's timeline
 
 
+class _Receiver:
+    """A request's deltas as the listener hands them over, and the wake-up of whoever waits for them: at each
+    delta, or (``final_only``: an answer sent whole) at the last."""
+
+    __slots__ = ("deltas", "arrived", "final_only", "on_tokens", "heard", "seen")
+
+    def __init__(self, final_only: bool, on_tokens: Callable[[int], None] | None) -> None:
+        self.deltas: list = []
+        self.arrived = asyncio.Event()
+        self.final_only = final_only
+        self.on_tokens = on_tokens  # told how many new tokens each delta brought, as it arrives
+        self.heard = 0  # deltas handed over: a final-only wait that hears steps is not silent
+        self.seen = 0  # answer tokens handed over
+
+    def put(self, delta: verifier_pb2.RequestDelta) -> None:
+        self.deltas.append(delta)
+        self.heard += 1
+        new = delta.position + len(delta.tokens) - self.seen
+        if new > 0:
+            self.seen += new
+            if self.on_tokens is not None:
+                self.on_tokens(new)
+        if not self.final_only or delta.finish_reason:
+            self.arrived.set()
+
+    def take(self) -> list:
+        deltas, self.deltas = self.deltas, []
+        self.arrived.clear()
+        return deltas
+
+
 class EngineClient:
     def __init__(self, redis: aioredis.Redis, keys: QueueKeys, router_id: str, timeout_s: float = 30.0,
                  signer: QueueSigner | None = None, on_forged=None, on_report=None) -> None:
@@ -56,7 +87,7 @@ class EngineClient:
         self.signer = signer or QueueSigner()
         self.on_forged = on_forged
         self.on_report = on_report
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._receivers: dict[str, _Receiver] = {}
         self._listener: asyncio.Task | None = None
         self._warned_xlen = False
         self._backlog = self._admitted_since = 0
@@ -107,11 +138,14 @@ class EngineClient:
         self._backlog, self._admitted_since = backlog, 0
         self._backlog_until = time.monotonic() + BACKLOG_FRESH_S
 
-    async def generate(self, request: Request, budget: int, fixed_budget: bool) -> AsyncIterator[Delta]:
-        """Admit the request and yield its answer's deltas until the last; leaving early aborts it."""
+    async def generate(self, request: Request, budget: int, fixed_budget: bool, final_only: bool = False,
+                       on_tokens: Callable[[int], None] | None = None) -> AsyncIterator[Delta]:
+        """Admit the request and yield its answer's deltas until the last (``final_only``: the whole answer
+        once, as vLLM's FINAL_ONLY outputs: the waiting task is not woken a step); leaving early aborts it.
+        ``on_tokens``: told each delta's new tokens as they arrive (a clock of the request's latencies)."""
         rid = request.request_id
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[rid] = queue
+        receiver = _Receiver(final_only, on_tokens)
+        self._receivers[rid] = receiver
         finished = False
         try:
             admission = verifier_pb2.Admission(
@@ -128,7 +162,7 @@ class EngineClient:
             raise_if_cancelled()  # redis-py may have swallowed it (specmesh.cancellation)
             have = 0
             while not finished:
-                deltas = await self._next_deltas(queue, entry_id)
+                deltas = await self._next_deltas(receiver, entry_id)
                 tokens: list[int] = []
                 for delta in deltas:  # the steps that arrived since the last turn, as one delta
                     if delta.position > have + len(tokens):  # a gap: a step's message was lost
@@ -146,28 +180,26 @@ class EngineClient:
                             stats_from_pb(delta.stats) if delta.HasField("stats") else None,
                             trace_from_pb(delta.step) if delta.HasField("step") else None)
         finally:
-            self._queues.pop(rid, None)
+            self._receivers.pop(rid, None)
             if not finished:
                 await asyncio.shield(self._abort(rid))
 
-    async def _next_deltas(self, queue: asyncio.Queue, entry_id: bytes) -> list:
-        """Every delta queued for a request, waiting for the first: a request that hears nothing for
+    async def _next_deltas(self, receiver: _Receiver, entry_id: bytes) -> list:
+        """The deltas that arrived since the last call, waiting for them: a request that hears nothing for
         ``timeout_s`` is asked after (a router behind by a few steps takes them in one turn)."""
-        while queue.empty():
+        while not receiver.arrived.is_set():
+            heard = receiver.heard
             try:
                 async with asyncio.timeout(self.timeout_s):  # no task a wait, unlike wait_for
-                    deltas = [await queue.get()]
-                break
+                    await receiver.arrived.wait()
             except TimeoutError:
+                if receiver.heard > heard:  # steps came (an answer sent whole): not silent
+                    continue
                 still = await self._still_admitted(entry_id)
                 raise_if_cancelled()
                 if not still:  # else waiting for a verifier, or its restart: not lost
                     raise Unavailable(f"no verifier answered this request for {self.timeout_s:.0f} s; retry later") from None
-        else:
-            deltas = []
-        while not queue.empty():
-            deltas.append(queue.get_nowait())
-        return deltas
+        return receiver.take()
 
     async def _still_admitted(self, entry_id: bytes) -> bool:
         """Whether the request's admission is still on the stream (queued, or held by a verifier that will
@@ -220,7 +252,7 @@ class EngineClient:
         if self.on_report is not None and message.HasField("report"):
             self.on_report(message.report)
         for delta in message.deltas:
-            queue = self._queues.get(delta.request_id)
-            if queue is not None:
-                queue.put_nowait(delta)
+            receiver = self._receivers.get(delta.request_id)
+            if receiver is not None:
+                receiver.put(delta)
 

@@ -1,10 +1,11 @@
 """A verifier's engine loop (the engine-core path, ``--step-loop verifier``): the step loop of every request
 this verifier holds runs here, beside the target, and the router is the front door.
 
-Each turn: take new requests from the pool's admissions stream while there is room (the consumer group
-hands each to one verifier) and the pool's aborts, run one ``EngineCore`` step for every request held (its
-pass on the torch thread), then post one ``StepOutputs`` message per router with requests in the step and
-acknowledge the admissions of finished requests — one pipelined round trip however many requests moved.
+Two listeners wait in Redis for what comes: new requests from the pool's admissions stream while there is
+room (the consumer group hands each to one verifier), and the pool's aborts. Each turn takes what they
+brought, runs one ``EngineCore`` step for every request held (its pass on the torch thread), then posts one
+``StepOutputs`` message per router with requests in the step and acknowledges the admissions of finished
+requests — one round trip a step however many requests moved, and no read.
 
 Nothing is lost when a verifier dies: a request's admission stays pending under the verifier that took it
 until the request ends, and each step's outputs are also logged on the verifier's commit log, in the same
@@ -48,14 +49,15 @@ from specmesh.v1 import verifier_pb2
 
 log = logging.getLogger(__name__)
 
-IDLE_BLOCK_MS = 100  # with nothing to step, wait this long for an admission
+LISTEN_BLOCK_MS = 1000  # the admissions' and aborts' listeners: a blocking read's longest wait
+IDLE_WAIT_S = 0.1  # with nothing to step, the loop wakes this often (to look after the others)
+FULL_WAIT_S = 0.01  # with no room, the admissions' listener looks again this often
 # beside decoding requests, prefills take at most this share of a decode pass's time (a long prompt's over
 # several passes): its neighbours' tokens come at most ~1.5x slower while it is cached; within these bounds
 PREFILL_SHARE = 0.5
 PREFILL_MS = (2.0, 25.0)
 PREFILL_ALONE_MS = 200.0  # a prompt cached with no one decoding still goes in passes this long: newcomers join the next
 OUTPUTS_MAXLEN = 100_000  # entries kept on a router's outputs stream (approximate trim)
-ABORTS_EVERY_S = 0.05  # aborts are read at most this often while requests run (a Redis command a step saved)
 ABORTED_MEMORY = 4096  # aborted ids remembered, so that an admission read after its abort is dropped
 DRAIN_S = 20.0  # a drain finishes the requests held within this, the others adopt the rest
 ADOPT_EVERY_S = 1.0  # how often the others' heartbeats are looked at (and the commit log trimmed)
@@ -157,7 +159,13 @@ class EngineWorker:
         self._held: dict[str, _Held] = {}
         self._aborted: dict[str, None] = {}  # insertion-ordered, bounded
         self._aborts_after = "0-0"
-        self._next_aborts_read = 0.0  # time.monotonic()
+        # what the listeners took since the loop last looked: admission entries, aborted request ids
+        self._new_admissions: list = []
+        self._new_aborts: list[str] = []
+        self._arrived = asyncio.Event()
+        self._joined = asyncio.Event()  # registered: the admissions' group exists
+        self._rejoin = False  # a listener found the group gone (Redis restarted empty)
+        self._listeners: list[asyncio.Task] = []  # the admissions' and the aborts'
         self.commit_log = self.keys.commit_log(queue.verifier_id)
         self._next_adoption = 0.0
         self.stopped = asyncio.Event()
@@ -173,12 +181,14 @@ class EngineWorker:
 
     async def run(self) -> None:
         beat = asyncio.create_task(self.queue.keep_beating(self.unready, self._lapse, renew_only=True))
+        self._listeners = [asyncio.create_task(self._listen_admissions()), asyncio.create_task(self._listen_aborts())]
         try:
             await self._loop()
         finally:
             self.unready.set()
             self.finished.set()
             beat.cancel()
+            await _cancelled(*self._listeners)
             await self.core.close()
 
     def _lapse(self) -> None:
@@ -208,40 +218,45 @@ class EngineWorker:
         if dropped:
             await self._publish([], dropped)
         if not self.core.num_requests:
+            self._new_admissions.clear()  # pending under this verifier: taken back with the others
             await self._adopt(self.verifier_id)
 
     async def _let_go(self) -> None:
         log.warning("this verifier stood still past its heartbeat: letting its %d request(s) go (those still its "
                     "own are taken back from its log)", self.core.num_requests)
         self._held.clear()
+        self._new_admissions.clear()  # pending under this verifier: taken back from its log with the others
         await self.core.close()
 
     async def _loop(self) -> None:
-        """Each turn: the admissions and aborts read, one core step, its outputs published. The next turn's
-        read and this step's publish run while a pass does (the pass is on the torch thread): a step waits
-        for Redis only when there is nothing to step. Publishes go out one after another, in step order."""
+        """Each turn: what the listeners took (admissions, aborts), one core step, its outputs published. The
+        step's publish runs while the next pass does (the pass is on the torch thread); publishes go out one
+        after another, in step order. No Redis read a step: the listeners wait in Redis for what comes."""
         registered = False
         backoff = redis_reconnect()
-        reading: asyncio.Task | None = None
         publishing: asyncio.Task | None = None
         while not self.stopped.is_set():
             try:
-                if not registered or self.lapsed:
+                if not registered or self.lapsed or self._rejoin:
+                    self._joined.clear()
+                    self._rejoin = False
+                    await _settled(publishing)  # its acknowledgements first: what is pending is taken back
+                    publishing = None
                     await self._register()
                     registered = True
+                    self._joined.set()
                 if time.monotonic() >= self._next_adoption:
                     await self._look_after_the_others()
                     self._next_adoption = time.monotonic() + ADOPT_EVERY_S
                 # the routers' routing snapshot, about once a second, for the drafters it has
                 await self.routing.poll(self.redis, self.keys.routing, self._drafter_names)
-                admissions, aborts = await (reading or self._read())
-                reading = None
+                if not self.core.num_requests and publishing is None:
+                    await _wait(self._arrived, IDLE_WAIT_S)
+                admissions, aborts = self._arrivals()
                 dropped: list[bytes] = []  # admission entries acknowledged unserved
                 for rid in aborts:
                     await self._abort(rid, dropped)
                 refused = [r for r in (self._admit(e, fields, dropped) for e, fields in admissions) if r is not None]
-                if self.core.num_requests:
-                    reading = asyncio.create_task(self._read())
                 outputs = refused + await self.core.step()
                 if publishing is not None:
                     await publishing  # the last step's, sent while this one's pass ran
@@ -251,47 +266,75 @@ class EngineWorker:
                     publishing = asyncio.create_task(self._publish(outputs, dropped))
                 backoff.reset()
             except REDIS_DOWN as exc:
-                reading, publishing = await _kept(reading), await _settled(publishing)
+                await _settled(publishing)
+                publishing = None
                 if registered:
                     log.warning("Redis unreachable (%s); retrying", exc)
                 registered = False
                 await asyncio.sleep(backoff.next())
             except Exception:
-                reading, publishing = await _kept(reading), await _settled(publishing)
+                await _settled(publishing)
+                publishing = None
                 log.exception("the engine loop failed; carrying on")
                 self.metrics.worker_errors.inc()
                 await asyncio.sleep(backoff.next())
-        await _settled(reading, publishing)  # the last step's outputs go out
+        await _settled(publishing)  # the last step's outputs go out
 
-    async def _read(self) -> tuple[list, list[str]]:
-        """New admissions (as many as there is room for) and aborts, in one round trip; with nothing to step,
-        the admissions read blocks a moment."""
-        room = 0 if self.draining else self.core.max_running - self.core.num_requests
-        idle = self.core.num_requests == 0
-        aborts = idle or time.monotonic() >= self._next_aborts_read
-        pipe = self.redis.pipeline(transaction=False)
-        if room > 0:
-            pipe.xreadgroup(GROUP, self.verifier_id, {self.keys.admissions: ">"}, count=room,
-                            block=IDLE_BLOCK_MS if idle else None)
-        if aborts:
-            pipe.xread({self.keys.aborts: self._aborts_after}, count=1024)
-            self._next_aborts_read = time.monotonic() + ABORTS_EVERY_S
-        if idle and room <= 0:
-            await asyncio.sleep(IDLE_BLOCK_MS / 1e3)
-        if not len(pipe):
-            return [], []
-        try:
-            answers = await pipe.execute()
-        except ResponseError as exc:
-            if "NOGROUP" in str(exc):  # Redis restarted empty
-                await self._register()
-                return [], []
-            raise
-        admissions = [item for _, items in (answers[0] or ()) for item in items] if room > 0 else []
-        entries = [entry for _, items in answers[-1] or () for entry in items] if aborts else []
-        if entries:
-            self._aborts_after = entries[-1][0]
-        return admissions, self._aborts_in(entries)
+    def _arrivals(self) -> tuple[list, list[str]]:
+        """What the listeners took since the last turn: admissions (none while draining: they stay pending
+        for another verifier) and aborts."""
+        admissions, aborts = self._new_admissions, self._new_aborts
+        self._new_admissions, self._new_aborts = [], []
+        self._arrived.clear()
+        return ([] if self.draining else admissions), aborts
+
+    async def _listen_admissions(self) -> None:
+        """Take admissions as they come, as many as there is room for: a read waits in Redis until one does,
+        so a running step reads nothing (the consumer group hands each admission to one verifier)."""
+        backoff = redis_reconnect()
+        while not self.stopped.is_set():
+            await self._joined.wait()
+            room = self.core.max_running - self.core.num_requests - len(self._new_admissions)
+            if self.draining or room <= 0:
+                await asyncio.sleep(FULL_WAIT_S)
+                continue
+            try:
+                answer = await self.redis.xreadgroup(GROUP, self.verifier_id, {self.keys.admissions: ">"},
+                                                     count=room, block=LISTEN_BLOCK_MS)
+                backoff.reset()
+            except ResponseError as exc:
+                if "NOGROUP" in str(exc):  # Redis restarted empty: the loop joins again
+                    self._rejoin = True
+                    self._arrived.set()
+                else:
+                    log.warning("reading the admissions failed: %s", exc)
+                await asyncio.sleep(backoff.next())
+                continue
+            except REDIS_DOWN:
+                await asyncio.sleep(backoff.next())
+                continue
+            items = [item for _, entries in answer or () for item in entries]
+            if items:
+                self._new_admissions += items
+                self._arrived.set()
+
+    async def _listen_aborts(self) -> None:
+        """Take the pool's aborts as they come (every verifier reads them all)."""
+        backoff = redis_reconnect()
+        while not self.stopped.is_set():
+            await self._joined.wait()
+            try:
+                answer = await self.redis.xread({self.keys.aborts: self._aborts_after}, count=1024,
+                                                block=LISTEN_BLOCK_MS)
+                backoff.reset()
+            except REDIS_DOWN:
+                await asyncio.sleep(backoff.next())
+                continue
+            entries = [entry for _, items in answer or () for entry in items]
+            if entries:
+                self._aborts_after = entries[-1][0]
+                self._new_aborts += self._aborts_in(entries)
+                self._arrived.set()
 
     def _aborts_in(self, entries) -> list[str]:
         """The request ids of the validly signed aborts among the stream's ``entries``."""
@@ -327,7 +370,10 @@ class EngineWorker:
             self.metrics.jobs.labels("error").inc()
             dropped.append(entry_id)
             return None
-        if rid in self._aborted or rid in self._held:
+        held = self._held.get(rid)
+        if held is not None and held.entry_id == entry_id:  # this very admission runs (taken back from the log)
+            return None
+        if rid in self._aborted or held is not None:
             dropped.append(entry_id)
             return None
         logged = logged or []
@@ -500,6 +546,7 @@ class EngineWorker:
         """Stop taking admissions and finish the requests held, for at most ``DRAIN_S``: what is left stays
         pending, for another verifier (or this one restarted) to adopt."""
         self.draining = True
+        await _cancelled(*self._listeners[:1])  # no more admissions: a read under way would take some
         try:
             await self.queue.unregister()
         except REDIS_DOWN:
@@ -520,11 +567,19 @@ async def _settled(*tasks: asyncio.Task | None) -> None:
     await asyncio.gather(*(t for t in tasks if t is not None), return_exceptions=True)
 
 
-async def _kept(reading: asyncio.Task | None) -> asyncio.Task | None:
-    """A read under way, once ended: kept if it succeeded (the admissions it took are this verifier's now,
-    served at the next turn), else None."""
-    await _settled(reading)
-    return reading if reading is not None and not reading.cancelled() and reading.exception() is None else None
+async def _cancelled(*tasks: asyncio.Task) -> None:
+    for task in tasks:
+        task.cancel()
+    await _settled(*tasks)
+
+
+async def _wait(event: asyncio.Event, timeout_s: float) -> None:
+    """Until ``event`` is set, for at most ``timeout_s``."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await event.wait()
+    except TimeoutError:
+        pass
 
 
 def _entry_order(entry_id: bytes) -> tuple[int, int]:
