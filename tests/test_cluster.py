@@ -228,8 +228,8 @@ def test_killing_a_verifier_and_a_drafter_loses_no_request(cluster, questions, p
     chosen = list(range(8))
     started = threading.Barrier(len(chosen) + 1)
     with Client(cluster.router_address) as client, ThreadPoolExecutor(len(chosen)) as pool:
-        futures = [pool.submit(stream_collect, client, questions[i], started) for i in chosen]
-        started.wait(timeout=120)  # every stream is under way
+        futures = [pool.submit(stream_collect, client, questions[i], started, 1) for i in chosen]
+        started.wait(timeout=120)  # every stream is under way (its first token in: most of it to come)
         signer = QueueSigner(cluster.queue_key)
         held = {v.name: call_verifier(v.address, "info", signer).get("active_sessions", 0) for v in cluster.verifiers}
         busiest = max(cluster.verifiers, key=lambda v: held[v.name])
@@ -293,7 +293,7 @@ def test_redis_restart_fails_fast_or_completes_and_then_serves_again(cluster, qu
 
     with Client(cluster.router_address, retries=0) as client, ThreadPoolExecutor(len(chosen)) as pool:
         futures = [pool.submit(run, i) for i in chosen]
-        started.wait(timeout=120)  # every stream is under way
+        started.wait(timeout=120)  # every stream is under way (its first token in: most of it to come)
         cluster.redis.stop()  # the supervisor starts it again, empty
         wait_until(cluster.redis.alive, what="the supervisor restarted Redis")
         results = [f.result(timeout=300) for f in futures]  # bounds a hang: a request waits JOB_TIMEOUT_S at most
@@ -320,7 +320,7 @@ def test_sigterm_drains_a_verifier_without_losing_requests(cluster, questions, p
     chosen = [16, 17, 18, 19]
     started = threading.Barrier(len(chosen) + 1)
     with Client(cluster.router_address) as client, ThreadPoolExecutor(len(chosen)) as pool:
-        futures = [pool.submit(stream_collect, client, questions[i], started) for i in chosen]
+        futures = [pool.submit(stream_collect, client, questions[i], started, 1) for i in chosen]
         started.wait(timeout=120)
         drained = leaving.popen
         leaving.signal(signal.SIGTERM)
@@ -447,7 +447,7 @@ def test_requests_outlive_a_restart_of_the_only_verifier_longer_than_the_job_tim
     with LocalCluster(spec) as cluster, Client(cluster.router_address) as client:
         started = threading.Barrier(len(chosen) + 1)
         with ThreadPoolExecutor(len(chosen)) as pool:
-            futures = [pool.submit(stream_collect, client, questions[i], started) for i in chosen]
+            futures = [pool.submit(stream_collect, client, questions[i], started, 1) for i in chosen]
             started.wait(timeout=120)
             killed_at, popen = time.monotonic(), cluster.verifiers[0].popen
             cluster.verifiers[0].signal(signal.SIGKILL)

@@ -80,7 +80,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def Generate(self, request, context):
         ticket = await self.router.prepare(self._ticket, request)
         generation = None
-        async for generation, _ in self.router.generate(ticket):
+        async for generation, _ in self.router.generate(ticket, final_only=True):  # the answer goes whole
             pass
         return router_pb2.GenerateResponse(
             request_id=request.request_id or ticket.request.request_id, text=self.router.decode(generation.token_ids),

@@ -207,8 +207,9 @@ class Router:
 
     # ---- generation ----
 
-    async def generate(self, ticket: Ticket) -> AsyncIterator[tuple[Generation, StepOutput]]:
-        """Admit the request (or refuse it with ResourceExhausted) and yield each step's tokens."""
+    async def generate(self, ticket: Ticket, final_only: bool = False) -> AsyncIterator[tuple[Generation, StepOutput]]:
+        """Admit the request (or refuse it with ResourceExhausted) and yield each step's tokens (``final_only``:
+        the whole answer once, for a caller that sends it whole: no wake-up a step)."""
         if self.active >= self.limits.max_concurrent_requests:
             raise ResourceExhausted(
                 f"{self.active} requests are in flight, the limit is {self.limits.max_concurrent_requests}; retry later"
@@ -224,13 +225,13 @@ class Router:
                 raise
             if backlog > self.limits.max_queue_backlog:
                 raise ResourceExhausted(f"the queue holds {backlog} requests no verifier has taken; retry later")
-            async with aclosing(self._run(ticket)) as steps:
+            async with aclosing(self._run(ticket, final_only)) as steps:
                 async for output in steps:
                     yield output
         finally:
             self.active -= 1
 
-    async def _run(self, ticket: Ticket) -> AsyncIterator[tuple[Generation, StepOutput]]:
+    async def _run(self, ticket: Ticket, final_only: bool) -> AsyncIterator[tuple[Generation, StepOutput]]:
         """An admitted request's answer from the verifier that runs its steps, counted in the metrics."""
         request = ticket.request
         if ticket.budget > 0:
@@ -242,15 +243,15 @@ class Router:
             self.metrics.requests_by_kind.labels(request.kind or GENERAL).inc()
             self.metrics.in_flight.inc()
         try:
-            deltas = self.engine.generate(request, ticket.budget, ticket.speculation == "fixed")
+            # the clock hears each step's tokens as they arrive, whether or not this task wakes for them
+            deltas = self.engine.generate(request, ticket.budget, ticket.speculation == "fixed", final_only=final_only,
+                                          on_tokens=clock.tokens_arrived if clock is not None else None)
             async with aclosing(deltas):
                 async for delta in deltas:
                     if delta.stats is not None:
                         generation.stats = delta.stats
                     generation.token_ids.extend(delta.tokens)
                     generation.finish_reason = delta.finish_reason
-                    if clock is not None:
-                        clock.tokens_arrived(len(delta.tokens))
                     yield generation, StepOutput(delta.tokens, delta.finish_reason, timing=delta.timing)
         finally:
             if self.metrics is not None:

@@ -1,5 +1,5 @@
-"""A router's end of the engine-core path (``--step-loop verifier``): it admits a request once and reads its
-answer as deltas; the step loop runs in the verifier that took it (``engine_worker.py``).
+"""A router's end of the pipeline: it admits a request once and reads its answer as deltas; the step loop
+runs in the verifier that took it (``engine_worker.py``).
 
 One listener reads the router's outputs stream (one message a verifier step, every request of this router
 in it) and hands each delta to its request's queue. A delta carries its answer position, so a delta seen

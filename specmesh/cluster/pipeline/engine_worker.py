@@ -1,5 +1,5 @@
-"""A verifier's engine loop (the engine-core path, ``--step-loop verifier``): the step loop of every request
-this verifier holds runs here, beside the target, and the router is the front door.
+"""A verifier's engine loop: the step loop of every request this verifier holds runs here, beside the
+target, and the router is the front door.
 
 Two listeners wait in Redis for what comes: new requests from the pool's admissions stream while there is
 room (the consumer group hands each to one verifier), and the pool's aborts. Each turn takes what they
@@ -12,7 +12,7 @@ until the request ends, and each step's outputs are also logged on the verifier'
 transaction. A verifier that sees another's heartbeat stop (or restarts under its own id) claims its pending
 admissions and rebuilds each request from its prompt and logged tokens; routers drop what they already have.
 
-Keys (besides the job path's, ``pipeline/__init__.py``): ``specmesh:P:admissions`` (consumer group
+Keys (all of them: ``pipeline/__init__.py``): ``specmesh:P:admissions`` (consumer group
 ``verifiers``), ``specmesh:P:aborts`` (read by every verifier), ``specmesh:outputs:<router>``,
 ``specmesh:P:log:<verifier>`` (the commit log, trimmed to what the requests held need), ``specmesh:P:routing``
 (the routers' routing snapshot, read about once a second).
