@@ -254,5 +254,8 @@ class EngineClient:
         for delta in message.deltas:
             receiver = self._receivers.get(delta.request_id)
             if receiver is not None:
-                receiver.put(delta)
+                try:
+                    receiver.put(delta)
+                except Exception:  # a caller's on_tokens: the listener serves every other request on
+                    log.exception("handing over a delta of %s failed", delta.request_id)
 
