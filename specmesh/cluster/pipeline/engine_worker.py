@@ -313,6 +313,10 @@ class EngineWorker:
             except REDIS_DOWN:
                 await asyncio.sleep(backoff.next())
                 continue
+            except Exception:  # whatever it was, admissions must go on being taken
+                log.exception("reading the admissions failed; retrying")
+                await asyncio.sleep(backoff.next())
+                continue
             items = [item for _, entries in answer or () for item in entries]
             if items:
                 self._new_admissions += items
@@ -328,6 +332,10 @@ class EngineWorker:
                                                 block=LISTEN_BLOCK_MS)
                 backoff.reset()
             except REDIS_DOWN:
+                await asyncio.sleep(backoff.next())
+                continue
+            except Exception:  # whatever it was, aborts must go on being heard
+                log.exception("reading the aborts failed; retrying")
                 await asyncio.sleep(backoff.next())
                 continue
             entries = [entry for _, items in answer or () for entry in items]
