@@ -298,26 +298,9 @@ class EngineWorker:
             if self.draining or room <= 0:
                 await asyncio.sleep(FULL_WAIT_S)
                 continue
-            try:
-                answer = await self.redis.xreadgroup(GROUP, self.verifier_id, {self.keys.admissions: ">"},
-                                                     count=room, block=LISTEN_BLOCK_MS)
-                backoff.reset()
-            except ResponseError as exc:
-                if "NOGROUP" in str(exc):  # Redis restarted empty: the loop joins again
-                    self._rejoin = True
-                    self._arrived.set()
-                else:
-                    log.warning("reading the admissions failed: %s", exc)
-                await asyncio.sleep(backoff.next())
-                continue
-            except REDIS_DOWN:
-                await asyncio.sleep(backoff.next())
-                continue
-            except Exception:  # whatever it was, admissions must go on being taken
-                log.exception("reading the admissions failed; retrying")
-                await asyncio.sleep(backoff.next())
-                continue
-            items = [item for _, entries in answer or () for item in entries]
+            items = await self._listened(lambda: self.redis.xreadgroup(
+                GROUP, self.verifier_id, {self.keys.admissions: ">"}, count=room, block=LISTEN_BLOCK_MS),
+                "admissions", backoff)
             if items:
                 self._new_admissions += items
                 self._arrived.set()
@@ -327,22 +310,32 @@ class EngineWorker:
         backoff = redis_reconnect()
         while not self.stopped.is_set():
             await self._joined.wait()
-            try:
-                answer = await self.redis.xread({self.keys.aborts: self._aborts_after}, count=1024,
-                                                block=LISTEN_BLOCK_MS)
-                backoff.reset()
-            except REDIS_DOWN:
-                await asyncio.sleep(backoff.next())
-                continue
-            except Exception:  # whatever it was, aborts must go on being heard
-                log.exception("reading the aborts failed; retrying")
-                await asyncio.sleep(backoff.next())
-                continue
-            entries = [entry for _, items in answer or () for entry in items]
+            entries = await self._listened(lambda: self.redis.xread(
+                {self.keys.aborts: self._aborts_after}, count=1024, block=LISTEN_BLOCK_MS), "aborts", backoff)
             if entries:
                 self._aborts_after = entries[-1][0]
                 self._new_aborts += self._aborts_in(entries)
                 self._arrived.set()
+
+    async def _listened(self, read, what: str, backoff) -> list:
+        """The entries a blocking ``read`` of the ``what`` stream brought; none, after a pause, when it failed,
+        whatever failed: a listener that died would leave the verifier looking alive and taking nothing."""
+        try:
+            answer = await read()
+            backoff.reset()
+            return [entry for _, entries in answer or () for entry in entries]
+        except ResponseError as exc:
+            if "NOGROUP" in str(exc):  # Redis restarted empty: the loop joins again
+                self._rejoin = True
+                self._arrived.set()
+            else:
+                log.warning("reading the %s failed: %s", what, exc)
+        except REDIS_DOWN:
+            pass
+        except Exception:
+            log.exception("reading the %s failed; retrying", what)
+        await asyncio.sleep(backoff.next())
+        return []
 
     def _aborts_in(self, entries) -> list[str]:
         """The request ids of the validly signed aborts among the stream's ``entries``."""
