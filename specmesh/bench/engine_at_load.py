@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from specmesh.runtime.tree_verifier import TreeVerifier, VerifyJob, VerifyResult
 from specmesh.sampling import SamplingParams
+from specmesh.speculation.engine import InProcessVerifier
 from specmesh.speculation.engine_core import EngineCore
 from specmesh.speculation.policy import FixedPolicy
 from specmesh.speculation.requests import Request
@@ -25,23 +26,20 @@ class EngineRun:
     full_pass_ms: float  # the mean pass with every request of the level decoding (0: none was timed)
 
 
-class _TimedVerifier:
+class _TimedVerifier(InProcessVerifier):
     """The process's tree verifier, as the core calls it, timing the passes where ``level`` requests decode."""
 
     def __init__(self, verifier: TreeVerifier, level: int) -> None:
-        self.verifier = verifier
+        super().__init__(verifier)
         self.level = level
         self.full_passes: list[float] = []
 
     async def verify(self, jobs: list[VerifyJob]) -> list[VerifyResult]:
         started = time.perf_counter()
-        results = self.verifier.verify(jobs)
+        results = await super().verify(jobs)
         if len(jobs) == self.level and all(job.history is None for job in jobs):
             self.full_passes.append(time.perf_counter() - started)
         return results
-
-    async def close(self, request_id: str) -> None:
-        self.verifier.close(request_id)
 
 
 def engine_at_load(verifier: TreeVerifier, prompts: Sequence[Sequence[int]], max_tokens: int, level: int,

@@ -2,7 +2,8 @@
 runs in the verifier that took it (``engine_worker.py``).
 
 One listener reads the router's outputs stream (one message a verifier step, every request of this router
-in it) and hands each delta to its request's queue. A delta carries its answer position, so a delta seen
+in it) and hands each delta to its request's receiver, which wakes the request at each delta or, for an
+answer sent whole, at the last. A delta carries its answer position, so a delta seen
 twice adds nothing. A request whose client left is aborted on the pool's aborts stream.
 """
 
