@@ -44,13 +44,16 @@ class Delta:
 
 
 class _Receiver:
-    """A request's deltas as the listener hands them over, and the wake-up of whoever waits for them: at each
-    delta, or (``final_only``: an answer sent whole) at the last."""
+    """A request's answer as the listener hands its deltas over, each token once (deltas carry their
+    position), and the wake-up of whoever waits: at each delta, or (``final_only``: an answer sent whole) at
+    the last, or at a gap (a step's message lost)."""
 
-    __slots__ = ("deltas", "arrived", "final_only", "on_tokens", "heard", "seen")
+    __slots__ = ("tokens", "last", "gap", "arrived", "final_only", "on_tokens", "heard", "seen")
 
     def __init__(self, final_only: bool, on_tokens: Callable[[int], None] | None) -> None:
-        self.deltas: list = []
+        self.tokens: list[int] = []  # new since the last take
+        self.last: verifier_pb2.RequestDelta | None = None  # the latest delta: its end, stats and step timing
+        self.gap = False
         self.arrived = asyncio.Event()
         self.final_only = final_only
         self.on_tokens = on_tokens  # told how many new tokens each delta brought, as it arrives
@@ -58,20 +61,27 @@ class _Receiver:
         self.seen = 0  # answer tokens handed over
 
     def put(self, delta: verifier_pb2.RequestDelta) -> None:
-        self.deltas.append(delta)
         self.heard += 1
-        new = delta.position + len(delta.tokens) - self.seen
-        if new > 0:
-            self.seen += new
-            if self.on_tokens is not None:
-                self.on_tokens(new)
-        if not self.final_only or delta.finish_reason:
+        if self.gap or (self.last is not None and self.last.finish_reason):
+            return  # nothing after a gap or the end counts
+        if delta.position > self.seen:
+            self.gap = True
+        elif delta.finish_reason != "failed":  # a failure's tokens are not the answer's
+            new = delta.tokens[self.seen - delta.position:]
+            if new:
+                self.tokens += new
+                self.seen += len(new)
+                if self.on_tokens is not None:
+                    self.on_tokens(len(new))
+        self.last = delta
+        if not self.final_only or delta.finish_reason or self.gap:
             self.arrived.set()
 
-    def take(self) -> list:
-        deltas, self.deltas = self.deltas, []
+    def take(self) -> tuple[list[int], verifier_pb2.RequestDelta, bool]:
+        """The tokens since the last take, the latest delta, and whether a step was lost."""
+        tokens, self.tokens = self.tokens, []
         self.arrived.clear()
-        return deltas
+        return tokens, self.last, self.gap
 
 
 class EngineClient:
@@ -161,22 +171,15 @@ class EngineClient:
                 raise queue_unreachable(exc) from None
             self._admitted_since += 1
             raise_if_cancelled()  # redis-py may have swallowed it (specmesh.cancellation)
-            have = 0
             while not finished:
-                deltas = await self._next_deltas(receiver, entry_id)
-                tokens: list[int] = []
-                for delta in deltas:  # the steps that arrived since the last turn, as one delta
-                    if delta.position > have + len(tokens):  # a gap: a step's message was lost
-                        raise Unavailable("a step of this request was lost on its way; retry")
-                    if delta.finish_reason == "failed":
-                        if tokens:
-                            yield Delta(tokens, None, None, None)
-                        raise RequestFailed(delta.message or "the verifier could not serve this request")
-                    tokens += list(delta.tokens)[have + len(tokens) - delta.position:]
-                    if delta.finish_reason:
-                        finished = True
-                        break
-                have += len(tokens)
+                tokens, delta, gap = await self._next_deltas(receiver, entry_id)  # since the last turn, as one
+                if gap:
+                    raise Unavailable("a step of this request was lost on its way; retry")
+                if delta.finish_reason == "failed":
+                    if tokens:
+                        yield Delta(tokens, None, None, None)
+                    raise RequestFailed(delta.message or "the verifier could not serve this request")
+                finished = bool(delta.finish_reason)
                 yield Delta(tokens, delta.finish_reason or None,
                             stats_from_pb(delta.stats) if delta.HasField("stats") else None,
                             trace_from_pb(delta.step) if delta.HasField("step") else None)
@@ -185,9 +188,10 @@ class EngineClient:
             if not finished:
                 await asyncio.shield(self._abort(rid))
 
-    async def _next_deltas(self, receiver: _Receiver, entry_id: bytes) -> list:
-        """The deltas that arrived since the last call, waiting for them: a request that hears nothing for
-        ``timeout_s`` is asked after (a router behind by a few steps takes them in one turn)."""
+    async def _next_deltas(self, receiver: _Receiver,
+                           entry_id: bytes) -> tuple[list[int], verifier_pb2.RequestDelta, bool]:
+        """What arrived since the last call (``_Receiver.take``), waiting for it: a request that hears nothing
+        for ``timeout_s`` is asked after (a router behind by a few steps takes them in one turn)."""
         while not receiver.arrived.is_set():
             heard = receiver.heard
             try:
