@@ -28,6 +28,7 @@ from specmesh.acceptance import Verdict, verify_greedy, verify_mss
 from specmesh.errors import InvalidArgument, RequestFailed
 from specmesh.runtime.features import MAX_PROMPT_FEATURES, Features
 from specmesh.runtime.llama import TreeBatch, check_feature_layers
+from specmesh.runtime.prefill_cost import PrefillCost
 from specmesh.runtime.target import TargetRuntime, prefill_sessions, score_with_features
 from specmesh.sampling import SamplingParams, target_probabilities
 from specmesh.tree import MAX_TREE_NODES, CompiledTree, TokenTree, compile_tree
@@ -74,13 +75,10 @@ class VerifyResult:
 
 @dataclass
 class Prefill:
-    """A history being cached over several passes (chunked prefill), and the chunk its next pass takes:
-    sized by feedback so that the chunk's time stays near the pass's prefill budget."""
+    """A history being cached over several passes (chunked prefill)."""
 
     step: int  # of the job whose history it is: another step of the request starts over
-    chunk: int
     tail: torch.Tensor | None = None  # feature rows of the positions cached so far (the last ones kept)
-    ms_per_token: float = 0.0  # of its last chunk: a smaller budget than that chunk's shrinks the next one at once
 
 
 @dataclass
@@ -109,7 +107,7 @@ def step_generator(params: SamplingParams, position: int, device: torch.device, 
     return generator
 
 
-FIRST_CHUNK = 64  # tokens of a budgeted prefill's first pass, before its time per token is known
+FIRST_CHUNK = 64  # tokens of a budgeted prefill's first pass, whatever the budget
 
 
 class TreeVerifier:
@@ -132,6 +130,7 @@ class TreeVerifier:
         self.stats = VerifierStats()
         self._warned: set[str] = set()  # each reason features cannot be given is logged once
         self._prefilling: dict[str, Prefill] = {}  # requests whose history is partly cached
+        self.prefill_cost = PrefillCost()  # what a prefill call costs: its chunks are sized on it
 
     @property
     def num_sessions(self) -> int:
@@ -184,26 +183,28 @@ class TreeVerifier:
         session = self._sessions.get(job.request_id)
         if job.history is None or (session is not None and session.length == job.position):
             return 0
-        if not self.resuming(job):
+        if not self._under_way(job):
             return min(job.position, FIRST_CHUNK)
-        return min(job.position - session.length, self._prefilling[job.request_id].chunk)
+        return job.position - session.length
+
+    def _under_way(self, job: VerifyJob) -> bool:
+        """Whether an earlier call cached a chunk of the job's history already."""
+        return self.resuming(job) and self._sessions[job.request_id].length > 0
 
     def prefill_chunks(self, jobs: Sequence[VerifyJob], budget_ms: float | None = None) -> list[int]:
         """History tokens each job's next call caches, within ``budget_ms`` (a budget can drop from one pass to
-        the next: the prefill had the verifier to itself, now shares it). Prefills under way take the budget
-        at their last time per token, shortest remainder first (the least mean wait: a short prompt's last
-        chunk does not queue behind a long one's), at least a token each; a new request's first chunk is
-        ``FIRST_CHUNK`` tokens, its time per token not known yet."""
+        the next: the prefill had the verifier to itself, now shares it). Prefills under way share the tokens
+        the measured prefill cost fits in the budget, shortest remainder first (the least mean wait: a short
+        prompt's last chunk does not queue behind a long one's), at least a token each; a new request's first
+        chunk is ``FIRST_CHUNK`` tokens whatever the budget."""
         chunks = [self.next_prefill(job) for job in jobs]
         if budget_ms is None:
             return chunks
-        left = budget_ms
-        under_way = [i for i, job in enumerate(jobs) if chunks[i] and self.resuming(job)]
-        for i in sorted(under_way, key=lambda i: jobs[i].position - self._sessions[jobs[i].request_id].length):
-            ms_per_token = self._prefilling[jobs[i].request_id].ms_per_token
-            if ms_per_token:
-                chunks[i] = min(chunks[i], max(1, int(left / ms_per_token)))
-                left = max(0.0, left - chunks[i] * ms_per_token)
+        left = self.prefill_cost.tokens_within(budget_ms)
+        under_way = [i for i, job in enumerate(jobs) if chunks[i] and self._under_way(job)]
+        for i in sorted(under_way, key=lambda i: chunks[i]):
+            chunks[i] = min(chunks[i], max(1, left))
+            left = max(0, left - chunks[i])
         return chunks
 
     def verify(self, jobs: Sequence[VerifyJob], prefill_ms: float | None = None) -> list[VerifyResult]:
@@ -225,7 +226,7 @@ class TreeVerifier:
                 if not current and not self.resuming(job):
                     self.close(job.request_id)
                     self._open(job.request_id)
-                    self._prefilling[job.request_id] = Prefill(job.step, FIRST_CHUNK)
+                    self._prefilling[job.request_id] = Prefill(job.step)
                 self._sessions.move_to_end(job.request_id)
                 self._last_used[job.request_id] = time.monotonic()
                 if not current:
@@ -348,14 +349,7 @@ class TreeVerifier:
         layers = _union([j.feature_layers for j in jobs])
         started = time.perf_counter()
         hidden = prefill_sessions(self.runtime, sessions, [j.history[:end] for j, end in zip(jobs, ends)], layers)
-        if budget_ms is not None:  # the time per token, and each one's next chunk sized against the budget
-            elapsed_ms, total = (time.perf_counter() - started) * 1e3, sum(e - b for e, b in zip(ends, before))
-            for job, start, end in zip(jobs, before, ends):
-                state = self._prefilling.get(job.request_id)
-                if state is not None and end > start and elapsed_ms > 0:
-                    state.ms_per_token = elapsed_ms / total
-                    ratio = budget_ms / (state.ms_per_token * (end - start))  # prefill_chunks shares the budget
-                    state.chunk = max(1, round((end - start) * min(max(ratio, 0.5), 2.0)))  # at most x2 a pass
+        self.prefill_cost.observe(sum(e - b for e, b in zip(ends, before)), (time.perf_counter() - started) * 1e3)
         tails = {}
         for job, values in zip(jobs, hidden):
             if not job.feature_layers or values is None:
