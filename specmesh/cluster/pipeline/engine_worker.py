@@ -440,18 +440,24 @@ class EngineWorker:
         report = self.routing.report(flush=any(o.finish_reason for o in outputs)) if by_router else None
         if report is not None:  # on one router's message: no Redis command of its own
             next(iter(by_router.values())).report.CopyFrom(report)
-        step = verifier_pb2.StepOutputs(verifier_id=self.verifier_id,
-                                        deltas=[d for m in by_router.values() for d in m.deltas if d.tokens])
-        logged = step.SerializeToString() if step.deltas else b""
-        posts = [(message.SerializeToString(), reply_to) for reply_to, message in by_router.items()]
+        posts = [(payload, self.signer.tag(OUTPUTS, payload), reply_to)
+                 for reply_to, message in by_router.items() for payload in (message.SerializeToString(),)]
+        tokened = [d for m in by_router.values() for d in m.deltas if d.tokens]
+        # one router: its message is the log entry too (a delta without tokens changes no answer read back)
+        if len(posts) == 1 and tokened:
+            logged, logged_tag = posts[0][:2]
+        else:
+            step = verifier_pb2.StepOutputs(verifier_id=self.verifier_id, deltas=tokened)
+            logged = step.SerializeToString() if tokened else b""
+            logged_tag = self.signer.tag(OUTPUTS, logged) if logged else b""
         logged_at = await self._publish_script(
-            keys=[self.keys.alive(self.verifier_id), self.commit_log, self.keys.admissions, *(r for _, r in posts)],
-            args=[logged, self.signer.tag(OUTPUTS, logged) if logged else b"", OUTPUTS_MAXLEN, GROUP, len(done), *done,
-                  *(part for payload, _ in posts for part in (payload, self.signer.tag(OUTPUTS, payload)))])
+            keys=[self.keys.alive(self.verifier_id), self.commit_log, self.keys.admissions, *(r for *_, r in posts)],
+            args=[logged, logged_tag, OUTPUTS_MAXLEN, GROUP, len(done), *done,
+                  *(part for payload, tag, _ in posts for part in (payload, tag))])
         if logged_at == FENCED:
             self.lapsed = True  # nothing was posted: the next turn lets every request go
             return
-        for delta in step.deltas:
+        for delta in tokened:
             held = self._held.get(delta.request_id)
             if held is not None and held.logged_from is None:
                 held.logged_from = logged_at
