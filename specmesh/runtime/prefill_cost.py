@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 WEIGHT = 0.1  # of the newest call in the running sums: about the last 10 calls count
-SPREAD = 0.05  # the calls' sizes must spread at least this much (relative) for a fitted line
+SPREAD = 0.25  # the calls' sizes must spread this much (standard deviation over mean) for a line: over
+# chunks of nearly one size, timing noise alone sets the slope
 
 
 @dataclass
@@ -53,8 +54,8 @@ class PrefillCost:
 
     def tokens_within(self, budget_ms: float) -> int:
         """Tokens a call may cache within ``budget_ms`` (at least 1). Where the fixed part alone exceeds the
-        budget no chunk keeps within it, and each further call pays it again: the chunk then takes as long
-        again as the fixed part (half of such a call's time caches tokens)."""
+        budget no chunk keeps within it, and each further call pays it again: the tokens then take the budget
+        on top of the fixed part (a chunk's time at most twice the fixed part)."""
         if self.marginal_ms <= 0:
             return 1
-        return max(1, int(max(budget_ms - self.fixed_ms, self.fixed_ms) / self.marginal_ms))
+        return max(1, int(max(budget_ms - self.fixed_ms, min(self.fixed_ms, budget_ms)) / self.marginal_ms))
