@@ -291,7 +291,11 @@ class TorchThread:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
 
     async def run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        return await self.submit(fn, *args)
+
+    def submit(self, fn, *args) -> asyncio.Future:
+        """``fn(*args)`` handed to the thread now; its result when awaited."""
+        return asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True)

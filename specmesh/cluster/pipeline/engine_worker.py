@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from redis.exceptions import ResponseError
@@ -89,10 +90,12 @@ FENCED = -1
 class ThreadedVerifier:
     """The tree verifier as the engine core calls it, its passes on the torch thread, counted."""
 
-    def __init__(self, verifier: TreeVerifier, torch_thread: TorchThread, metrics: VerifierMetrics) -> None:
+    def __init__(self, verifier: TreeVerifier, torch_thread: TorchThread, metrics: VerifierMetrics,
+                 on_pass: Callable[[], None] | None = None) -> None:
         self.verifier = verifier
         self.torch_thread = torch_thread
         self.metrics = metrics
+        self.on_pass = on_pass  # called once a pass is on the torch thread: the event loop's work meanwhile
         self.decode_ms: float | None = None  # a pass without prefills, smoothed
         # read when scraped, not set at each pass: what the caches hold now, closes and evictions included
         metrics.kv_sessions.set_function(lambda: verifier.num_sessions)
@@ -108,7 +111,10 @@ class ThreadedVerifier:
         # prefills share a pass with decoding requests within a budget; alone, within a larger one
         decoding = sum(job.history is None for job in jobs)
         budget = self.prefill_budget_ms if decoding else PREFILL_ALONE_MS
-        results = await self.torch_thread.run(self.verifier.verify, jobs, budget)
+        passing = self.torch_thread.submit(self.verifier.verify, jobs, budget)
+        if self.on_pass is not None:
+            self.on_pass()
+        results = await passing
         seconds = time.monotonic() - started
         if decoding == len(jobs):
             ms = seconds * 1e3
@@ -154,8 +160,10 @@ class EngineWorker:
         self.metrics.watch_policy(policy)  # what the controller learned, where it plans
         # the routers own the routing table: this one's steps' counts go to them, their snapshots come here
         self.routing = RoutingFollower(policy.router, self.signer, self.metrics)
-        self.core = EngineCore(ThreadedVerifier(verifier, torch_thread, self.metrics), eos_token_ids,
-                               max_running=verifier.max_sessions)
+        threaded = ThreadedVerifier(verifier, torch_thread, self.metrics, on_pass=self._send)
+        self.core = EngineCore(threaded, eos_token_ids, max_running=verifier.max_sessions)
+        self._unsent: tuple[list[RequestOutput], list[bytes]] | None = None  # the last step's outputs, to publish
+        self._publishing: asyncio.Task | None = None  # their publish, once started
         self._held: dict[str, _Held] = {}
         self._aborted: dict[str, None] = {}  # insertion-ordered, bounded
         self._aborts_after = "0-0"
@@ -229,19 +237,18 @@ class EngineWorker:
         await self.core.close()
 
     async def _loop(self) -> None:
-        """Each turn: what the listeners took (admissions, aborts), one core step, its outputs published. The
-        step's publish runs while the next pass does (the pass is on the torch thread); publishes go out one
-        after another, in step order. No Redis read a step: the listeners wait in Redis for what comes."""
+        """Each turn: what the listeners took (admissions, aborts), one core step, its outputs published. A
+        step's publish starts once the next pass has (``ThreadedVerifier.on_pass``): its work on this thread
+        runs while the torch thread passes, not between passes. Publishes go out one after another, in step
+        order. No Redis read a step: the listeners wait in Redis for what comes."""
         registered = False
         backoff = redis_reconnect()
-        publishing: asyncio.Task | None = None
         while not self.stopped.is_set():
             try:
                 if not registered or self.lapsed or self._rejoin:
                     self._joined.clear()
                     self._rejoin = False
-                    await _settled(publishing)  # its acknowledgements first: what is pending is taken back
-                    publishing = None
+                    await self._flush()  # its acknowledgements first: what is pending is taken back
                     await self._register()
                     registered = True
                     self._joined.set()
@@ -250,35 +257,48 @@ class EngineWorker:
                     self._next_adoption = time.monotonic() + ADOPT_EVERY_S
                 # the routers' routing snapshot, about once a second, for the drafters it has
                 await self.routing.poll(self.redis, self.keys.routing, self._drafter_names)
-                if not self.core.num_requests and publishing is None:
-                    await _wait(self._arrived, IDLE_WAIT_S)
+                if not self.core.num_requests:
+                    self._send()  # no pass to wait for
+                    if self._publishing is None:
+                        await _wait(self._arrived, IDLE_WAIT_S)
                 admissions, aborts = self._arrivals()
                 dropped: list[bytes] = []  # admission entries acknowledged unserved
                 for rid in aborts:
                     await self._abort(rid, dropped)
                 refused = [r for r in (self._admit(e, fields, dropped) for e, fields in admissions) if r is not None]
                 outputs = refused + await self.core.step()
-                if publishing is not None:
+                self._send()  # where this turn ran no pass
+                if self._publishing is not None:
+                    publishing, self._publishing = self._publishing, None
                     await publishing  # the last step's, sent while this one's pass ran
-                    publishing = None
                 self._forget_unheld(outputs, dropped)
                 if outputs or dropped:
-                    publishing = asyncio.create_task(self._publish(outputs, dropped))
+                    self._unsent = (outputs, dropped)
                 backoff.reset()
             except REDIS_DOWN as exc:
-                await _settled(publishing)
-                publishing = None
+                await self._flush()
                 if registered:
                     log.warning("Redis unreachable (%s); retrying", exc)
                 registered = False
                 await asyncio.sleep(backoff.next())
             except Exception:
-                await _settled(publishing)
-                publishing = None
+                await self._flush()
                 log.exception("the engine loop failed; carrying on")
                 self.metrics.worker_errors.inc()
                 await asyncio.sleep(backoff.next())
-        await _settled(publishing)  # the last step's outputs go out
+        await self._flush()  # the last step's outputs go out
+
+    def _send(self) -> None:
+        """Start publishing the last step's outputs, if not yet started."""
+        if self._unsent is not None:
+            self._publishing = asyncio.create_task(self._publish(*self._unsent))
+            self._unsent = None
+
+    async def _flush(self) -> None:
+        """The last step's outputs sent, whatever came of it (the loop logs or retries a failure)."""
+        self._send()
+        await _settled(self._publishing)
+        self._publishing = None
 
     def _arrivals(self) -> tuple[list, list[str]]:
         """What the listeners took since the last turn: admissions (none while draining: they stay pending
