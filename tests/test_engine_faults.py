@@ -233,3 +233,29 @@ def test_requests_after_redis_was_killed_and_restarted_empty_are_served(restarta
     before, after = asyncio.run(main())
     expected = plain_greedy(tiny_model, PROMPT, 16)
     assert before == expected and after == [expected] * 8
+
+
+def test_an_answer_sent_whole_is_posted_once_also_after_its_verifier_restarted(redis_server, tiny_model, caplog):
+    """A router that sends the answer whole (``final_only``): the verifier logs every step but posts only the
+    end, one delta with the whole answer, also when it died mid-way and took the request back from its log."""
+    caplog.set_level(logging.INFO, "specmesh.cluster.pipeline.engine_worker")
+    request = Request(PROMPT, SamplingParams(max_tokens=300), "whole")
+
+    async def main():
+        async with EnginePool(redis_server.url, tiny_model, workers=1) as pool:
+            async def deltas():
+                return [d async for d in pool.client.generate(request, 6, fixed_budget=True, final_only=True)]
+
+            answering = asyncio.create_task(deltas())
+            while await pool.redis.xlen(pool.keys.commit_log("v0")) < 5:  # some steps logged, none posted
+                await asyncio.sleep(0.005)
+            assert await deltas_by_verifier(pool, "whole") == []
+            await asyncio.to_thread(pool.nodes[0].stop)
+            await pool.add_node("v0")
+            return await asyncio.wait_for(answering, HANG_S), await deltas_by_verifier(pool, "whole")
+
+    answer, posted = asyncio.run(main())
+    assert len(answer) == 1 and answer[0].finish_reason == "length" and answer[0].stats is not None
+    assert answer[0].tokens == plain_greedy(tiny_model, PROMPT, 300)
+    assert posted == ["v0"], "one message, at the end"
+    assert "took over 1 request(s) v0 held" in caplog.text

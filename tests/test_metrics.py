@@ -108,6 +108,23 @@ def test_the_controllers_learned_state_is_exported_at_each_scrape():
     assert value("specmesh_controller_drafting_shares_cores") == 1.0  # no pass curve yet
 
 
+def test_an_answer_sent_whole_is_clocked_by_the_verifiers_times():
+    """A unary answer reaches the router at its end: its first token came before that by the verifier's time
+    from its first token to its last, and its tokens are spread over that time."""
+    from specmesh.cluster.metrics import RequestClock
+
+    metrics = RouterMetrics()
+    value = metrics.registry.get_sample_value
+    clock = RequestClock(metrics)
+    clock.started -= 1.0  # admitted a second ago
+    clock.answer_arrived(5, first_token_s=0.2, total_s=0.6)
+    assert value("specmesh_generated_tokens_total") == 5
+    assert value("specmesh_time_to_first_token_seconds_count") == 1
+    assert value("specmesh_time_to_first_token_seconds_sum") == pytest.approx(0.6, abs=0.05)  # 1.0 - (0.6 - 0.2)
+    assert value("specmesh_inter_token_seconds_count") == 4
+    assert value("specmesh_inter_token_seconds_sum") == pytest.approx(0.4)
+
+
 def test_metrics_are_served_over_http_and_a_bad_address_is_refused():
     metrics = RouterMetrics()
     metrics.generated.inc(7)

@@ -243,13 +243,16 @@ class Router:
             self.metrics.requests_by_kind.labels(request.kind or GENERAL).inc()
             self.metrics.in_flight.inc()
         try:
-            # the clock hears each step's tokens as they arrive, whether or not this task wakes for them
+            # the clock hears each step's tokens as they arrive; an answer sent whole, by the verifier's clock
+            streamed = clock is not None and not final_only
             deltas = self.engine.generate(request, ticket.budget, ticket.speculation == "fixed", final_only=final_only,
-                                          on_tokens=clock.tokens_arrived if clock is not None else None)
+                                          on_tokens=clock.tokens_arrived if streamed else None)
             async with aclosing(deltas):
                 async for delta in deltas:
                     if delta.stats is not None:
                         generation.stats = delta.stats
+                        if clock is not None and not streamed:
+                            clock.answer_arrived(len(delta.tokens), delta.stats.first_token_s, delta.stats.total_s)
                     generation.token_ids.extend(delta.tokens)
                     generation.finish_reason = delta.finish_reason
                     yield generation, StepOutput(delta.tokens, delta.finish_reason, timing=delta.timing)

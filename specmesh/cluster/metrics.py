@@ -295,7 +295,8 @@ class MeteredRequest:
 
 
 class RequestClock:
-    """TTFT and inter-token latency of one request, fed as its tokens arrive."""
+    """TTFT and inter-token latency of one request, fed as its tokens arrive (``tokens_arrived``) or, for an
+    answer sent whole, at its end from the verifier's own clock (``answer_arrived``)."""
 
     def __init__(self, metrics: RouterMetrics) -> None:
         self.metrics = metrics
@@ -313,6 +314,20 @@ class RequestClock:
             gap = (now - self.last) / count  # a step's tokens arrive together: its time is spread over them
             for _ in range(count):
                 self.metrics.inter_token.observe(gap)
+        self.tokens += count
+        self.last = now
+
+    def answer_arrived(self, count: int, first_token_s: float, total_s: float) -> None:
+        """A whole answer of ``count`` tokens, which the verifier ran for ``total_s``, its first token at
+        ``first_token_s``: the first token came that much before the end reached here."""
+        if count <= 0:
+            return
+        now = time.perf_counter()
+        self.metrics.generated.inc(count)
+        decoding = max(total_s - first_token_s, 0.0)
+        self.metrics.ttft.observe(max(now - self.started - decoding, 0.0))
+        for _ in range(count - 1):
+            self.metrics.inter_token.observe(decoding / (count - 1))
         self.tokens += count
         self.last = now
 

@@ -26,7 +26,7 @@ from specmesh.v1 import common_pb2 as specmesh_dot_v1_dot_common__pb2
 from specmesh.v1 import router_pb2 as specmesh_dot_v1_dot_router__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecmesh/v1/verifier.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\x1a\x18specmesh/v1/router.proto\"\x15\n\x13VerifierInfoRequest\"\xa7\x02\n\x0cVerifierInfo\x12\x13\n\x0bverifier_id\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x16\n\x0etokenizer_hash\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x12\n\nmax_length\x18\x06 \x01(\x05\x12\x14\n\x0cmax_sessions\x18\x07 \x01(\x05\x12\x17\n\x0f\x61\x63tive_sessions\x18\x08 \x01(\x05\x12\x18\n\x10max_batch_tokens\x18\t \x01(\x05\x12\x0f\n\x07\x62\x61tches\x18\n \x01(\x03\x12\x0c\n\x04jobs\x18\x0b \x01(\x03\x12\x15\n\ridle_fraction\x18\x0c \x01(\x01\x12\x10\n\x08\x64raining\x18\r \x01(\x08\x12\x14\n\x0c\x62usy_seconds\x18\x0e \x01(\x01\"\x0e\n\x0c\x44rainRequest\"*\n\rDrainResponse\x12\x19\n\x11released_sessions\x18\x01 \x01(\x05\"\xc3\x01\n\tAdmission\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x06prompt\x18\x02 \x01(\x0b\x32\x15.specmesh.v1.TokenIds\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x16\n\x0emax_tree_nodes\x18\x04 \x01(\x05\x12\x14\n\x0c\x66ixed_budget\x18\x05 \x01(\x08\x12\x0c\n\x04kind\x18\x06 \x01(\t\x12\x10\n\x08reply_to\x18\x07 \x01(\t\"\xc0\x01\n\x0cRequestDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\x05\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x0f\n\x07message\x18\x05 \x01(\t\x12$\n\x04step\x18\x06 \x01(\x0b\x32\x16.specmesh.v1.StepTrace\x12,\n\x05stats\x18\x07 \x01(\x0b\x32\x1d.specmesh.v1.SpeculationStats\"y\n\x0bStepOutputs\x12\x13\n\x0bverifier_id\x18\x01 \x01(\t\x12)\n\x06\x64\x65ltas\x18\x02 \x03(\x0b\x32\x19.specmesh.v1.RequestDelta\x12*\n\x06report\x18\x03 \x01(\x0b\x32\x1a.specmesh.v1.RoutingReport\"\x1b\n\x05\x41\x62ort\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"Y\n\rRoutingRecord\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04team\x18\x03 \x01(\x08\x12\x0c\n\x04hits\x18\x04 \x03(\x01\x12\x10\n\x08\x61ttempts\x18\x05 \x03(\x01\"<\n\rRoutingReport\x12+\n\x07records\x18\x01 \x03(\x0b\x32\x1a.specmesh.v1.RoutingRecord\"\x89\x01\n\x0fRoutingSnapshot\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x11\n\trouter_id\x18\x02 \x01(\t\x12+\n\x07records\x18\x03 \x03(\x0b\x32\x1a.specmesh.v1.RoutingRecord\x12\x14\n\x0cmax_drafters\x18\x04 \x01(\x05\x12\x0f\n\x07\x65xplore\x18\x05 \x01(\x01\x32\x8f\x01\n\x08Verifier\x12\x43\n\x04Info\x12 .specmesh.v1.VerifierInfoRequest\x1a\x19.specmesh.v1.VerifierInfo\x12>\n\x05\x44rain\x12\x19.specmesh.v1.DrainRequest\x1a\x1a.specmesh.v1.DrainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecmesh/v1/verifier.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\x1a\x18specmesh/v1/router.proto\"\x15\n\x13VerifierInfoRequest\"\xa7\x02\n\x0cVerifierInfo\x12\x13\n\x0bverifier_id\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x16\n\x0etokenizer_hash\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x12\n\nmax_length\x18\x06 \x01(\x05\x12\x14\n\x0cmax_sessions\x18\x07 \x01(\x05\x12\x17\n\x0f\x61\x63tive_sessions\x18\x08 \x01(\x05\x12\x18\n\x10max_batch_tokens\x18\t \x01(\x05\x12\x0f\n\x07\x62\x61tches\x18\n \x01(\x03\x12\x0c\n\x04jobs\x18\x0b \x01(\x03\x12\x15\n\ridle_fraction\x18\x0c \x01(\x01\x12\x10\n\x08\x64raining\x18\r \x01(\x08\x12\x14\n\x0c\x62usy_seconds\x18\x0e \x01(\x01\"\x0e\n\x0c\x44rainRequest\"*\n\rDrainResponse\x12\x19\n\x11released_sessions\x18\x01 \x01(\x05\"\xd7\x01\n\tAdmission\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x06prompt\x18\x02 \x01(\x0b\x32\x15.specmesh.v1.TokenIds\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x16\n\x0emax_tree_nodes\x18\x04 \x01(\x05\x12\x14\n\x0c\x66ixed_budget\x18\x05 \x01(\x08\x12\x0c\n\x04kind\x18\x06 \x01(\t\x12\x10\n\x08reply_to\x18\x07 \x01(\t\x12\x12\n\nfinal_only\x18\x08 \x01(\x08\"\xc0\x01\n\x0cRequestDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\x05\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x0f\n\x07message\x18\x05 \x01(\t\x12$\n\x04step\x18\x06 \x01(\x0b\x32\x16.specmesh.v1.StepTrace\x12,\n\x05stats\x18\x07 \x01(\x0b\x32\x1d.specmesh.v1.SpeculationStats\"y\n\x0bStepOutputs\x12\x13\n\x0bverifier_id\x18\x01 \x01(\t\x12)\n\x06\x64\x65ltas\x18\x02 \x03(\x0b\x32\x19.specmesh.v1.RequestDelta\x12*\n\x06report\x18\x03 \x01(\x0b\x32\x1a.specmesh.v1.RoutingReport\"\x1b\n\x05\x41\x62ort\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"Y\n\rRoutingRecord\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04team\x18\x03 \x01(\x08\x12\x0c\n\x04hits\x18\x04 \x03(\x01\x12\x10\n\x08\x61ttempts\x18\x05 \x03(\x01\"<\n\rRoutingReport\x12+\n\x07records\x18\x01 \x03(\x0b\x32\x1a.specmesh.v1.RoutingRecord\"\x89\x01\n\x0fRoutingSnapshot\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x11\n\trouter_id\x18\x02 \x01(\t\x12+\n\x07records\x18\x03 \x03(\x0b\x32\x1a.specmesh.v1.RoutingRecord\x12\x14\n\x0cmax_drafters\x18\x04 \x01(\x05\x12\x0f\n\x07\x65xplore\x18\x05 \x01(\x01\x32\x8f\x01\n\x08Verifier\x12\x43\n\x04Info\x12 .specmesh.v1.VerifierInfoRequest\x1a\x19.specmesh.v1.VerifierInfo\x12>\n\x05\x44rain\x12\x19.specmesh.v1.DrainRequest\x1a\x1a.specmesh.v1.DrainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,19 +42,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAINRESPONSE']._serialized_start=432
   _globals['_DRAINRESPONSE']._serialized_end=474
   _globals['_ADMISSION']._serialized_start=477
-  _globals['_ADMISSION']._serialized_end=672
-  _globals['_REQUESTDELTA']._serialized_start=675
-  _globals['_REQUESTDELTA']._serialized_end=867
-  _globals['_STEPOUTPUTS']._serialized_start=869
-  _globals['_STEPOUTPUTS']._serialized_end=990
-  _globals['_ABORT']._serialized_start=992
-  _globals['_ABORT']._serialized_end=1019
-  _globals['_ROUTINGRECORD']._serialized_start=1021
-  _globals['_ROUTINGRECORD']._serialized_end=1110
-  _globals['_ROUTINGREPORT']._serialized_start=1112
-  _globals['_ROUTINGREPORT']._serialized_end=1172
-  _globals['_ROUTINGSNAPSHOT']._serialized_start=1175
-  _globals['_ROUTINGSNAPSHOT']._serialized_end=1312
-  _globals['_VERIFIER']._serialized_start=1315
-  _globals['_VERIFIER']._serialized_end=1458
+  _globals['_ADMISSION']._serialized_end=692
+  _globals['_REQUESTDELTA']._serialized_start=695
+  _globals['_REQUESTDELTA']._serialized_end=887
+  _globals['_STEPOUTPUTS']._serialized_start=889
+  _globals['_STEPOUTPUTS']._serialized_end=1010
+  _globals['_ABORT']._serialized_start=1012
+  _globals['_ABORT']._serialized_end=1039
+  _globals['_ROUTINGRECORD']._serialized_start=1041
+  _globals['_ROUTINGRECORD']._serialized_end=1130
+  _globals['_ROUTINGREPORT']._serialized_start=1132
+  _globals['_ROUTINGREPORT']._serialized_end=1192
+  _globals['_ROUTINGSNAPSHOT']._serialized_start=1195
+  _globals['_ROUTINGSNAPSHOT']._serialized_end=1332
+  _globals['_VERIFIER']._serialized_start=1335
+  _globals['_VERIFIER']._serialized_end=1478
 # @@protoc_insertion_point(module_scope)

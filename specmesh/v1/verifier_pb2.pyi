@@ -55,7 +55,7 @@ class DrainResponse(_message.Message):
     def __init__(self, released_sessions: _Optional[int] = ...) -> None: ...
 
 class Admission(_message.Message):
-    __slots__ = ("request_id", "prompt", "sampling", "max_tree_nodes", "fixed_budget", "kind", "reply_to")
+    __slots__ = ("request_id", "prompt", "sampling", "max_tree_nodes", "fixed_budget", "kind", "reply_to", "final_only")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,7 @@ class Admission(_message.Message):
     FIXED_BUDGET_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     REPLY_TO_FIELD_NUMBER: _ClassVar[int]
+    FINAL_ONLY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: _common_pb2.TokenIds
     sampling: _common_pb2.SamplingParams
@@ -70,7 +71,8 @@ class Admission(_message.Message):
     fixed_budget: bool
     kind: str
     reply_to: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tree_nodes: _Optional[int] = ..., fixed_budget: _Optional[bool] = ..., kind: _Optional[str] = ..., reply_to: _Optional[str] = ...) -> None: ...
+    final_only: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tree_nodes: _Optional[int] = ..., fixed_budget: _Optional[bool] = ..., kind: _Optional[str] = ..., reply_to: _Optional[str] = ..., final_only: _Optional[bool] = ...) -> None: ...
 
 class RequestDelta(_message.Message):
     __slots__ = ("request_id", "position", "tokens", "finish_reason", "message", "step", "stats")

@@ -152,8 +152,9 @@ class EngineClient:
     async def generate(self, request: Request, budget: int, fixed_budget: bool, final_only: bool = False,
                        on_tokens: Callable[[int], None] | None = None) -> AsyncIterator[Delta]:
         """Admit the request and yield its answer's deltas until the last (``final_only``: the whole answer
-        once, as vLLM's FINAL_ONLY outputs: the waiting task is not woken a step); leaving early aborts it.
-        ``on_tokens``: told each delta's new tokens as they arrive (a clock of the request's latencies)."""
+        once, as vLLM's FINAL_ONLY outputs: the verifier logs every step but posts only the end, so neither
+        Redis nor this router handles a message a step for it); leaving early aborts it. ``on_tokens``: told
+        each delta's new tokens as they arrive (a clock of the request's latencies)."""
         rid = request.request_id
         receiver = _Receiver(final_only, on_tokens)
         self._receivers[rid] = receiver
@@ -162,7 +163,7 @@ class EngineClient:
             admission = verifier_pb2.Admission(
                 request_id=rid, prompt=common_pb2.TokenIds(ids=request.prompt_ids),
                 sampling=sampling_to_pb(request.params), max_tree_nodes=budget, fixed_budget=fixed_budget,
-                kind=request.kind, reply_to=self.outputs)
+                kind=request.kind, reply_to=self.outputs, final_only=final_only)
             payload = admission.SerializeToString()
             try:
                 entry_id = await self.redis.xadd(self.keys.admissions, {"admission": payload,

@@ -4,8 +4,9 @@ target, and the router is the front door.
 Two listeners wait in Redis for what comes: new requests from the pool's admissions stream while there is
 room (the consumer group hands each to one verifier), and the pool's aborts. Each turn takes what they
 brought, runs one ``EngineCore`` step for every request held (its pass on the torch thread), then posts one
-``StepOutputs`` message per router with requests in the step and acknowledges the admissions of finished
-requests — one round trip a step however many requests moved, and no read.
+``StepOutputs`` message per router with requests in the step (a request whose router sends its answer whole
+is posted at its end only) and acknowledges the admissions of finished requests — one round trip a step
+however many requests moved, and no read.
 
 Nothing is lost when a verifier dies: a request's admission stays pending under the verifier that took it
 until the request ends, and each step's outputs are also logged on the verifier's commit log, in the same
@@ -139,8 +140,9 @@ class _Held:
     reply_to: str
     entry_id: bytes
     stats: SpeculationStats
-    sent: int = 0  # answer tokens posted
+    logged: int = 0  # answer tokens logged (those of a streamed answer are posted with them)
     logged_from: bytes | None = None  # the first commit log entry holding its tokens
+    answer: list[int] | None = None  # an answer sent whole (final-only): its tokens so far, posted at its end
 
 
 class EngineWorker:
@@ -398,7 +400,8 @@ class EngineWorker:
             dropped.append(entry_id)
             return None
         logged = logged or []
-        held = _Held(admission.reply_to, entry_id, SpeculationStats(), sent=len(logged))
+        held = _Held(admission.reply_to, entry_id, SpeculationStats(), logged=len(logged),
+                     answer=list(logged) if admission.final_only else None)
         self._held[rid] = held
         try:
             budget = min(max(admission.max_tree_nodes, 0), MAX_TREE_NODES)
@@ -438,21 +441,35 @@ class EngineWorker:
         return unique
 
     async def _publish(self, outputs: list[RequestOutput], dropped: list[bytes]) -> None:
-        """One StepOutputs message per router, and the finished (or ``dropped``) requests' admissions
-        acknowledged: one round trip."""
+        """The step's tokens logged, one StepOutputs message per router with something for it (an answer sent
+        whole goes at its end only), and the finished (or ``dropped``) requests' admissions acknowledged: one
+        round trip."""
         by_router: dict[str, verifier_pb2.StepOutputs] = {}
+        tokened: list[verifier_pb2.RequestDelta] = []  # the step's log entry
+        withheld = False  # a delta logged but not posted
         done = list(dropped)
         for output in outputs:
             held = self._held.get(output.request_id)
             if held is None:
                 continue
-            delta = verifier_pb2.RequestDelta(request_id=output.request_id, position=held.sent,
+            finished = output.finish_reason is not None
+            delta = verifier_pb2.RequestDelta(request_id=output.request_id, position=held.logged,
                                               tokens=output.token_ids, finish_reason=output.finish_reason or "",
                                               message=str(output.error) if output.error is not None else "")
+            held.logged += len(output.token_ids)
+            if delta.tokens:
+                tokened.append(delta)
+            if held.answer is not None:  # sent whole: the answer so far, posted at the end
+                held.answer += output.token_ids
+                if not finished:
+                    withheld = withheld or bool(delta.tokens)
+                    continue
+                delta = verifier_pb2.RequestDelta(request_id=output.request_id, position=0, tokens=held.answer,
+                                                  finish_reason=delta.finish_reason, message=delta.message)
+                withheld = True
             if output.outcome is not None:
                 delta.step.CopyFrom(trace_to_pb(StepTiming.of(output.outcome)))
-            held.sent += len(output.token_ids)
-            if output.finish_reason is not None:
+            if finished:
                 delta.stats.CopyFrom(stats_to_pb(held.stats))
                 done.append(held.entry_id)
                 del self._held[output.request_id]
@@ -462,9 +479,9 @@ class EngineWorker:
             next(iter(by_router.values())).report.CopyFrom(report)
         posts = [(payload, self.signer.tag(OUTPUTS, payload), reply_to)
                  for reply_to, message in by_router.items() for payload in (message.SerializeToString(),)]
-        tokened = [d for m in by_router.values() for d in m.deltas if d.tokens]
-        # one router: its message is the log entry too (a delta without tokens changes no answer read back)
-        if len(posts) == 1 and tokened:
+        # one router with every delta: its message is the log entry too (a delta without tokens, or a step
+        # trace, changes no answer read back)
+        if len(posts) == 1 and tokened and not withheld:
             logged, logged_tag = posts[0][:2]
         else:
             step = verifier_pb2.StepOutputs(verifier_id=self.verifier_id, deltas=tokened)
