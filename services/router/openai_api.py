@@ -244,10 +244,12 @@ class Piece:
         return Usage(prompt_tokens=prompt, completion_tokens=self.tokens, total_tokens=prompt + self.tokens)
 
 
-async def pieces(router: Router, ticket, stops: tuple[str, ...]) -> AsyncIterator[Piece]:
-    """The answer step by step; the last piece has ``finish_reason``. Closing this ends the request."""
+async def pieces(router: Router, ticket, stops: tuple[str, ...], whole: bool = False) -> AsyncIterator[Piece]:
+    """The answer step by step (``whole``: in one piece, posted once by its verifier: an answer that is not
+    streamed and has no stop string to watch for); the last piece has ``finish_reason``. Closing this ends
+    the request."""
     text, scanner = TextStream(router.decode), StopScanner(stops)
-    async with aclosing(router.generate(ticket)) as steps:
+    async with aclosing(router.generate(ticket, final_only=whole)) as steps:
         async for generation, step in steps:
             final = step.finish_reason is not None
             out = scanner.push(text.push(step.token_ids, final))
@@ -340,7 +342,7 @@ def openai_app(router: Router, live_verifiers: Callable[[], int], max_body_bytes
         except BaseException:  # refused before it began: the key's slot is free again
             permit and permit.release()
             raise
-        return pieces(router, ticket, stops), permit
+        return pieces(router, ticket, stops, whole=not body.stream and not stops), permit
     app = FastAPI(title="specmesh", version=__version__, docs_url=None, redoc_url=None,
                   description="OpenAI-compatible API of a specmesh router: lossless speculative decoding. "
                               "Extensions: top_k, speculation, max_tree_nodes; responses carry `specmesh` statistics.")
