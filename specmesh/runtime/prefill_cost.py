@@ -28,13 +28,11 @@ class PrefillCost:
     _y: float = 0.0
     _xx: float = 0.0
     _xy: float = 0.0
-    _seen: bool = False
 
     def observe(self, tokens: int, ms: float) -> None:
         if tokens <= 0 or ms <= 0:
             return
-        w = WEIGHT if self._seen else 1.0
-        self._seen = True
+        w = WEIGHT if self._x else 1.0  # the first call alone sets the means
         self._x += w * (tokens - self._x)
         self._y += w * (ms - self._y)
         self._xx += w * (tokens * tokens - self._xx)
