@@ -244,14 +244,14 @@ class Router:
             self.metrics.in_flight.inc()
         try:
             # the clock hears each step's tokens as they arrive; an answer sent whole, by the verifier's clock
-            streamed = clock is not None and not final_only
             deltas = self.engine.generate(request, ticket.budget, ticket.speculation == "fixed", final_only=final_only,
-                                          on_tokens=clock.tokens_arrived if streamed else None)
+                                          on_tokens=clock.tokens_arrived if clock is not None and not final_only
+                                          else None)
             async with aclosing(deltas):
                 async for delta in deltas:
                     if delta.stats is not None:
                         generation.stats = delta.stats
-                        if clock is not None and not streamed:
+                        if clock is not None and final_only:
                             clock.answer_arrived(len(delta.tokens), delta.stats.first_token_s, delta.stats.total_s)
                     generation.token_ids.extend(delta.tokens)
                     generation.finish_reason = delta.finish_reason

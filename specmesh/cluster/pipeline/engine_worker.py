@@ -162,10 +162,10 @@ class EngineWorker:
         self.metrics.watch_policy(policy)  # what the controller learned, where it plans
         # the routers own the routing table: this one's steps' counts go to them, their snapshots come here
         self.routing = RoutingFollower(policy.router, self.signer, self.metrics)
+        self._unsent: tuple[list[RequestOutput], list[bytes]] | None = None  # the last step's outputs, to publish
+        self._publishing: asyncio.Task | None = None  # their publish, once started (``_send``: at the next pass)
         threaded = ThreadedVerifier(verifier, torch_thread, self.metrics, on_pass=self._send)
         self.core = EngineCore(threaded, eos_token_ids, max_running=verifier.max_sessions)
-        self._unsent: tuple[list[RequestOutput], list[bytes]] | None = None  # the last step's outputs, to publish
-        self._publishing: asyncio.Task | None = None  # their publish, once started
         self._held: dict[str, _Held] = {}
         self._aborted: dict[str, None] = {}  # insertion-ordered, bounded
         self._aborts_after = "0-0"
