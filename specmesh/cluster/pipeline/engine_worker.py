@@ -59,6 +59,9 @@ FULL_WAIT_S = 0.01  # with no room, the admissions' listener looks again this of
 PREFILL_SHARE = 0.5
 PREFILL_MS = (2.0, 25.0)
 PREFILL_ALONE_MS = 200.0  # a prompt cached with no one decoding still goes in passes this long: newcomers join the next
+# an answer sent whole is logged at most this often, or with a step's post: no one has seen its tokens, so a
+# verifier's death costs at most this much work again, and an answer's steps need no round trip of their own
+LOG_WITHHELD_S = 0.2
 OUTPUTS_MAXLEN = 100_000  # entries kept on a router's outputs stream (approximate trim)
 ABORTED_MEMORY = 4096  # aborted ids remembered, so that an admission read after its abort is dropped
 DRAIN_S = 20.0  # a drain finishes the requests held within this, the others adopt the rest
@@ -140,7 +143,7 @@ class _Held:
     reply_to: str
     entry_id: bytes
     stats: SpeculationStats
-    logged: int = 0  # answer tokens logged (those of a streamed answer are posted with them)
+    logged: int = 0  # answer tokens logged (a streamed answer's with their post, one sent whole's by time)
     logged_from: bytes | None = None  # the first commit log entry holding its tokens
     answer: list[int] | None = None  # an answer sent whole (final-only): its tokens so far, posted at its end
 
@@ -164,6 +167,7 @@ class EngineWorker:
         self.routing = RoutingFollower(policy.router, self.signer, self.metrics)
         self._unsent: tuple[list[RequestOutput], list[bytes]] | None = None  # the last step's outputs, to publish
         self._publishing: asyncio.Task | None = None  # their publish, once started (``_send``: at the next pass)
+        self._log_due = 0.0  # when the answers sent whole are next logged (``_log_withheld``)
         threaded = ThreadedVerifier(verifier, torch_thread, self.metrics, on_pass=self._send)
         self.core = EngineCore(threaded, eos_token_ids, max_running=verifier.max_sessions)
         self._held: dict[str, _Held] = {}
@@ -442,31 +446,29 @@ class EngineWorker:
 
     async def _publish(self, outputs: list[RequestOutput], dropped: list[bytes]) -> None:
         """The step's tokens logged, one StepOutputs message per router with something for it (an answer sent
-        whole goes at its end only), and the finished (or ``dropped``) requests' admissions acknowledged: one
-        round trip."""
+        whole goes at its end only, its tokens logged by time), and the finished (or ``dropped``) requests'
+        admissions acknowledged: one round trip, or none when a step has nothing of these."""
         by_router: dict[str, verifier_pb2.StepOutputs] = {}
         tokened: list[verifier_pb2.RequestDelta] = []  # the step's log entry
-        withheld = False  # a delta logged but not posted
         done = list(dropped)
         for output in outputs:
             held = self._held.get(output.request_id)
             if held is None:
                 continue
             finished = output.finish_reason is not None
-            delta = verifier_pb2.RequestDelta(request_id=output.request_id, position=held.logged,
-                                              tokens=output.token_ids, finish_reason=output.finish_reason or "",
-                                              message=str(output.error) if output.error is not None else "")
-            held.logged += len(output.token_ids)
-            if delta.tokens:
-                tokened.append(delta)
-            if held.answer is not None:  # sent whole: the answer so far, posted at the end
+            reason, message = output.finish_reason or "", str(output.error) if output.error is not None else ""
+            if held.answer is not None:  # sent whole: the answer so far, posted at its end (logged by time)
                 held.answer += output.token_ids
                 if not finished:
-                    withheld = withheld or bool(delta.tokens)
                     continue
                 delta = verifier_pb2.RequestDelta(request_id=output.request_id, position=0, tokens=held.answer,
-                                                  finish_reason=delta.finish_reason, message=delta.message)
-                withheld = True
+                                                  finish_reason=reason, message=message)
+            else:
+                delta = verifier_pb2.RequestDelta(request_id=output.request_id, position=held.logged,
+                                                  tokens=output.token_ids, finish_reason=reason, message=message)
+                held.logged += len(output.token_ids)
+                if delta.tokens:
+                    tokened.append(delta)
             if output.outcome is not None:
                 delta.step.CopyFrom(trace_to_pb(StepTiming.of(output.outcome)))
             if finished:
@@ -474,6 +476,11 @@ class EngineWorker:
                 done.append(held.entry_id)
                 del self._held[output.request_id]
             by_router.setdefault(held.reply_to, verifier_pb2.StepOutputs(verifier_id=self.verifier_id)).deltas.append(delta)
+        if not (by_router or done or time.monotonic() >= self._log_due):
+            return  # nothing to post or acknowledge, nor to log yet: no round trip
+        withheld = self._log_withheld(tokened)
+        if not (by_router or done or tokened):
+            return
         report = self.routing.report(flush=any(o.finish_reason for o in outputs)) if by_router else None
         if report is not None:  # on one router's message: no Redis command of its own
             next(iter(by_router.values())).report.CopyFrom(report)
@@ -498,6 +505,18 @@ class EngineWorker:
             held = self._held.get(delta.request_id)
             if held is not None and held.logged_from is None:
                 held.logged_from = logged_at
+
+    def _log_withheld(self, tokened: list[verifier_pb2.RequestDelta]) -> bool:
+        """The tokens of answers sent whole not yet logged, added to ``tokened`` (the step's log entry); True if
+        any were."""
+        self._log_due = time.monotonic() + LOG_WITHHELD_S
+        withheld = False
+        for rid, held in self._held.items():
+            if held.answer is not None and len(held.answer) > held.logged:
+                tokened.append(verifier_pb2.RequestDelta(request_id=rid, position=held.logged,
+                                                         tokens=held.answer[held.logged:]))
+                held.logged, withheld = len(held.answer), True
+        return withheld
 
     def _log(self, pipe, step: verifier_pb2.StepOutputs) -> None:
         payload = step.SerializeToString()
