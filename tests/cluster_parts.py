@@ -179,10 +179,12 @@ class EngineNode:
     rest of the test goes on. Tiny model, an n-gram drafter in process."""
 
     def __init__(self, url: str, keys: QueueKeys, signer: QueueSigner, model, name: str,
-                 heartbeat_ttl_s: float = 1.0, verifier=TreeVerifier, drafters=None) -> None:
+                 heartbeat_ttl_s: float = 1.0, verifier=TreeVerifier, drafters=None, inline: bool = False) -> None:
         """``verifier``: makes the node's verifier from its runtime (a slow one, say); ``drafters``: an async
-        function making the node's drafters on its loop (default: an n-gram drafter in process)."""
+        function making the node's drafters on its loop (default: an n-gram drafter in process); ``inline``:
+        its torch work on its event loop's thread, as a CPU verifier's."""
         self.url, self.keys, self.signer, self.model, self.name = url, keys, signer, model, name
+        self.inline = inline
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.make_verifier = verifier
         self.make_drafters = drafters
@@ -202,7 +204,7 @@ class EngineNode:
                               signer=self.signer)
         drafters = await self.make_drafters() if self.make_drafters else [LocalDrafter(NgramDrafter())]
         self.drafters = drafters
-        return EngineWorker(self.make_verifier(LlamaRuntime(self.model)), queue, TorchThread(self.name),
+        return EngineWorker(self.make_verifier(LlamaRuntime(self.model)), queue, TorchThread(self.name, self.inline),
                             adaptive_policy({}), drafters, frozenset())
 
     def call(self, coroutine, timeout_s: float = 60.0):

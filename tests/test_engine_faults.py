@@ -3,12 +3,14 @@ their own (tiny model, real Redis) and a router's ``EngineClient``."""
 
 import asyncio
 import logging
+import threading
 import time
 
 from cluster_parts import EnginePool, SlowVerifier, plain_greedy
 from conftest import HANG_S, wait_until_async
 
 from specmesh.cluster.pipeline.messages import ADMISSION, OUTPUTS
+from specmesh.runtime.tree_verifier import TreeVerifier
 from specmesh.sampling import SamplingParams
 from specmesh.speculation.requests import Request
 from specmesh.v1 import common_pb2, verifier_pb2
@@ -263,3 +265,39 @@ def test_an_answer_sent_whole_is_posted_once_also_after_its_verifier_restarted(r
     assert answer[0].tokens == plain_greedy(tiny_model, PROMPT, 300)
     assert posted == ["v0"], "one message, at the end"
     assert "took over 1 request(s) v0 held" in caplog.text
+
+
+class _ThreadNoting(TreeVerifier):
+    """The real verifier, noting which thread ran each pass."""
+
+    def __init__(self, runtime) -> None:
+        super().__init__(runtime)
+        self.threads: set[str] = set()
+
+    def verify(self, jobs, prefill_ms=None):
+        self.threads.add(threading.current_thread().name)
+        return super().verify(jobs, prefill_ms)
+
+
+def test_a_cpu_verifier_passes_on_its_event_loop_and_answers_as_plain(redis_server, tiny_model):
+    """Torch work inline (a CPU verifier's): every pass on the node's event loop thread, and streamed and
+    whole answers, speculative or plain, equal plain decoding."""
+    expected = plain_greedy(tiny_model, PROMPT, 120)
+
+    async def main():
+        async with EnginePool(redis_server.url, tiny_model, workers=0) as pool:
+            node = await pool.add_node("v0", inline=True, verifier=_ThreadNoting)
+
+            async def answer(i: int, budget: int, final_only: bool) -> list[int]:
+                request = Request(PROMPT, SamplingParams(max_tokens=120), f"inline-{i}")
+                return [t for d in [d async for d in pool.client.generate(request, budget, fixed_budget=budget > 0,
+                                                                          final_only=final_only)] for t in d.tokens]
+
+            answers = await asyncio.wait_for(asyncio.gather(
+                *(answer(i, budget, final_only) for i, (budget, final_only) in enumerate(
+                    [(6, False), (6, True), (0, False), (0, True)] * 2))), HANG_S)
+            return answers, node.worker.verifier.threads, node.thread.name
+
+    answers, threads, node_thread = asyncio.run(main())
+    assert answers == [expected] * 8
+    assert threads == {node_thread}

@@ -27,7 +27,7 @@ from specmesh.cluster.service_settings import VerifierSettings
 from specmesh.cluster.tls import TlsFiles
 from specmesh.drafters.catalog import MODEL_FREE_DRAFTERS
 from specmesh.runtime.calibration import measure_pass_curve
-from specmesh.runtime.loading import configure_threads, parts_of, tokenizer_fingerprint
+from specmesh.runtime.loading import configure_threads, parts_of, pick_device, tokenizer_fingerprint
 from specmesh.runtime.target import load_target
 from specmesh.runtime.tree_verifier import TreeVerifier
 from specmesh.speculation.drafting import LocalDrafter
@@ -114,7 +114,7 @@ async def serve(args: VerifierSettings) -> None:
     tls = TlsFiles.from_flags(args.tls_cert, args.tls_key, args.tls_ca)  # first: a bad flag fails before loading
     if tls is not None and tls.ca is None:
         log.warning("TLS without --tls-ca: any caller is answered; give the cluster's CA to require its certificates")
-    torch_thread = TorchThread("verify")
+    torch_thread = TorchThread("verify", inline=pick_device(args.device).type == "cpu")
     target, runtime, verifier = await torch_thread.run(load_verifier, args)
     curve = await torch_thread.run(partial(measure_pass_curve, runtime, max_sessions=args.max_sessions))
     log.info("pass curve on %s (requests, rows: ms): %s", curve.device,

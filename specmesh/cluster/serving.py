@@ -283,22 +283,37 @@ class TorchThread:
     """One thread that does all of a service's torch work — loading, warming up, every pass.
 
     OpenMP keeps a thread team per calling thread: touching torch from the event loop's thread and
-    from a worker makes two teams that spin against each other on the same cores (measured: a
-    verification step went from 22 to 30 ms). So the event loop never runs torch code itself.
+    from a worker makes two teams, and on a small machine their threads outnumber the cores and every
+    parallel region slows (measured on 2 cores: a 16-request pass 8 → 16 ms once a second team existed,
+    idle or not). So all of a service's torch work runs on one thread: this one, or with ``inline`` the
+    event loop's own. Inline suits a CPU verifier: its pass computes on every core, so the loop's work
+    meanwhile would only take cores and the GIL from it, and the hop to a thread and back costs ~0.5 ms
+    a step; the loop then stands still for a pass (its heartbeat with it: a pass must stay well inside
+    the heartbeat's TTL).
     """
 
-    def __init__(self, name: str = "torch") -> None:
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+    def __init__(self, name: str = "torch", inline: bool = False) -> None:
+        self.inline = inline
+        self._executor = None if inline else ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
 
     async def run(self, fn, *args):
         return await self.submit(fn, *args)
 
     def submit(self, fn, *args) -> asyncio.Future:
-        """``fn(*args)`` handed to the thread now; its result when awaited."""
-        return asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        """``fn(*args)`` handed to the thread now (inline: run now); its result when awaited."""
+        loop = asyncio.get_running_loop()
+        if self._executor is not None:
+            return loop.run_in_executor(self._executor, fn, *args)
+        done = loop.create_future()
+        try:
+            done.set_result(fn(*args))
+        except Exception as exc:  # raised where the future is awaited, as from the thread
+            done.set_exception(exc)
+        return done
 
     def shutdown(self) -> None:
-        self._executor.shutdown(wait=True)
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
 
 
 PARENT_PID = "SPECMESH_PARENT_PID"  # set by a launcher: the service ends (SIGTERM) when that process is gone

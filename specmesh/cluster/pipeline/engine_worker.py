@@ -99,7 +99,7 @@ class ThreadedVerifier:
         self.verifier = verifier
         self.torch_thread = torch_thread
         self.metrics = metrics
-        self.on_pass = on_pass  # called once a pass is on the torch thread: the event loop's work meanwhile
+        self.on_pass = on_pass  # called as a pass starts: the event loop's work meanwhile
         self.decode_ms: float | None = None  # a pass without prefills, smoothed
         # read when scraped, not set at each pass: what the caches hold now, closes and evictions included
         metrics.kv_sessions.set_function(lambda: verifier.num_sessions)
@@ -115,8 +115,11 @@ class ThreadedVerifier:
         # prefills share a pass with decoding requests within a budget; alone, within a larger one
         decoding = sum(job.history is None for job in jobs)
         budget = self.prefill_budget_ms if decoding else PREFILL_ALONE_MS
+        if self.torch_thread.inline and self.on_pass is not None:
+            self.on_pass()
+            await asyncio.sleep(0)  # the publish's request out to Redis before the pass holds the thread
         passing = self.torch_thread.submit(self.verifier.verify, jobs, budget)
-        if self.on_pass is not None:
+        if not self.torch_thread.inline and self.on_pass is not None:
             self.on_pass()
         results = await passing
         seconds = time.monotonic() - started
