@@ -119,6 +119,10 @@ async def serve(args: VerifierSettings) -> None:
     curve = await torch_thread.run(partial(measure_pass_curve, runtime, max_sessions=args.max_sessions))
     log.info("pass curve on %s (requests, rows: ms): %s", curve.device,
              ", ".join(f"{s.requests}, {s.rows}: {s.ms:.1f}" for s in curve.samples))
+    longest_ms = max((s.ms for s in curve.samples), default=0.0)
+    if torch_thread.inline and longest_ms > args.heartbeat_ttl * 1e3 / 3:  # the loop stands still for a pass
+        log.warning("passes of up to %.0f ms on this CPU stop the heartbeat meanwhile: raise --heartbeat-ttl above "
+                    "%.1f s so that a long pass is not taken for a death", longest_ms, 3 * longest_ms / 1e3)
     verifier_id = args.verifier_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     redis = async_redis(args.redis_url)
     signer = QueueSigner.from_environment(args.queue_key_file)
