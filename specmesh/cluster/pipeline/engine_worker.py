@@ -111,13 +111,13 @@ class ThreadedVerifier:
         return high if self.decode_ms is None else min(max(PREFILL_SHARE * self.decode_ms, low), high)
 
     async def verify(self, jobs: list[VerifyJob]) -> list[VerifyResult]:
-        started = time.monotonic()
         # prefills share a pass with decoding requests within a budget; alone, within a larger one
         decoding = sum(job.history is None for job in jobs)
         budget = self.prefill_budget_ms if decoding else PREFILL_ALONE_MS
         if self.torch_thread.inline and self.on_pass is not None:
             self.on_pass()
             await asyncio.sleep(0)  # the publish's request out to Redis before the pass holds the thread
+        started = time.monotonic()
         passing = self.torch_thread.submit(self.verifier.verify, jobs, budget)
         if not self.torch_thread.inline and self.on_pass is not None:
             self.on_pass()
