@@ -152,8 +152,8 @@ class EngineClient:
     async def generate(self, request: Request, budget: int, fixed_budget: bool, final_only: bool = False,
                        on_tokens: Callable[[int], None] | None = None) -> AsyncIterator[Delta]:
         """Admit the request and yield its answer's deltas until the last (``final_only``: the whole answer
-        once, as vLLM's FINAL_ONLY outputs: the verifier logs every step but posts only the end, so neither
-        Redis nor this router handles a message a step for it); leaving early aborts it. ``on_tokens``: told
+        once, as vLLM's FINAL_ONLY outputs: the verifier logs its tokens by time and posts only the end, so
+        neither Redis nor this router handles a message a step for it); leaving early aborts it. ``on_tokens``: told
         each delta's new tokens as they arrive (a clock of the request's latencies)."""
         rid = request.request_id
         receiver = _Receiver(final_only, on_tokens)
