@@ -59,8 +59,8 @@ FULL_WAIT_S = 0.01  # with no room, the admissions' listener looks again this of
 PREFILL_SHARE = 0.5
 PREFILL_MS = (2.0, 25.0)
 PREFILL_ALONE_MS = 200.0  # a prompt cached with no one decoding still goes in passes this long: newcomers join the next
-# an answer sent whole is logged at most this often, or with a step's post: no one has seen its tokens, so a
-# verifier's death costs at most this much work again, and an answer's steps need no round trip of their own
+# an answer sent whole is logged this often: no one has seen its tokens, so a verifier's death costs at most
+# this much work again, and its steps need neither a round trip nor a log entry of their own
 LOG_WITHHELD_S = 0.2
 OUTPUTS_MAXLEN = 100_000  # entries kept on a router's outputs stream (approximate trim)
 ABORTED_MEMORY = 4096  # aborted ids remembered, so that an admission read after its abort is dropped
@@ -479,11 +479,9 @@ class EngineWorker:
                 done.append(held.entry_id)
                 del self._held[output.request_id]
             by_router.setdefault(held.reply_to, verifier_pb2.StepOutputs(verifier_id=self.verifier_id)).deltas.append(delta)
-        if not (by_router or done or time.monotonic() >= self._log_due):
-            return  # nothing to post or acknowledge, nor to log yet: no round trip
-        withheld = self._log_withheld(tokened)
+        withheld = self._log_withheld(tokened) if time.monotonic() >= self._log_due else False
         if not (by_router or done or tokened):
-            return
+            return  # nothing to post, acknowledge or log: no round trip
         report = self.routing.report(flush=any(o.finish_reason for o in outputs)) if by_router else None
         if report is not None:  # on one router's message: no Redis command of its own
             next(iter(by_router.values())).report.CopyFrom(report)
