@@ -334,7 +334,8 @@ def run_bench(args: argparse.Namespace) -> int:
             cluster = _start_cluster(args, drafter_names)
             cleanup.callback(cluster.stop)
             clients["cluster"] = cleanup.enter_context(Client(cluster.router_address, api_key=cluster.client_key))
-            modes.append("cluster")
+            clients["cluster_fixed"] = clients["cluster"]  # the fixed budget through it: fusion where the drafts meet
+            modes += ["cluster", "cluster_fixed"]
             if not args.no_secure_cluster:  # the same with TLS, mutual TLS inside and an API key: their cost
                 secured = _start_cluster(args, drafter_names, secure=True)
                 cleanup.callback(secured.stop)
@@ -355,8 +356,10 @@ def run_bench(args: argparse.Namespace) -> int:
                 tokens = llama_cpp(request.prompt_ids, args.max_tokens, eos)
                 return tokens, time.perf_counter() - started, len(tokens), None
             if mode in clients:
+                fixed = mode == "cluster_fixed"
                 answer = clients[mode].generate(chat=[("user", prompt.text)], max_tokens=args.max_tokens,
-                                         max_tree_nodes=args.max_tree_nodes)
+                                                max_tree_nodes=args.fixed_tree_nodes if fixed else args.max_tree_nodes,
+                                                speculation="fixed" if fixed else None)
                 seconds, stats_ = time.perf_counter() - started, answer.stats
                 records[mode].draft_s += stats_.draft_ms / 1e3
                 records[mode].transport_s += max(stats_.verify_ms - stats_.verifier_ms, 0.0) / 1e3
@@ -520,6 +523,9 @@ def _summary(records: dict[str, ModeRecord], count: int, identical: int, referen
             "accepted_length_vs_best_single": round(accepted["engine"] / singles[best_single], 3),
             "fixed_accepted_length_vs_best_single": round(accepted["router_fixed"] / singles[best_single], 3),
         }
+        if "cluster_fixed" in accepted:
+            summary["cluster_fixed_accepted_length_vs_best_single"] = round(
+                accepted["cluster_fixed"] / singles[best_single], 3)
     assisted = best_setting(speed)
     if "hf_plain" in records and assisted:
         setting, assisted_speed = assisted
@@ -552,6 +558,9 @@ def _summary(records: dict[str, ModeRecord], count: int, identical: int, referen
             "cluster_added_fraction": round(added_ms / one_step_ms, 3),
             "verifier_idle_fraction": round(max(0.0, 1.0 - busy_s / max(sum(cluster.seconds.values()), 1e-9)), 3),
         }
+        if "cluster_fixed" in accepted:
+            summary |= {"cluster_fixed_tokens_per_s": round(speed["cluster_fixed"], 2),
+                        "cluster_fixed_mean_accepted_length": round(accepted["cluster_fixed"], 3)}
         if drafters:  # the drafter processes' share of the cluster's time spent idle (proposing is their work)
             summary["drafters_idle_fraction"] = round(
                 max(0.0, 1.0 - drafting_s / max(drafters * sum(cluster.seconds.values()), 1e-9)), 3)
