@@ -22,7 +22,7 @@ from typing import Protocol, Sequence
 from specmesh.errors import RequestFailed, Unavailable
 from specmesh.runtime.tree_verifier import VerifyJob, VerifyResult
 from specmesh.speculation.drafting import AsyncDrafter, Draft, draft_step, guarded
-from specmesh.speculation.policy import RequestPolicy, StepOutcome
+from specmesh.speculation.policy import RequestPolicy, StepOutcome, StepPlan
 from specmesh.speculation.requests import Request, SpeculationStats
 from specmesh.tree import TokenTree
 
@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 MAX_RESYNCS = 3  # a request whose verifier keeps losing its cache is failing, not slow
 MAX_REFUSALS = 100  # steps a request may wait for room in the KV cache before it is failed
+NO_DRAFT = Draft(StepPlan(), (), TokenTree())  # a plain step's
 
 
 class StepVerifier(Protocol):
@@ -147,7 +148,7 @@ class EngineCore:
         await self._admit()
         if not self._running:
             return []
-        stepping = await asyncio.gather(*(self._draft(r) for r in self._running.values()))
+        stepping = await self._draft_all()
         verified_at = time.perf_counter()
         try:
             results = await self.verifier.verify([s.job for s in stepping])
@@ -170,11 +171,29 @@ class EngineCore:
             rid, prompt = running.request.request_id, running.request.prompt_ids
             await asyncio.gather(*(guarded(d, "start", rid, running.stats, prompt) for d in running.drafters.values()))
 
-    async def _draft(self, running: _Running) -> _Stepping:
-        if running.waiting is not None:  # the same job again: its prefill goes on
-            return _Stepping(running, running.waiting, 0.0)
-        plan = running.policy.plan(running.room, [n for n, d in running.drafters.items() if d.healthy],
-                                   len(running.context))
+    async def _draft_all(self) -> list[_Stepping]:
+        """Every running request's part of the step, in order; only those that draft wait for drafters
+        (together): a step of plain requests makes no task."""
+        stepping: list[_Stepping | None] = []
+        drafting: list[tuple[int, _Running, StepPlan]] = []
+        for running in self._running.values():
+            if running.waiting is not None:  # the same job again: its prefill goes on
+                stepping.append(_Stepping(running, running.waiting, 0.0))
+                continue
+            plan = running.policy.plan(running.room, [n for n, d in running.drafters.items() if d.healthy],
+                                       len(running.context))
+            if plan.budget <= 0 or running.room <= 1 or not plan.drafters:
+                stepping.append(_Stepping(running, NO_DRAFT, 0.0))
+            else:
+                drafting.append((len(stepping), running, plan))
+                stepping.append(None)
+        if drafting:
+            drafted = await asyncio.gather(*(self._draft(running, plan) for _, running, plan in drafting))
+            for (index, _, _), part in zip(drafting, drafted):
+                stepping[index] = part
+        return stepping
+
+    async def _draft(self, running: _Running, plan: StepPlan) -> _Stepping:
         drafted_at = time.perf_counter()
         draft = await draft_step(running.drafters, plan, running.request.request_id, running.stats,
                                  max_depth=running.room - 1)
