@@ -301,3 +301,24 @@ def test_a_cpu_verifier_passes_on_its_event_loop_and_answers_as_plain(redis_serv
     answers, threads, node_thread = asyncio.run(main())
     assert answers == [expected] * 8
     assert threads == {node_thread}
+
+
+def test_a_burst_of_admissions_spreads_over_the_verifiers_free_to_take_it(redis_server, tiny_model):
+    requests = [Request(PROMPT, SamplingParams(max_tokens=12), f"burst-{i}") for i in range(24)]
+    expected = plain_greedy(tiny_model, PROMPT, 12)
+
+    async def main():
+        async with EnginePool(redis_server.url, tiny_model, workers=0) as pool:
+            # CPU verifiers (passes on their loops): one that read all it could took ~20 of the 24
+            nodes = [await pool.add_node(name, inline=True) for name in ("a", "b")]
+            await wait_until_async(lambda: all(n.worker._joined.is_set() and n.worker._others_alive for n in nodes),
+                                   what="both read admissions and see the other alive")
+            await asyncio.sleep(0.2)  # both listeners wait in Redis
+            answers = await asyncio.wait_for(asyncio.gather(*(pool.answer(r, budget=0) for r in requests)), HANG_S)
+            return answers, [(await deltas_by_verifier(pool, r.request_id))[0] for r in requests]
+
+    answers, takers = asyncio.run(main())
+    assert answers == [expected] * len(requests)
+    assert set(takers) <= {"a", "b"}
+    # beside another verifier, a read takes TAKE_AT_ONCE at most, and the next waits for the step taking them in
+    assert min(takers.count("a"), takers.count("b")) >= len(requests) // 4, takers

@@ -54,6 +54,9 @@ log = logging.getLogger(__name__)
 LISTEN_BLOCK_MS = 1000  # the admissions' and aborts' listeners: a blocking read's longest wait
 IDLE_WAIT_S = 0.1  # with nothing to step, the loop wakes this often (to look after the others)
 FULL_WAIT_S = 0.01  # with no room, the admissions' listener looks again this often
+# with other verifiers alive, admissions a read takes at most; the next read waits for the step that takes
+# them in, so each takes at the pace of its steps and a burst spreads over those free to take it
+TAKE_AT_ONCE = 8
 # beside decoding requests, prefills take at most this share of a decode pass's time (a long prompt's over
 # several passes): its neighbours' tokens come at most ~1.5x slower while it is cached; within these bounds
 PREFILL_SHARE = 0.5
@@ -180,11 +183,13 @@ class EngineWorker:
         self._new_admissions: list = []
         self._new_aborts: list[str] = []
         self._arrived = asyncio.Event()
+        self._stepped = asyncio.Event()  # the step that took the listener's last admissions in has ended
         self._joined = asyncio.Event()  # registered: the admissions' group exists
         self._rejoin = False  # a listener found the group gone (Redis restarted empty)
         self._listeners: list[asyncio.Task] = []  # the admissions' and the aborts'
         self.commit_log = self.keys.commit_log(queue.verifier_id)
         self._next_adoption = 0.0
+        self._others_alive = 0  # other verifiers with a live heartbeat, at the last look (``_look_after_the_others``)
         self.stopped = asyncio.Event()
         self.unready = asyncio.Event()
         self.finished = asyncio.Event()
@@ -236,6 +241,7 @@ class EngineWorker:
             await self._publish([], dropped)
         if not self.core.num_requests:
             self._new_admissions.clear()  # pending under this verifier: taken back with the others
+            self._stepped.set()
             await self._adopt(self.verifier_id)
 
     async def _let_go(self) -> None:
@@ -243,6 +249,7 @@ class EngineWorker:
                     "own are taken back from its log)", self.core.num_requests)
         self._held.clear()
         self._new_admissions.clear()  # pending under this verifier: taken back from its log with the others
+        self._stepped.set()
         await self.core.close()
 
     async def _loop(self) -> None:
@@ -276,6 +283,8 @@ class EngineWorker:
                     await self._abort(rid, dropped)
                 refused = [r for r in (self._admit(e, fields, dropped) for e, fields in admissions) if r is not None]
                 outputs = refused + await self.core.step()
+                if admissions:
+                    self._stepped.set()
                 self._send()  # where this turn ran no pass
                 if self._publishing is not None:
                     publishing, self._publishing = self._publishing, None
@@ -318,12 +327,16 @@ class EngineWorker:
         return ([] if self.draining else admissions), aborts
 
     async def _listen_admissions(self) -> None:
-        """Take admissions as they come, as many as there is room for: a read waits in Redis until one does,
-        so a running step reads nothing (the consumer group hands each admission to one verifier)."""
+        """Take admissions as they come, while there is room: a read waits in Redis until one comes, so a
+        running step reads nothing (the consumer group hands each admission to one verifier). With other
+        verifiers alive, ``TAKE_AT_ONCE`` at most, then none until a step has taken them in: what arrives
+        while this one steps its newcomers goes to the others. Alone, it takes all it has room for at once."""
         backoff = redis_reconnect()
         while not self.stopped.is_set():
             await self._joined.wait()
+            shared = self._others_alive > 0
             room = self.core.max_running - self.core.num_requests - len(self._new_admissions)
+            room = min(room, TAKE_AT_ONCE) if shared else room
             if self.draining or room <= 0:
                 await asyncio.sleep(FULL_WAIT_S)
                 continue
@@ -332,7 +345,10 @@ class EngineWorker:
                 "admissions", backoff)
             if items:
                 self._new_admissions += items
+                self._stepped.clear()
                 self._arrived.set()
+                if shared:
+                    await _wait(self._stepped, LISTEN_BLOCK_MS / 1e3)
 
     async def _listen_aborts(self) -> None:
         """Take the pool's aborts as they come (every verifier reads them all)."""
@@ -532,10 +548,16 @@ class EngineWorker:
             for rid in unheld:
                 await self.core.verifier.close(rid)
         if not self.draining:
+            others = 0
             for member in await self.redis.smembers(self.keys.members):
                 name = member.decode()
-                if name != self.verifier_id and not await self.redis.exists(self.keys.alive(name)):
+                if name == self.verifier_id:
+                    continue
+                if await self.redis.exists(self.keys.alive(name)):
+                    others += 1
+                else:
                     await self._adopt(name)
+            self._others_alive = others
         oldest = [h.logged_from for h in self._held.values() if h.logged_from is not None]
         if oldest:
             await self.redis.xtrim(self.commit_log, minid=min(oldest, key=_entry_order))
