@@ -172,6 +172,7 @@ def test_the_oracle_bench_runs_the_cluster_losslessly(tmp_path):
     for row in report["acceptance"]["0.9"]["load_sweep"]:  # where the time went, measured
         assert row["redis_commands_per_token"] > 0 and row["router_cpu_ms_per_token"] > 0, row
         assert 0 < row["requests_per_pass"] <= row["concurrency"] and row["pass_gap_ms"] >= 0, row
+        assert row["pass_ms"] > 0, row
     part = report["acceptance"]["0.9"]
     rows = {(r["concurrency"], r["policy"]): r for r in part["load_sweep"]}
     assert set(rows) == {(c, p) for c in (1, 2) for p in ("none", "fixed", "adaptive")}
@@ -185,6 +186,7 @@ def test_the_oracle_bench_runs_the_cluster_losslessly(tmp_path):
     for level, row in report["cluster_at_load"].items():
         assert row["cluster_tokens_per_s"] == rows[(int(level), "none")]["tokens_per_s"], row
         assert row["engine_tokens_per_s"] > 0 and row["verifier_capacity_tokens_per_s"] > 0, row
+        assert row["pass_ms"] > 0 and row["engine_pass_ms"] > 0, row
         assert 0 < row["in_flight"] <= int(level) and row["cluster_vs_engine"] > 0, row
     assert set(report["cluster_at_load"]) == {"1", "2"}
 

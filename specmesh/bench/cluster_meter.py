@@ -50,8 +50,8 @@ class ClusterMeter:
 
 
 def per_token(before: Reading, after: Reading, tokens: int, wall_s: float) -> dict[str, float]:
-    """The run's Redis commands and router CPU per token, requests per verifier pass and the time between
-    passes (wall time not spent in one, per pass)."""
+    """The run's Redis commands and router CPU per token, requests per verifier pass, the mean pass and the
+    time between passes (wall time not spent in one, per pass)."""
     passes = after.passes - before.passes
     tokens = max(tokens, 1)
     return {
@@ -60,6 +60,7 @@ def per_token(before: Reading, after: Reading, tokens: int, wall_s: float) -> di
         "requests_per_pass": round((after.pass_requests - before.pass_requests) / passes, 2) if passes else 0.0,
         "pass_gap_ms": round(max(wall_s - (after.pass_s - before.pass_s), 0.0) * 1e3 / passes, 3)
         if passes else 0.0,
+        "pass_ms": round((after.pass_s - before.pass_s) * 1e3 / passes, 3) if passes else 0.0,
     }
 
 

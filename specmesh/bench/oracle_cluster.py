@@ -233,7 +233,8 @@ class InProcessYardstick:
                 "requests_per_pass": plain.get("requests_per_pass", 0.0), "in_flight": plain["in_flight"],
                 "redis_commands_per_token": plain.get("redis_commands_per_token", 0.0),
                 "router_cpu_ms_per_token": plain.get("router_cpu_ms_per_token", 0.0),
-                "pass_gap_ms": plain.get("pass_gap_ms", 0.0),
+                "pass_gap_ms": plain.get("pass_gap_ms", 0.0), "pass_ms": plain.get("pass_ms", 0.0),
+                "engine_pass_ms": round(full_ms, 3),
                 "verifier_capacity_tokens_per_s": round(level / full_ms * 1e3, 1) if full_ms else 0.0}
 
 
@@ -270,5 +271,6 @@ def _print(report: dict) -> None:
     for level, row in report["cluster_at_load"].items():
         print(f"  plain at {level:>3} in flight: cluster {row['cluster_tokens_per_s']:.1f} tok/s = "
               f"{row['cluster_vs_engine']:.2f}x the same stepper in process ({row['engine_tokens_per_s']:.1f}); "
-              f"{row['requests_per_pass']} requests a pass of {row['in_flight']} in flight; verifier capacity "
+              f"{row['requests_per_pass']} requests a pass of {row['in_flight']} in flight; a pass {row['pass_ms']} ms "
+              f"(in process {row['engine_pass_ms']}), {row['pass_gap_ms']} ms between; verifier capacity "
               f"{row['verifier_capacity_tokens_per_s']} tok/s")

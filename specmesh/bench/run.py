@@ -558,9 +558,13 @@ def _summary(records: dict[str, ModeRecord], count: int, identical: int, referen
             "cluster_added_fraction": round(added_ms / one_step_ms, 3),
             "verifier_idle_fraction": round(max(0.0, 1.0 - busy_s / max(sum(cluster.seconds.values()), 1e-9)), 3),
         }
-        if "cluster_fixed" in accepted:
+        if "cluster_fixed" in accepted:  # both sides draft every step: the same step mix, unlike adaptive's
+            fixed, in_process = records["cluster_fixed"], records["router_fixed"]
+            fixed_added_ms = (sum(fixed.seconds.values()) / max(sum(fixed.steps.values()), 1)
+                              - sum(in_process.seconds.values()) / max(sum(in_process.steps.values()), 1)) * 1e3
             summary |= {"cluster_fixed_tokens_per_s": round(speed["cluster_fixed"], 2),
-                        "cluster_fixed_mean_accepted_length": round(accepted["cluster_fixed"], 3)}
+                        "cluster_fixed_mean_accepted_length": round(accepted["cluster_fixed"], 3),
+                        "cluster_fixed_added_ms_per_step": round(fixed_added_ms, 2)}
         if drafters:  # the drafter processes' share of the cluster's time spent idle (proposing is their work)
             summary["drafters_idle_fraction"] = round(
                 max(0.0, 1.0 - drafting_s / max(drafters * sum(cluster.seconds.values()), 1e-9)), 3)
