@@ -291,8 +291,23 @@ def test_a_step_that_prefilled_does_not_teach_the_step_overhead():
                         batch_size=1, prefilled=60)  # 200 ms of it were the prompt's prefill
     request.observe(first)
     assert policy.controller.overhead.by_load == {}
-    request.observe(replace(first, step_ms=53.0, prefilled=0))
+    request.observe(replace(first, step_ms=53.5, pass_ms=50.5, prefilled=0))  # the next pass
     assert policy.controller.overhead.ms() == pytest.approx(3.0)
+
+
+def test_the_step_overhead_is_learnt_once_a_pass_for_the_whole_cycle():
+    policy = AdaptivePolicy(ExpertRouter({"ngram": ["general"]}, free=["ngram"]), GoodputController(CostModel()))
+    requests = [policy.begin("general", 4) for _ in range(8)]
+    learnt = []
+    observe = policy.controller.overhead.observe
+    policy.controller.overhead.observe = lambda *a, **k: learnt.append(k.get("weight")) or observe(*a, **k)
+    for step in range(3):  # eight requests in each pass: each pass's overhead is the same for all of them
+        for request in requests:
+            plan = request.plan(16, ["ngram"], 60 + step)
+            request.observe(StepOutcome(plan, (TokenTree(),), TokenTree(), (3,), step_ms=12.0 + step, pass_ms=10.0 + step,
+                                        batch_rows=8, batch_size=8))
+    assert learnt == [1.0, 1.0, 1.0]
+    assert policy.controller.overhead.ms(8) == pytest.approx(2.0)
 
 
 def test_overhead_charges_each_tree_of_a_pass_its_share():

@@ -267,7 +267,8 @@ class StepOverhead:
         fit = self._nearest(requests)
         return fit.coefficients[1] if fit is not None else 0.0
 
-    def observe(self, ms: float, requests: float = 1, trees: float = 0.0) -> None:
+    def observe(self, ms: float, requests: float = 1, trees: float = 0.0, weight: float | None = None) -> None:
+        """``weight``: what the observation counts for (default: one request's share of its cycle)."""
         key = self.load_class(requests)
         if key not in self.by_load:
             near = self._nearest(requests)
@@ -277,7 +278,7 @@ class StepOverhead:
                                              prior_weight=(0.0, self.per_tree_prior_weight), decay=self.decay)
         # the steps of one cycle tell much the same: each counts for its share of the cycle, so the
         # memory spans cycles (several regimes of drafting, to tell the trees' part from the rest)
-        self.by_load[key].observe([1.0, trees], ms, weight=1.0 / max(requests, 1.0))
+        self.by_load[key].observe([1.0, trees], ms, weight=1.0 / max(requests, 1.0) if weight is None else weight)
 
 
 class GoodputController:

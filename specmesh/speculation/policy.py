@@ -178,22 +178,23 @@ class AdaptivePolicy:
         """What every step says about the verifier's passes, the drafters' costs and the overhead."""
         state, controller = self.state, self.controller
         this_pass = (outcome.batch_size, outcome.batch_trees, outcome.batch_rows, outcome.pass_ms)
-        if outcome.batch_size and outcome.batch_rows and outcome.pass_ms > 0 and this_pass != state.last_pass:
+        new_pass = bool(outcome.batch_size and outcome.batch_rows and outcome.pass_ms > 0 and this_pass != state.last_pass)
+        if new_pass:
             state.last_pass = this_pass  # learnt once, not once per request in it
             controller.cost.observe(outcome.batch_size, outcome.batch_trees, outcome.batch_rows, outcome.pass_ms)
             state.batch_size = 0.5 * state.batch_size + 0.5 * outcome.batch_size
         state.rows_per_request_step = self._moving(state.rows_per_request_step, 1 + len(outcome.fused))
         state.trees_per_request_step = self._moving(state.trees_per_request_step, 1.0 if len(outcome.fused) else 0.0)
         state.tokens_per_request_step = self._moving(state.tokens_per_request_step, len(outcome.committed))
-        if outcome.batch_size and outcome.step_ms > 0 and not outcome.prefilled:
-            # the rest of the step is overhead at this load (queue, transport, the router, others' passes);
-            # a step that prefilled waited for that too (the pass's time leaves it out): it says nothing here.
-            # Learnt against the load the choice weighs (the router's requests in flight, not one pass's:
-            # a busy router splits them over several passes), each tree in it charged its share
+        if new_pass and outcome.step_ms > 0 and not outcome.prefilled:
+            # the rest of the step is overhead at this load (the verifier's own work beside the pass: prefill
+            # calls); the same for every request of the pass, so learnt once a pass, for the whole cycle (at 64
+            # in flight, once a request cost the loop ~2 %). A step that prefilled says nothing here.
+            # Learnt against the load the choice weighs, each tree in it charged its share
             overhead = max(outcome.step_ms - outcome.draft_ms - outcome.pass_ms, 0.0)
             load = self.load()
             controller.overhead.observe(overhead, 1.0 + load.other_requests,
-                                        load.other_trees + (1.0 if len(outcome.fused) else 0.0))
+                                        load.other_trees + (1.0 if len(outcome.fused) else 0.0), weight=1.0)
 
     def calibrate(self, curves: Sequence[PassCurve]) -> None:
         """The verifiers' measured pass curves: the cost model's prior from the first request on; and
