@@ -228,15 +228,15 @@ class Realism:
 
 
 class StepOverhead:
-    """What a step takes besides its pass and its drafting (queue, transport, the router's and the
-    drafters' own work, waiting for the others' passes), by load (requests in flight, in powers of two):
+    """What a step takes besides its pass and its drafting (in the engine core: the verify call's work
+    beside the pass, prefill chunks), by load (requests in flight, in powers of two):
 
         base(load) + per_tree(load) * trees in flight
 
-    Each tree adds its fusion, a bigger job and verdict, and a turn in the router's and the drafters'
-    serial work to every step of the cycle; fitted on every step, so that steps taken while every
-    request drafted charge one tree its share, not the whole batch's. A load never seen starts from the
-    nearest one seen."""
+    Each tree adds its fusion, a bigger job and verdict to every step of the cycle; fitted on steps with
+    and without trees, so that steps taken while every request drafted charge one tree its share, not the
+    whole batch's (the policy observes once a pass, for the whole cycle). A load never seen starts from
+    the nearest one seen."""
 
     def __init__(self, decay: float = 0.95, per_tree_prior_weight: float = 2.0) -> None:
         self.decay = decay
