@@ -65,7 +65,8 @@ def test_bench_writes_the_summary_and_plots(tmp_path):
                        "cluster_fixed", "cluster_secure"} <= set(report["modes"])
     # the fixed budget through the cluster, fused where the drafts meet, against the best drafter alone (12
     # tokens of two prompts: too few to show what drafting keeps; docs/experiments has the full run)
-    assert summary["cluster_fixed_mean_accepted_length"] >= 1.0 and summary["cluster_fixed_accepted_length_vs_best_single"] > 0
+    assert summary["cluster_fixed_mean_accepted_length"] >= 1.0
+    assert summary["cluster_fixed_accepted_length_vs_best_single"] > 0
     assert report["modes"]["cluster_fixed"]["greedy_identical_fraction"] == 1.0
     # the secured cluster (TLS, mutual TLS, an API key) gives the same outputs; what it costs is a ratio
     assert report["modes"]["cluster_secure"]["greedy_identical_fraction"] == 1.0

@@ -258,6 +258,10 @@ class ModeRecord:
         cats = [category] if category else list(self.tokens)
         return sum(self.tokens[c] for c in cats) / max(sum(self.seconds[c] for c in cats), 1e-9)
 
+    def step_ms(self) -> float:
+        """Wall-clock milliseconds per target pass, over every category (at least one pass counted)."""
+        return sum(self.seconds.values()) / max(sum(self.steps.values()), 1) * 1e3
+
     def accepted_length(self, category: str | None = None) -> float:
         cats = [category] if category else list(self.tokens)
         return sum(self.tokens[c] for c in cats) / max(sum(self.steps.get(c, 0) for c in cats), 1)
@@ -546,7 +550,7 @@ def _summary(records: dict[str, ModeRecord], count: int, identical: int, referen
         # verifier's own work); and, wall clock, everything: those hops, the client's call, the processes
         drafter_hops_ms = max(cluster.draft_s / cluster_steps - engine.draft_s / engine_steps, 0.0) * 1e3
         queue_ms = cluster.transport_s / cluster_steps * 1e3
-        added_ms = (sum(cluster.seconds.values()) / cluster_steps - sum(engine.seconds.values()) / engine_steps) * 1e3
+        added_ms = cluster.step_ms() - engine.step_ms()
         summary |= {
             "cluster_tokens_per_s": round(speed["cluster"], 2),
             "cluster_mean_accepted_length": round(accepted["cluster"], 3),
@@ -559,9 +563,7 @@ def _summary(records: dict[str, ModeRecord], count: int, identical: int, referen
             "verifier_idle_fraction": round(max(0.0, 1.0 - busy_s / max(sum(cluster.seconds.values()), 1e-9)), 3),
         }
         if "cluster_fixed" in accepted:  # both sides draft every step: the same step mix, unlike adaptive's
-            fixed, in_process = records["cluster_fixed"], records["router_fixed"]
-            fixed_added_ms = (sum(fixed.seconds.values()) / max(sum(fixed.steps.values()), 1)
-                              - sum(in_process.seconds.values()) / max(sum(in_process.steps.values()), 1)) * 1e3
+            fixed_added_ms = records["cluster_fixed"].step_ms() - records["router_fixed"].step_ms()
             summary |= {"cluster_fixed_tokens_per_s": round(speed["cluster_fixed"], 2),
                         "cluster_fixed_mean_accepted_length": round(accepted["cluster_fixed"], 3),
                         "cluster_fixed_added_ms_per_step": round(fixed_added_ms, 2)}
@@ -569,13 +571,10 @@ def _summary(records: dict[str, ModeRecord], count: int, identical: int, referen
             summary["drafters_idle_fraction"] = round(
                 max(0.0, 1.0 - drafting_s / max(drafters * sum(cluster.seconds.values()), 1e-9)), 3)
         if "cluster_secure" in records:  # what TLS, mutual TLS and API keys cost a step
-            secure = records["cluster_secure"]
-            secure_steps = max(sum(secure.steps.values()), 1)
-            secure_ms = sum(secure.seconds.values()) / secure_steps * 1e3
-            plain_ms = sum(cluster.seconds.values()) / cluster_steps * 1e3
             summary |= {"cluster_secure_tokens_per_s": round(speed["cluster_secure"], 2),
                         "cluster_secure_vs_cluster": round(speed["cluster_secure"] / speed["cluster"], 3),
-                        "cluster_secure_added_ms_per_step": round(secure_ms - plain_ms, 2)}
+                        "cluster_secure_added_ms_per_step":
+                            round(records["cluster_secure"].step_ms() - cluster.step_ms(), 2)}
         if "plain_tokens_per_s" in summary:
             summary |= {
                 "speedup_vs_plain": round(speed["cluster"] / speed["hf_plain"], 3),

@@ -143,13 +143,21 @@ async def guarded(drafter: AsyncDrafter, call: str, request_id: str, stats: Spec
         return None
 
 
+NO_DRAFT = Draft(StepPlan(), (), TokenTree())  # a plain step's
+
+
+def drafts(plan: StepPlan, max_depth: int) -> bool:
+    """Whether a step with this plan asks any drafter: a step commits at most depth + 1 tokens, so guesses
+    deeper than the answer has room for are waste."""
+    return plan.budget > 0 and max_depth > 0 and bool(plan.drafters)
+
+
 async def draft_step(
     drafters: dict[str, AsyncDrafter], plan: StepPlan, request_id: str, stats: SpeculationStats, max_depth: int,
     assumed: Sequence[int] = (),
 ) -> Draft:
-    # a step commits at most depth + 1 tokens: deeper guesses than the answer has room for are waste
-    if plan.budget <= 0 or max_depth <= 0 or not plan.drafters:
-        return Draft(StepPlan(), (), TokenTree())
+    if not drafts(plan, max_depth):
+        return NO_DRAFT
 
     async def timed(name: str) -> tuple[TokenTree, float]:
         started = time.perf_counter()

@@ -21,7 +21,7 @@ from typing import Protocol, Sequence
 
 from specmesh.errors import RequestFailed, Unavailable
 from specmesh.runtime.tree_verifier import VerifyJob, VerifyResult
-from specmesh.speculation.drafting import AsyncDrafter, Draft, draft_step, guarded
+from specmesh.speculation.drafting import NO_DRAFT, AsyncDrafter, Draft, draft_step, drafts, guarded
 from specmesh.speculation.policy import RequestPolicy, StepOutcome, StepPlan
 from specmesh.speculation.requests import Request, SpeculationStats
 from specmesh.tree import TokenTree
@@ -30,7 +30,6 @@ log = logging.getLogger(__name__)
 
 MAX_RESYNCS = 3  # a request whose verifier keeps losing its cache is failing, not slow
 MAX_REFUSALS = 100  # steps a request may wait for room in the KV cache before it is failed
-NO_DRAFT = Draft(StepPlan(), (), TokenTree())  # a plain step's
 
 
 class StepVerifier(Protocol):
@@ -182,7 +181,7 @@ class EngineCore:
                 continue
             plan = running.policy.plan(running.room, [n for n, d in running.drafters.items() if d.healthy],
                                        len(running.context))
-            if plan.budget <= 0 or running.room <= 1 or not plan.drafters:
+            if not drafts(plan, max_depth=running.room - 1):
                 stepping.append(_Stepping(running, NO_DRAFT, 0.0))
             else:
                 drafting.append((len(stepping), running, plan))

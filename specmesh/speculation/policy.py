@@ -178,7 +178,8 @@ class AdaptivePolicy:
         """What every step says about the verifier's passes, the drafters' costs and the overhead."""
         state, controller = self.state, self.controller
         this_pass = (outcome.batch_size, outcome.batch_trees, outcome.batch_rows, outcome.pass_ms)
-        new_pass = bool(outcome.batch_size and outcome.batch_rows and outcome.pass_ms > 0 and this_pass != state.last_pass)
+        new_pass = bool(outcome.batch_size and outcome.batch_rows and outcome.pass_ms > 0
+                        and this_pass != state.last_pass)
         if new_pass:
             state.last_pass = this_pass  # learnt once, not once per request in it
             controller.cost.observe(outcome.batch_size, outcome.batch_trees, outcome.batch_rows, outcome.pass_ms)
