@@ -150,9 +150,9 @@ class SlowVerifier(TreeVerifier):
         super().__init__(runtime)
         self.pass_s = pass_s
 
-    def verify(self, jobs, prefill_ms=None):
+    def verify(self, jobs, prefill_ms=None, alone_ms=None):
         time.sleep(self.pass_s)
-        return super().verify(jobs, prefill_ms)
+        return super().verify(jobs, prefill_ms, alone_ms)
 
 
 def plain_greedy(model, prompt_ids, max_tokens: int) -> list[int]:

@@ -261,9 +261,9 @@ def test_bad_requests_name_the_argument(runtime, prompt, max_tokens, field):
 
 
 def test_long_prompts_prefill_in_chunks(tiny_model, runtime, monkeypatch):
-    import specmesh.runtime.target as runtime_module
+    import specmesh.runtime.tree_verifier as verifier_module
 
-    monkeypatch.setattr(runtime_module, "PREFILL_CHUNK", 4)
+    monkeypatch.setattr(verifier_module, "PREFILL_CHUNK", 4)
     prompts = ragged_prompts(3, 96, seed=9)
     engine = SpeculativeEngine(runtime, drafters=[NgramDrafter()], max_tree_nodes=4)
     outputs = engine.generate([Request(tuple(p), SamplingParams(max_tokens=MAX_TOKENS)) for p in prompts])

@@ -274,9 +274,9 @@ class _ThreadNoting(TreeVerifier):
         super().__init__(runtime)
         self.threads: set[str] = set()
 
-    def verify(self, jobs, prefill_ms=None):
+    def verify(self, jobs, prefill_ms=None, alone_ms=None):
         self.threads.add(threading.current_thread().name)
-        return super().verify(jobs, prefill_ms)
+        return super().verify(jobs, prefill_ms, alone_ms)
 
 
 def test_a_cpu_verifier_passes_on_its_event_loop_and_answers_as_plain(redis_server, tiny_model):

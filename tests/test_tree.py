@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from specmesh.fusion import fuse_trees
-from specmesh.tree import ROOT, TokenTree, compile_tree
+from specmesh.tree import ROOT, TokenTree, chained, compile_tree
 
 
 def test_chain_compiles_to_causal_mask():
@@ -79,3 +79,24 @@ def test_likeliest_path_and_re_rooting_below_a_child():
     assert tree.below(5) == TokenTree((7,), (-1,), (0.9,))
     assert tree.below(3) is None
     assert TokenTree().likeliest_path() == [] and TokenTree().below(1) is None
+
+
+def test_a_chunk_chained_before_a_tree_compiles_as_the_whole_tree_would():
+    """A pass that caches a history's chunk and verifies the tree after it: the chunk's rows are a chain,
+    the tree hangs below its last; built from tensors, it equals ``compile_tree`` of the whole."""
+    branching = TokenTree((5, 6, 7, 8), (ROOT, ROOT, 0, 1), (0.5, 0.4, 0.3, 0.2))
+    for chunk, tree in [((11,), branching), ((11, 12, 13), branching), ((11, 12), TokenTree()), ((11, 12, 13), None)]:
+        got = chained(chunk, compile_tree(4, tree) if tree is not None else None)
+        if tree is None:
+            want = compile_tree(chunk[0], TokenTree.chain(chunk[1:]))
+        else:
+            whole = TokenTree(chunk[1:] + (4,) + tree.tokens,
+                              tuple(range(-1, len(chunk) - 1)) + tuple(len(chunk) - 1 if p == ROOT else len(chunk) + p
+                                                                       for p in tree.parents),
+                              (1.0,) * len(chunk) + tree.draft_probs)
+            want = compile_tree(chunk[0], whole)
+        for name in ("input_ids", "depths", "mask", "retrieve_indices"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), (chunk, tree, name)
+        assert got.children == want.children and got.tree == want.tree
+    only = compile_tree(4, branching)
+    assert chained((), only) is only

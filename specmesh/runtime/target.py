@@ -17,7 +17,7 @@ from specmesh.runtime.hf import HFRuntime
 from specmesh.runtime.llama import LlamaRuntime, Scores, TreeBatch, lean_unsupported
 from specmesh.runtime.loading import LoadedModel, cache_root, load_hf_model, pick_device, pick_dtype, resolve_model_dir
 from specmesh.runtime.precision import check_precision
-from specmesh.tree import TokenTree, compile_tree
+from specmesh.tree import chained
 
 log = logging.getLogger(__name__)
 
@@ -170,10 +170,7 @@ def prefill_sessions(runtime: TargetRuntime, sessions: Sequence, histories: Sequ
         pending = [(i, s, h) for i, (s, h) in enumerate(zip(sessions, histories)) if s.length < len(h)]
         if not pending:
             break
-        trees = []
-        for _, session, history in pending:
-            chunk = history[session.length :][:PREFILL_CHUNK]
-            trees.append(compile_tree(chunk[0], TokenTree.chain(chunk[1:])))
+        trees = [chained(history[session.length :][:PREFILL_CHUNK]) for _, session, history in pending]
         batch = TreeBatch.build([s for _, s, _ in pending], trees)
         no_logits = torch.empty(0, dtype=torch.long)
         if feature_layers:

@@ -28,10 +28,11 @@ from specmesh.acceptance import Verdict, verify_greedy, verify_mss
 from specmesh.errors import InvalidArgument, RequestFailed
 from specmesh.runtime.features import MAX_PROMPT_FEATURES, Features
 from specmesh.runtime.llama import TreeBatch, check_feature_layers
-from specmesh.runtime.prefill_cost import PrefillCost
-from specmesh.runtime.target import TargetRuntime, prefill_sessions, score_with_features
+from specmesh.runtime.pass_cost import PassCost
+from specmesh.runtime.prefill_pace import PrefillPace
+from specmesh.runtime.target import PREFILL_CHUNK, TargetRuntime, score_with_features
 from specmesh.sampling import SamplingParams, target_probabilities
-from specmesh.tree import MAX_TREE_NODES, CompiledTree, TokenTree, compile_tree
+from specmesh.tree import MAX_TREE_NODES, CompiledTree, TokenTree, chained, compile_tree
 
 _MASK64 = (1 << 64) - 1
 log = logging.getLogger(__name__)
@@ -130,7 +131,8 @@ class TreeVerifier:
         self.stats = VerifierStats()
         self._warned: set[str] = set()  # each reason features cannot be given is logged once
         self._prefilling: dict[str, Prefill] = {}  # requests whose history is partly cached
-        self.prefill_cost = PrefillCost()  # what a prefill call costs: its chunks are sized on it
+        self.decode_cost = PassCost()  # what a pass of verified rows costs by its rows
+        self.pace = PrefillPace()  # how many history rows a budgeted pass caches
 
     @property
     def num_sessions(self) -> int:
@@ -178,38 +180,50 @@ class TreeVerifier:
         return state is not None and state.step == job.step and session is not None and session.length < job.position
 
     def next_prefill(self, job: VerifyJob) -> int:
-        """History tokens the job's next budgeted call may cache (0: its session holds them already): a new
+        """History tokens the job's next budgeted pass may cache (0: its session holds them already): a new
         request's first chunk, or a prefill under way's next at most (``prefill_chunks`` cuts it to a budget)."""
+        left = self._left(job)
+        return min(left, FIRST_CHUNK) if left and not self._under_way(job) else left
+
+    def _left(self, job: VerifyJob) -> int:
+        """History tokens the job's session lacks."""
         session = self._sessions.get(job.request_id)
-        if job.history is None or (session is not None and session.length == job.position):
+        if job.history is None or session is None:
             return 0
-        if not self._under_way(job):
-            return min(job.position, FIRST_CHUNK)
         return job.position - session.length
 
     def _under_way(self, job: VerifyJob) -> bool:
         """Whether an earlier call cached a chunk of the job's history already."""
         return self.resuming(job) and self._sessions[job.request_id].length > 0
 
-    def prefill_chunks(self, jobs: Sequence[VerifyJob], budget_ms: float | None = None) -> list[int]:
-        """History tokens each job's next call caches, within ``budget_ms`` (a budget can drop from one pass to
-        the next: the prefill had the verifier to itself, now shares it). Prefills under way share the tokens
-        the measured prefill cost fits in the budget, shortest remainder first (the least mean wait: a short
-        prompt's last chunk does not queue behind a long one's), at least a token each; a new request's first
-        chunk is ``FIRST_CHUNK`` tokens whatever the budget."""
-        chunks = [self.next_prefill(job) for job in jobs]
+    def prefill_chunks(self, jobs: Sequence[VerifyJob], budget_ms: float | None = None, alone: bool = False) -> list[int]:
+        """History tokens each job's next pass caches, at most ``PREFILL_CHUNK`` (the attention scores'
+        memory): all that is left, or within ``budget_ms`` of the pass's time (``prefill_pace.py``: ``alone``,
+        no rows verified in the pass, chunks sized on the last such pass; beside verified rows, what the pace
+        grants: on average the budget, in chunks every few passes). Prefills under way share them shortest
+        remainder first (the least mean wait: a short prompt's last chunk does not queue behind a long
+        one's); a new request's first chunk is ``FIRST_CHUNK`` tokens whatever the budget. Beside verified
+        rows this spends the pace's grant: call it once a pass."""
         if budget_ms is None:
-            return chunks
-        left = self.prefill_cost.tokens_within(budget_ms)
+            return [min(self._left(job), PREFILL_CHUNK) for job in jobs]
+        chunks = [min(self.next_prefill(job), PREFILL_CHUNK) for job in jobs]
         under_way = [i for i, job in enumerate(jobs) if chunks[i] and self._under_way(job)]
+        if alone:
+            left, least = self.pace.alone_rows, 1  # at least a token each
+        else:
+            left, least = self.pace.grant(budget_ms) if under_way else 0, 0
         for i in sorted(under_way, key=lambda i: chunks[i]):
-            chunks[i] = min(chunks[i], max(1, left))
+            chunks[i] = min(chunks[i], max(least, left))
             left = max(0, left - chunks[i])
         return chunks
 
-    def verify(self, jobs: Sequence[VerifyJob], prefill_ms: float | None = None) -> list[VerifyResult]:
-        """One verification pass for every job whose session is (or can be made) current. ``prefill_ms``:
-        cache at most about this long of the histories this call (None: all of them)."""
+    def verify(self, jobs: Sequence[VerifyJob], prefill_ms: float | None = None,
+               alone_ms: float | None = None) -> list[VerifyResult]:
+        """One verification pass for every job whose session is (or can be made) current, the histories to
+        cache in the same pass (chunked prefill beside decoding: one forward, vLLM's mixed batch).
+        ``prefill_ms``: cache at most about this long of the histories a pass (None: all of them this call,
+        the longest in passes of their own first); ``alone_ms``: the same where the pass verifies no one
+        (default ``prefill_ms``)."""
         if len({j.request_id for j in jobs}) != len(jobs):
             raise InvalidArgument("jobs", "two jobs of one batch belong to the same request")
         for job in jobs:
@@ -217,6 +231,48 @@ class TreeVerifier:
         jobs = [self._without_unavailable_features(job) for job in jobs]
         started = time.perf_counter()
         results: dict[int, VerifyResult] = {}
+        ready, prefills = self._sessions_for(jobs, results)
+        if prefill_ms is None:  # all of every history this call: what one pass would not hold goes first
+            while ahead := [jobs[i] for i in prefills if self._left(jobs[i]) > PREFILL_CHUNK]:
+                self._pass([(job, PREFILL_CHUNK, False) for job in ahead])
+        under_way = [i for i in prefills if self._under_way(jobs[i])]
+        # verifying no one: no session is current and no new request's history fits its first chunk
+        alone = all(i in under_way or self._left(jobs[i]) > FIRST_CHUNK for i in prefills) and len(prefills) == len(ready)
+        budget_ms = alone_ms if alone and alone_ms is not None else prefill_ms
+        chunks = dict(zip(prefills, self.prefill_chunks([jobs[i] for i in prefills], budget_ms, alone)))
+        for i in [i for i in prefills if chunks[i] == 0]:  # its chunk waits for a later pass
+            results[i] = VerifyResult(jobs[i].request_id, jobs[i].step, None, prefilling=True)
+            ready.remove(i)
+        entries = [(jobs[i], chunks.get(i, 0), chunks.get(i, 0) == self._left(jobs[i])) for i in ready]
+        passed_at = time.perf_counter()
+        outcomes = self._pass(entries) if entries else []
+        pass_ms = (time.perf_counter() - passed_at) * 1e3
+        verified = [i for i, (_, _, verifying) in zip(ready, entries) if verifying]
+        decode_rows, chunk_rows = sum(1 + len(jobs[i].tree) for i in verified), sum(chunks.values())
+        self._measured(decode_rows, chunk_rows, sum(chunks[i] for i in under_way), pass_ms, budget_ms)
+        rows, trees = decode_rows + chunk_rows, sum(1 for i in verified if len(jobs[i].tree))
+        for i, (verdict, features) in zip(ready, outcomes):
+            job = jobs[i]
+            if verdict is None:  # more chunks to come
+                results[i] = VerifyResult(job.request_id, job.step, None, prefilling=True)
+                continue
+            if i in prefills:
+                self._prefilling.pop(job.request_id, None)
+            if isinstance(verdict, str):
+                results[i] = VerifyResult(job.request_id, job.step, None, failed=verdict)
+                continue
+            prefilled = job.position if i in prefills else 0
+            results[i] = VerifyResult(job.request_id, job.step, verdict, prefilled, pass_ms, rows, len(verified),
+                                      trees, (time.perf_counter() - started) * 1e3, features=features)
+        self.stats.batches += 1
+        self.stats.jobs += len(jobs)
+        self.stats.busy_s += time.perf_counter() - started
+        return [results[i] for i in range(len(jobs))]
+
+    def _sessions_for(self, jobs: Sequence[VerifyJob], results: dict[int, VerifyResult]) -> tuple[list[int], list[int]]:
+        """Each job's session, current or opened (or resumed) for its history, room made for the pass. Returns
+        the jobs this pass can take and those of them whose history must be cached; the others' results (a
+        resync: no session and no history; refused: no room) go in ``results``."""
         ready: list[int] = []
         prefills: list[int] = []
         for i, job in enumerate(jobs):
@@ -241,35 +297,20 @@ class TreeVerifier:
             ready.remove(i)
             if i in prefills:
                 prefills.remove(i)
-        prompt_features = self._prefill([jobs[i] for i in prefills], prefill_ms)
-        for i in prefills:
-            job = jobs[i]
-            if self._sessions[job.request_id].length < job.position:  # more chunks to come
-                ready.remove(i)
-                results[i] = VerifyResult(job.request_id, job.step, None, prefilling=True)
-            else:
-                self._prefilling.pop(job.request_id, None)
-        prefill_ms = (time.perf_counter() - started) * 1e3
-        if ready:
-            passed_at = time.perf_counter()
-            verdicts, step_features = self._verify_trees([jobs[i] for i in ready])
-            pass_ms = (time.perf_counter() - passed_at) * 1e3
-            rows = sum(1 + len(jobs[i].tree) for i in ready)
-            trees = sum(1 for i in ready if len(jobs[i].tree))
-            for i, verdict, features in zip(ready, verdicts, step_features):
-                if isinstance(verdict, str):
-                    results[i] = VerifyResult(jobs[i].request_id, jobs[i].step, None, failed=verdict)
-                    continue
-                prefilled = jobs[i].position if i in prefills else 0
-                if features is not None and jobs[i].request_id in prompt_features:
-                    before = prompt_features[jobs[i].request_id]
-                    features = Features(before.start, torch.cat([before.values, features.values]), features.layers)
-                results[i] = VerifyResult(jobs[i].request_id, jobs[i].step, verdict, prefilled, pass_ms, rows, len(ready),
-                                          trees, prefill_ms + pass_ms, features=features)
-        self.stats.batches += 1
-        self.stats.jobs += len(jobs)
-        self.stats.busy_s += time.perf_counter() - started
-        return [results[i] for i in range(len(jobs))]
+        return ready, prefills
+
+    def _measured(self, decode_rows: int, chunk_rows: int, paced_rows: int, ms: float, budget_ms: float | None) -> None:
+        """A pass of ``decode_rows`` verified rows and ``chunk_rows`` history rows (``paced_rows`` of them
+        prefills under way) took ``ms``: the cost of a decode pass by its rows; or, within a budget, what
+        sizes the next chunks (``prefill_pace.py``)."""
+        if not chunk_rows:
+            self.decode_cost.observe(decode_rows, ms)
+        elif budget_ms is None:
+            return
+        elif not decode_rows:
+            self.pace.alone(paced_rows, ms, budget_ms, PREFILL_CHUNK)
+        else:  # what the chunks added to a decode pass
+            self.pace.spent(paced_rows, ms - self.decode_cost.ms(decode_rows), budget_ms, PREFILL_CHUNK)
 
     def _without_unavailable_features(self, job: VerifyJob) -> VerifyJob:
         if not job.feature_layers:
@@ -336,71 +377,71 @@ class TreeVerifier:
             self.close(request_id)
         return refused
 
-    def _prefill(self, jobs: Sequence[VerifyJob], budget_ms: float | None) -> dict[str, Features]:
-        """Cache each job's history (all of it, or with ``budget_ms`` each one's next chunk), in chunks so
-        attention memory stays bounded. Returns, for the jobs whose history is now cached and that ask for
-        features, the hidden states of their last ``max_prompt_features`` positions."""
-        if not jobs:
-            return {}
-        sessions = [self._sessions[j.request_id] for j in jobs]
-        before = [s.length for s in sessions]
-        ends = [j.position if budget_ms is None else s.length + chunk
-                for j, s, chunk in zip(jobs, sessions, self.prefill_chunks(jobs, budget_ms))]
-        layers = _union([j.feature_layers for j in jobs])
-        started = time.perf_counter()
-        hidden = prefill_sessions(self.runtime, sessions, [j.history[:end] for j, end in zip(jobs, ends)], layers)
-        self.prefill_cost.observe(sum(e - b for e, b in zip(ends, before)), (time.perf_counter() - started) * 1e3)
-        tails = {}
-        for job, values in zip(jobs, hidden):
-            if not job.feature_layers or values is None:
-                continue
-            values = values[:, [layers.index(n) for n in job.feature_layers]]  # [positions, job's layers, hidden]
-            state = self._prefilling.get(job.request_id)
-            if state is not None and state.tail is not None:  # the chunks before this one
-                values = torch.cat([state.tail, values])
-            values = values[max(0, values.shape[0] - job.max_prompt_features):]
-            if self._sessions[job.request_id].length < job.position:
-                state.tail = values
-                continue
-            tails[job.request_id] = Features(job.position - values.shape[0], values.half().cpu(), job.feature_layers)
-        return tails
-
-    def _verify_trees(self, jobs: Sequence[VerifyJob]) -> tuple[list[Verdict | str], list[Features | None]]:
-        """Each job's verdict, or why it failed (a string: that request's cache is dropped, the others go
-        on), and its features."""
-        sessions = [self._sessions[j.request_id] for j in jobs]
-        trees: list[CompiledTree] = [compile_tree(j.root, j.tree) for j in jobs]
-        batch = TreeBatch.build(sessions, trees)
-        layers = _union([j.feature_layers for j in jobs])
+    def _pass(self, entries: Sequence[tuple[VerifyJob, int, bool]]) -> list[tuple[Verdict | str | None, Features | None]]:
+        """One target forward over every entry: (job, history tokens to cache, whether its tree is verified
+        after them). Per entry: its verdict, or why it failed (a string: that request's cache is dropped, the
+        others go on), or None (not verified); and its features (the root's and accepted nodes' rows, after
+        the prompt's last ``max_prompt_features`` where this pass ends its prefill)."""
+        sessions = [self._sessions[job.request_id] for job, _, _ in entries]
+        trees = [compile_tree(job.root, job.tree) if verifying else None for job, _, verifying in entries]
+        rows = [chained(job.history[s.length : s.length + chunk] if chunk else (), tree)
+                for (job, chunk, _), s, tree in zip(entries, sessions, trees)]
+        batch = TreeBatch.build(sessions, rows)
+        # [verified rows]: each verified tree's rows, after its chunk; None: every row of the pass
+        wanted = [torch.arange(start + chunk, end) for (_, chunk, _), tree, start, end
+                  in zip(entries, trees, batch.cu_rows, batch.cu_rows[1:]) if tree is not None]
+        logits_rows = None if all(chunk == 0 for _, chunk, _ in entries) else (
+            torch.cat(wanted) if wanted else torch.empty(0, dtype=torch.long))
+        layers = _union([job.feature_layers for job, _, _ in entries])
         if layers:
-            scores = score_with_features(self.runtime, batch, layers)
-            logits, hidden = scores.logits, scores.features  # [total_rows, vocab], [total_rows, layers, hidden]
+            scores = score_with_features(self.runtime, batch, layers, logits_rows)
+            logits, hidden = scores.logits, scores.features  # [verified rows, vocab], [total_rows, layers, hidden]
         else:
-            logits, hidden = self.runtime.forward(batch), None
-        verdicts, features = [], []
+            logits, hidden = self.runtime.forward(batch, logits_rows), None
+        outcomes: list[tuple[Verdict | str | None, Features | None]] = []
         offset = 0
-        for job, session, tree in zip(jobs, sessions, trees):
-            start, offset = offset, offset + tree.num_rows
-            rows = logits[start:offset]
+        for (job, chunk, _), session, tree, start in zip(entries, sessions, trees, batch.cu_rows):
+            prompt = self._prompt_features(job, session, hidden[start : start + chunk], layers) if chunk and layers else None
+            if tree is None:
+                session.keep_rows(list(range(chunk)))
+                outcomes.append((None, None))
+                continue
+            first, offset = offset, offset + tree.num_rows
             try:
-                verdict = self._accept(job, tree, rows)
+                verdict = self._accept(job, tree, logits[first:offset])
             except Exception as exc:  # one request's fault fails that request, not the pass
                 if not isinstance(exc, RequestFailed):
                     log.exception("request %s: its acceptance failed", job.request_id)
                 self.close(job.request_id)  # its cache holds the tree's rows
-                verdicts.append(f"step {job.step}: {exc}")
-                features.append(None)
+                outcomes.append((f"step {job.step}: {exc}", None))
                 continue
             kept = [0] + [node + 1 for node in verdict.accepted_nodes]
-            session.keep_rows(kept)
-            if job.feature_layers:  # the root's and accepted nodes' rows: positions position.. of the committed
-                block = hidden[start + torch.tensor(kept, device=hidden.device)].half().cpu()
-                features.append(Features(job.position, block, layers).of_layers(job.feature_layers))
-            else:
-                features.append(None)
+            session.keep_rows(list(range(chunk)) + [chunk + row for row in kept])
             self.stats.tree_nodes += len(job.tree)
-            verdicts.append(verdict)
-        return verdicts, features
+            features = None
+            if job.feature_layers:  # the root's and accepted nodes' rows: positions position.. of the committed
+                block = hidden[start + chunk + torch.tensor(kept, device=hidden.device)].half().cpu()
+                features = Features(job.position, block, layers).of_layers(job.feature_layers)
+                if prompt is not None:
+                    features = Features(prompt.start, torch.cat([prompt.values, features.values]), features.layers)
+            outcomes.append((verdict, features))
+        return outcomes
+
+    def _prompt_features(self, job: VerifyJob, session, hidden: torch.Tensor, layers: tuple[int, ...]) -> Features | None:
+        """``hidden``: the pass's states at the history positions it caches for the job ([chunk, layers,
+        hidden]). Kept with the earlier chunks' last ones until the history is whole; then its last
+        ``max_prompt_features`` positions in the job's layers (None before that, or when it asks for none)."""
+        if not job.feature_layers:
+            return None
+        values = hidden[:, [layers.index(n) for n in job.feature_layers]]  # [positions, job's layers, hidden]
+        state = self._prefilling.get(job.request_id)
+        if state is not None and state.tail is not None:  # the chunks before this one
+            values = torch.cat([state.tail, values])
+        values = values[max(0, values.shape[0] - job.max_prompt_features):]
+        if session.length + hidden.shape[0] < job.position:
+            state.tail = values
+            return None
+        return Features(job.position - values.shape[0], values.half().cpu(), job.feature_layers)
 
     def _accept(self, job: VerifyJob, tree: CompiledTree, rows: torch.Tensor) -> Verdict:
         """The acceptance rule over one job's rows ([num_rows, vocab] logits)."""

@@ -57,8 +57,8 @@ FULL_WAIT_S = 0.01  # with no room, the admissions' listener looks again this of
 # with other verifiers alive, admissions a read takes at most; the next read waits for the step that takes
 # them in, so each takes at the pace of its steps and a burst spreads over those free to take it
 TAKE_AT_ONCE = 8
-# beside decoding requests, prefills take at most this share of a decode pass's time (a long prompt's over
-# several passes): its neighbours' tokens come at most ~1.5x slower while it is cached; within these bounds
+# beside decoding requests, prefills take on average this share of a decode pass's time (a long prompt's over
+# several passes): its neighbours' tokens come ~1.5x slower on average while it is cached; within these bounds
 PREFILL_SHARE = 0.5
 PREFILL_MS = (2.0, 25.0)
 PREFILL_ALONE_MS = 200.0  # a prompt cached with no one decoding still goes in passes this long: newcomers join the next
@@ -114,14 +114,13 @@ class ThreadedVerifier:
         return high if self.decode_ms is None else min(max(PREFILL_SHARE * self.decode_ms, low), high)
 
     async def verify(self, jobs: list[VerifyJob]) -> list[VerifyResult]:
-        # prefills share a pass with decoding requests within a budget; alone, within a larger one
+        # prefills share a pass with decoding requests within a budget; with no one verified, within a larger one
         decoding = sum(job.history is None for job in jobs)
-        budget = self.prefill_budget_ms if decoding else PREFILL_ALONE_MS
         if self.torch_thread.inline and self.on_pass is not None:
             self.on_pass()
             await asyncio.sleep(0)  # the publish's request out to Redis before the pass holds the thread
         started = time.monotonic()
-        passing = self.torch_thread.submit(self.verifier.verify, jobs, budget)
+        passing = self.torch_thread.submit(self.verifier.verify, jobs, self.prefill_budget_ms, PREFILL_ALONE_MS)
         if not self.torch_thread.inline and self.on_pass is not None:
             self.on_pass()
         results = await passing
