@@ -18,7 +18,8 @@ SPREAD = 0.25  # the passes' sizes must spread this much (standard deviation ove
 class PassCost:
     """``ms = fixed_ms + row_ms * rows``, fitted on the passes observed (exponentially weighted least
     squares). Until the passes' sizes differ enough for a line, all of a pass's time is counted per row (the
-    fixed part 0)."""
+    fixed part 0); while they do not, the line follows their mean (a pass's cost grows with its requests'
+    caches: a fit frozen at the first passes says a chunk beside them costs what the cache's growth does)."""
 
     fixed_ms: float = 0.0
     row_ms: float = 0.0  # 0: no pass observed yet
@@ -37,9 +38,11 @@ class PassCost:
         self._xy += w * (rows * ms - self._xy)
         mean_per_row = self._y / self._x
         variance = self._xx - self._x * self._x
-        if variance <= (SPREAD * self._x) ** 2:
-            if self.row_ms == 0.0:
-                self.row_ms = mean_per_row
+        if variance <= (SPREAD * self._x) ** 2:  # passes of one size: the line through their mean, its slope kept
+            if self.fixed_ms == 0.0 or self._y < self.row_ms * self._x:
+                self.fixed_ms, self.row_ms = 0.0, mean_per_row
+            else:
+                self.fixed_ms = self._y - self.row_ms * self._x
             return
         slope = (self._xy - self._x * self._y) / variance
         # a line through the origin or steeper is all per row; a negative slope (noise) keeps the last fit

@@ -103,31 +103,27 @@ class ThreadedVerifier:
         self.torch_thread = torch_thread
         self.metrics = metrics
         self.on_pass = on_pass  # called as a pass starts: the event loop's work meanwhile
-        self.decode_ms: float | None = None  # a pass without prefills, smoothed
         # read when scraped, not set at each pass: what the caches hold now, closes and evictions included
         metrics.kv_sessions.set_function(lambda: verifier.num_sessions)
         metrics.kv_bytes.set_function(lambda: verifier.cache_bytes)
 
-    @property
-    def prefill_budget_ms(self) -> float:
+    def prefill_budget_ms(self, jobs: list[VerifyJob]) -> float:
+        """Prefills' share of a pass of ``jobs``: of what the verifier measured a decode pass of their rows costs."""
         low, high = PREFILL_MS
-        return high if self.decode_ms is None else min(max(PREFILL_SHARE * self.decode_ms, low), high)
+        decode_ms = self.verifier.decode_cost.ms(sum(1 + len(job.tree) for job in jobs))
+        return high if decode_ms <= 0 else min(max(PREFILL_SHARE * decode_ms, low), high)
 
     async def verify(self, jobs: list[VerifyJob]) -> list[VerifyResult]:
         # prefills share a pass with decoding requests within a budget; with no one verified, within a larger one
-        decoding = sum(job.history is None for job in jobs)
         if self.torch_thread.inline and self.on_pass is not None:
             self.on_pass()
             await asyncio.sleep(0)  # the publish's request out to Redis before the pass holds the thread
         started = time.monotonic()
-        passing = self.torch_thread.submit(self.verifier.verify, jobs, self.prefill_budget_ms, PREFILL_ALONE_MS)
+        passing = self.torch_thread.submit(self.verifier.verify, jobs, self.prefill_budget_ms(jobs), PREFILL_ALONE_MS)
         if not self.torch_thread.inline and self.on_pass is not None:
             self.on_pass()
         results = await passing
         seconds = time.monotonic() - started
-        if decoding == len(jobs):
-            ms = seconds * 1e3
-            self.decode_ms = ms if self.decode_ms is None else 0.8 * self.decode_ms + 0.2 * ms
         m = self.metrics
         m.batch_requests.observe(len(jobs))
         m.batch_rows.observe(sum(1 + len(job.tree) for job in jobs))
