@@ -61,7 +61,9 @@ TAKE_AT_ONCE = 8
 # several passes): its neighbours' tokens come ~1.5x slower on average while it is cached; within these bounds
 PREFILL_SHARE = 0.5
 PREFILL_MS = (2.0, 25.0)
-PREFILL_ALONE_MS = 200.0  # a prompt cached with no one decoding still goes in passes this long: newcomers join the next
+# a prompt cached with no one decoding still goes in passes this long: newcomers join the next (admissions are
+# read between passes: beside 200 ms passes on 2 cores, short requests waited 0.4-1.1 s to be taken)
+PREFILL_ALONE_MS = 50.0
 # an answer sent whole is logged this often: no one has seen its tokens, so a verifier's death costs at most
 # this much work again, and its steps need neither a round trip nor a log entry of their own
 LOG_WITHHELD_S = 0.2
