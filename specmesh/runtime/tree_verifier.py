@@ -397,7 +397,7 @@ class TreeVerifier:
             scores = score_with_features(self.runtime, batch, layers, logits_rows)
             logits, hidden = scores.logits, scores.features  # [verified rows, vocab], [total_rows, layers, hidden]
         else:
-            logits, hidden = self.runtime.forward(batch, logits_rows), None
+            logits, hidden = self.runtime.forward(batch, logits_rows=logits_rows), None
         outcomes: list[tuple[Verdict | str | None, Features | None]] = []
         offset = 0
         for (job, chunk, _), session, tree, start in zip(entries, sessions, trees, batch.cu_rows):
