@@ -109,26 +109,27 @@ class ThreadedVerifier:
         metrics.kv_sessions.set_function(lambda: verifier.num_sessions)
         metrics.kv_bytes.set_function(lambda: verifier.cache_bytes)
 
-    def prefill_budget_ms(self, jobs: list[VerifyJob]) -> float:
-        """Prefills' share of a pass of ``jobs``: of what the verifier measured a decode pass of their rows costs."""
+    def prefill_budget_ms(self, rows: int) -> float:
+        """Prefills' share of a pass of ``rows`` tree rows: of what the verifier measured a decode pass of them costs."""
         low, high = PREFILL_MS
-        decode_ms = self.verifier.decode_cost.ms(sum(1 + len(job.tree) for job in jobs))
+        decode_ms = self.verifier.decode_cost.ms(rows)
         return high if decode_ms <= 0 else min(max(PREFILL_SHARE * decode_ms, low), high)
 
     async def verify(self, jobs: list[VerifyJob]) -> list[VerifyResult]:
         # prefills share a pass with decoding requests within a budget; with no one verified, within a larger one
+        rows = sum(1 + len(job.tree) for job in jobs)
         if self.torch_thread.inline and self.on_pass is not None:
             self.on_pass()
             await asyncio.sleep(0)  # the publish's request out to Redis before the pass holds the thread
         started = time.monotonic()
-        passing = self.torch_thread.submit(self.verifier.verify, jobs, self.prefill_budget_ms(jobs), PREFILL_ALONE_MS)
+        passing = self.torch_thread.submit(self.verifier.verify, jobs, self.prefill_budget_ms(rows), PREFILL_ALONE_MS)
         if not self.torch_thread.inline and self.on_pass is not None:
             self.on_pass()
         results = await passing
         seconds = time.monotonic() - started
         m = self.metrics
         m.batch_requests.observe(len(jobs))
-        m.batch_rows.observe(sum(1 + len(job.tree) for job in jobs))
+        m.batch_rows.observe(rows)
         m.pass_seconds.observe(seconds)
         for result in results:
             m.jobs.labels("refused" if result.refused else "failed" if result.failed else "prefilling"
