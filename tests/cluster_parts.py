@@ -43,9 +43,11 @@ class ServiceStack:
     """A router and one drafter as real gRPC servers on loopback, over engine nodes that call the drafter."""
 
     def __init__(self, url: str, model, tokenizer, drafter: Drafter, limits: RouterLimits | None = None,
-                 metrics: bool = False, http: bool = False, access=None, tls=None, verifiers: int = 1) -> None:
+                 metrics: bool = False, http: bool = False, access=None, tls=None, verifiers: int = 1,
+                 **node_args) -> None:
         """``metrics``: each service counts into its own registry, served over HTTP on a free port
-        (``metrics_urls``), as the real services do. ``http``: the router's OpenAI API too, at ``http_url``."""
+        (``metrics_urls``), as the real services do. ``http``: the router's OpenAI API too, at ``http_url``.
+        ``node_args``: each engine node's (``EngineNode``)."""
         self.with_metrics = metrics
         self.with_http = http
         self.access = access  # API keys the router's client APIs require (None: none)
@@ -56,6 +58,7 @@ class ServiceStack:
         self.model = model
         self.tokenizer = tokenizer
         self.drafter = drafter
+        self.node_args = node_args
         # fixed: a tiny model's pass costs about a drafter's round trip, so the adaptive policy would
         # (rightly) stop speculating, and these stacks are here to exercise drafting through the services
         self.limits = limits or RouterLimits(max_tree_nodes=6, speculation="fixed")
@@ -68,14 +71,16 @@ class ServiceStack:
                                        tokenizer_hash=tokenizer_fingerprint(self.tokenizer), feature_layers=layers,
                                        hidden_size=self.model.config.hidden_size if layers else 0)
         drafter_metrics, router_metrics = DrafterMetrics(), RouterMetrics() if self.with_metrics else None
-        servicer = DrafterServicer(self.sessions, info, TorchThread("draft"), drafter_metrics)
+        self.drafter_thread = TorchThread("draft")  # a test may keep it busy: the drafter stalls
+        servicer = DrafterServicer(self.sessions, info, self.drafter_thread, drafter_metrics)
         self.drafter_server = await start_server(
             [Service("specmesh.v1.Drafter", lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s))],
             "127.0.0.1:0", metrics=drafter_metrics, tls=self.tls, require_client_cert=self.tls is not None,
         )
         self.remote = await self._remote_drafter()
         # each node its own channel to the drafter, on its own loop
-        self.pool = EnginePool(self.url, self.model, self.verifiers, drafters=lambda: self._remote_drafter_list())
+        self.pool = EnginePool(self.url, self.model, self.verifiers, drafters=lambda: self._remote_drafter_list(),
+                               **self.node_args)
         await self.pool.__aenter__()
         watch = self.pool.watch
         card = ModelCard("tiny", vocab, self.model.config.max_position_embeddings,
@@ -179,12 +184,14 @@ class EngineNode:
     rest of the test goes on. Tiny model, an n-gram drafter in process."""
 
     def __init__(self, url: str, keys: QueueKeys, signer: QueueSigner, model, name: str,
-                 heartbeat_ttl_s: float = 1.0, verifier=TreeVerifier, drafters=None, inline: bool = False) -> None:
+                 heartbeat_ttl_s: float = 1.0, verifier=TreeVerifier, drafters=None, inline: bool = False,
+                 draft_ahead: str = "auto") -> None:
         """``verifier``: makes the node's verifier from its runtime (a slow one, say); ``drafters``: an async
         function making the node's drafters on its loop (default: an n-gram drafter in process); ``inline``:
-        its torch work on its event loop's thread, as a CPU verifier's."""
+        its torch work on its event loop's thread, as a CPU verifier's; ``draft_ahead``: as the service's."""
         self.url, self.keys, self.signer, self.model, self.name = url, keys, signer, model, name
         self.inline = inline
+        self.draft_ahead = draft_ahead
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.make_verifier = verifier
         self.make_drafters = drafters
@@ -205,7 +212,7 @@ class EngineNode:
         drafters = await self.make_drafters() if self.make_drafters else [LocalDrafter(NgramDrafter())]
         self.drafters = drafters
         return EngineWorker(self.make_verifier(LlamaRuntime(self.model)), queue, TorchThread(self.name, self.inline),
-                            adaptive_policy({}), drafters, frozenset())
+                            adaptive_policy({}), drafters, frozenset(), draft_ahead=self.draft_ahead)
 
     def call(self, coroutine, timeout_s: float = 60.0):
         """Run ``coroutine`` on the node's loop and return its result."""
@@ -250,17 +257,17 @@ class EnginePool:
     """Engine nodes over a real Redis, and a router's ``EngineClient`` on the test's event loop."""
 
     def __init__(self, url: str, model, workers: int = 1, timeout_s: float = 30.0, node_url: str | None = None,
-                 drafters=None) -> None:
+                 **node_args) -> None:
         """``url``: the router's Redis URL; ``node_url``: the verifiers' (another user's), else the same;
-        ``drafters``: as ``EngineNode``'s. ``watch``: the router's view of which verifiers are alive."""
+        ``node_args``: every node's (``EngineNode``). ``watch``: the router's view of which verifiers are alive."""
         self.keys = QueueKeys(pool=uuid.uuid4().hex[:8])
         self.signer = QueueSigner(new_key())
         self.redis = async_redis(url)
         self.client = EngineClient(self.redis, self.keys, f"router-{self.keys.pool}", timeout_s=timeout_s,
                                    signer=self.signer)
         self.watch = VerifierWatch(self.redis, self.keys, liveness_every_s=0.1)
-        self.url, self.model, self.drafters = node_url or url, model, drafters
-        self.nodes = [EngineNode(self.url, self.keys, self.signer, model, f"v{i}", drafters=drafters)
+        self.url, self.model, self.node_args = node_url or url, model, node_args
+        self.nodes = [EngineNode(self.url, self.keys, self.signer, model, f"v{i}", **node_args)
                       for i in range(workers)]
 
     @property
@@ -268,7 +275,7 @@ class EnginePool:
         return [node.worker for node in self.nodes]
 
     async def add_node(self, name: str, **node_args) -> EngineNode:
-        node = EngineNode(self.url, self.keys, self.signer, self.model, name, **{"drafters": self.drafters, **node_args})
+        node = EngineNode(self.url, self.keys, self.signer, self.model, name, **{**self.node_args, **node_args})
         self.nodes.append(node)
         return await asyncio.to_thread(node.start)
 

@@ -15,7 +15,7 @@ from specmesh.speculation.drafting import LocalDrafter
 from specmesh.speculation.engine import InProcessVerifier
 from specmesh.speculation.engine_core import EngineCore
 from specmesh.speculation.policy import FixedPolicy
-from specmesh.speculation.requests import Request
+from specmesh.speculation.requests import Request, SpeculationStats
 
 MAX_TOKENS = 20
 
@@ -132,3 +132,33 @@ def test_a_failing_pass_fails_its_requests_not_the_core(tiny_model, runtime):
     assert "RuntimeError" in str(second[0].error)
     assert sum(len(o.token_ids) for o in rest) == 4 and rest[-1].finish_reason == "length"
     assert verifier.verifier.num_sessions == 0
+
+
+def test_trees_drafted_ahead_during_the_pass_keep_plain_greedy_output(tiny_model, runtime):
+    """With drafting ahead, a step whose verdict confirmed the path the last draft assumed takes the draft
+    made meanwhile; answers are still plain greedy's, and the drafter's sessions end with their requests."""
+    chosen = prompts(4, seed=5)
+    answers = {p: hf_greedy(tiny_model, list(p), MAX_TOKENS) for p in chosen}
+    verifier = CountingVerifier(TreeVerifier(runtime))
+    drafter = OracleTreeDrafter(answers, vocab_size=96, seed=7)
+    stats = {}
+
+    async def main():
+        core = EngineCore(verifier, draft_ahead="on")
+        for i, prompt in enumerate(chosen):
+            request = Request(prompt, SamplingParams(max_tokens=MAX_TOKENS), request_id=str(i))
+            stats[str(i)] = SpeculationStats()
+            core.add(request, FixedPolicy().begin("", 6), [LocalDrafter(drafter)], stats[str(i)])
+        outputs: dict[str, list[int]] = {}
+        while core.num_requests:
+            for output in await core.step():
+                outputs.setdefault(output.request_id, []).extend(output.token_ids)
+        return outputs
+
+    outputs = asyncio.run(main())
+    assert {chosen[int(rid)]: tokens for rid, tokens in outputs.items()} == answers
+    ahead = sum(s.drafted_ahead for s in stats.values())
+    steps = sum(s.target_steps for s in stats.values())
+    assert 0 < ahead < steps, (ahead, steps)
+    assert sum(s.late_drafts for s in stats.values()) == 0
+    assert drafter.contexts == {} and verifier.verifier.num_sessions == 0

@@ -11,8 +11,9 @@ import time
 
 import grpc
 import pytest
-from cluster_parts import ServiceStack, passes_held, plain_greedy
+from cluster_parts import ServiceStack, SlowVerifier, passes_held, plain_greedy
 from conftest import wait_until_async
+from drafting import OracleTreeDrafter
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -237,11 +238,13 @@ def test_a_drafter_opens_a_session_only_when_asked_to_draft_but_history_sees_eve
                 await remote.start("idle", [5, 6, 7, 5, 6])
                 await remote.commit("idle", [7, 5])
                 after_start = len(sessions)
-                await remote.end("idle")
+                await remote.end("idle")  # its close goes in the background: the request's end holds no step
+                await wait_until_async(lambda: not len(sessions), timeout_s=10, what="idle closed")
                 await remote.start("asked", [5, 6, 7, 5, 6])
                 tree = await remote.propose("asked", 4)
                 during = len(sessions)
                 await remote.end("asked")
+                await wait_until_async(lambda: not len(sessions), timeout_s=10, what="asked closed")
                 counts[drafter.kind] = (after_start, list(tree.tokens), during, len(sessions))
             finally:
                 await remote.close()
@@ -479,6 +482,72 @@ def test_a_dead_drafter_costs_speculation_not_the_request(redis_server, model, t
     tokens, after, prompt, failures = run(main())
     assert tokens == plain_greedy(model, prompt, MAX_TOKENS) == after.token_ids
     assert failures >= 1
+
+
+def test_trees_drafted_ahead_by_a_drafter_service_during_inline_passes_keep_plain_output(redis_server, model,
+                                                                                         tokenizer):
+    """A CPU verifier (passes on its event loop's thread) drafting ahead: each step's proposals for the next
+    tree reach the drafter service before the pass, which drafts them meanwhile (here 20 ms a proposal, 60 ms
+    a pass); steps whose verdict confirmed the assumed path take that tree without waiting; the answer is
+    plain's."""
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12]
+    plain = plain_greedy(model, prompt, 2 * MAX_TOKENS)
+
+    class SlowOracle(OracleTreeDrafter):
+        def propose(self, request_id, budget, assumed=()):
+            time.sleep(0.02)
+            return super().propose(request_id, budget, assumed)
+
+    drafter = SlowOracle({tuple(prompt): plain}, vocab_size=model.config.vocab_size, seed=2)
+
+    async def main():
+        async with ServiceStack(redis_server.url, model, tokenizer, drafter, inline=True, draft_ahead="on",
+                                verifier=lambda runtime: SlowVerifier(runtime, 0.06)) as stack:
+            async with AsyncClient(stack.address) as client:
+                chunks = [c async for c in client.stream(prompt_ids=prompt, max_tokens=2 * MAX_TOKENS)]
+            return chunks, stack.drafter_failures
+
+    chunks, failures = run(main())
+    assert [t for c in chunks for t in c.token_ids] == plain
+    stats = chunks[-1].stats
+    assert 0 < stats.drafted_ahead < stats.target_steps, stats
+    unwaited = sum(c.step.draft_ms < 10 for c in chunks if c.step is not None)
+    assert unwaited >= stats.drafted_ahead, "a tree drafted ahead was in by the end of the pass"
+    assert failures == 0
+
+
+def test_a_stalled_drafter_holds_no_step_for_its_call_deadline(redis_server, model, tokenizer):
+    """A drafter that stops answering (its drafting thread busy for longer than a step, short of its 2 s call
+    deadline) costs each step at most a few times its usual answer time, then sits steps out: the stream
+    never waits out the stall, the answer is plain's, and the drafter drafts again once back."""
+    stall_s = 1.5
+
+    async def main():
+        async with ServiceStack(redis_server.url, model, tokenizer, NgramDrafter()) as stack:
+            async with AsyncClient(stack.address) as client:
+                await client.generate(chat=CHAT, max_tokens=MAX_TOKENS)  # the drafter's pace is learnt
+                stream = client.stream(chat=CHAT, max_tokens=4 * MAX_TOKENS)
+                tokens = list((await stream.__anext__()).token_ids)
+                stalled = time.monotonic()
+                stall = asyncio.ensure_future(stack.drafter_thread.run(time.sleep, stall_s))
+                await asyncio.sleep(0.01)
+                gaps, last = [], time.monotonic()
+                async for chunk in stream:
+                    gaps.append(time.monotonic() - last)
+                    last = time.monotonic()
+                    tokens += chunk.token_ids
+                streamed_s = time.monotonic() - stalled
+                await stall
+                await asyncio.sleep(1.0)  # past the first back-off
+                after = await client.generate(chat=CHAT, max_tokens=MAX_TOKENS)
+            return tokens, after, stack.router.encode_chat(CHAT), gaps, streamed_s
+
+    tokens, after, prompt, gaps, streamed_s = run(main())
+    assert tokens == plain_greedy(model, prompt, 4 * MAX_TOKENS)
+    assert streamed_s < stall_s, f"the stream waited out the drafter's stall ({streamed_s:.2f} s)"
+    assert max(gaps) < 0.5, f"a step waited {max(gaps):.2f} s for the stalled drafter"
+    assert after.token_ids == plain_greedy(model, prompt, MAX_TOKENS)
+    assert after.stats.drafted_nodes > 0, "the drafter drafts again once it answers in time"
 
 
 def test_health_and_reflection(redis_server, model, tokenizer):

@@ -104,7 +104,8 @@ async def engine_worker(args: VerifierSettings, target, verifier: TreeVerifier, 
                                              parts.hidden_size or None, parts.num_layers or None, tls)
     policy = adaptive_policy({})  # its routing table and settings then follow the routers' snapshots (policy_sync)
     policy.calibrate([curve])
-    worker = EngineWorker(verifier, queue, torch_thread, policy, drafters, frozenset(parts.eos_token_ids), metrics)
+    worker = EngineWorker(verifier, queue, torch_thread, policy, drafters, frozenset(parts.eos_token_ids), metrics,
+                          draft_ahead=args.draft_ahead)
     log.info("the step loop runs here: drafters %s (discovery %s)", ", ".join(d.name for d in drafters) or "none yet",
              args.discovery)
     return worker, remote, discovery

@@ -62,7 +62,7 @@ class RemoteDrafter:
         self._unsent: dict[str, list[int]] = {}  # request -> committed since the drafter last heard
         self._open: set[str] = set()  # sessions the drafter may hold: each is closed when its request ends
         self._stale: set[str] = set()  # ... of which these are out of step with us: opened afresh before drafting
-        self._closing: set[asyncio.Task] = set()  # closes sent to a drafter marked down
+        self._closing: set[asyncio.Task] = set()  # sessions being closed (their requests ended)
         self._features: dict[str, list[Features]] = {}  # request -> blocks not yet sent (feature drafters)
         self._feature_end: dict[str, int] = {}  # request -> where the next block must start
         self._refused: set[str] = set()  # requests whose features the drafter refused: it sits them out
@@ -267,13 +267,11 @@ class RemoteDrafter:
         if request_id not in self._open:
             return
         self._open.discard(request_id)
-        closing = self._close_session(request_id, unsent)
-        if self.healthy:
-            await closing
-        else:  # marked down (maybe only slow, its sessions open): closed without holding up the request's end
-            task = asyncio.create_task(closing)
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
+        # closed without holding up the request's end: the step that ended it goes on (a stalled drafter
+        # would hold the whole batch's next pass for its call deadline)
+        task = asyncio.create_task(self._close_session(request_id, unsent))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     async def _close_session(self, request_id: str, committed: list[int]) -> None:
         try:

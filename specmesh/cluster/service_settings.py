@@ -147,6 +147,10 @@ class VerifierSettings(DrafterClientSettings):
                             "layer at a time (targets larger than the device's memory; a pass then costs about the "
                             "same for a thousand rows as for one; no CUDA graphs, no GGUF blocks; with "
                             "tensor_parallel each rank streams its share)")
+    draft_ahead: Literal["auto", "on", "off"] = setting(
+        "auto", "draft each request's next tree while the pass verifies this one, assuming its likeliest path "
+        "(used when the verdict confirms it): on, off, or auto: with drafters on other machines (on this one's "
+        "cores, drafting takes them from the pass)")
     tensor_parallel: int = setting(1, "processes the target is split over (tensor parallelism: each holds 1/N of "
                                    "every layer and its KV cache; one per GPU, NCCL; gloo on a CPU); they fail and "
                                    "start again as one", ge=1)

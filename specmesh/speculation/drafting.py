@@ -12,11 +12,12 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 from specmesh.drafters.base import Drafter
 from specmesh.fusion import fuse_trees
 from specmesh.runtime.features import Features
+from specmesh.speculation.draft_deadline import DraftDeadlines
 from specmesh.speculation.policy import StepPlan
 from specmesh.speculation.requests import SpeculationStats
 from specmesh.tree import TokenTree
@@ -24,6 +25,7 @@ from specmesh.tree import TokenTree
 log = logging.getLogger(__name__)
 
 IN_PROCESS = "in-process"  # the address of a drafter that runs in the caller's process
+LOOPBACK_HOSTS = ("localhost", "::1")
 
 
 class AsyncDrafter(Protocol):
@@ -50,6 +52,15 @@ class AsyncDrafter(Protocol):
     async def add_features(self, request_id: str, features: Features) -> None: ...
 
     async def end(self, request_id: str) -> None: ...
+
+
+def runs_apart(address: str) -> bool:
+    """Whether a drafter at ``address`` (host:port) runs on another machine than its caller: not in process,
+    not on a loopback address or a Unix socket."""
+    if address == IN_PROCESS or address.startswith("unix:"):
+        return False
+    host = address.rsplit(":", 1)[0].strip("[]") if ":" in address else address
+    return not (host in LOOPBACK_HOSTS or host.startswith("127."))
 
 
 def one_per_name(drafters: Sequence[AsyncDrafter]) -> list[AsyncDrafter]:
@@ -154,19 +165,41 @@ def drafts(plan: StepPlan, max_depth: int) -> bool:
 
 async def draft_step(
     drafters: dict[str, AsyncDrafter], plan: StepPlan, request_id: str, stats: SpeculationStats, max_depth: int,
-    assumed: Sequence[int] = (),
+    assumed: Sequence[int] = (), deadlines: DraftDeadlines | None = None, at_least_s: float = 0.0,
 ) -> Draft:
+    """Ask the planned drafters (assuming ``assumed`` past the committed tokens) and fuse what they give. With
+    ``deadlines``, a proposal is waited for as long as they say (at least ``at_least_s``) and dropped after."""
     if not drafts(plan, max_depth):
         return NO_DRAFT
+    started = time.perf_counter()
+    answer_ms: dict[str, float] = {}
 
-    async def timed(name: str) -> tuple[TokenTree, float]:
-        started = time.perf_counter()
-        drafter = drafters[name]
-        tree = await guarded(drafter, "propose", request_id, stats, plan.budget, assumed)
-        return tree if tree is not None else TokenTree(), (time.perf_counter() - started) * 1e3
+    def arrived(name: str) -> Callable[[asyncio.Future], None]:
+        return lambda _: answer_ms.__setitem__(name, (time.perf_counter() - started) * 1e3)
 
-    answers = await asyncio.gather(*(timed(n) for n in plan.drafters))
-    trees = [tree for tree, _ in answers]
+    asked: dict[str, asyncio.Future] = {}
+    for name in plan.drafters:
+        asked[name] = asyncio.ensure_future(guarded(drafters[name], "propose", request_id, stats, plan.budget, assumed))
+        asked[name].add_done_callback(arrived(name))
+    wait_s = deadlines.wait_s(plan.drafters) if deadlines is not None else None
+    try:
+        _, late = await asyncio.wait(asked.values(), timeout=None if wait_s is None else max(wait_s, at_least_s))
+    finally:  # late, or the step itself was cancelled: a call left behind must not outlive it
+        for task in asked.values():
+            task.cancel()
+    if late:
+        await asyncio.gather(*late, return_exceptions=True)  # the calls see their cancellation before the next
+    trees: list[TokenTree] = []
+    for name, task in asked.items():
+        tree = None if task in late else task.result()
+        if task in late:
+            stats.late_drafts += 1
+            answer_ms[name] = (time.perf_counter() - started) * 1e3
+            deadlines.late(name, answer_ms[name])
+        elif tree is not None and deadlines is not None:  # a failed call's time says nothing of its pace
+            deadlines.answered(name, answer_ms[name])
+        trees.append(tree if tree is not None else TokenTree())
     fusing = time.perf_counter()
     fused = fuse_trees(trees, plan.budget, plan.weights).within_depth(max_depth)
-    return Draft(plan, tuple(trees), fused, tuple(ms for _, ms in answers), (time.perf_counter() - fusing) * 1e3)
+    return Draft(plan, tuple(trees), fused, tuple(answer_ms[n] for n in plan.drafters),
+                 (time.perf_counter() - fusing) * 1e3)

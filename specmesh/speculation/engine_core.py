@@ -6,8 +6,14 @@ request that moved. Requests join (``add``) and leave (``abort``, or their end) 
 ``max_running`` wait their turn. The in-process engine drives it to completion; a verifier service drives
 it for the requests the routers hand it. The loop is the same, only the processes around it differ.
 
-A drafter's failure costs that request's proposal for the step (``drafting.guarded``); a request whose
-numbers break the acceptance rule fails alone (``RequestOutput.error``), the others go on.
+A drafter's failure costs that request's proposal for the step (``drafting.guarded``), and so does a late
+answer: a step waits for a proposal only as long as its drafter usually takes (``draft_deadline.py``). A
+request whose numbers break the acceptance rule fails alone (``RequestOutput.error``), the others go on.
+
+Drafting ahead (``draft_ahead``): while a pass verifies a request's tree, its drafters already draft the next
+one, assuming the tree's likeliest path is accepted; when the verdict confirms it (that path, then a token the
+draft has a branch for) the next step takes that draft without waiting. It pays where drafters run on other
+machines than the pass; on the verifier's own cores it takes them from the pass.
 """
 
 from __future__ import annotations
@@ -16,12 +22,13 @@ import asyncio
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Literal, Protocol, Sequence
 
 from specmesh.errors import RequestFailed, Unavailable
 from specmesh.runtime.tree_verifier import VerifyJob, VerifyResult
-from specmesh.speculation.drafting import NO_DRAFT, AsyncDrafter, Draft, draft_step, drafts, guarded
+from specmesh.speculation.draft_deadline import DraftDeadlines
+from specmesh.speculation.drafting import NO_DRAFT, AsyncDrafter, Draft, draft_step, drafts, guarded, runs_apart
 from specmesh.speculation.policy import RequestPolicy, StepOutcome, StepPlan
 from specmesh.speculation.requests import Request, SpeculationStats
 from specmesh.tree import TokenTree
@@ -30,6 +37,12 @@ log = logging.getLogger(__name__)
 
 MAX_RESYNCS = 3  # a request whose verifier keeps losing its cache is failing, not slow
 MAX_REFUSALS = 100  # steps a request may wait for room in the KV cache before it is failed
+# proposals drafted ahead leave after a few event-loop turns (queued, batched, called); a pass on the loop's
+# own thread holds it, so the core yields these turns before the pass
+SEND_TURNS = 5
+# a draft made ahead is waited for after the pass at most this share of the pass again
+AHEAD_WAIT_SHARE = 0.5
+DraftAhead = Literal["auto", "on", "off"]  # auto: with drafters on other machines (``drafting.runs_apart``)
 
 
 class StepVerifier(Protocol):
@@ -65,6 +78,8 @@ class _Running:
     resyncs: int = 0  # in a row
     refusals: int = 0  # in a row
     waiting: Draft | None = None  # a job held over (its prefill goes on): verified again with the same tree
+    ready: Draft | None = None  # drafted ahead during the last pass, which confirmed its path
+    ready_ms: float = 0.0  # ... and waited for after that pass (0 when it was in by the pass's end)
     features: tuple[int, ...] = ()
 
     @property
@@ -85,6 +100,8 @@ class _Stepping:
     draft: Draft
     draft_ms: float
     job: VerifyJob = field(init=False)
+    assumed: list[int] = field(default_factory=list)  # the path the draft made ahead assumes accepted
+    ahead: asyncio.Future | None = None  # that draft, being made while the pass runs
 
     def __post_init__(self) -> None:
         self.job = self.running.job(self.draft.fused)
@@ -92,10 +109,14 @@ class _Stepping:
 
 class EngineCore:
     def __init__(self, verifier: StepVerifier, eos_token_ids: frozenset[int] = frozenset(),
-                 max_running: int = 256) -> None:
+                 max_running: int = 256, draft_ahead: DraftAhead = "off") -> None:
         self.verifier = verifier
         self.eos_token_ids = eos_token_ids
         self.max_running = max_running
+        self.draft_ahead = draft_ahead
+        self.deadlines = DraftDeadlines()
+        self._pass_s = 0.0  # the last pass's time
+        self._ahead_ms = 0.0  # the last step's wait for drafts made ahead, after its pass
         self._running: dict[str, _Running] = {}
         self._waiting: deque[_Running] = deque()
 
@@ -148,14 +169,27 @@ class EngineCore:
         if not self._running:
             return []
         stepping = await self._draft_all()
+        if await self._draft_ahead(stepping):
+            for _ in range(SEND_TURNS):
+                await asyncio.sleep(0)
         verified_at = time.perf_counter()
         try:
             results = await self.verifier.verify([s.job for s in stepping])
+        except asyncio.CancelledError:
+            await self._cancel_ahead(stepping)
+            raise
         except Exception as exc:  # the pass failed: every request in it fails with it, the core goes on
             log.exception("a verification pass failed")
             failed = RequestFailed(f"its verification pass failed ({type(exc).__name__}; the verifier's log has it)")
+            await self._cancel_ahead(stepping)
             return [await self._fail(s.running, failed) for s in stepping]
-        verify_s = time.perf_counter() - verified_at
+        verify_s = self._pass_s = time.perf_counter() - verified_at
+        # the drafters finish what they drafted ahead before they hear the verdict (their sessions are in order)
+        ahead = [s.ahead for s in stepping if s.ahead is not None]
+        if ahead:
+            waited_at = time.perf_counter()
+            await asyncio.wait(ahead)
+            self._ahead_ms = (time.perf_counter() - waited_at) * 1e3
         outputs = []
         for part, result in zip(stepping, results):
             output = await self._take(part, result, verify_s)
@@ -179,10 +213,18 @@ class EngineCore:
             if running.waiting is not None:  # the same job again: its prefill goes on
                 stepping.append(_Stepping(running, running.waiting, 0.0))
                 continue
-            plan = running.policy.plan(running.room, [n for n, d in running.drafters.items() if d.healthy],
+            ready, running.ready = running.ready, None
+            plan = running.policy.plan(running.room, [n for n, d in running.drafters.items()
+                                                      if d.healthy and not self.deadlines.benched(n)],
                                        len(running.context))
             if not drafts(plan, max_depth=running.room - 1):
                 stepping.append(_Stepping(running, NO_DRAFT, 0.0))
+            elif ready is not None:  # its drafting was hidden behind the last pass
+                running.stats.drafted_ahead += 1
+                running.stats.draft_s += running.ready_ms / 1e3
+                fused = ready.fused.truncated(plan.budget).within_depth(running.room - 1)
+                asked = replace(plan, drafters=ready.plan.drafters, weights=ready.plan.weights)
+                stepping.append(_Stepping(running, Draft(asked, ready.trees, fused), running.ready_ms))
             else:
                 drafting.append((len(stepping), running, plan))
                 stepping.append(None)
@@ -195,10 +237,49 @@ class EngineCore:
     async def _draft(self, running: _Running, plan: StepPlan) -> _Stepping:
         drafted_at = time.perf_counter()
         draft = await draft_step(running.drafters, plan, running.request.request_id, running.stats,
-                                 max_depth=running.room - 1)
+                                 max_depth=running.room - 1, deadlines=self.deadlines)
         draft_ms = (time.perf_counter() - drafted_at) * 1e3
         running.stats.draft_s += draft_ms / 1e3
         return _Stepping(running, draft, draft_ms)
+
+    async def _draft_ahead(self, stepping: list[_Stepping]) -> bool:
+        """Start drafting, during the pass, the next tree of each request whose drafters draft ahead; True when
+        some did."""
+        started = False
+        for part in stepping:
+            running, tree = part.running, part.draft.fused
+            if (not tree or running.send_history or running.waiting is not None
+                    or not self._ahead_with(running, part.draft.plan.drafters)):
+                continue
+            part.assumed = tree.likeliest_path()
+            part.ahead = asyncio.ensure_future(draft_step(
+                running.drafters, part.draft.plan, running.request.request_id, running.stats,
+                max_depth=running.room - len(part.assumed) - 2, assumed=part.assumed, deadlines=self.deadlines,
+                at_least_s=(1 + AHEAD_WAIT_SHARE) * self._pass_s))
+            started = True
+        return started
+
+    def _ahead_with(self, running: _Running, names: Sequence[str]) -> bool:
+        if self.draft_ahead == "auto":
+            return any(runs_apart(running.drafters[n].address) for n in names)
+        return self.draft_ahead == "on"
+
+    async def _cancel_ahead(self, stepping: list[_Stepping]) -> None:
+        ahead = [s.ahead for s in stepping if s.ahead is not None]
+        for future in ahead:
+            future.cancel()
+        await asyncio.gather(*ahead, return_exceptions=True)
+
+    def _confirmed(self, part: _Stepping, new: list[int], finish_reason: str | None) -> Draft | None:
+        """The draft made ahead, below the token the verdict added past the path it assumed; None when the
+        verdict took another path (or the request ended)."""
+        if part.ahead is None or part.ahead.cancelled() or finish_reason is not None or new[:-1] != part.assumed:
+            return None
+        if part.ahead.exception() is not None:
+            log.warning("drafting ahead failed for request %s", part.running.request.request_id,
+                        exc_info=part.ahead.exception())
+            return None
+        return part.ahead.result().below(new[-1])
 
     async def _take(self, part: _Stepping, result: VerifyResult, verify_s: float) -> RequestOutput | None:
         running, rid = part.running, part.running.request.request_id
@@ -248,6 +329,7 @@ class EngineCore:
         running.produced += len(new)
         running.context.extend(new)
         running.step += 1
+        running.ready, running.ready_ms = self._confirmed(part, new, finish_reason), self._ahead_ms
         outcome = StepOutcome(draft.plan, draft.trees, tree, tuple(new), part.draft_ms, draft.drafter_ms,
                               part.draft_ms + result.verify_ms, result.pass_ms, result.batch_rows, result.batch_size,
                               result.batch_trees, draft.fuse_ms, result.prefilled_tokens, result.verify_ms,

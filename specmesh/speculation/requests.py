@@ -47,6 +47,7 @@ class SpeculationStats:
     total_s: float = 0.0
     draft_s: float = 0.0  # time spent waiting for drafters
     drafted_ahead: int = 0  # steps whose tree was drafted during the previous verification
+    late_drafts: int = 0  # proposals dropped for coming after their deadline (``draft_deadline.py``)
     verify_s: float = 0.0  # time spent waiting for verification (queue + target pass)
     verifier_s: float = 0.0  # of verify_s, the verifier's own work (prefill, passes); the rest is queue and transport
     request_kind: str = ""  # the request kind its drafters were routed by

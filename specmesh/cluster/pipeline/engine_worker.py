@@ -43,7 +43,7 @@ from specmesh.cluster.wire import sampling_from_pb, stats_to_pb, trace_to_pb
 from specmesh.errors import InvalidArgument
 from specmesh.runtime.tree_verifier import TreeVerifier, VerifyJob, VerifyResult
 from specmesh.speculation.drafting import AsyncDrafter, one_per_name
-from specmesh.speculation.engine_core import EngineCore, RequestOutput
+from specmesh.speculation.engine_core import DraftAhead, EngineCore, RequestOutput
 from specmesh.speculation.policy import AdaptivePolicy, FixedPolicy
 from specmesh.speculation.requests import Request, SpeculationStats, StepTiming, validate_request
 from specmesh.tree import MAX_TREE_NODES
@@ -155,7 +155,7 @@ class _Held:
 class EngineWorker:
     def __init__(self, verifier: TreeVerifier, queue: VerifierQueue, torch_thread: TorchThread,
                  policy: AdaptivePolicy, drafters: list[AsyncDrafter], eos_token_ids: frozenset[int],
-                 metrics: VerifierMetrics | None = None) -> None:
+                 metrics: VerifierMetrics | None = None, draft_ahead: DraftAhead = "auto") -> None:
         self.verifier = verifier
         self.queue = queue
         self.torch_thread = torch_thread
@@ -173,7 +173,7 @@ class EngineWorker:
         self._publishing: asyncio.Task | None = None  # their publish, once started (``_send``: at the next pass)
         self._log_due = 0.0  # when the answers sent whole are next logged (``_log_withheld``)
         threaded = ThreadedVerifier(verifier, torch_thread, self.metrics, on_pass=self._send)
-        self.core = EngineCore(threaded, eos_token_ids, max_running=verifier.max_sessions)
+        self.core = EngineCore(threaded, eos_token_ids, max_running=verifier.max_sessions, draft_ahead=draft_ahead)
         self._held: dict[str, _Held] = {}
         self._aborted: dict[str, None] = {}  # insertion-ordered, bounded
         self._aborts_after = "0-0"
