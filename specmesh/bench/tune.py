@@ -61,6 +61,7 @@ LIBGOMP_DEFAULT_SPIN = "300000"
 CLUSTER_SETTINGS = {
     "shipped": {},
     f"spin_{LIBGOMP_DEFAULT_SPIN}": {"extra_env": {"GOMP_SPINCOUNT": LIBGOMP_DEFAULT_SPIN}},
+    "draft_ahead_on": {"extra_env": {"SPECMESH_DRAFT_AHEAD": "on"}},  # the verifier's --draft-ahead (auto: off here)
 }
 
 
