@@ -46,6 +46,11 @@ class DraftDeadlines:
             waits.append(max(MIN_WAIT_MS, LATE_FACTOR * pace.usual_ms))
         return max(waits) / 1e3 if waits else None
 
+    def usual_ms(self, name: str) -> float | None:
+        """How long ``name`` usually takes to answer; None: not yet heard from."""
+        pace = self._pace.get(name)
+        return None if pace is None else pace.usual_ms
+
     def benched(self, name: str) -> bool:
         """Whether ``name`` sits steps out, late too often."""
         pace = self._pace.get(name)

@@ -42,6 +42,13 @@ MAX_REFUSALS = 100  # steps a request may wait for room in the KV cache before i
 SEND_TURNS = 5
 # a draft made ahead is waited for after the pass at most this share of the pass again
 AHEAD_WAIT_SHARE = 0.5
+# drafting ahead goes on while at least this share of the drafts made ahead lately were confirmed (below it,
+# the drafters' extra work and the step's own overhead cost more than the few drafts it saves: 13 % confirmed
+# lost 4-8 % on 2 cores, docs/experiments/2026-12-02-drafting-ahead-in-the-engine-core.md); below it, one
+# step in AHEAD_PROBE_EVERY drafts ahead still, so the share stays measured
+AHEAD_MIN_CONFIRMED = 0.3
+AHEAD_PROBE_EVERY = 16
+AHEAD_ALPHA = 0.1  # weight of the newest draft made ahead in the share
 DraftAhead = Literal["auto", "on", "off"]  # auto: with drafters on other machines (``drafting.runs_apart``)
 
 
@@ -117,6 +124,8 @@ class EngineCore:
         self.deadlines = DraftDeadlines()
         self._pass_s = 0.0  # the last pass's time
         self._ahead_ms = 0.0  # the last step's wait for drafts made ahead, after its pass
+        self.ahead_confirmed = 1.0  # share of the drafts made ahead lately that the verdict confirmed
+        self._steps = 0
         self._running: dict[str, _Running] = {}
         self._waiting: deque[_Running] = deque()
 
@@ -245,6 +254,9 @@ class EngineCore:
     async def _draft_ahead(self, stepping: list[_Stepping]) -> bool:
         """Start drafting, during the pass, the next tree of each request whose drafters draft ahead; True when
         some did."""
+        self._steps += 1
+        if self.ahead_confirmed < AHEAD_MIN_CONFIRMED and self._steps % AHEAD_PROBE_EVERY:
+            return False
         started = False
         for part in stepping:
             running, tree = part.running, part.draft.fused
@@ -260,9 +272,14 @@ class EngineCore:
         return started
 
     def _ahead_with(self, running: _Running, names: Sequence[str]) -> bool:
-        if self.draft_ahead == "auto":
-            return any(runs_apart(running.drafters[n].address) for n in names)
-        return self.draft_ahead == "on"
+        """Whether to draft ahead with ``names``: as ``draft_ahead`` says, and only with drafters that usually
+        answer within a pass (a slower one's draft would hold the next step after the pass, and most of them
+        are thrown away: the verdict confirms a whole path far less often than not)."""
+        if self.draft_ahead == "off" or (self.draft_ahead == "auto"
+                                         and not any(runs_apart(running.drafters[n].address) for n in names)):
+            return False
+        pass_ms = self._pass_s * 1e3
+        return all((usual := self.deadlines.usual_ms(n)) is not None and usual <= pass_ms for n in names)
 
     async def _cancel_ahead(self, stepping: list[_Stepping]) -> None:
         ahead = [s.ahead for s in stepping if s.ahead is not None]
@@ -330,6 +347,8 @@ class EngineCore:
         running.context.extend(new)
         running.step += 1
         running.ready, running.ready_ms = self._confirmed(part, new, finish_reason), self._ahead_ms
+        if part.ahead is not None and finish_reason is None:
+            self.ahead_confirmed += AHEAD_ALPHA * ((running.ready is not None) - self.ahead_confirmed)
         outcome = StepOutcome(draft.plan, draft.trees, tree, tuple(new), part.draft_ms, draft.drafter_ms,
                               part.draft_ms + result.verify_ms, result.pass_ms, result.batch_rows, result.batch_size,
                               result.batch_trees, draft.fuse_ms, result.prefilled_tokens, result.verify_ms,
