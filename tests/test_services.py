@@ -518,8 +518,9 @@ def test_trees_drafted_ahead_by_a_drafter_service_during_inline_passes_keep_plai
 
 def test_a_stalled_drafter_holds_no_step_for_its_call_deadline(redis_server, model, tokenizer):
     """A drafter that stops answering (its drafting thread busy for longer than a step, short of its 2 s call
-    deadline) costs each step at most a few times its usual answer time, then sits steps out: the stream
-    never waits out the stall, the answer is plain's, and the drafter drafts again once back."""
+    deadline) costs a step at most a few times its usual answer time; the request goes on without it while
+    that proposal is on its way: the stream never waits out the stall, the answer is plain's, and the
+    drafter drafts again once back."""
     stall_s = 1.5
 
     async def main():

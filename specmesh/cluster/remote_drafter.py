@@ -137,7 +137,8 @@ class RemoteDrafter:
             request = drafter_pb2.ProposeRequest(
                 request_id=request_id, committed=self._unsent[request_id], budget=budget, assumed=assumed
             )
-            blocks = self._features.get(request_id)
+            sent_tokens = len(self._unsent[request_id])
+            blocks = list(self._features.get(request_id, ()))
             if blocks:
                 request.features.CopyFrom(features_to_pb(_joined(blocks)))
             try:
@@ -155,8 +156,10 @@ class RemoteDrafter:
             except asyncio.CancelledError:  # its item may have been drafted there all the same
                 self._stale.add(request_id)
                 raise
-            self._unsent[request_id] = []
-            self._features[request_id] = []
+            # what was sent goes; what came meanwhile (a proposal left to arrive after its step) stays for the next
+            if request_id in self._context:
+                del self._unsent[request_id][:sent_tokens]
+                del self._features.setdefault(request_id, [])[:len(blocks)]
             self._up()
             try:
                 return tree_from_pb(answer.tree).truncated(budget)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
 from specmesh.drafters.base import Drafter
@@ -133,6 +133,7 @@ class Draft:
     fused: TokenTree
     drafter_ms: tuple[float, ...] = ()  # each drafter's time (aligned with plan.drafters)
     fuse_ms: float = 0.0  # merging their trees into one
+    late: dict[str, asyncio.Future] = field(default_factory=dict)  # proposals still on their way, by drafter
 
     def below(self, token: int) -> Draft | None:
         """What this draft says after ``token`` (a draft made ahead, once the verdict confirmed its path)."""
@@ -165,41 +166,41 @@ def drafts(plan: StepPlan, max_depth: int) -> bool:
 
 async def draft_step(
     drafters: dict[str, AsyncDrafter], plan: StepPlan, request_id: str, stats: SpeculationStats, max_depth: int,
-    assumed: Sequence[int] = (), deadlines: DraftDeadlines | None = None, at_least_s: float = 0.0,
+    assumed: Sequence[int] = (), wait_s: float | None = None, deadlines: DraftDeadlines | None = None,
 ) -> Draft:
-    """Ask the planned drafters (assuming ``assumed`` past the committed tokens) and fuse what they give. With
-    ``deadlines``, a proposal is waited for as long as they say (at least ``at_least_s``) and dropped after."""
+    """Ask the planned drafters (assuming ``assumed`` past the committed tokens) and fuse what they give by
+    ``wait_s`` (None: every answer). A proposal still on its way then is left to arrive (``Draft.late``),
+    not cancelled: a call cut short leaves a drafter's session in doubt, to be opened again whole. Each
+    answer's time, a late one's too, goes to ``deadlines``."""
     if not drafts(plan, max_depth):
         return NO_DRAFT
     started = time.perf_counter()
     answer_ms: dict[str, float] = {}
 
     def arrived(name: str) -> Callable[[asyncio.Future], None]:
-        return lambda _: answer_ms.__setitem__(name, (time.perf_counter() - started) * 1e3)
+        def record(task: asyncio.Future) -> None:
+            answer_ms[name] = (time.perf_counter() - started) * 1e3
+            if deadlines is not None and not task.cancelled() and task.result() is not None:
+                deadlines.answered(name, answer_ms[name])  # a failed call's time says nothing of its pace
+        return record
 
     asked: dict[str, asyncio.Future] = {}
     for name in plan.drafters:
         asked[name] = asyncio.ensure_future(guarded(drafters[name], "propose", request_id, stats, plan.budget, assumed))
         asked[name].add_done_callback(arrived(name))
-    wait_s = deadlines.wait_s(plan.drafters) if deadlines is not None else None
     try:
-        _, late = await asyncio.wait(asked.values(), timeout=None if wait_s is None else max(wait_s, at_least_s))
-    finally:  # late, or the step itself was cancelled: a call left behind must not outlive it
+        _, late = await asyncio.wait(asked.values(), timeout=wait_s)
+    except asyncio.CancelledError:  # the step itself was cancelled: nothing it asked outlives it
         for task in asked.values():
             task.cancel()
-    if late:
-        await asyncio.gather(*late, return_exceptions=True)  # the calls see their cancellation before the next
+        raise
     trees: list[TokenTree] = []
     for name, task in asked.items():
         tree = None if task in late else task.result()
-        if task in late:
-            stats.late_drafts += 1
-            answer_ms[name] = (time.perf_counter() - started) * 1e3
-            deadlines.late(name, answer_ms[name])
-        elif tree is not None and deadlines is not None:  # a failed call's time says nothing of its pace
-            deadlines.answered(name, answer_ms[name])
         trees.append(tree if tree is not None else TokenTree())
+    waited_ms = (time.perf_counter() - started) * 1e3
+    stats.late_drafts += len(late)
     fusing = time.perf_counter()
     fused = fuse_trees(trees, plan.budget, plan.weights).within_depth(max_depth)
-    return Draft(plan, tuple(trees), fused, tuple(answer_ms[n] for n in plan.drafters),
-                 (time.perf_counter() - fusing) * 1e3)
+    return Draft(plan, tuple(trees), fused, tuple(answer_ms.get(n, waited_ms) for n in plan.drafters),
+                 (time.perf_counter() - fusing) * 1e3, {n: t for n, t in asked.items() if t in late})

@@ -87,6 +87,15 @@ class _Running:
     waiting: Draft | None = None  # a job held over (its prefill goes on): verified again with the same tree
     ready: Draft | None = None  # drafted ahead during the last pass, which confirmed its path
     ready_ms: float = 0.0  # ... and waited for after that pass (0 when it was in by the pass's end)
+    late: dict[str, asyncio.Future] = field(default_factory=dict)  # proposals past their wait, still on their way
+
+    def askable(self, name: str) -> bool:
+        """Whether ``name`` may be asked: no proposal of this request's still on its way there."""
+        call = self.late.get(name)
+        if call is not None and call.done():
+            del self.late[name]
+            call = None
+        return call is None
     features: tuple[int, ...] = ()
 
     @property
@@ -199,6 +208,9 @@ class EngineCore:
             waited_at = time.perf_counter()
             await asyncio.wait(ahead)
             self._ahead_ms = (time.perf_counter() - waited_at) * 1e3
+            for part in stepping:
+                if part.ahead is not None and not part.ahead.cancelled() and part.ahead.exception() is None:
+                    part.running.late.update(part.ahead.result().late)
         outputs = []
         for part, result in zip(stepping, results):
             output = await self._take(part, result, verify_s)
@@ -224,7 +236,7 @@ class EngineCore:
                 continue
             ready, running.ready = running.ready, None
             plan = running.policy.plan(running.room, [n for n, d in running.drafters.items()
-                                                      if d.healthy and not self.deadlines.benched(n)],
+                                                      if d.healthy and running.askable(n)],
                                        len(running.context))
             if not drafts(plan, max_depth=running.room - 1):
                 stepping.append(_Stepping(running, NO_DRAFT, 0.0))
@@ -246,7 +258,9 @@ class EngineCore:
     async def _draft(self, running: _Running, plan: StepPlan) -> _Stepping:
         drafted_at = time.perf_counter()
         draft = await draft_step(running.drafters, plan, running.request.request_id, running.stats,
-                                 max_depth=running.room - 1, deadlines=self.deadlines)
+                                 max_depth=running.room - 1, wait_s=self.deadlines.wait_s(plan.drafters),
+                                 deadlines=self.deadlines)
+        running.late.update(draft.late)
         draft_ms = (time.perf_counter() - drafted_at) * 1e3
         running.stats.draft_s += draft_ms / 1e3
         return _Stepping(running, draft, draft_ms)
@@ -260,14 +274,16 @@ class EngineCore:
         started = False
         for part in stepping:
             running, tree = part.running, part.draft.fused
+            names = part.draft.plan.drafters
             if (not tree or running.send_history or running.waiting is not None
-                    or not self._ahead_with(running, part.draft.plan.drafters)):
+                    or not all(running.askable(n) for n in names) or not self._ahead_with(running, names)):
                 continue
             part.assumed = tree.likeliest_path()
+            # no pace learnt from these: an inline pass holds the loop, and their answers are read after it
             part.ahead = asyncio.ensure_future(draft_step(
                 running.drafters, part.draft.plan, running.request.request_id, running.stats,
-                max_depth=running.room - len(part.assumed) - 2, assumed=part.assumed, deadlines=self.deadlines,
-                at_least_s=(1 + AHEAD_WAIT_SHARE) * self._pass_s))
+                max_depth=running.room - len(part.assumed) - 2, assumed=part.assumed,
+                wait_s=max(self.deadlines.wait_s(names) or 0.0, (1 + AHEAD_WAIT_SHARE) * self._pass_s)))
             started = True
         return started
 
@@ -372,6 +388,9 @@ class EngineCore:
 
     async def _release(self, running: _Running) -> None:
         running.stats.total_s = time.perf_counter() - running.started
+        for call in running.late.values():  # done before the drafters hear of the end
+            call.cancel()
+        await asyncio.gather(*running.late.values(), return_exceptions=True)
         running.policy.end()
         rid = running.request.request_id
         names = list(running.drafters)
