@@ -147,3 +147,30 @@ def test_a_budgeted_prefill_goes_a_chunk_per_call_and_ends_as_the_whole_one(tiny
     # another step of the request (its router re-sent it elsewhere and came back) starts over, cleanly
     again = chunked.verify([VerifyJob("long", 7, len(history), 5, TokenTree(), SamplingParams(), history)])[0]
     assert again.verdict is not None
+
+
+def test_a_bursts_prompts_are_cached_in_passes_of_their_own_a_lone_prompt_beside_decoding_is_paced(tiny_model):
+    """Prompts still caching that outnumber the requests a pass verifies 3 to 1 (a burst beside its first
+    decoding requests) go in passes of about ``alone_ms``, sized at once on their first chunks; fewer are
+    paced within ``prefill_ms`` beside the decoding ones (the last of a burst too, once the others decode)."""
+    from specmesh.runtime.tree_verifier import PROMPTS_TO_ONE, TreeVerifier, VerifyJob
+    from specmesh.sampling import SamplingParams
+
+    def calls_to_cache(prompts: int, all_but: int = 0) -> int:
+        verifier = TreeVerifier(LlamaRuntime(tiny_model))
+        decoding = VerifyJob("decoding", 0, 8, 9, TokenTree(), SamplingParams(), history=tuple(range(1, 9)))
+        verifier.verify([decoding])
+        jobs = [VerifyJob(f"p{i}", 0, 200, 5, TokenTree(), SamplingParams(),
+                          history=tuple(3 + (i + j) % 90 for j in range(200))) for i in range(prompts)]
+        calls = 0
+        while len(jobs) > all_but:
+            step = VerifyJob("decoding", calls + 1, 9 + calls, 9, TokenTree(), SamplingParams())
+            results = verifier.verify([step, *jobs], prefill_ms=0.5, alone_ms=10_000.0)
+            assert results[0].verdict is not None  # the decoding request's step goes on
+            jobs = [job for job, result in zip(jobs, results[1:]) if result.prefilling]
+            calls += 1
+        return calls
+
+    # the last of a burst, once the others decode, is paced beside them
+    assert calls_to_cache(4 * PROMPTS_TO_ONE, all_but=1) <= 3
+    assert calls_to_cache(PROMPTS_TO_ONE - 1) > 8

@@ -51,3 +51,13 @@ def test_alone_a_pass_takes_about_its_budget_as_the_cache_grows():
         cached += rows
         times.append(ms)
     assert all(150 < ms < 260 for ms in times[8:])
+
+
+def test_a_bursts_first_chunks_size_the_next_alone_passes_at_once():
+    """64 new requests' first chunks (64 rows each) in a 70 ms pass alone: the next alone passes take about
+    the budget, not a few rows growing twice a pass."""
+    pace = PrefillPace()
+    pace.alone(64 * 64, 70.0, 50.0, 2048)
+    assert pace.alone_rows == 2048
+    pace.alone(1000, 20.0, 50.0, 4096)
+    assert pace.alone_rows == 2000

@@ -35,9 +35,9 @@ class PrefillPace:
         return self.rows if self.bank_ms > 0 else 0
 
     def spent(self, rows: int, added_ms: float, budget_ms: float, max_rows: int) -> None:
-        """A pass's chunks added ``added_ms`` to it: drawn from the bank; ``rows`` of them paced, the next
-        chunk is sized on them to cost ``CHUNK_PASSES`` shares (at most twice or half this one, at most
-        ``max_rows``). The others (new requests' first chunks) are paid for, and size nothing."""
+        """A pass's chunks, ``rows`` in all (new requests' first chunks too: a burst's are the first measure of
+        what a row costs), added ``added_ms`` to it: drawn from the bank; the next chunks are sized on them to
+        cost ``CHUNK_PASSES`` shares (at most twice or half these, at most ``max_rows``)."""
         self.bank_ms -= added_ms
         if not rows:
             return
@@ -45,8 +45,9 @@ class PrefillPace:
         self.rows = max(1, min(max_rows, round(rows * scale)))
 
     def alone(self, rows: int, ms: float, budget_ms: float, max_rows: int) -> None:
-        """A pass of chunks alone took ``ms``, ``rows`` of them paced (the others: new requests' first
-        chunks): the next alone is sized to take ``budget_ms`` (at most twice or half this one)."""
+        """A pass of ``rows`` chunk rows alone (new requests' first chunks too: a burst's are the first
+        measure of what a row costs) took ``ms``: the next alone is sized to take ``budget_ms`` (at most
+        twice or half this one, at most ``max_rows``)."""
         if rows:
             scale = min(2.0, max(0.5, budget_ms / max(ms, 1e-3)))
             self.alone_rows = max(1, min(max_rows, round(rows * scale)))

@@ -109,6 +109,11 @@ def step_generator(params: SamplingParams, position: int, device: torch.device, 
 
 
 FIRST_CHUNK = 64  # tokens of a budgeted prefill's first pass, whatever the budget
+# a burst's prompts are cached in passes of their own (``alone_ms``) while they outnumber the requests
+# decoding this many to one: paced beside those few, 64 prompts took 8-31 passes; a prompt beside one
+# decoding request is still paced (alone, its neighbour's tokens came 1.7-1.8x slower, not 1.4-1.5x)
+PROMPTS_TO_ONE = 3
+MAX_PREFILL_ROWS = 2048  # history rows a budgeted pass gives the prefills under way, together (each at most PREFILL_CHUNK)
 
 
 class TreeVerifier:
@@ -236,8 +241,10 @@ class TreeVerifier:
             while ahead := [jobs[i] for i in prefills if self._left(jobs[i]) > PREFILL_CHUNK]:
                 self._pass([(job, PREFILL_CHUNK, False) for job in ahead])
         under_way = [i for i in prefills if self._under_way(jobs[i])]
-        # verifying no one: no session is current and no new request's history fits its first chunk
-        alone = all(i in under_way or self._left(jobs[i]) > FIRST_CHUNK for i in prefills) and len(prefills) == len(ready)
+        # prompts still caching after this pass outnumber the requests it verifies PROMPTS_TO_ONE to one (none
+        # verified, or a burst's arrivals beside its first few): passes of about alone_ms
+        staying = sum(1 for i in prefills if i in under_way or self._left(jobs[i]) > FIRST_CHUNK)
+        alone = staying >= PROMPTS_TO_ONE * (len(ready) - staying)
         budget_ms = alone_ms if alone and alone_ms is not None else prefill_ms
         chunks = dict(zip(prefills, self.prefill_chunks([jobs[i] for i in prefills], budget_ms, alone)))
         for i in [i for i in prefills if chunks[i] == 0]:  # its chunk waits for a later pass
@@ -249,7 +256,7 @@ class TreeVerifier:
         pass_ms = (time.perf_counter() - passed_at) * 1e3
         verified = [i for i, (_, _, verifying) in zip(ready, entries) if verifying]
         decode_rows, chunk_rows = sum(1 + len(jobs[i].tree) for i in verified), sum(chunks.values())
-        self._measured(decode_rows, chunk_rows, sum(chunks[i] for i in under_way), pass_ms, budget_ms)
+        self._measured(decode_rows, chunk_rows, pass_ms, budget_ms, alone)
         rows, trees = decode_rows + chunk_rows, sum(1 for i in verified if len(jobs[i].tree))
         for i, (verdict, features) in zip(ready, outcomes):
             job = jobs[i]
@@ -299,18 +306,18 @@ class TreeVerifier:
                 prefills.remove(i)
         return ready, prefills
 
-    def _measured(self, decode_rows: int, chunk_rows: int, paced_rows: int, ms: float, budget_ms: float | None) -> None:
-        """A pass of ``decode_rows`` verified rows and ``chunk_rows`` history rows (``paced_rows`` of them
-        prefills under way) took ``ms``: the cost of a decode pass by its rows; or, within a budget, what
+    def _measured(self, decode_rows: int, chunk_rows: int, ms: float, budget_ms: float | None, alone: bool) -> None:
+        """A pass of ``decode_rows`` verified rows and ``chunk_rows`` history rows took ``ms``: the cost of a
+        decode pass by its rows; or, within a budget, what
         sizes the next chunks (``prefill_pace.py``)."""
         if not chunk_rows:
             self.decode_cost.observe(decode_rows, ms)
         elif budget_ms is None:
             return
-        elif not decode_rows:
-            self.pace.alone(paced_rows, ms, budget_ms, PREFILL_CHUNK)
+        elif alone:
+            self.pace.alone(chunk_rows, ms, budget_ms, MAX_PREFILL_ROWS)
         else:  # what the chunks added to a decode pass
-            self.pace.spent(paced_rows, ms - self.decode_cost.ms(decode_rows), budget_ms, PREFILL_CHUNK)
+            self.pace.spent(chunk_rows, ms - self.decode_cost.ms(decode_rows), budget_ms, MAX_PREFILL_ROWS)
 
     def _without_unavailable_features(self, job: VerifyJob) -> VerifyJob:
         if not job.feature_layers:
