@@ -88,6 +88,7 @@ class _Running:
     ready: Draft | None = None  # drafted ahead during the last pass, which confirmed its path
     ready_ms: float = 0.0  # ... and waited for after that pass (0 when it was in by the pass's end)
     late: dict[str, asyncio.Future] = field(default_factory=dict)  # proposals past their wait, still on their way
+    features: tuple[int, ...] = ()
 
     def askable(self, name: str) -> bool:
         """Whether ``name`` may be asked: no proposal of this request's still on its way there."""
@@ -96,7 +97,6 @@ class _Running:
             del self.late[name]
             call = None
         return call is None
-    features: tuple[int, ...] = ()
 
     @property
     def room(self) -> int:
@@ -202,7 +202,8 @@ class EngineCore:
             await self._cancel_ahead(stepping)
             return [await self._fail(s.running, failed) for s in stepping]
         verify_s = self._pass_s = time.perf_counter() - verified_at
-        # the drafters finish what they drafted ahead before they hear the verdict (their sessions are in order)
+        # the drafts made ahead are in (or left to arrive, their drafters not asked again meanwhile) before the
+        # drafters hear the verdict: a session hears its calls in order
         ahead = [s.ahead for s in stepping if s.ahead is not None]
         if ahead:
             waited_at = time.perf_counter()
