@@ -61,3 +61,13 @@ def test_a_bursts_first_chunks_size_the_next_alone_passes_at_once():
     assert pace.alone_rows == 2048
     pace.alone(1000, 20.0, 50.0, 4096)
     assert pace.alone_rows == 2000
+
+
+def test_the_first_chunk_paced_after_alone_passes_is_sized_on_them():
+    """A burst's last prompt, once the others decode, is paced from what the alone passes measured, not from
+    a few rows doubling a pass."""
+    pace = PrefillPace()
+    pace.alone(1000, 20.0, 50.0, 2048)  # 0.02 ms a row
+    assert pace.grant(4.0) == round(CHUNK_PASSES * 4.0 / 0.02)
+    pace.spent(400, 10.0, 4.0, 512)
+    assert pace.rows == 320  # then sized on what the chunks paced cost, as ever

@@ -26,12 +26,17 @@ class PrefillPace:
     rows: int = FIRST_ROWS
     bank_ms: float = 0.0
     alone_rows: int = FIRST_ROWS
+    row_ms: float | None = None  # a row's cost in the last alone pass, until it sized the next chunk paced
+
 
     def grant(self, budget_ms: float) -> int:
         """A pass beside decoding requests with a prefill under way: its share ``budget_ms`` goes to the bank
         (which holds at most one chunk's worth: no credit piles up); returns the rows its chunks may take,
         0 while a chunk is being paid for."""
         self.bank_ms = min(self.bank_ms + budget_ms, CHUNK_PASSES * budget_ms)
+        if self.row_ms is not None:  # paced after alone passes (a burst's last prompts): sized on what they measured
+            self.rows = max(1, min(self.alone_rows, round(CHUNK_PASSES * budget_ms / self.row_ms)))
+            self.row_ms = None
         return self.rows if self.bank_ms > 0 else 0
 
     def spent(self, rows: int, added_ms: float, budget_ms: float, max_rows: int) -> None:
@@ -51,3 +56,4 @@ class PrefillPace:
         if rows:
             scale = min(2.0, max(0.5, budget_ms / max(ms, 1e-3)))
             self.alone_rows = max(1, min(max_rows, round(rows * scale)))
+            self.row_ms = max(ms, 1e-3) / rows
