@@ -171,8 +171,7 @@ def test_a_bursts_prompts_are_cached_in_passes_of_their_own_a_lone_prompt_beside
             calls += 1
         return calls
 
+    # (the last of a burst is then paced beside the others: test_prefill_pace sizes its first chunk)
     assert calls_to_cache(4 * PROMPTS_TO_ONE, all_but=1) <= 3
-    # the last of them is paced beside the others, from chunks sized on the burst's passes (from 8 rows
-    # doubling a pass it took 30 calls)
-    assert calls_to_cache(4 * PROMPTS_TO_ONE) <= 12
-    assert calls_to_cache(PROMPTS_TO_ONE - 1) > 8
+    # paced, 2 x 136 rows after the first chunks take 5 calls at least (8 rows, doubling at most a pass)
+    assert calls_to_cache(PROMPTS_TO_ONE - 1) > 5
