@@ -11,6 +11,13 @@ from __future__ import annotations
 import asyncio
 
 
+async def cancel_all(*tasks: asyncio.Future) -> None:
+    """Cancel ``tasks`` and wait until each has ended, whatever its outcome."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 def raise_if_cancelled() -> None:
     """Raise CancelledError if the current task was asked to cancel and has not (Python 3.11+)."""
     task = asyncio.current_task()

@@ -28,7 +28,6 @@ class PrefillPace:
     alone_rows: int = FIRST_ROWS
     row_ms: float | None = None  # a row's cost in the last alone pass, until it sized the next chunk paced
 
-
     def grant(self, budget_ms: float) -> int:
         """A pass beside decoding requests with a prefill under way: its share ``budget_ms`` goes to the bank
         (which holds at most one chunk's worth: no credit piles up); returns the rows its chunks may take,

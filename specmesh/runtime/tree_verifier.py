@@ -308,8 +308,7 @@ class TreeVerifier:
 
     def _measured(self, decode_rows: int, chunk_rows: int, ms: float, budget_ms: float | None, alone: bool) -> None:
         """A pass of ``decode_rows`` verified rows and ``chunk_rows`` history rows took ``ms``: the cost of a
-        decode pass by its rows; or, within a budget, what
-        sizes the next chunks (``prefill_pace.py``)."""
+        decode pass by its rows; or, within a budget, what sizes the next chunks (``prefill_pace.py``)."""
         if not chunk_rows:
             self.decode_cost.observe(decode_rows, ms)
         elif budget_ms is None:

@@ -25,6 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol, Sequence
 
+from specmesh.cancellation import cancel_all
 from specmesh.errors import RequestFailed, Unavailable
 from specmesh.runtime.tree_verifier import VerifyJob, VerifyResult
 from specmesh.speculation.draft_deadline import DraftDeadlines
@@ -299,10 +300,7 @@ class EngineCore:
         return all((usual := self.deadlines.usual_ms(n)) is not None and usual <= pass_ms for n in names)
 
     async def _cancel_ahead(self, stepping: list[_Stepping]) -> None:
-        ahead = [s.ahead for s in stepping if s.ahead is not None]
-        for future in ahead:
-            future.cancel()
-        await asyncio.gather(*ahead, return_exceptions=True)
+        await cancel_all(*(s.ahead for s in stepping if s.ahead is not None))
 
     def _confirmed(self, part: _Stepping, new: list[int], finish_reason: str | None) -> Draft | None:
         """The draft made ahead, below the token the verdict added past the path it assumed; None when the
@@ -389,9 +387,7 @@ class EngineCore:
 
     async def _release(self, running: _Running) -> None:
         running.stats.total_s = time.perf_counter() - running.started
-        for call in running.late.values():  # done before the drafters hear of the end
-            call.cancel()
-        await asyncio.gather(*running.late.values(), return_exceptions=True)
+        await cancel_all(*running.late.values())  # done before the drafters hear of the end
         running.policy.end()
         rid = running.request.request_id
         names = list(running.drafters)

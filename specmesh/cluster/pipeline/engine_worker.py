@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 
 from redis.exceptions import ResponseError
 
+from specmesh.cancellation import cancel_all
 from specmesh.cluster.backoff import REDIS_DOWN, redis_reconnect
 from specmesh.cluster.metrics import MeteredRequest, VerifierMetrics
 from specmesh.cluster.pipeline.messages import ABORT, ADMISSION, GROUP, OUTPUTS, QueueKeys, QueueSigner
@@ -208,7 +209,7 @@ class EngineWorker:
             self.unready.set()
             self.finished.set()
             beat.cancel()
-            await _cancelled(*self._listeners)
+            await cancel_all(*self._listeners)
             await self.core.close()
 
     def _lapse(self) -> None:
@@ -630,7 +631,7 @@ class EngineWorker:
         """Stop taking admissions and finish the requests held, for at most ``DRAIN_S``: what is left stays
         pending, for another verifier (or this one restarted) to adopt."""
         self.draining = True
-        await _cancelled(*self._listeners[:1])  # no more admissions: a read under way would take some
+        await cancel_all(*self._listeners[:1])  # no more admissions: a read under way would take some
         try:
             await self.queue.unregister()
         except REDIS_DOWN:
@@ -649,12 +650,6 @@ class EngineWorker:
 async def _settled(*tasks: asyncio.Task | None) -> None:
     """Wait for ``tasks`` (None: none) to end, whatever their outcome (the loop has logged or will retry it)."""
     await asyncio.gather(*(t for t in tasks if t is not None), return_exceptions=True)
-
-
-async def _cancelled(*tasks: asyncio.Task) -> None:
-    for task in tasks:
-        task.cancel()
-    await _settled(*tasks)
 
 
 async def _wait(event: asyncio.Event, timeout_s: float) -> None:
