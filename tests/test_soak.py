@@ -9,7 +9,8 @@ from dataclasses import replace
 import pytest
 from soak.reference import answer_distributions
 from soak.report import (
-    UNAVAILABLE, Fault, Sample, detectable_shift, fit_bins, goodness_of_fit, memory_growth, summarize,
+    UNAVAILABLE, Fault, Sample, detectable_shift, fit_bins, fit_test, goodness_of_fit, memory_growth, passes,
+    sampling_passed, summarize,
 )
 
 from specmesh.sampling import SamplingParams
@@ -95,6 +96,20 @@ def test_the_sampling_check_tells_the_reference_from_a_shifted_distribution_and_
     # the power: more answers find smaller shifts; 1,000 find the 0.12 shift above
     small, large = (detectable_shift(draw(n, list(exact.values())), exact, 0.01) for n in (300, 1000))
     assert 0 < large < 0.12 < small < 0.5
+
+
+def test_a_sampling_test_passes_on_its_numbers_and_a_failed_one_is_judged_by_its_confirmation():
+    exact = {(1, 2): 0.5, (3,): 0.3}
+    calm = [((1, 2), 1)] * 50 + [((3,), 0)] * 30 + [((7, 7), 0)] * 20  # the reference's own frequencies
+    test = fit_test(calm, exact, 0.005)
+    assert test["answers"] == 100 and test["bins"] == 3 and test["accepted_drafted_tokens"] == 50
+    assert passes(test, 0.005)
+    assert not passes({**test, "accepted_drafted_tokens": 0}, 0.005)  # nothing speculative was judged
+    shifted = fit_test([((1, 2), 1)] * 80 + [((3,), 0)] * 10 + [((7, 7), 0)] * 10, exact, 0.005)
+    assert not passes(shifted, 0.005)
+    assert sampling_passed([test, {**shifted, "confirmation": test}], 0.005)  # a chance failure, not repeated
+    assert not sampling_passed([test, {**shifted, "confirmation": shifted}], 0.005)
+    assert not sampling_passed([shifted], 0.005)  # failed, and no confirmation was drawn
 
 
 @pytest.fixture(scope="module")

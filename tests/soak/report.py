@@ -174,3 +174,24 @@ def summarize(requests: Sequence[dict], faults: Sequence[Fault], samples: Sequen
         requests and report["hung"] == 0 and report["wrong_outputs"] == 0 and report["unexplained_failures"] == 0
         and growth is not None and growth < MAX_MEMORY_GROWTH and longest < MAX_STREAM_ENTRIES)
     return report
+
+
+def fit_test(answers: Sequence[tuple[list[int], int]], exact: dict[tuple, float], alpha: float, min_count: int = 5) -> dict:
+    """One goodness-of-fit test of speculative answers, (tokens, drafted tokens accepted) each, as the report
+    states it."""
+    whole = [tuple(tokens) for tokens, _ in answers]
+    p_value, dof = goodness_of_fit(whole, exact, min_count)
+    return {"answers": len(whole), "bins": dof + 1, "p_value": p_value,
+            "accepted_drafted_tokens": sum(accepted for _, accepted in answers),
+            "likeliest_answers_mass": sum(p for a, p in exact.items() if len(whole) * p >= min_count),
+            "detectable_shift": detectable_shift(whole, exact, alpha, min_count=min_count)}
+
+
+def passes(test: dict | None, alpha: float) -> bool:
+    """Whether a test found nothing at ``alpha``, over two bins or more, and judged speculative answers."""
+    return test is not None and test["p_value"] >= alpha and test["bins"] >= 2 and test["accepted_drafted_tokens"] > 0
+
+
+def sampling_passed(tests: Sequence[dict], alpha: float) -> bool:
+    """Every prompt's test passed, or failed and its confirmation on fresh answers passed."""
+    return all(passes(t, alpha) or passes(t.get("confirmation"), alpha) for t in tests)
