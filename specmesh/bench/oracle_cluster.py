@@ -120,14 +120,14 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 
 def controller_state(cluster: LocalCluster) -> dict[str, float]:
-    """What the router's controller has learned, as it exports it (``specmesh_controller_*``; by load:
-    ``name/load``): why adaptive drafted as much as it did."""
+    """What the first verifier's controller has learned, as it exports it (``specmesh_controller_*``; by load
+    and arm: ``name/load/arm``): why adaptive drafted as much as it did."""
     state = {}
-    for family in cluster.router.metrics():
+    for family in cluster.verifiers[0].metrics():
         if family.name.startswith("specmesh_controller_"):
             for sample in family.samples:
-                load = sample.labels.get("load")
-                state[family.name.removeprefix("specmesh_controller_") + (f"/{load}" if load else "")] = round(sample.value, 3)
+                labels = "".join(f"/{sample.labels[k]}" for k in ("load", "arm") if k in sample.labels)
+                state[family.name.removeprefix("specmesh_controller_") + labels] = round(sample.value, 3)
     return state
 
 

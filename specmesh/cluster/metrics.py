@@ -48,6 +48,7 @@ from prometheus_client.utils import floatToGoString
 
 from specmesh import __version__
 from specmesh.errors import InvalidArgument
+from specmesh.speculation.batch_budget import POLICY, BatchBudget
 from specmesh.speculation.expertise import level_hits
 from specmesh.speculation.policy import AdaptivePolicy, RequestPolicy, StepOutcome, StepPlan
 
@@ -78,9 +79,10 @@ class ServiceMetrics:
         self.rpc_seconds = Histogram("specmesh_rpc_duration_seconds", "gRPC call duration (streams: until the last message)",
                                      ["method"], buckets=LATENCY_BUCKETS, registry=r)
 
-    def watch_policy(self, policy: AdaptivePolicy) -> None:
-        """Export what ``policy``'s controller has learned (``ControllerCollector``)."""
-        self.registry.register(ControllerCollector(policy))
+    def watch_policy(self, policy: AdaptivePolicy, budget: BatchBudget | None = None) -> None:
+        """Export what ``policy``'s controller has learned, and ``budget``'s arms where the steps run
+        (``ControllerCollector``)."""
+        self.registry.register(ControllerCollector(policy, budget))
 
     def rpc_done(self, method: str, code: str, seconds: float) -> None:
         short = method.rsplit("/", 1)[-1]
@@ -229,8 +231,9 @@ class ControllerCollector(Collector):
     and each tree's share of it by load, the realism ratio, and the load it weighs. It tells an operator
     why the controller drafts or not."""
 
-    def __init__(self, policy: AdaptivePolicy) -> None:
+    def __init__(self, policy: AdaptivePolicy, budget: BatchBudget | None = None) -> None:
         self.policy = policy
+        self.budget = budget
 
     def collect(self):
         controller, state = self.policy.controller, self.policy.state
@@ -249,6 +252,14 @@ class ControllerCollector(Collector):
                                 "controller averages it", value=state.batch_size)
         yield GaugeMetricFamily("specmesh_controller_drafting_share", "Share of request steps with a tree, as the "
                                 "controller averages it", value=state.trees_per_request_step)
+        if self.budget is not None:
+            arms = GaugeMetricFamily("specmesh_controller_arm_tokens_per_second", "Tokens a second the adaptive "
+                                     "requests' steps committed under each arm (policy: the controller's choice; "
+                                     "a number: that many nodes each), by load (requests running, in powers of two)",
+                                     labels=["load", "arm"])
+            for requests, arm, goodput in self.budget.learned():
+                arms.add_metric([str(requests), "policy" if arm == POLICY else str(arm)], goodput)
+            yield arms
         yield GaugeMetricFamily("specmesh_controller_drafting_shares_cores", "1 while the controller counts drafting "
                                 "in every request's cycle (a CPU verifier, or no pass curve yet)",
                                 value=float(controller.drafting_shares_cores))
@@ -281,8 +292,12 @@ class MeteredRequest:
     def kind(self) -> str:
         return self.inner.kind
 
-    def plan(self, room: int, available: Sequence[str], position: int) -> StepPlan:
-        plan = self.inner.plan(room, available, position)
+    @property
+    def adapts(self) -> bool:
+        return self.inner.adapts
+
+    def plan(self, room: int, available: Sequence[str], position: int, budget: int | None = None) -> StepPlan:
+        plan = self.inner.plan(room, available, position, budget)
         self.metrics.plan(self.kind, plan)
         return plan
 

@@ -14,6 +14,7 @@ from specmesh.drafters.base import Drafter
 from specmesh.errors import InvalidArgument
 from specmesh.runtime.target import TargetRuntime
 from specmesh.runtime.tree_verifier import TreeVerifier, VerifyJob, VerifyResult
+from specmesh.speculation.batch_budget import BatchBudget
 from specmesh.speculation.drafting import LocalDrafter
 from specmesh.speculation.engine_core import EngineCore
 from specmesh.speculation.requests import Request, SpeculationStats, validate_request
@@ -49,6 +50,7 @@ class SpeculativeEngine:
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.policy = policy or FixedPolicy()
         self.verifier = TreeVerifier(target, max_tree_nodes=MAX_TREE_NODES)
+        self.budget = BatchBudget()  # what each arm gave, kept from one call to the next as the policy's learning is
 
     def validate(self, request: Request) -> None:
         validate_request(request, self.target.vocab_size, self.target.max_length, self.max_tree_nodes)
@@ -63,7 +65,8 @@ class SpeculativeEngine:
         return asyncio.run(self._generate_all(requests))
 
     async def _generate_all(self, requests: Sequence[Request]) -> list[Completion]:
-        core = EngineCore(InProcessVerifier(self.verifier), self.eos_token_ids, max_running=self.verifier.max_sessions)
+        core = EngineCore(InProcessVerifier(self.verifier), self.eos_token_ids, max_running=self.verifier.max_sessions,
+                          budget=self.budget)
         drafters = [LocalDrafter(d) for d in self.drafters] if self.max_tree_nodes > 0 else []
         completions = {r.request_id: Completion(r.request_id, [], "length", SpeculationStats()) for r in requests}
         try:

@@ -28,6 +28,7 @@ from typing import Literal, Protocol, Sequence
 from specmesh.cancellation import cancel_all
 from specmesh.errors import RequestFailed, Unavailable
 from specmesh.runtime.tree_verifier import VerifyJob, VerifyResult
+from specmesh.speculation.batch_budget import POLICY, BatchBudget
 from specmesh.speculation.draft_deadline import DraftDeadlines
 from specmesh.speculation.drafting import NO_DRAFT, AsyncDrafter, Draft, draft_step, drafts, guarded, runs_apart
 from specmesh.speculation.policy import RequestPolicy, StepOutcome, StepPlan
@@ -126,12 +127,14 @@ class _Stepping:
 
 class EngineCore:
     def __init__(self, verifier: StepVerifier, eos_token_ids: frozenset[int] = frozenset(),
-                 max_running: int = 256, draft_ahead: DraftAhead = "off") -> None:
+                 max_running: int = 256, draft_ahead: DraftAhead = "off", budget: BatchBudget | None = None) -> None:
+        """``budget``: how adaptive requests' budgets follow the batch's measured goodput (default: a new one)."""
         self.verifier = verifier
         self.eos_token_ids = eos_token_ids
         self.max_running = max_running
         self.draft_ahead = draft_ahead
         self.deadlines = DraftDeadlines()
+        self.budget = budget or BatchBudget()
         self._pass_s = 0.0  # the last pass's time
         self._ahead_ms = 0.0  # the last step's wait for drafts made ahead, after its pass
         self.ahead_confirmed = 1.0  # share of the drafts made ahead lately that the verdict confirmed
@@ -187,7 +190,8 @@ class EngineCore:
         await self._admit()
         if not self._running:
             return []
-        stepping = await self._draft_all()
+        adaptive = any(r.policy.adapts for r in self._running.values())
+        stepping = await self._draft_all(self.budget.arm(len(self._running)) if adaptive else POLICY)
         if await self._draft_ahead(stepping):
             for _ in range(SEND_TURNS):
                 await asyncio.sleep(0)
@@ -218,6 +222,11 @@ class EngineCore:
             output = await self._take(part, result, verify_s)
             if output is not None:
                 outputs.append(output)
+        if adaptive:
+            self.budget.measured(sum(len(o.token_ids) for o in outputs),
+                                 clean=all(s.job.history is None for s in stepping))
+            if not self._running:
+                self.budget.idle()
         return outputs
 
     async def _admit(self) -> None:
@@ -227,9 +236,10 @@ class EngineCore:
             rid, prompt = running.request.request_id, running.request.prompt_ids
             await asyncio.gather(*(guarded(d, "start", rid, running.stats, prompt) for d in running.drafters.values()))
 
-    async def _draft_all(self) -> list[_Stepping]:
-        """Every running request's part of the step, in order; only those that draft wait for drafters
-        (together): a step of plain requests makes no task."""
+    async def _draft_all(self, arm: int) -> list[_Stepping]:
+        """Every running request's part of the step, in order, adaptive ones by the batch's ``arm``
+        (``batch_budget.py``); only those that draft wait for drafters (together): a step of plain requests
+        makes no task."""
         stepping: list[_Stepping | None] = []
         drafting: list[tuple[int, _Running, StepPlan]] = []
         for running in self._running.values():
@@ -237,9 +247,10 @@ class EngineCore:
                 stepping.append(_Stepping(running, running.waiting, 0.0))
                 continue
             ready, running.ready = running.ready, None
-            plan = running.policy.plan(running.room, [n for n, d in running.drafters.items()
-                                                      if d.healthy and running.askable(n)],
-                                       len(running.context))
+            budget = arm if running.policy.adapts and arm != POLICY else None
+            plan = StepPlan() if budget == 0 else running.policy.plan(
+                running.room, [n for n, d in running.drafters.items() if d.healthy and running.askable(n)],
+                len(running.context), budget)
             if not drafts(plan, max_depth=running.room - 1):
                 stepping.append(_Stepping(running, NO_DRAFT, 0.0))
             elif ready is not None:  # its drafting was hidden behind the last pass

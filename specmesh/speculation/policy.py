@@ -78,10 +78,12 @@ class StepOutcome:
 
 class RequestPolicy(Protocol):
     kind: str
+    adapts: bool  # whether its budget may follow the batch's measured choice (``batch_budget.py``)
 
-    def plan(self, room: int, available: Sequence[str], position: int) -> StepPlan:
+    def plan(self, room: int, available: Sequence[str], position: int, budget: int | None = None) -> StepPlan:
         """The next step's plan; ``room``: tokens the answer may still take; ``available``: live
-        drafters; ``position``: tokens committed so far, the prompt's included."""
+        drafters; ``position``: tokens committed so far, the prompt's included; ``budget``: the nodes the
+        batch chose for this step (None: the policy's own choice; ignored where ``adapts`` is False)."""
 
     def observe(self, outcome: StepOutcome) -> None: ...
 
@@ -105,8 +107,9 @@ class FixedPolicy:
 class _FixedRequest:
     kind: str
     budget: int
+    adapts = False
 
-    def plan(self, room: int, available: Sequence[str], position: int) -> StepPlan:
+    def plan(self, room: int, available: Sequence[str], position: int, budget: int | None = None) -> StepPlan:
         if self.budget <= 0 or not available:
             return StepPlan()
         return StepPlan(tuple(available), (1.0,) * len(available), self.budget)
@@ -234,6 +237,10 @@ class _AdaptiveRequest:
     def kind(self) -> str:
         return self.route.kind
 
+    @property
+    def adapts(self) -> bool:
+        return self.adapt_budget
+
     def catch_up(self, name: str) -> int:
         """Tokens ``name`` has to take in before it can draft: those committed since it last drafted."""
         return self.position - self.drafted_at.get(name, 0)
@@ -246,11 +253,15 @@ class _AdaptiveRequest:
         steps_left = room / max(self.policy.state.tokens_per_request_step, 1.0)
         return self.catch_up(name) / min(max(steps_left, 1.0), CATCH_UP_SPREAD)
 
-    def plan(self, room: int, available: Sequence[str], position: int) -> StepPlan:
+    def plan(self, room: int, available: Sequence[str], position: int, budget: int | None = None) -> StepPlan:
         policy, router = self.policy, self.policy.router
         self.position = position
-        if self.max_budget <= 0 or room <= 1 or not available:
+        budget = budget if self.adapt_budget else None
+        if self.max_budget <= 0 or room <= 1 or not available or budget == 0:
             return StepPlan()
+        if budget is not None:  # the batch's measured choice: routing and trust only
+            names = router.select(self.route, available, at_least_one=True)
+            return StepPlan(tuple(names), tuple(router.weights(self.route, names)), min(budget, self.max_budget))
         load = policy.load()
         if self.adapt_budget and self.steps_without % RECHECK_EVERY:
             # a request without speculation weighs it again only every few steps: what the weighing reads

@@ -167,7 +167,6 @@ class EngineWorker:
         self.drafters = drafters
         self.metrics = metrics or VerifierMetrics()
         self.metrics.watch(verifier.runtime)
-        self.metrics.watch_policy(policy)  # what the controller learned, where it plans
         # the routers own the routing table: this one's steps' counts go to them, their snapshots come here
         self.routing = RoutingFollower(policy.router, self.signer, self.metrics)
         self._unsent: tuple[list[RequestOutput], list[bytes]] | None = None  # the last step's outputs, to publish
@@ -175,6 +174,7 @@ class EngineWorker:
         self._log_due = 0.0  # when the answers sent whole are next logged (``_log_withheld``)
         threaded = ThreadedVerifier(verifier, torch_thread, self.metrics, on_pass=self._send)
         self.core = EngineCore(threaded, eos_token_ids, max_running=verifier.max_sessions, draft_ahead=draft_ahead)
+        self.metrics.watch_policy(policy, self.core.budget)  # what the controller learned, where it plans
         self._held: dict[str, _Held] = {}
         self._aborted: dict[str, None] = {}  # insertion-ordered, bounded
         self._aborts_after = "0-0"

@@ -1,0 +1,180 @@
+"""The batch's speculation budget, chosen by the goodput measured (tokens committed per second of the step
+loop's own cycle), not predicted.
+
+The adaptive requests of a step follow one *arm*: their policy's own choice (``POLICY``, the goodput model
+of ``goodput.py``), plain decoding (0), or a fixed number of nodes each. The step loop runs an arm for a
+window of steps and measures what the window committed over its wall time, all overheads in; the arm with
+the best decayed mean runs, and each other arm is tried again after an interval that doubles while it
+keeps losing, the longest at once when far behind (so a losing arm costs at most one window in ``MAX_INTERVAL``).
+Arms are measured per load (running requests, to the nearest power of two): what pays at one request rarely does at
+64. A new load next to a measured one starts from it: its best arm first, the others' standing carried
+over, rescaled by the first window, and tried soon (a burst's tail passes through every load below it). Plain decoding is one
+arm, so speculation that measures slower than plain is not kept; a fixed budget is another, so a model
+that under-drafts where trees pay is overruled.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from specmesh.speculation.policy import DEFAULT_FIXED_TREE_NODES
+
+POLICY = -1  # the arm where each request's policy chooses its own budget
+# tried in this order at a new load: the policy, plain decoding, and the fixed budget `specmesh tune` chose
+DEFAULT_ARMS = (POLICY, 0, DEFAULT_FIXED_TREE_NODES)
+WINDOW_STEPS = 4  # steps a window measures, at least,
+TRY_STEPS = 2  # or a try of an arm that is not the best (its mean spans tries; a losing try costs its steps)
+WINDOW_S = 0.02  # and at least this long (a lone request's steps are ~1 ms on a tiny target)
+ALPHA = 0.3  # weight of a window in its arm's mean
+MAX_INTERVAL = 64  # windows between tries of an arm that keeps losing, at most
+SEEDED_INTERVAL = 8  # windows before a new load tries an arm its neighbour ranked lower, at most
+FAR_BEHIND = 0.8  # an arm tried at under this share of the best's goodput waits the longest interval at once
+
+
+@dataclass
+class _Arm:
+    goodput: float | None = None  # decayed mean tokens/s (None: not measured at this load)
+    interval: int = 1  # windows until it is tried again while not the best
+    due: int = 0  # the window index it is tried at
+
+
+@dataclass
+class _Load:
+    arms: dict[int, _Arm]
+    windows: int = 0  # windows measured at this load
+    seeded: bool = False  # the goodputs are another load's shares of its best, until a window here rescales them
+
+
+@dataclass
+class _Window:
+    arm: int
+    load: int
+    started: float
+    length: int  # steps, at least
+    switched: bool = False  # its arm is not the last window's: its first step is not scored
+    steps: int = 0
+    tokens: int = 0
+
+
+class BatchBudget:
+    """Which arm the adaptive requests of each step follow (``arm``), and what each step gave (``measured``).
+
+    The step loop calls ``arm(running)`` before planning a step and ``measured(tokens)`` after it with the
+    tokens the step committed; a window's time runs from its first step's start to the start of the step after
+    its last, so the loop's own work between steps counts."""
+
+    def __init__(self, arms: tuple[int, ...] = DEFAULT_ARMS, clock: Callable[[], float] = time.perf_counter) -> None:
+        if not arms:
+            raise ValueError("at least one arm")
+        self.arms = arms
+        self.clock = clock
+        self._loads: dict[int, _Load] = {}
+        self._window: _Window | None = None
+
+    @staticmethod
+    def load_class(running: int) -> int:
+        """Powers of two at the middle of their class (1, 2, 3-5, 6-11, 12-22, 23-45, ...): a load that
+        wavers by a request or two as requests end and join stays in one."""
+        return round(math.log2(max(running, 1)))
+
+    def arm(self, running: int) -> int:
+        """The arm of the next step with ``running`` requests."""
+        now = self.clock()
+        load = self.load_class(running)
+        window = self._window
+        if window is not None and window.load == load and (window.steps < window.length
+                                                           or now - window.started < WINDOW_S):
+            return window.arm
+        if window is not None and window.steps >= min(window.length, TRY_STEPS):
+            self._close(window, now)  # scored at the load it began at, should the load have moved
+        arm, trying = self._choose(load)
+        switched = window is not None and window.arm != arm
+        self._window = _Window(arm, load, now, TRY_STEPS if trying else WINDOW_STEPS, switched)
+        return arm
+
+    def measured(self, tokens: int, clean: bool = True) -> None:
+        """``tokens``: what the step committed; ``clean`` False: the step also cached prompts, which says
+        nothing of the arm (a burst's first step), so the window starts again after it. The first step
+        after a change of arm is not scored either: drafters catch up on the context they missed (measured:
+        2-step tries of k = 4 at 64 requests scored 0.69x plain where the whole run gave 1.03x)."""
+        window = self._window
+        if window is None:
+            return
+        if clean and not window.switched:
+            window.steps += 1
+            window.tokens += tokens
+        else:
+            window.steps, window.tokens, window.started, window.switched = 0, 0, self.clock(), False
+
+    def idle(self) -> None:
+        """No request is left running: the window ends here, scored on what it measured (the wait for the
+        next request is nobody's arm's)."""
+        window, self._window = self._window, None
+        if window is not None and window.steps:
+            self._close(window, self.clock())
+
+    def goodput(self, running: int) -> dict[int, float | None]:
+        """Each arm's mean tokens/s at this load (None: not measured)."""
+        state = self._loads.get(self.load_class(running))
+        return {arm: state.arms[arm].goodput if state else None for arm in self.arms}
+
+    def learned(self) -> list[tuple[int, int, float]]:
+        """(the load's power of two of requests, arm, mean tokens/s) of every arm measured, by load."""
+        return [(1 << load, name, arm.goodput) for load, state in sorted(self._loads.items()) if not state.seeded
+                for name, arm in state.arms.items() if arm.goodput is not None]
+
+    def _close(self, window: _Window, now: float) -> None:
+        state = self._loads[window.load]
+        arm = state.arms[window.arm]
+        goodput = window.tokens / max(now - window.started, 1e-9)
+        if state.seeded:  # the shares the nearest load gave, in this load's tokens/s
+            scale = goodput / arm.goodput if arm.goodput else 0.0
+            for other in state.arms.values():
+                other.goodput = other.goodput * scale if other.goodput is not None and scale else None
+            state.seeded = False
+        arm.goodput = goodput if arm.goodput is None else (1 - ALPHA) * arm.goodput + ALPHA * goodput
+        state.windows += 1
+        best = self._best(state)
+        for name, other in state.arms.items():
+            if name == best:
+                other.interval = 1
+            elif name == window.arm:  # tried and still losing: tried again later, and later each time
+                far = other.goodput < FAR_BEHIND * state.arms[best].goodput
+                other.interval = MAX_INTERVAL if far else min(2 * other.interval, MAX_INTERVAL)
+                other.due = state.windows + other.interval
+
+    def _best(self, state: _Load) -> int:
+        measured = [(arm.goodput, name) for name, arm in state.arms.items() if arm.goodput is not None]
+        return max(measured)[1] if measured else self.arms[0]
+
+    def _choose(self, load: int) -> tuple[int, bool]:
+        """The next window's arm, and whether it is a try (not the best)."""
+        state = self._loads.get(load)
+        if state is None:
+            state = self._loads[load] = self._seeded(load)
+        for name in self.arms:  # every arm not measured yet, in order
+            if state.arms[name].goodput is None:
+                return name, False
+        best = self._best(state)
+        due = [name for name in self.arms if name != best and state.arms[name].due <= state.windows]
+        return (min(due, key=lambda name: state.arms[name].due), True) if due else (best, False)
+
+    def _seeded(self, load: int) -> _Load:
+        """A new load's arms: a measured neighbour's (twice or half the requests), as shares of its best, each
+        tried again soon (none measured: blank). Farther loads say little: at 1 request the policy's trees
+        ran 2.4x plain, at 16 0.84x (random:tiny, oracle 0.8, through the cluster)."""
+        measured = [(abs(other - load), other) for other, state in self._loads.items() if abs(other - load) == 1
+                    and not state.seeded and any(a.goodput is not None for a in state.arms.values())]
+        if not measured:
+            return _Load({name: _Arm() for name in self.arms})
+        near = self._loads[min(measured)[1]]
+        top = near.arms[self._best(near)].goodput
+        arms = {}
+        for name, arm in near.arms.items():
+            share = arm.goodput / top if arm.goodput is not None and top else None
+            interval = min(arm.interval, SEEDED_INTERVAL)
+            arms[name] = _Arm(share, interval, interval if share != 1.0 else 0)
+        return _Load(arms, seeded=True)

@@ -1,0 +1,131 @@
+"""The batch's measured budget arms (specmesh/speculation/batch_budget.py) on a hand-driven clock: every
+arm measured once at a new load, the best one kept, a losing one tried briefly at growing intervals, loads
+apart, a neighbouring load's standing carried over, steps that cached prompts not scored."""
+
+from itertools import groupby
+
+from specmesh.speculation.batch_budget import (
+    MAX_INTERVAL, POLICY, SEEDED_INTERVAL, TRY_STEPS, WINDOW_STEPS, BatchBudget,
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run_steps(budget: BatchBudget, clock: Clock, steps: int, tokens_per_s: dict[int, float],
+              running: int = 16) -> list[int]:
+    """``steps`` steps of 12 ms, each committing at its arm's rate; the arm of each."""
+    arms = []
+    for _ in range(steps):
+        arm = budget.arm(running)
+        arms.append(arm)
+        clock.now += 0.012
+        budget.measured(round(tokens_per_s[arm] * 0.012))
+    budget.arm(running)  # closes the last window
+    return arms
+
+
+def runs(arms: list[int]) -> list[tuple[int, int]]:
+    """(arm, steps in a row)."""
+    return [(arm, len(list(group))) for arm, group in groupby(arms)]
+
+
+def test_every_arm_is_measured_then_the_best_runs_and_a_loser_is_tried_briefly_ever_more_rarely():
+    clock = Clock()
+    budget = BatchBudget((POLICY, 0, 4), clock=clock)
+    rates = {POLICY: 1900.0, 0: 2000.0, 4: 1000.0}  # plain decoding pays best; the policy is near it, fixed far
+    arms = run_steps(budget, clock, 2000, rates)
+    # each change of arm adds a step, not scored (drafters catch up on the context they missed)
+    assert runs(arms)[:3] == [(POLICY, WINDOW_STEPS), (0, WINDOW_STEPS + 1), (4, WINDOW_STEPS + 1)]
+    assert all(abs(budget.goodput(16)[arm] - rate) < 0.02 * rate for arm, rate in rates.items())
+    later = arms[400:]
+    assert later.count(0) >= 0.97 * len(later)
+    tries = [(i, n) for i, (arm, n) in enumerate(runs(arms)) if arm == POLICY][1:]
+    assert all(n == TRY_STEPS + 1 for _, n in tries)  # a try is short
+    starts = [sum(n for _, n in runs(arms)[:i]) for i, _ in tries]
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert gaps == sorted(gaps) and max(gaps) <= (MAX_INTERVAL + 2) * WINDOW_STEPS  # doubling, up to the cap
+    # far behind: tried once in MAX_INTERVAL windows from the start, not at doubling intervals
+    assert later.count(4) <= 1.5 * len(later) * (TRY_STEPS + 1) / (MAX_INTERVAL * WINDOW_STEPS)
+
+
+def test_an_arm_that_becomes_best_is_kept_and_loads_are_measured_apart():
+    clock = Clock()
+    budget = BatchBudget((POLICY, 0), clock=clock)
+    assert run_steps(budget, clock, 100, {POLICY: 1500.0, 0: 2000.0})[-1] == 0
+    arms = run_steps(budget, clock, 1000, {POLICY: 3000.0, 0: 1000.0})  # the drafts got better: tried, then kept
+    assert arms[-200:].count(POLICY) >= 190
+    assert budget.goodput(1) == {POLICY: None, 0: None}  # a lone request's load was never measured
+
+
+def test_a_new_load_starts_from_a_measured_neighbour_rescaled_by_its_first_window():
+    clock = Clock()
+    budget = BatchBudget((POLICY, 0, 4), clock=clock)
+    run_steps(budget, clock, 200, {POLICY: 1000.0, 0: 2000.0, 4: 4000.0}, running=16)
+    # eight requests: the best arm at sixteen first, the others standing as they stood there
+    arms = run_steps(budget, clock, WINDOW_STEPS, {POLICY: 500.0, 0: 1000.0, 4: 2000.0}, running=8)
+    assert arms == [4] * WINDOW_STEPS
+    assert all(abs(budget.goodput(8)[arm] - rate) < 0.02 * rate for arm, rate in {POLICY: 500, 0: 1000, 4: 2000}.items())
+    arms = run_steps(budget, clock, 400, {POLICY: 500.0, 0: 1000.0, 4: 2000.0}, running=8)
+    assert {POLICY, 0} <= set(arms[:(SEEDED_INTERVAL + 2) * WINDOW_STEPS])  # checked here soon
+    assert arms[200:].count(4) >= 0.97 * 200
+    # a load farther off starts blank: at 1 request what pays at 16 rarely does
+    arms = run_steps(budget, clock, 3 * WINDOW_STEPS, {POLICY: 1.0, 0: 1.0, 4: 1.0}, running=1)
+    assert [arm for arm, _ in runs(arms)] == [POLICY, 0, 4]
+
+
+def test_a_window_spans_enough_time_and_a_load_change_ends_it():
+    clock = Clock()
+    budget = BatchBudget((POLICY, 0), clock=clock)
+    assert budget.arm(1) == POLICY
+    for _ in range(3 * WINDOW_STEPS):  # steps far shorter than the window's least time: still one window
+        clock.now += 1e-5
+        budget.measured(1)
+        assert budget.arm(1) == POLICY
+    assert budget.arm(64) == POLICY  # another load: its own first window; the last one scored where it began
+    assert round(budget.goodput(1)[POLICY]) == 1e5 and budget.goodput(64) == {POLICY: None, 0: None}
+    # loads are powers of two at the middle of their class: 16 requests give or take two are one load
+    assert {BatchBudget.load_class(n) for n in (14, 15, 16, 17, 18)} == {4}
+    assert [BatchBudget.load_class(n) for n in (1, 2, 3, 62, 64, 66)] == [0, 1, 2, 6, 6, 6]
+
+
+def test_a_step_that_cached_prompts_scores_nothing():
+    clock = Clock()
+    budget = BatchBudget((POLICY, 0), clock=clock)
+    budget.arm(16)
+    clock.now += 1.0  # a burst's prompts: a long step that commits nothing
+    budget.measured(0, clean=False)
+    for _ in range(WINDOW_STEPS):
+        assert budget.arm(16) == POLICY
+        clock.now += 0.01
+        budget.measured(10)
+    assert budget.arm(16) == 0
+    assert round(budget.goodput(16)[POLICY]) == 1000  # the window began after the burst's step
+
+
+def test_a_window_ends_when_no_request_is_left_running():
+    clock = Clock()
+    budget = BatchBudget((POLICY, 0), clock=clock)
+    budget.arm(1)
+    clock.now += 0.05
+    budget.measured(50)
+    budget.idle()
+    clock.now += 10.0  # waiting for the next request: nobody's arm's
+    assert budget.arm(1) == 0
+    assert round(budget.goodput(1)[POLICY]) == 1000
+
+
+def test_the_first_step_after_a_change_of_arm_is_not_scored():
+    clock = Clock()
+    budget = BatchBudget((POLICY, 0), clock=clock)
+    run_steps(budget, clock, WINDOW_STEPS, {POLICY: 1000.0, 0: 1000.0})
+    assert budget.arm(16) == 0
+    clock.now += 1.0  # the switch's step: drafters catching up, say
+    budget.measured(1)
+    run_steps(budget, clock, WINDOW_STEPS, {POLICY: 1000.0, 0: 1000.0})
+    assert abs(budget.goodput(16)[0] - 1000.0) < 20
