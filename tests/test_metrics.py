@@ -27,6 +27,7 @@ from specmesh.cluster.metrics import ALERTS, DERIVED, RouterMetrics, VerifierMet
 from specmesh.cluster.ports import free_port
 from specmesh.drafters.ngram import HistoryDrafter
 from specmesh.errors import InvalidArgument
+from specmesh.speculation.batch_budget import POLICY, WINDOW_STEPS, BatchBudget
 from specmesh.speculation.policy import StepOutcome, StepPlan, adaptive_policy
 from specmesh.tree import TokenTree
 
@@ -106,6 +107,21 @@ def test_the_controllers_learned_state_is_exported_at_each_scrape():
     assert value("specmesh_controller_tree_overhead_ms", {"load": "16"}) == pytest.approx(2.0, abs=0.1)
     assert value("specmesh_controller_realism") == 1.0
     assert value("specmesh_controller_drafting_shares_cores") == 1.0  # no pass curve yet
+
+
+def test_the_batch_arms_scores_are_exported_where_the_steps_run():
+    now = [0.0]
+    budget = BatchBudget((POLICY, 0), clock=lambda: now[0])
+    metrics = VerifierMetrics()
+    metrics.watch_policy(adaptive_policy({}), budget)
+    value = metrics.registry.get_sample_value
+    assert value("specmesh_controller_arm_tokens_per_second", {"load": "16", "arm": "policy"}) is None
+    for _ in range(WINDOW_STEPS + 1):  # one window of the policy's arm at 16 requests, 30 tokens a 10 ms step
+        budget.arm(16)
+        now[0] += 0.01
+        budget.measured(30)
+    assert value("specmesh_controller_arm_tokens_per_second", {"load": "16", "arm": "policy"}) == pytest.approx(3000)
+    assert value("specmesh_controller_arm_tokens_per_second", {"load": "16", "arm": "0"}) is None
 
 
 def test_an_answer_sent_whole_is_clocked_by_the_verifiers_times():
