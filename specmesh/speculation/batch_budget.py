@@ -4,13 +4,12 @@ loop's own cycle), not predicted.
 The adaptive requests of a step follow one *arm*: their policy's own choice (``POLICY``, the goodput model
 of ``goodput.py``), plain decoding (0), or a fixed number of nodes each. The step loop runs an arm for a
 window of steps and measures what the window committed over its wall time, all overheads in; the arm with
-the best decayed mean runs, and each other arm is tried again after an interval that doubles while it
-keeps losing, the longest at once when far behind (so a losing arm costs at most one window in ``MAX_INTERVAL``).
-Arms are measured per load (running requests, to the nearest power of two): what pays at one request rarely does at
-64. A new load next to a measured one starts from it: its best arm first, the others' standing carried
-over, rescaled by the first window, and tried soon (a burst's tail passes through every load below it). Plain decoding is one
-arm, so speculation that measures slower than plain is not kept; a fixed budget is another, so a model
-that under-drafts where trees pay is overruled.
+the best decayed mean runs, and each other arm gets a short try every ``TRY_EVERY`` windows. Arms are
+measured per load (running requests, to the nearest power of two): what pays at one request rarely does
+at 64. A new load next to a measured one starts from it: its best arm first, the others' standing carried
+over, rescaled by the first window (a burst's tail passes through every load below it). Plain decoding is
+one arm, so speculation that measures slower than plain is not kept; a fixed budget is another, so a
+model that under-drafts where trees pay is overruled.
 """
 
 from __future__ import annotations
@@ -28,17 +27,18 @@ DEFAULT_ARMS = (POLICY, 0, DEFAULT_FIXED_TREE_NODES)
 WINDOW_STEPS = 4  # steps a window measures, at least,
 TRY_STEPS = 2  # or a try of an arm that is not the best (its mean spans tries; a losing try costs its steps)
 WINDOW_S = 0.02  # and at least this long (a lone request's steps are ~1 ms on a tiny target)
-ALPHA = 0.3  # weight of a window in its arm's mean
-MAX_INTERVAL = 64  # windows between tries of an arm that keeps losing, at most
-SEEDED_INTERVAL = 8  # windows before a new load tries an arm its neighbour ranked lower, at most
-FAR_BEHIND = 0.8  # an arm tried at under this share of the best's goodput waits the longest interval at once
+ALPHA = 0.5  # weight of a window in its arm's mean (a change of workload shows within two tries)
+# windows between tries of an arm that is not the best: a try's changes of arm cost beyond its own steps
+# (drafters catch up, late proposals take the cores), so on 2 cores tries every 1-40 windows, by how far
+# behind an arm was, left adaptive at 0.82-0.84x plain where plain paid best (random:tiny, oracle 0.6,
+# 16 and 64 requests); every 64: 0.96x and 0.80x
+TRY_EVERY = 64
 
 
 @dataclass
 class _Arm:
     goodput: float | None = None  # decayed mean tokens/s (None: not measured at this load)
-    interval: int = 1  # windows until it is tried again while not the best
-    due: int = 0  # the window index it is tried at
+    due: int = 0  # the window index it is tried at, while not the best
 
 
 @dataclass
@@ -96,8 +96,9 @@ class BatchBudget:
         return arm
 
     def measured(self, tokens: int, clean: bool = True) -> None:
-        """``tokens``: what the step committed; ``clean`` False: the step also cached prompts, which says
-        nothing of the arm (a burst's first step), so the window starts again after it. The first step
+        """``tokens``: what the step committed; ``clean`` False: the step also cached prompts (a burst's
+        first step), or ran beside proposals still on their way (an earlier arm's drafting, whose cost would
+        be this one's), which says nothing of the arm, so the window starts again after it. The first step
         after a change of arm is not scored either: drafters catch up on the context they missed (measured:
         2-step tries of k = 4 at 64 requests scored 0.69x plain where the whole run gave 1.03x)."""
         window = self._window
@@ -137,14 +138,8 @@ class BatchBudget:
             state.seeded = False
         arm.goodput = goodput if arm.goodput is None else (1 - ALPHA) * arm.goodput + ALPHA * goodput
         state.windows += 1
-        best = self._best(state)
-        for name, other in state.arms.items():
-            if name == best:
-                other.interval = 1
-            elif name == window.arm:  # tried and still losing: tried again later, and later each time
-                far = other.goodput < FAR_BEHIND * state.arms[best].goodput
-                other.interval = MAX_INTERVAL if far else min(2 * other.interval, MAX_INTERVAL)
-                other.due = state.windows + other.interval
+        if window.arm != self._best(state):  # tried and still losing: tried again later
+            arm.due = state.windows + TRY_EVERY
 
     def _best(self, state: _Load) -> int:
         measured = [(arm.goodput, name) for name, arm in state.arms.items() if arm.goodput is not None]
@@ -163,8 +158,8 @@ class BatchBudget:
         return (min(due, key=lambda name: state.arms[name].due), True) if due else (best, False)
 
     def _seeded(self, load: int) -> _Load:
-        """A new load's arms: a measured neighbour's (twice or half the requests), as shares of its best, each
-        tried again soon (none measured: blank). Farther loads say little: at 1 request the policy's trees
+        """A new load's arms: a measured neighbour's (twice or half the requests), as shares of its best,
+        the others tried in ``TRY_EVERY`` windows (none measured: blank). Farther loads say little: at 1 request the policy's trees
         ran 2.4x plain, at 16 0.84x (random:tiny, oracle 0.8, through the cluster)."""
         measured = [(abs(other - load), other) for other, state in self._loads.items() if abs(other - load) == 1
                     and not state.seeded and any(a.goodput is not None for a in state.arms.values())]
@@ -175,6 +170,5 @@ class BatchBudget:
         arms = {}
         for name, arm in near.arms.items():
             share = arm.goodput / top if arm.goodput is not None and top else None
-            interval = min(arm.interval, SEEDED_INTERVAL)
-            arms[name] = _Arm(share, interval, interval if share != 1.0 else 0)
+            arms[name] = _Arm(share, 0 if share == 1.0 else TRY_EVERY)
         return _Load(arms, seeded=True)

@@ -222,9 +222,10 @@ class EngineCore:
             output = await self._take(part, result, verify_s)
             if output is not None:
                 outputs.append(output)
-        if adaptive:
+        if adaptive:  # a step that cached prompts, or beside proposals still on their way, scores no arm
+            late = any(not call.done() for r in self._running.values() for call in r.late.values())
             self.budget.measured(sum(len(o.token_ids) for o in outputs),
-                                 clean=all(s.job.history is None for s in stepping))
+                                 clean=not late and all(s.job.history is None for s in stepping))
             if not self._running:
                 self.budget.idle()
         return outputs
