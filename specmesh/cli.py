@@ -17,6 +17,16 @@ from specmesh.cluster.service_settings import RouterSettings, VerifierSettings
 from specmesh.speculation.policy import DEFAULT_FIXED_TREE_NODES
 
 DEMO_PROMPT = "Write a Python function that checks whether a string is a palindrome, and explain it."
+# grounded: the answer rewrites text the prompt holds, where prompt lookup's guesses are right
+GROUNDED_DEMO_PROMPT = """Add type hints to this Python function and return the whole function:
+
+```python
+def merge_counts(first, second):
+    merged = dict(first)
+    for word, count in second.items():
+        merged[word] = merged.get(word, 0) + count
+    return merged
+```"""
 # what `specmesh up` passes on to its routers and verifiers
 UP_ROUTER_SETTINGS = ("api_keys_file", "max_tree_nodes", "speculation", "speculation_margin")
 UP_VERIFIER_SETTINGS = ("precision", "kv_cache_gb", "batch_invariant", "offload", "tensor_parallel")
@@ -77,8 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     # the services' own settings, passed on when given
     RouterSettings.add_flags(up, UP_ROUTER_SETTINGS, environment=False)
     VerifierSettings.add_flags(up, UP_VERIFIER_SETTINGS, environment=False)
-    up.add_argument("--demo-prompt", default=DEMO_PROMPT)
-    up.add_argument("--max-tokens", type=int, default=96, help="of the demo request")
+    up.add_argument("--demo-prompt", default=DEMO_PROMPT, help="the demo's open request")
+    up.add_argument("--demo-grounded-prompt", default=GROUNDED_DEMO_PROMPT,
+                    help="the demo's grounded request (its answer rewrites text it holds)")
+    up.add_argument("--max-tokens", type=int, default=96, help="of each demo request")
     up.add_argument("--no-demo", action="store_true")
     up.add_argument("--exit-after-demo", action="store_true", help="stop the cluster after the demo (for scripts)")
     up.add_argument("--log-dir", default=None, help="where each process logs (default: a new temporary folder)")
@@ -372,6 +384,19 @@ def _routing_line(stats) -> str:
     return f"routed as {kind or 'general'}: " + (f"drafter steps {steps}" if steps else "no drafting (plain decoding)")
 
 
+def _demo(client, label: str, prompt: str, params) -> None:
+    """One demo request through the cluster, speculative then plain, with both speeds."""
+    print(f"\ndemo, {label} request: {prompt}\n", flush=True)
+    tokens, elapsed, last = _stream_one(client, prompt, params, None, echo=True)
+    plain, plain_elapsed, _ = _stream_one(client, prompt, params, 0, echo=False, speculation="off")
+    speed, plain_speed = len(tokens) / elapsed, len(plain) / plain_elapsed
+    print(f"\n[{label} request: {len(tokens)} tokens in {elapsed:.2f} s: {speed:.1f} tok/s through the cluster, "
+          f"mean accepted length {last.stats.mean_accepted_length:.2f}, first token "
+          f"{last.stats.first_token_ms:.0f} ms; {_routing_line(last.stats)}]")
+    print(f"[{label} request without speculation: {plain_speed:.1f} tok/s; speedup {speed / plain_speed:.2f}x; "
+          f"outputs {'identical' if plain == tokens else 'DIFFERENT'}]", flush=True)
+
+
 def _stream_one(client, text: str, params, tree_nodes: int | None, echo: bool, speculation: str | None = None):
     """Stream one chat prompt through the cluster; returns (token ids, seconds, last chunk)."""
     started = time.perf_counter()
@@ -502,16 +527,9 @@ def _serve_cluster(cluster, args: argparse.Namespace, started: float) -> int:
             if not args.no_demo:
                 params = SamplingParams(max_tokens=args.max_tokens)
                 with Client(cluster.router_addresses, api_key=cluster.client_key, tls_ca=cluster.client_tls_ca) as client:
-                    print(f"\ndemo: {args.demo_prompt}\n", flush=True)
                     _stream_one(client, args.demo_prompt, params, None, echo=False)  # warm-up: caches and allocators
-                    tokens, elapsed, last = _stream_one(client, args.demo_prompt, params, None, echo=True)
-                    plain, plain_elapsed, _ = _stream_one(client, args.demo_prompt, params, 0, echo=False, speculation="off")
-                    speed, plain_speed = len(tokens) / elapsed, len(plain) / plain_elapsed
-                    print(f"\n[{len(tokens)} tokens in {elapsed:.2f} s: {speed:.1f} tok/s through the cluster, "
-                          f"mean accepted length {last.stats.mean_accepted_length:.2f}, first token "
-                          f"{last.stats.first_token_ms:.0f} ms; {_routing_line(last.stats)}]")
-                    print(f"[the same request without speculation: {plain_speed:.1f} tok/s; speedup {speed / plain_speed:.2f}x; "
-                          f"outputs {'identical' if plain == tokens else 'DIFFERENT'}]", flush=True)
+                    for label, prompt in (("open", args.demo_prompt), ("grounded", args.demo_grounded_prompt)):
+                        _demo(client, label, prompt, params)
         except grpc.RpcError as exc:
             raise SpecmeshError(f"the demo request failed: {exc.code().name}: {exc.details()}") from None
         if args.exit_after_demo:

@@ -81,7 +81,9 @@ def test_the_installed_wheel_runs_the_cluster_demo(wheel: Path, tmp_path: Path):
                           "--drafter", "ngram", "--max-tokens", "24", "--log-dir", str(tmp_path / "logs")],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "outputs identical" in run.stdout, run.stdout[-3000:]
+    for label in ("open", "grounded"):  # each demo request, speculative beside plain
+        assert f"[{label} request without speculation:" in run.stdout, run.stdout[-3000:]
+    assert run.stdout.count("outputs identical") == 2, run.stdout[-3000:]
 
 
 def generated_versions() -> tuple[Version, Version]:

@@ -31,7 +31,7 @@ ALPHA = 0.5  # weight of a window in its arm's mean (a change of workload shows 
 # windows between tries of an arm that is not the best: a try's changes of arm cost beyond its own steps
 # (drafters catch up, late proposals take the cores), so on 2 cores tries every 1-40 windows, by how far
 # behind an arm was, left adaptive at 0.82-0.84x plain where plain paid best (random:tiny, oracle 0.6,
-# 16 and 64 requests); every 64: 0.96x and 0.80x
+# 16 and 64 requests); every 64: 0.87-0.96x and 0.80-0.94x (two runs)
 TRY_EVERY = 64
 
 
@@ -131,7 +131,7 @@ class BatchBudget:
         state = self._loads[window.load]
         arm = state.arms[window.arm]
         goodput = window.tokens / max(now - window.started, 1e-9)
-        if state.seeded:  # the shares the nearest load gave, in this load's tokens/s
+        if state.seeded:  # the neighbour's shares, in this load's tokens/s
             scale = goodput / arm.goodput if arm.goodput else 0.0
             for other in state.arms.values():
                 other.goodput = other.goodput * scale if other.goodput is not None and scale else None
@@ -158,14 +158,15 @@ class BatchBudget:
         return (min(due, key=lambda name: state.arms[name].due), True) if due else (best, False)
 
     def _seeded(self, load: int) -> _Load:
-        """A new load's arms: a measured neighbour's (twice or half the requests), as shares of its best,
-        the others tried in ``TRY_EVERY`` windows (none measured: blank). Farther loads say little: at 1 request the policy's trees
-        ran 2.4x plain, at 16 0.84x (random:tiny, oracle 0.8, through the cluster)."""
-        measured = [(abs(other - load), other) for other, state in self._loads.items() if abs(other - load) == 1
-                    and not state.seeded and any(a.goodput is not None for a in state.arms.values())]
-        if not measured:
+        """A new load's arms: a measured neighbour's (twice or half the requests), as shares of its best, the
+        others tried in ``TRY_EVERY`` windows; blank where no neighbour was measured. Farther loads say little:
+        at 1 request the policy's trees ran 2.4x plain, at 16 0.84x (random:tiny, oracle 0.8, the cluster)."""
+        for other in (load - 1, load + 1):
+            near = self._loads.get(other)
+            if near is not None and not near.seeded and any(a.goodput is not None for a in near.arms.values()):
+                break
+        else:
             return _Load({name: _Arm() for name in self.arms})
-        near = self._loads[min(measured)[1]]
         top = near.arms[self._best(near)].goodput
         arms = {}
         for name, arm in near.arms.items():

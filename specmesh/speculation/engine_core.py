@@ -6,6 +6,9 @@ request that moved. Requests join (``add``) and leave (``abort``, or their end) 
 ``max_running`` wait their turn. The in-process engine drives it to completion; a verifier service drives
 it for the requests the routers hand it. The loop is the same, only the processes around it differ.
 
+The adaptive requests of a step draft as the batch's measured arm says (``batch_budget.py``): their policy's
+choice, plain decoding or a fixed budget, whichever committed the most tokens a second at this load.
+
 A drafter's failure costs that request's proposal for the step (``drafting.guarded``), and so does a late
 answer: a step waits for a proposal only as long as its drafter usually takes (``draft_deadline.py``). A
 request whose numbers break the acceptance rule fails alone (``RequestOutput.error``), the others go on.
