@@ -18,15 +18,13 @@ from specmesh.speculation.policy import DEFAULT_FIXED_TREE_NODES
 
 DEMO_PROMPT = "Write a Python function that checks whether a string is a palindrome, and explain it."
 # grounded: the answer rewrites text the prompt holds, where prompt lookup's guesses are right
-GROUNDED_DEMO_PROMPT = """Add type hints to this Python function and return the whole function:
-
-```python
-def merge_counts(first, second):
-    merged = dict(first)
-    for word, count in second.items():
-        merged[word] = merged.get(word, 0) + count
-    return merged
-```"""
+GROUNDED_DEMO_PROMPT = (
+    "Fix the spelling mistakes in this paragraph and return the whole paragraph:\n\n"
+    "The libary opens at nine in the morning and closes at six in the evening. Vistors can borrow up to "
+    "five books at a time, and each book can be kept for three weeks. Late returns are charged a small fee, "
+    "and lost books must be replaced or paid for. The reading room on the second floor is quiet, and "
+    "children are welcome in the story corner every Saturday morning."
+)
 # what `specmesh up` passes on to its routers and verifiers
 UP_ROUTER_SETTINGS = ("api_keys_file", "max_tree_nodes", "speculation", "speculation_margin")
 UP_VERIFIER_SETTINGS = ("precision", "kv_cache_gb", "batch_invariant", "offload", "tensor_parallel")

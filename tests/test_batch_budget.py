@@ -126,3 +126,23 @@ def test_the_first_step_after_a_change_of_arm_is_not_scored():
     budget.measured(1)
     run_steps(budget, clock, WINDOW_STEPS, {POLICY: 1000.0, 0: 1000.0})
     assert abs(budget.goodput(16)[0] - 1000.0) < 20
+
+
+def test_request_kinds_are_measured_apart():
+    clock = Clock()
+    budget = BatchBudget((POLICY, 0), clock=clock)
+
+    def steps(kind: str, rates: dict[int, float], count: int) -> list[int]:
+        arms = []
+        for _ in range(count):
+            arms.append(budget.arm(1, kind))
+            clock.now += 0.012
+            budget.measured(round(rates[arms[-1]] * 0.012))
+        return arms
+
+    steps("chat", {POLICY: 500.0, 0: 1000.0}, 100)  # open questions: plain decoding pays
+    assert steps("chat", {POLICY: 500.0, 0: 1000.0}, 20).count(0) >= 18
+    # a request that rewrites its prompt starts blank, its own arms measured from the policy's
+    arms = steps("writing", {POLICY: 2000.0, 0: 1000.0}, 100)
+    assert arms[0] == POLICY and arms[-20:].count(POLICY) >= 18
+    assert budget.goodput(1, "chat")[0] > budget.goodput(1, "chat")[POLICY]

@@ -115,13 +115,13 @@ def test_the_batch_arms_scores_are_exported_where_the_steps_run():
     metrics = VerifierMetrics()
     metrics.watch_policy(adaptive_policy({}), budget)
     value = metrics.registry.get_sample_value
-    assert value("specmesh_controller_arm_tokens_per_second", {"load": "16", "arm": "policy"}) is None
+    assert value("specmesh_controller_arm_tokens_per_second", {"load": "16", "kind": "mixed", "arm": "policy"}) is None
     for _ in range(WINDOW_STEPS + 1):  # one window of the policy's arm at 16 requests, 30 tokens a 10 ms step
         budget.arm(16)
         now[0] += 0.01
         budget.measured(30)
-    assert value("specmesh_controller_arm_tokens_per_second", {"load": "16", "arm": "policy"}) == pytest.approx(3000)
-    assert value("specmesh_controller_arm_tokens_per_second", {"load": "16", "arm": "0"}) is None
+    assert value("specmesh_controller_arm_tokens_per_second", {"load": "16", "kind": "mixed", "arm": "policy"}) == pytest.approx(3000)
+    assert value("specmesh_controller_arm_tokens_per_second", {"load": "16", "kind": "mixed", "arm": "0"}) is None
 
 
 def test_an_answer_sent_whole_is_clocked_by_the_verifiers_times():

@@ -121,12 +121,12 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 def controller_state(cluster: LocalCluster) -> dict[str, float]:
     """What the first verifier's controller has learned, as it exports it (``specmesh_controller_*``; by load
-    and arm: ``name/load/arm``): why adaptive drafted as much as it did."""
+    kind and arm: ``name/load/kind/arm``): why adaptive drafted as much as it did."""
     state = {}
     for family in cluster.verifiers[0].metrics():
         if family.name.startswith("specmesh_controller_"):
             for sample in family.samples:
-                labels = "".join(f"/{sample.labels[k]}" for k in ("load", "arm") if k in sample.labels)
+                labels = "".join(f"/{sample.labels[k]}" for k in ("load", "kind", "arm") if k in sample.labels)
                 state[family.name.removeprefix("specmesh_controller_") + labels] = round(sample.value, 3)
     return state
 

@@ -255,10 +255,11 @@ class ControllerCollector(Collector):
         if self.budget is not None:
             arms = GaugeMetricFamily("specmesh_controller_arm_tokens_per_second", "Tokens a second the adaptive "
                                      "requests' steps committed under each arm (policy: the controller's choice; "
-                                     "a number: that many nodes each), by load (requests running, in powers of two)",
-                                     labels=["load", "arm"])
-            for requests, arm, goodput in self.budget.learned():
-                arms.add_metric([str(requests), "policy" if arm == POLICY else str(arm)], goodput)
+                                     "a number: that many nodes each), by load (requests running, in powers of two) and request kind "
+                                     "(mixed: several)",
+                                     labels=["load", "kind", "arm"])
+            for requests, kind, arm, goodput in self.budget.learned():
+                arms.add_metric([str(requests), kind, "policy" if arm == POLICY else str(arm)], goodput)
             yield arms
         yield GaugeMetricFamily("specmesh_controller_drafting_shares_cores", "1 while the controller counts drafting "
                                 "in every request's cycle (a CPU verifier, or no pass curve yet)",

@@ -5,8 +5,9 @@ The adaptive requests of a step follow one *arm*: their policy's own choice (``P
 of ``goodput.py``), plain decoding (0), or a fixed number of nodes each. The step loop runs an arm for a
 window of steps and measures what the window committed over its wall time, all overheads in; the arm with
 the best decayed mean runs, and each other arm gets a short try every ``TRY_EVERY`` windows. Arms are
-measured per load (running requests, to the nearest power of two): what pays at one request rarely does
-at 64. A new load next to a measured one starts from it: its best arm first, the others' standing carried
+measured per load (running requests, to the nearest power of two) and request kind (the batch's, when
+its adaptive requests share one): what pays at one request rarely does at 64, and what pays for a request
+that rewrites its prompt rarely does for an open question. A new load next to a measured one starts from it: its best arm first, the others' standing carried
 over, rescaled by the first window (a burst's tail passes through every load below it). Plain decoding is
 one arm, so speculation that measures slower than plain is not kept; a fixed budget is another, so a
 model that under-drafts where trees pay is overruled.
@@ -22,6 +23,7 @@ from typing import Callable
 from specmesh.speculation.policy import DEFAULT_FIXED_TREE_NODES
 
 POLICY = -1  # the arm where each request's policy chooses its own budget
+MIXED = "mixed"  # the kind of a batch whose adaptive requests are of several kinds
 # tried in this order at a new load: the policy, plain decoding, and the fixed budget `specmesh tune` chose
 DEFAULT_ARMS = (POLICY, 0, DEFAULT_FIXED_TREE_NODES)
 WINDOW_STEPS = 4  # steps a window measures, at least,
@@ -51,7 +53,7 @@ class _Load:
 @dataclass
 class _Window:
     arm: int
-    load: int
+    load: tuple[int, str]  # load class, kind
     started: float
     length: int  # steps, at least
     switched: bool = False  # its arm is not the last window's: its first step is not scored
@@ -71,7 +73,7 @@ class BatchBudget:
             raise ValueError("at least one arm")
         self.arms = arms
         self.clock = clock
-        self._loads: dict[int, _Load] = {}
+        self._loads: dict[tuple[int, str], _Load] = {}  # (load class, kind) -> its arms
         self._window: _Window | None = None
 
     @staticmethod
@@ -80,10 +82,10 @@ class BatchBudget:
         wavers by a request or two as requests end and join stays in one."""
         return round(math.log2(max(running, 1)))
 
-    def arm(self, running: int) -> int:
-        """The arm of the next step with ``running`` requests."""
+    def arm(self, running: int, kind: str = MIXED) -> int:
+        """The arm of the next step with ``running`` requests, its adaptive ones of ``kind``."""
         now = self.clock()
-        load = self.load_class(running)
+        load = (self.load_class(running), kind)
         window = self._window
         if window is not None and window.load == load and (window.steps < window.length
                                                            or now - window.started < WINDOW_S):
@@ -117,15 +119,15 @@ class BatchBudget:
         if window is not None and window.steps:
             self._close(window, self.clock())
 
-    def goodput(self, running: int) -> dict[int, float | None]:
-        """Each arm's mean tokens/s at this load (None: not measured)."""
-        state = self._loads.get(self.load_class(running))
+    def goodput(self, running: int, kind: str = MIXED) -> dict[int, float | None]:
+        """Each arm's mean tokens/s at this load and kind (None: not measured)."""
+        state = self._loads.get((self.load_class(running), kind))
         return {arm: state.arms[arm].goodput if state else None for arm in self.arms}
 
-    def learned(self) -> list[tuple[int, int, float]]:
-        """(the load's power of two of requests, arm, mean tokens/s) of every arm measured, by load."""
-        return [(1 << load, name, arm.goodput) for load, state in sorted(self._loads.items()) if not state.seeded
-                for name, arm in state.arms.items() if arm.goodput is not None]
+    def learned(self) -> list[tuple[int, str, int, float]]:
+        """(the load's power of two of requests, kind, arm, mean tokens/s) of every arm measured."""
+        return [(1 << load, kind, name, arm.goodput) for (load, kind), state in sorted(self._loads.items())
+                if not state.seeded for name, arm in state.arms.items() if arm.goodput is not None]
 
     def _close(self, window: _Window, now: float) -> None:
         state = self._loads[window.load]
@@ -145,7 +147,7 @@ class BatchBudget:
         measured = [(arm.goodput, name) for name, arm in state.arms.items() if arm.goodput is not None]
         return max(measured)[1] if measured else self.arms[0]
 
-    def _choose(self, load: int) -> tuple[int, bool]:
+    def _choose(self, load: tuple[int, str]) -> tuple[int, bool]:
         """The next window's arm, and whether it is a try (not the best)."""
         state = self._loads.get(load)
         if state is None:
@@ -157,11 +159,12 @@ class BatchBudget:
         due = [name for name in self.arms if name != best and state.arms[name].due <= state.windows]
         return (min(due, key=lambda name: state.arms[name].due), True) if due else (best, False)
 
-    def _seeded(self, load: int) -> _Load:
-        """A new load's arms: a measured neighbour's (twice or half the requests), as shares of its best, the
-        others tried in ``TRY_EVERY`` windows; blank where no neighbour was measured. Farther loads say little:
-        at 1 request the policy's trees ran 2.4x plain, at 16 0.84x (random:tiny, oracle 0.8, the cluster)."""
-        for other in (load - 1, load + 1):
+    def _seeded(self, load: tuple[int, str]) -> _Load:
+        """A new load's arms: a measured neighbour's (twice or half the requests, the same kind), as shares of
+        its best, the others tried in ``TRY_EVERY`` windows; blank where no neighbour was measured. Farther
+        loads say little: at 1 request the policy's trees ran 2.4x plain, at 16 0.84x (random:tiny, oracle
+        0.8, the cluster)."""
+        for other in ((load[0] - 1, load[1]), (load[0] + 1, load[1])):
             near = self._loads.get(other)
             if near is not None and not near.seeded and any(a.goodput is not None for a in near.arms.values()):
                 break

@@ -7,7 +7,7 @@ request that moved. Requests join (``add``) and leave (``abort``, or their end) 
 it for the requests the routers hand it. The loop is the same, only the processes around it differ.
 
 The adaptive requests of a step draft as the batch's measured arm says (``batch_budget.py``): their policy's
-choice, plain decoding or a fixed budget, whichever committed the most tokens a second at this load.
+choice, plain decoding or a fixed budget, whichever committed the most tokens a second at this load and kind.
 
 A drafter's failure costs that request's proposal for the step (``drafting.guarded``), and so does a late
 answer: a step waits for a proposal only as long as its drafter usually takes (``draft_deadline.py``). A
@@ -31,7 +31,7 @@ from typing import Literal, Protocol, Sequence
 from specmesh.cancellation import cancel_all
 from specmesh.errors import RequestFailed, Unavailable
 from specmesh.runtime.tree_verifier import VerifyJob, VerifyResult
-from specmesh.speculation.batch_budget import POLICY, BatchBudget
+from specmesh.speculation.batch_budget import MIXED, POLICY, BatchBudget
 from specmesh.speculation.draft_deadline import DraftDeadlines
 from specmesh.speculation.drafting import NO_DRAFT, AsyncDrafter, Draft, draft_step, drafts, guarded, runs_apart
 from specmesh.speculation.policy import RequestPolicy, StepOutcome, StepPlan
@@ -193,8 +193,10 @@ class EngineCore:
         await self._admit()
         if not self._running:
             return []
-        adaptive = any(r.policy.adapts for r in self._running.values())
-        stepping = await self._draft_all(self.budget.arm(len(self._running)) if adaptive else POLICY)
+        kinds = {r.policy.kind for r in self._running.values() if r.policy.adapts}
+        adaptive = bool(kinds)
+        arm = self.budget.arm(len(self._running), kinds.pop() if len(kinds) == 1 else MIXED) if adaptive else POLICY
+        stepping = await self._draft_all(arm)
         if await self._draft_ahead(stepping):
             for _ in range(SEND_TURNS):
                 await asyncio.sleep(0)
