@@ -255,9 +255,8 @@ class ControllerCollector(Collector):
         if self.budget is not None:
             arms = GaugeMetricFamily("specmesh_controller_arm_tokens_per_second", "Tokens a second the adaptive "
                                      "requests' steps committed under each arm (policy: the controller's choice; "
-                                     "a number: that many nodes each), by load (requests running, in powers of two) and request kind "
-                                     "(mixed: several)",
-                                     labels=["load", "kind", "arm"])
+                                     "a number: that many nodes each), by load (requests running, in powers of "
+                                     "two) and request kind (mixed: several)", labels=["load", "kind", "arm"])
             for requests, kind, arm, goodput in self.budget.learned():
                 arms.add_metric([str(requests), kind, "policy" if arm == POLICY else str(arm)], goodput)
             yield arms

@@ -7,10 +7,10 @@ window of steps and measures what the window committed over its wall time, all o
 the best decayed mean runs, and each other arm gets a short try every ``TRY_EVERY`` windows. Arms are
 measured per load (running requests, to the nearest power of two) and request kind (the batch's, when
 its adaptive requests share one): what pays at one request rarely does at 64, and what pays for a request
-that rewrites its prompt rarely does for an open question. A new load next to a measured one starts from it: its best arm first, the others' standing carried
-over, rescaled by the first window (a burst's tail passes through every load below it). Plain decoding is
-one arm, so speculation that measures slower than plain is not kept; a fixed budget is another, so a
-model that under-drafts where trees pay is overruled.
+that rewrites its prompt rarely does for an open question. A new load next to a measured one starts from
+it: its best arm first, the others' standing carried over, rescaled by the first window (a burst's tail
+passes through every load below it). Plain decoding is one arm, so speculation that measures slower than
+plain is not kept; a fixed budget is another, so a model that under-drafts where trees pay is overruled.
 """
 
 from __future__ import annotations

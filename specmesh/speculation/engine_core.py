@@ -253,10 +253,10 @@ class EngineCore:
                 stepping.append(_Stepping(running, running.waiting, 0.0))
                 continue
             ready, running.ready = running.ready, None
-            budget = arm if running.policy.adapts and arm != POLICY else None
-            plan = StepPlan() if budget == 0 else running.policy.plan(
-                running.room, [n for n, d in running.drafters.items() if d.healthy and running.askable(n)],
-                len(running.context), budget)
+            budget = arm if running.policy.adapts and arm != POLICY else None  # 0: plain at once, no weighing
+            plan = running.policy.plan(running.room, [n for n, d in running.drafters.items()
+                                                      if d.healthy and running.askable(n)],
+                                       len(running.context), budget)
             if not drafts(plan, max_depth=running.room - 1):
                 stepping.append(_Stepping(running, NO_DRAFT, 0.0))
             elif ready is not None:  # its drafting was hidden behind the last pass
