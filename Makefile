@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install model run test test-fast soak gpu-check bench tune proto dashboards docs classifier-data tuning-prompts clean
+.PHONY: install model run test test-fast soak gpu-check bench bench-grounded tune proto dashboards docs classifier-data tuning-prompts clean
 
 install: $(STAMP) model
 
@@ -50,6 +50,11 @@ gpu-check:
 bench: install
 	mkdir -p out
 	$(PY) -m specmesh bench --per-category 2 --json out/bench.json --plots out/plots
+
+# Requests that rewrite text they hold (docs/bench.md, "Grounded prompts"), answered whole: 256 tokens.
+bench-grounded: install
+	mkdir -p out
+	$(PY) -m specmesh bench --prompts grounded --max-tokens 256 --concurrency "" --json out/bench-grounded.json
 
 tune: install
 	mkdir -p out

@@ -162,3 +162,33 @@ def test_trees_drafted_ahead_during_the_pass_keep_plain_greedy_output(tiny_model
     assert 0 < ahead < steps, (ahead, steps)
     assert sum(s.late_drafts for s in stats.values()) == 0
     assert drafter.contexts == {} and verifier.verifier.num_sessions == 0
+
+
+def test_steps_under_the_plain_arm_are_counted_in_the_budget_histogram(tiny_model, runtime):
+    """The batch's plain arm still asks each adaptive policy (with budget 0): a metered request counts those
+    steps as budget 0, so the histogram shows every step, not only the drafting ones."""
+    from specmesh.cluster.metrics import MeteredRequest, VerifierMetrics
+    from specmesh.speculation.batch_budget import BatchBudget
+    from specmesh.speculation.policy import adaptive_policy
+
+    (prompt,) = prompts(1, seed=4)
+    answer = hf_greedy(tiny_model, list(prompt), MAX_TOKENS)
+    drafter = OracleTreeDrafter({prompt: answer}, vocab_size=96, seed=3)
+    policy = adaptive_policy({})
+    policy.router.register(drafter)
+    metrics = VerifierMetrics()
+
+    async def main():
+        core = EngineCore(CountingVerifier(TreeVerifier(runtime)), budget=BatchBudget(arms=(0,)))
+        core.add(Request(prompt, SamplingParams(max_tokens=MAX_TOKENS), request_id="r"),
+                 MeteredRequest(policy.begin("", 6), metrics), [LocalDrafter(drafter)])
+        tokens = []
+        while core.num_requests:
+            for output in await core.step():
+                tokens += output.token_ids
+        return tokens
+
+    assert asyncio.run(main()) == answer
+    value = metrics.registry.get_sample_value
+    assert value("specmesh_speculation_budget_count") == value("specmesh_target_steps_total") >= MAX_TOKENS - 1
+    assert value("specmesh_speculation_budget_sum") == 0

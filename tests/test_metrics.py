@@ -306,7 +306,11 @@ def test_prometheus_scrapes_the_services_and_every_panel_and_rule_returns_data(r
                         with pytest.raises(grpc.aio.AioRpcError) as refused:  # the error series get data too
                             await client.generate(chat=chat, max_tokens=1 << 20)
                         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-                after = "".join(_scrape(u) for u in stack.metrics_urls.values())
+                scrapes = {name: _scrape(u) for name, u in stack.metrics_urls.items()}
+                after = "".join(scrapes.values())
+                # the controller's state where the steps run, and nowhere else (a router's would never move)
+                assert {n: "specmesh_controller_realism" in text for n, text in scrapes.items()} == \
+                    {"router": False, "drafter": False, **{n: True for n in scrapes if n.startswith("verifier")}}
                 await asyncio.to_thread(prometheus.wait, "recorded rules", lambda: prometheus.query(
                     "specmesh:drafter_acceptance:ratio"), 30.0)
                 await asyncio.to_thread(_every_query_has_data, prometheus)  # while the services still answer

@@ -124,6 +124,26 @@ def test_model_free_drafters_ride_along_with_the_best_expert():
     assert router.select(route, ["code", "math", "ngram", "history"]) == ["code", "ngram"]
 
 
+def test_a_budget_given_is_drafted_without_the_experts_a_model_free_drafter_out_guesses():
+    """Under the batch's fixed arm the budget is given: an expert that prompt lookup out-guesses on this
+    request (an edit of text the prompt holds) only adds its cost, and is left out; one that guesses better
+    stays."""
+    policy = AdaptivePolicy(ExpertRouter({"code": ["code"], "ngram": ["general"]}, RoutingConfig(explore=0.0),
+                                         free=["ngram"]), GoodputController(CostModel(), probe_every=0))
+    router = policy.router
+    copying, open_question = policy.begin("code", 8), policy.begin("code", 8)
+    assert copying.plan(room=100, available=["code", "ngram"], position=10, budget=4).drafters == ("code", "ngram")
+    for _ in range(20):
+        router.observe(copying.route, "ngram", 4, 4)
+        router.observe(copying.route, "code", 0, 1)
+        router.observe(open_question.route, "ngram", 0, 1)
+        router.observe(open_question.route, "code", 2, 3)
+    plan = copying.plan(room=100, available=["code", "ngram"], position=10, budget=4)
+    assert plan.drafters == ("ngram",) and plan.budget == 4
+    assert open_question.plan(room=100, available=["code", "ngram"], position=10, budget=4).drafters == ("code", "ngram")
+    assert router.outguessed(copying.route, ["code"]) == ["code"]  # no model-free drafter asked: nothing to compare
+
+
 def test_a_team_is_expected_to_be_right_as_often_as_its_fused_trees_were():
     router = ExpertRouter({"a": ["code"], "b": ["code"]}, RoutingConfig(explore=0.0))
     route = router.open("code")

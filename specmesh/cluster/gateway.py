@@ -109,9 +109,7 @@ class Router:
         check_speculation(self.limits.speculation)
         self.policy = policy or adaptive_policy({})
         self.classifier = classifier
-        self.metrics = metrics
-        if metrics is not None:
-            metrics.watch_policy(self.policy)
+        self.metrics = metrics  # the controller's state is exported where the steps run: the verifiers
         self.active = 0
         # one thread: encodings run one at a time (a fast tokenizer's encode may change its settings)
         self._inputs = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inputs")

@@ -297,6 +297,15 @@ class ExpertRouter:
             chosen.append(route.explored)
         return chosen
 
+    def outguessed(self, route: Route, names: Sequence[str]) -> list[str]:
+        """``names`` less the model drafters that a model-free one among them out-guesses on this request:
+        its guesses cost next to nothing, theirs a forward pass a node."""
+        free = [self.estimate(route, n) for n in names if n in self.free]
+        if not free:
+            return list(names)
+        best = max(free)
+        return [n for n in names if n in self.free or self.estimate(route, n) > best]
+
     def weights(self, route: Route, names: Sequence[str]) -> list[float]:
         """Fusion trust per drafter: its expected acceptance on this request."""
         return [self.estimate(route, n) for n in names]

@@ -261,6 +261,7 @@ class _AdaptiveRequest:
             return StepPlan()
         if budget is not None:  # the batch's measured choice: routing and trust only
             names = router.select(self.route, available, at_least_one=True)
+            names = router.outguessed(self.route, names)  # a budget given is drafted by what guesses best for free
             return StepPlan(tuple(names), tuple(router.weights(self.route, names)), min(budget, self.max_budget))
         load = policy.load()
         if self.adapt_budget and self.steps_without % RECHECK_EVERY:
