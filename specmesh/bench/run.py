@@ -34,6 +34,7 @@ from scipy import stats
 from tqdm.auto import tqdm
 
 from specmesh.bench.cluster_meter import ClusterMeter, Reading, per_token
+from specmesh.bench.grounded import named_or_file
 from specmesh.bench.isolated import BaselineFailed, IsolatedBaseline
 from specmesh.bench.provenance import provenance
 from specmesh.client import Client
@@ -41,7 +42,6 @@ from specmesh.cluster.launcher import DEFAULT_DRAFTERS, ClusterSpec, LocalCluste
 from specmesh.drafters.catalog import MODEL_FREE_DRAFTERS, load_drafter, shipped_experts
 from specmesh.drafters.model import ModelDrafter
 from specmesh.errors import InvalidArgument
-from specmesh.bench.grounded import named_or_file
 from specmesh.prompts import Prompt, mtbench_prompts
 from specmesh.runtime.llama import TreeBatch
 from specmesh.runtime.loading import configure_threads

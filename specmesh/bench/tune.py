@@ -30,6 +30,7 @@ from importlib.resources import files
 
 from tqdm.auto import tqdm
 
+from specmesh.bench.grounded import named_or_file
 from specmesh.bench.provenance import provenance
 from specmesh.bench.run import (
     MAX_CONCURRENCY,
@@ -45,7 +46,6 @@ from specmesh.client import Client
 from specmesh.cluster.launcher import DEFAULT_DRAFTERS, OPENMP_SPIN_COUNT, ClusterSpec, LocalCluster
 from specmesh.distill.overlap import overlapped_questions
 from specmesh.errors import InvalidArgument
-from specmesh.bench.grounded import named_or_file
 from specmesh.prompts import Prompt, load_prompts
 from specmesh.runtime.loading import configure_threads
 from specmesh.sampling import SamplingParams
@@ -252,7 +252,8 @@ def run_tune(args: argparse.Namespace) -> int:
             raise InvalidArgument(name, f"must be >= 1, got {getattr(args, name)}")
     if not 1 <= args.max_tree_nodes <= MAX_TREE_NODES:
         raise InvalidArgument("max_tree_nodes", f"must be in 1..{MAX_TREE_NODES}, got {args.max_tree_nodes}")
-    prompts, source = named_or_file(args.prompts, "tune") if args.prompts else (load_prompts(TUNING_PROMPTS), str(TUNING_PROMPTS))
+    prompts, source = (named_or_file(args.prompts, "tune") if args.prompts
+                       else (load_prompts(TUNING_PROMPTS), str(TUNING_PROMPTS)))
     prompts = held_out(prompts)
     configure_threads(args.threads)
     drafters = tuple(args.drafter or DEFAULT_DRAFTERS)
