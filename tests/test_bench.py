@@ -84,6 +84,13 @@ def test_bench_writes_the_summary_and_plots(tmp_path):
                for r in report["load_sweep"])
     assert [v["concurrency"] for v in report["load_sweep_verdicts"]] == [1, 2]
     assert all(len(v["vs_none_ci95"]) == 2 for v in report["load_sweep_verdicts"])
+    # the same sweep in process: each policy's engine at each concurrency, every answer its own plain one
+    assert [(r["concurrency"], r["policy"]) for r in report["engine_load_sweep"]] == [
+        (c, p) for c in (1, 2) for p in ("none", "fixed", "adaptive")]
+    assert all(r["tokens_per_s"] > 0 and r["answers_unlike_plain"] == 0 and len(r["tokens_per_s_runs"]) == 2
+               for r in report["engine_load_sweep"])
+    assert next(r for r in report["engine_load_sweep"] if r["policy"] == "fixed")["tree_nodes_per_step"] > 0
+    assert [v["concurrency"] for v in report["engine_load_sweep_verdicts"]] == [1, 2]
     for name in ("speedup_per_category.png", "latency_vs_load.png"):
         assert (tmp_path / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -325,3 +325,18 @@ def test_duplicate_request_ids_are_refused(runtime):
     with pytest.raises(InvalidArgument) as err:
         engine.generate([Request((5,), request_id="a"), Request((6,), request_id="a")])
     assert err.value.field == "request_id"
+
+
+def test_at_most_concurrency_requests_run_at_once_and_the_answers_stay(tiny_model, runtime):
+    prompts = ragged_prompts(5, 96, seed=11)
+    answers = {tuple(p): hf_greedy(tiny_model, p, MAX_TOKENS) for p in prompts}
+    engine = SpeculativeEngine(runtime, drafters=[OracleTreeDrafter(answers, vocab_size=96, seed=3)], max_tree_nodes=4)
+    widest = []
+    verify = engine.verifier.verify
+    engine.verifier.verify = lambda jobs: widest.append(len(jobs)) or verify(jobs)
+    outputs = engine.generate([Request(tuple(p), SamplingParams(max_tokens=MAX_TOKENS)) for p in prompts], concurrency=2)
+    assert [o.token_ids for o in outputs] == [answers[tuple(p)] for p in prompts]
+    assert max(widest) == 2 and widest.count(2) > len(widest) // 2  # the next request joins as one ends
+    with pytest.raises(InvalidArgument) as err:
+        engine.generate([Request((5,))], concurrency=0)
+    assert err.value.field == "concurrency"

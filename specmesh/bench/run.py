@@ -25,7 +25,7 @@ import statistics
 import time
 from collections import Counter, defaultdict
 from contextlib import ExitStack
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -52,6 +52,7 @@ from specmesh.speculation.assembly import Assembly, assemble, eos_token_ids
 from specmesh.speculation.classifier import default_classifier
 from specmesh.speculation.engine import SpeculativeEngine
 from specmesh.speculation.policy import SPECULATION_MARGIN
+from specmesh.speculation.requests import Request
 from specmesh.tree import MAX_TREE_NODES, TokenTree, compile_tree
 
 COST_CURVE_MAX_K = 16
@@ -395,6 +396,7 @@ def run_bench(args: argparse.Namespace) -> int:
         for mode in modes:  # what the warm-up left in the records is not measured
             records[mode] = ModeRecord()
         all_identical = 0
+        own_answers = []  # each prompt's own plain answer: what every policy at load must give
         busy_before = _verifier_busy_s(cluster) if cluster else 0.0
         drafting_before = _drafters_busy_s(cluster) if cluster else 0.0
         for index, (prompt, request) in enumerate(tqdm(list(zip(prompts, requests)), desc="prompts", unit="prompt")):
@@ -406,11 +408,14 @@ def run_bench(args: argparse.Namespace) -> int:
             for mode in modes:
                 records[mode].identical += outputs[mode] == outputs[references[mode]]
             all_identical += all(outputs[m] == outputs[references[m]] for m in modes if is_specmesh_mode(m))
+            own_answers.append(outputs["own_plain"])
         busy_s = _verifier_busy_s(cluster) - busy_before if cluster else 0.0
         drafting_s = _drafters_busy_s(cluster) - drafting_before if cluster else 0.0
         load_rows = (load_sweep(cluster, prompts, args.max_tokens, concurrency, args.fixed_tree_nodes, args.max_tree_nodes,
                                 args.sweep_rounds)
                      if cluster and concurrency else [])
+        at_load = {"none": engines["own_plain"], "fixed": engines["router_fixed"], "adaptive": engines["engine"]}
+        engine_rows = engine_load_sweep(at_load, requests, concurrency, args.sweep_rounds, own_answers) if concurrency else []
     machine["load_average_after"] = os.getloadavg()[0]
     report = {
         "machine": machine,
@@ -439,6 +444,8 @@ def run_bench(args: argparse.Namespace) -> int:
         "per_category": _per_category(records),
         "load_sweep": load_rows,
         "load_sweep_verdicts": adaptive_verdicts(load_rows) if load_rows else [],
+        "engine_load_sweep": engine_rows,
+        "engine_load_sweep_verdicts": adaptive_verdicts(engine_rows) if engine_rows else [],
     }
     _print_report(report)
     if args.json_out:
@@ -696,6 +703,46 @@ def load_sweep(cluster: LocalCluster, prompts: Sequence, max_tokens: int, levels
     return rows
 
 
+def engine_load_sweep(engines: dict[str, SpeculativeEngine], requests: Sequence[Request], levels: list[int],
+                      rounds: int = LOAD_ROUNDS, expected: Sequence[list[int]] | None = None) -> list[dict]:
+    """``load_sweep`` in process: at each concurrency, the same requests through each policy's engine (its
+    drafters, policy and batch budget), at most ``level`` at a time, the next joining at the step one ends;
+    ``rounds`` times in rotated (then mirrored) orders. Rows as ``load_sweep``'s; with ``expected``, the
+    answers unlike it are counted."""
+    policies = tuple(engines)
+    rows = []
+    for index, level in enumerate(tqdm(levels, desc="load sweep in process", unit="level")):
+        count = max(2 * level, min(len(requests), 8))
+        chosen = [i % len(requests) for i in range(count)]
+        batch = [replace(requests[i], request_id=f"load-{n}") for n, i in enumerate(chosen)]  # one id each
+        speeds: dict[str, list[float]] = {p: [] for p in policies}
+        latencies: dict[str, list[float]] = {p: [] for p in policies}
+        totals: dict[str, Counter] = {p: Counter() for p in policies}
+        for round_ in range(rounds):
+            for policy in sweep_order(index + round_, (round_ // len(policies)) % 2 == 1, policies):
+                started = time.perf_counter()
+                done = engines[policy].generate(batch, concurrency=level)
+                wall = time.perf_counter() - started
+                tokens = sum(len(c.token_ids) for c in done)
+                speeds[policy].append(tokens / wall)
+                latencies[policy].extend(c.stats.total_s * 1e3 / max(len(c.token_ids), 1) for c in done)
+                totals[policy].update(tokens=tokens, steps=sum(c.stats.target_steps for c in done),
+                                      nodes=sum(c.stats.drafted_nodes for c in done),
+                                      unlike=sum(expected is not None and c.token_ids != expected[i]
+                                                 for c, i in zip(done, chosen)))
+        for policy in policies:
+            tokens, steps, nodes = (totals[policy][k] for k in ("tokens", "steps", "nodes"))
+            rows.append({"concurrency": level, "policy": policy, "requests": count, "rounds": rounds,
+                         "tokens_per_s": round(statistics.fmean(speeds[policy]), 2),
+                         "tokens_per_s_runs": [round(s, 2) for s in speeds[policy]],
+                         "tokens_per_s_spread": round(_spread(speeds[policy]), 2),
+                         "p50_ms": _percentile(latencies[policy], 50), "p99_ms": _percentile(latencies[policy], 99),
+                         "tokens_per_step": round(tokens / max(steps, 1), 3),
+                         "tree_nodes_per_step": round(nodes / max(steps, 1), 2),
+                         **({"answers_unlike_plain": totals[policy]["unlike"]} if expected is not None else {})})
+    return rows
+
+
 def _where_the_time_went(runs: list) -> dict[str, float]:
     """The runs' costs per token (``cluster_meter.per_token``) over their sum: each run's counters from its
     own readings, other policies' runs between them left out."""
@@ -850,16 +897,21 @@ def _print_report(report: dict) -> None:
     for category, row in report["per_category"].items():
         print(f"  {category:12s} {row['speedup_vs_own_plain']:.2f}x own plain, {row['speedup_vs_plain']:.2f}x plain "
               f"(runtime + speculation), accepted length {row['mean_accepted_length']:.2f}")
-    for row in report["load_sweep"]:
-        print(f"  load: concurrency {row['concurrency']:3d} {row['policy']:8s} {row['tokens_per_s']:7.2f} "
+    for where, key in (("in process", "engine_load_sweep"), ("cluster", "load_sweep")):
+        _print_load(where, report.get(key, []), report.get(f"{key}_verdicts", []))
+
+
+def _print_load(where: str, rows: list[dict], verdicts: list[dict]) -> None:
+    for row in rows:
+        print(f"  load ({where}): concurrency {row['concurrency']:3d} {row['policy']:8s} {row['tokens_per_s']:7.2f} "
               f"± {row['tokens_per_s_spread']:.2f} tok/s over {row['rounds']} rounds {row['tokens_per_s_runs']}, "
               f"per token p50 {row['p50_ms']:.1f} ms, p99 {row['p99_ms']:.1f} ms")
-    for verdict in report["load_sweep_verdicts"]:
+    for verdict in verdicts:
         parts = []
         for other in ("none", "fixed"):
             interval = verdict[f"vs_{other}_ci95"]
             shown = f"95 % CI [{interval[0]:+.1%}, {interval[1]:+.1%}]" if interval else "no interval (one round)"
             parts.append(f"vs {other} {verdict[f'vs_{other}_relative']:+.1%} ({shown}): "
                          f"{'not worse' if verdict[f'not_worse_than_{other}'] else 'not worse: not shown'}")
-        print(f"  load: concurrency {verdict['concurrency']:3d} adaptive {'; '.join(parts)} "
+        print(f"  load ({where}): concurrency {verdict['concurrency']:3d} adaptive {'; '.join(parts)} "
               f"(margin {verdict['margin']:.0%}, {verdict['rounds']} paired rounds)")

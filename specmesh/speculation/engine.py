@@ -55,17 +55,20 @@ class SpeculativeEngine:
     def validate(self, request: Request) -> None:
         validate_request(request, self.target.vocab_size, self.target.max_length, self.max_tree_nodes)
 
-    def generate(self, requests: Sequence[Request]) -> list[Completion]:
-        """Generate every request to completion, all of them in each target pass."""
+    def generate(self, requests: Sequence[Request], concurrency: int | None = None) -> list[Completion]:
+        """Generate every request to completion: all of them in each target pass, or at most ``concurrency``
+        at a time, the next joining at the step one ends (as a server's stream of requests would)."""
+        if concurrency is not None and concurrency < 1:
+            raise InvalidArgument("concurrency", f"must be >= 1, got {concurrency}")
         for request in requests:
             self.validate(request)
         ids = [r.request_id for r in requests]
         if len(set(ids)) != len(ids):
             raise InvalidArgument("request_id", "two requests in one batch share an id")
-        return asyncio.run(self._generate_all(requests))
+        return asyncio.run(self._generate_all(requests, min(concurrency or len(requests), self.verifier.max_sessions)))
 
-    async def _generate_all(self, requests: Sequence[Request]) -> list[Completion]:
-        core = EngineCore(InProcessVerifier(self.verifier), self.eos_token_ids, max_running=self.verifier.max_sessions,
+    async def _generate_all(self, requests: Sequence[Request], concurrency: int) -> list[Completion]:
+        core = EngineCore(InProcessVerifier(self.verifier), self.eos_token_ids, max_running=concurrency,
                           budget=self.budget)
         drafters = [LocalDrafter(d) for d in self.drafters] if self.max_tree_nodes > 0 else []
         completions = {r.request_id: Completion(r.request_id, [], "length", SpeculationStats()) for r in requests}
