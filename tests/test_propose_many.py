@@ -39,16 +39,18 @@ def commits(i: int) -> list[int]:
     return [30 + i, 10 + i]
 
 
-def info() -> drafter_pb2.DrafterInfo:
-    return drafter_pb2.DrafterInfo(name="ngram", kind="ngram", domains=["general"], tokenizer_hash="h")
+def info(opens_in_propose: bool = True) -> drafter_pb2.DrafterInfo:
+    return drafter_pb2.DrafterInfo(name="ngram", kind="ngram", domains=["general"], tokenizer_hash="h",
+                                   opens_in_propose=opens_in_propose)
 
 
 @asynccontextmanager
-async def drafter_service(drafter=None, max_sessions: int = 64):
-    """A drafter service on a free loopback port, as specmesh-drafter serves it: its metrics count its calls."""
+async def drafter_service(drafter=None, max_sessions: int = 64, opens_in_propose: bool = True):
+    """A drafter service on a free loopback port, as specmesh-drafter serves it: its metrics count its calls;
+    ``opens_in_propose`` False: as drafters before v1.4 (sessions opened by OpenSession alone)."""
     metrics = DrafterMetrics()
     sessions = DrafterSessions(drafter or NgramDrafter(), VOCAB, max_sessions)
-    servicer = DrafterServicer(sessions, info(), TorchThread("draft"), metrics)
+    servicer = DrafterServicer(sessions, info(opens_in_propose), TorchThread("draft"), metrics)
     server = await start_server(
         [Service("specmesh.v1.Drafter", lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s))],
         "127.0.0.1:0", metrics=metrics)
@@ -110,23 +112,30 @@ async def commit_all(remote: RemoteDrafter) -> None:
         await remote.commit(rid(i), commits(i))
 
 
-def test_a_turns_proposals_go_in_one_call_and_draft_what_single_calls_do(reference):
+@pytest.mark.parametrize("opens_in_propose", [True, False], ids=["sessions opened in the call", "before v1.4"])
+def test_a_turns_proposals_go_in_one_call_and_draft_what_single_calls_do(reference, opens_in_propose):
     async def main():
-        async with drafter_service() as (address, metrics):
+        async with drafter_service(opens_in_propose=opens_in_propose) as (address, metrics):
             remote = await connected(address)
-            first = await propose_all(remote)  # sessions open first, each when its open is answered
+            first = await propose_all(remote)  # each session opened with its first proposal, or by a call before it
             await commit_all(remote)
             before = calls(metrics, "ProposeMany"), batch_items(metrics)
             second = await propose_all(remote)
             after = calls(metrics, "ProposeMany"), batch_items(metrics)
             await remote.close()
-            return first, second, before, after, calls(metrics, "Propose")
+            return first, second, before, after, calls(metrics, "Propose"), calls(metrics, "OpenSession")
 
-    first, second, before, after, single = asyncio.run(main())
+    first, second, before, after, single, opened = asyncio.run(main())
     assert (first, second) == reference
     assert after[0] - before[0] == 1  # one call for the turn's N proposals
     assert (after[1][0] - before[1][0], after[1][1] - before[1][1]) == (1, N)
     assert single == 0
+    # the first turn: one call that opens every session, or N calls to open them, each request's proposal
+    # sent in the turn its open was answered in
+    if opens_in_propose:
+        assert (before[0], opened) == (1, 0)
+    else:
+        assert opened == N and before[0] >= 1
 
 
 def test_a_session_the_drafter_lost_is_reopened_and_answered_with_the_others(reference):
@@ -152,8 +161,8 @@ def test_a_session_the_drafter_lost_is_reopened_and_answered_with_the_others(ref
 
     second, before, after, failures = asyncio.run(main())
     assert second == reference[1]
-    # the turn's call, then the lost one's session opened again with its whole context and its item asked again
-    assert [a - b for a, b in zip(after, before)] == [2, 1, N + 1]
+    # the turn's call, then the lost one's item again, opening its session afresh with its whole context
+    assert [a - b for a, b in zip(after, before)] == [2, 0, N + 1]
     assert failures == 0
 
 
@@ -231,7 +240,7 @@ def test_a_drafter_without_propose_many_is_called_once_a_proposal_from_then_on(r
     async def main():
         counter = MethodCounter()
         server = grpc.aio.server(interceptors=[counter, ErrorInterceptor()])
-        servicer = DrafterServicer(DrafterSessions(NgramDrafter(), VOCAB, 64), info(), TorchThread("draft"))
+        servicer = DrafterServicer(DrafterSessions(NgramDrafter(), VOCAB, 64), info(False), TorchThread("draft"))
         server.add_generic_rpc_handlers((before_propose_many(servicer),))
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
@@ -261,6 +270,11 @@ class HeldNgram(NgramDrafter):
         self.armed = False
         self.busy = threading.Event()
         self.release = threading.Event()
+        self.starts = 0  # sessions opened
+
+    def start(self, request_id, prompt_ids):
+        self.starts += 1
+        super().start(request_id, prompt_ids)
 
     def propose(self, request_id, budget, assumed=()):
         if self.armed:
@@ -279,7 +293,7 @@ def test_a_cancelled_caller_leaves_the_others_answered(reference):
             remote = await connected(address)
             first = await propose_all(remote)
             drafter.armed = True
-            opened, items = calls(metrics, "OpenSession"), batch_items(metrics)[1]
+            opened, items = drafter.starts, batch_items(metrics)[1]
             tasks = [asyncio.create_task(remote.propose(rid(i), BUDGET)) for i in range(N)]
             await asyncio.sleep(0)  # each has asked; the turn's call is not sent yet
             tasks[early].cancel()
@@ -290,7 +304,7 @@ def test_a_cancelled_caller_leaves_the_others_answered(reference):
             answers = await asyncio.gather(*tasks, return_exceptions=True)
             sent = batch_items(metrics)[1] - items
             again = await propose_all(remote)  # a cancelled caller's session is opened afresh: it may have run
-            reopened = calls(metrics, "OpenSession") - opened
+            reopened = drafter.starts - opened
             await remote.close()
             return first, answers, sent, again, reopened
 

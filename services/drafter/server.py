@@ -121,7 +121,11 @@ def propose_each(sessions: DrafterSessions, items: Sequence[drafter_pb2.ProposeR
         started = time.perf_counter()
         try:
             features = features_from_pb(item.features) if item.HasField("features") else None
-            tree = sessions.propose(item.request_id, tuple(item.committed), item.budget, tuple(item.assumed), features)
+            committed = tuple(item.committed)
+            if item.opens:  # its first proposal: the session starts from the committed tokens
+                sessions.open(item.request_id, committed)
+                committed = ()
+            tree = sessions.propose(item.request_id, committed, item.budget, tuple(item.assumed), features)
         except Exception as exc:
             proposals.append(Proposal(TokenTree(), time.perf_counter() - started, exc))
         else:
@@ -146,6 +150,7 @@ async def serve(args: DrafterSettings) -> None:
         name=drafter.name, kind=drafter.kind, domains=domains, target=target.name,
         tokenizer_hash=tokenizer_fingerprint(target.tokenizer), max_sessions=args.max_sessions,
         feature_layers=drafter.feature_layers, hidden_size=target.hidden_size if drafter.feature_layers else 0,
+        opens_in_propose=True,
     )
     metrics = DrafterMetrics()
     endpoint = serve_metrics(metrics, args.metrics_address)

@@ -74,6 +74,7 @@ class RemoteDrafter:
         self._expected_hash: str | None = None
         self._expected_hidden: int | None = None
         self._expected_layers: int | None = None
+        self.opens_in_propose = False  # the drafter's card says whether a proposal may open its session (v1.4)
         self.failures = 0
 
     @property
@@ -105,6 +106,7 @@ class RemoteDrafter:
                                   f"the target has {num_layers}")
         self.name, self.kind, self.domains, self.tokenizer_hash = info.name, info.kind, tuple(info.domains), info.tokenizer_hash
         self.feature_layers = tuple(info.feature_layers)
+        self.opens_in_propose = info.opens_in_propose
         self._up()
         return True
 
@@ -132,12 +134,18 @@ class RemoteDrafter:
         if not self.healthy or request_id not in self._context or request_id in self._refused:
             return TokenTree()
         for _ in range(2):  # a second try after re-opening a session the drafter lost
-            if (request_id not in self._open or request_id in self._stale) and not await self._open_session(request_id):
-                return TokenTree()
+            opens = request_id not in self._open or request_id in self._stale
+            if opens and not self.opens_in_propose:  # an older drafter: a call to open it first
+                if not await self._open_session(request_id):
+                    return TokenTree()
+                opens = False
             request = drafter_pb2.ProposeRequest(
-                request_id=request_id, committed=self._unsent[request_id], budget=budget, assumed=assumed
+                request_id=request_id, committed=self._context[request_id] if opens else self._unsent[request_id],
+                budget=budget, assumed=assumed, opens=opens,
             )
             sent_tokens = len(self._unsent[request_id])
+            if opens:
+                self._open.add(request_id)  # counted open before the answer, as _open_session counts it
             blocks = list(self._features.get(request_id, ()))
             if blocks:
                 request.features.CopyFrom(features_to_pb(_joined(blocks)))
@@ -160,6 +168,8 @@ class RemoteDrafter:
             if request_id in self._context:
                 del self._unsent[request_id][:sent_tokens]
                 del self._features.setdefault(request_id, [])[:len(blocks)]
+                if opens:
+                    self._stale.discard(request_id)
             self._up()
             try:
                 return tree_from_pb(answer.tree).truncated(budget)

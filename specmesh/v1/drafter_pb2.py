@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specmesh.v1 import common_pb2 as specmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specmesh/v1/drafter.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"<\n\x12OpenSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\"\x15\n\x13OpenSessionResponse\"\x81\x01\n\x0eProposeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tcommitted\x18\x02 \x03(\x05\x12\x0e\n\x06\x62udget\x18\x03 \x01(\x05\x12\x0f\n\x07\x61ssumed\x18\x04 \x03(\x05\x12\'\n\x08\x66\x65\x61tures\x18\x05 \x01(\x0b\x32\x15.specmesh.v1.Features\"I\n\x0fProposeResponse\x12$\n\x04tree\x18\x01 \x01(\x0b\x32\x16.specmesh.v1.TokenTree\x12\x10\n\x08\x64raft_ms\x18\x02 \x01(\x01\"@\n\x12ProposeManyRequest\x12*\n\x05items\x18\x01 \x03(\x0b\x32\x1b.specmesh.v1.ProposeRequest\"B\n\x13ProposeManyResponse\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.specmesh.v1.ProposeResult\"\\\n\rProposeResult\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12,\n\x06\x61nswer\x18\x03 \x01(\x0b\x32\x1c.specmesh.v1.ProposeResponse\"<\n\x13\x43loseSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tcommitted\x18\x02 \x03(\x05\"\x16\n\x14\x43loseSessionResponse\"\x14\n\x12\x44rafterInfoRequest\"\xbe\x01\n\x0b\x44rafterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0f\n\x07\x64omains\x18\x03 \x03(\t\x12\x0e\n\x06target\x18\x04 \x01(\t\x12\x16\n\x0etokenizer_hash\x18\x05 \x01(\t\x12\x17\n\x0f\x61\x63tive_sessions\x18\x06 \x01(\x05\x12\x14\n\x0cmax_sessions\x18\x07 \x01(\x05\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\x08 \x03(\x05\x12\x13\n\x0bhidden_size\x18\t \x01(\x05\x32\x8b\x03\n\x07\x44rafter\x12P\n\x0bOpenSession\x12\x1f.specmesh.v1.OpenSessionRequest\x1a .specmesh.v1.OpenSessionResponse\x12\x44\n\x07Propose\x12\x1b.specmesh.v1.ProposeRequest\x1a\x1c.specmesh.v1.ProposeResponse\x12P\n\x0bProposeMany\x12\x1f.specmesh.v1.ProposeManyRequest\x1a .specmesh.v1.ProposeManyResponse\x12S\n\x0c\x43loseSession\x12 .specmesh.v1.CloseSessionRequest\x1a!.specmesh.v1.CloseSessionResponse\x12\x41\n\x04Info\x12\x1f.specmesh.v1.DrafterInfoRequest\x1a\x18.specmesh.v1.DrafterInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specmesh/v1/drafter.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"<\n\x12OpenSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\"\x15\n\x13OpenSessionResponse\"\x90\x01\n\x0eProposeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tcommitted\x18\x02 \x03(\x05\x12\x0e\n\x06\x62udget\x18\x03 \x01(\x05\x12\x0f\n\x07\x61ssumed\x18\x04 \x03(\x05\x12\'\n\x08\x66\x65\x61tures\x18\x05 \x01(\x0b\x32\x15.specmesh.v1.Features\x12\r\n\x05opens\x18\x06 \x01(\x08\"I\n\x0fProposeResponse\x12$\n\x04tree\x18\x01 \x01(\x0b\x32\x16.specmesh.v1.TokenTree\x12\x10\n\x08\x64raft_ms\x18\x02 \x01(\x01\"@\n\x12ProposeManyRequest\x12*\n\x05items\x18\x01 \x03(\x0b\x32\x1b.specmesh.v1.ProposeRequest\"B\n\x13ProposeManyResponse\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.specmesh.v1.ProposeResult\"\\\n\rProposeResult\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12,\n\x06\x61nswer\x18\x03 \x01(\x0b\x32\x1c.specmesh.v1.ProposeResponse\"<\n\x13\x43loseSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tcommitted\x18\x02 \x03(\x05\"\x16\n\x14\x43loseSessionResponse\"\x14\n\x12\x44rafterInfoRequest\"\xd8\x01\n\x0b\x44rafterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0f\n\x07\x64omains\x18\x03 \x03(\t\x12\x0e\n\x06target\x18\x04 \x01(\t\x12\x16\n\x0etokenizer_hash\x18\x05 \x01(\t\x12\x17\n\x0f\x61\x63tive_sessions\x18\x06 \x01(\x05\x12\x14\n\x0cmax_sessions\x18\x07 \x01(\x05\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\x08 \x03(\x05\x12\x13\n\x0bhidden_size\x18\t \x01(\x05\x12\x18\n\x10opens_in_propose\x18\n \x01(\x08\x32\x8b\x03\n\x07\x44rafter\x12P\n\x0bOpenSession\x12\x1f.specmesh.v1.OpenSessionRequest\x1a .specmesh.v1.OpenSessionResponse\x12\x44\n\x07Propose\x12\x1b.specmesh.v1.ProposeRequest\x1a\x1c.specmesh.v1.ProposeResponse\x12P\n\x0bProposeMany\x12\x1f.specmesh.v1.ProposeManyRequest\x1a .specmesh.v1.ProposeManyResponse\x12S\n\x0c\x43loseSession\x12 .specmesh.v1.CloseSessionRequest\x1a!.specmesh.v1.CloseSessionResponse\x12\x41\n\x04Info\x12\x1f.specmesh.v1.DrafterInfoRequest\x1a\x18.specmesh.v1.DrafterInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,23 +37,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_OPENSESSIONRESPONSE']._serialized_start=130
   _globals['_OPENSESSIONRESPONSE']._serialized_end=151
   _globals['_PROPOSEREQUEST']._serialized_start=154
-  _globals['_PROPOSEREQUEST']._serialized_end=283
-  _globals['_PROPOSERESPONSE']._serialized_start=285
-  _globals['_PROPOSERESPONSE']._serialized_end=358
-  _globals['_PROPOSEMANYREQUEST']._serialized_start=360
-  _globals['_PROPOSEMANYREQUEST']._serialized_end=424
-  _globals['_PROPOSEMANYRESPONSE']._serialized_start=426
-  _globals['_PROPOSEMANYRESPONSE']._serialized_end=492
-  _globals['_PROPOSERESULT']._serialized_start=494
-  _globals['_PROPOSERESULT']._serialized_end=586
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=588
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=648
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=650
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=672
-  _globals['_DRAFTERINFOREQUEST']._serialized_start=674
-  _globals['_DRAFTERINFOREQUEST']._serialized_end=694
-  _globals['_DRAFTERINFO']._serialized_start=697
-  _globals['_DRAFTERINFO']._serialized_end=887
-  _globals['_DRAFTER']._serialized_start=890
-  _globals['_DRAFTER']._serialized_end=1285
+  _globals['_PROPOSEREQUEST']._serialized_end=298
+  _globals['_PROPOSERESPONSE']._serialized_start=300
+  _globals['_PROPOSERESPONSE']._serialized_end=373
+  _globals['_PROPOSEMANYREQUEST']._serialized_start=375
+  _globals['_PROPOSEMANYREQUEST']._serialized_end=439
+  _globals['_PROPOSEMANYRESPONSE']._serialized_start=441
+  _globals['_PROPOSEMANYRESPONSE']._serialized_end=507
+  _globals['_PROPOSERESULT']._serialized_start=509
+  _globals['_PROPOSERESULT']._serialized_end=601
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=603
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=663
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=665
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=687
+  _globals['_DRAFTERINFOREQUEST']._serialized_start=689
+  _globals['_DRAFTERINFOREQUEST']._serialized_end=709
+  _globals['_DRAFTERINFO']._serialized_start=712
+  _globals['_DRAFTERINFO']._serialized_end=928
+  _globals['_DRAFTER']._serialized_start=931
+  _globals['_DRAFTER']._serialized_end=1326
 # @@protoc_insertion_point(module_scope)

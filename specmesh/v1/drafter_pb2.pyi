@@ -20,18 +20,20 @@ class OpenSessionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("request_id", "committed", "budget", "assumed", "features")
+    __slots__ = ("request_id", "committed", "budget", "assumed", "features", "opens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     ASSUMED_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    OPENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     committed: _containers.RepeatedScalarFieldContainer[int]
     budget: int
     assumed: _containers.RepeatedScalarFieldContainer[int]
     features: _common_pb2.Features
-    def __init__(self, request_id: _Optional[str] = ..., committed: _Optional[_Iterable[int]] = ..., budget: _Optional[int] = ..., assumed: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ...) -> None: ...
+    opens: bool
+    def __init__(self, request_id: _Optional[str] = ..., committed: _Optional[_Iterable[int]] = ..., budget: _Optional[int] = ..., assumed: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., opens: _Optional[bool] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("tree", "draft_ms")
@@ -80,7 +82,7 @@ class DrafterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterInfo(_message.Message):
-    __slots__ = ("name", "kind", "domains", "target", "tokenizer_hash", "active_sessions", "max_sessions", "feature_layers", "hidden_size")
+    __slots__ = ("name", "kind", "domains", "target", "tokenizer_hash", "active_sessions", "max_sessions", "feature_layers", "hidden_size", "opens_in_propose")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     DOMAINS_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +92,7 @@ class DrafterInfo(_message.Message):
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    OPENS_IN_PROPOSE_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: str
     domains: _containers.RepeatedScalarFieldContainer[str]
@@ -99,4 +102,5 @@ class DrafterInfo(_message.Message):
     max_sessions: int
     feature_layers: _containers.RepeatedScalarFieldContainer[int]
     hidden_size: int
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., domains: _Optional[_Iterable[str]] = ..., target: _Optional[str] = ..., tokenizer_hash: _Optional[str] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., feature_layers: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ...) -> None: ...
+    opens_in_propose: bool
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., domains: _Optional[_Iterable[str]] = ..., target: _Optional[str] = ..., tokenizer_hash: _Optional[str] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., feature_layers: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., opens_in_propose: _Optional[bool] = ...) -> None: ...
