@@ -1,11 +1,12 @@
 """The batch's measured budget arms (specmesh/speculation/batch_budget.py) on a hand-driven clock: every
-arm measured once at a new load, the best one kept, a losing one tried briefly at growing intervals, loads
-apart, a neighbouring load's standing carried over, steps that cached prompts not scored."""
+arm measured once at a new load (the first a window, the others tries), the best one kept (the first unless
+another leads it by LEAD), a losing one tried briefly now and then, loads apart, a neighbouring load's
+standing carried over, steps that cached prompts not scored."""
 
 from itertools import groupby
 
 from specmesh.speculation.batch_budget import (
-    POLICY, TRY_EVERY, TRY_STEPS, WINDOW_STEPS, BatchBudget,
+    DEFAULT_ARMS, LEAD, POLICY, TRY_EVERY, TRY_STEPS, WINDOW_STEPS, BatchBudget,
 )
 
 
@@ -37,11 +38,13 @@ def runs(arms: list[int]) -> list[tuple[int, int]]:
 
 def test_every_arm_is_measured_then_the_best_runs_and_the_others_are_tried_briefly_now_and_then():
     clock = Clock()
-    budget = BatchBudget((POLICY, 0, 4), clock=clock)
+    budget = BatchBudget(clock=clock)
+    assert DEFAULT_ARMS == (0, POLICY, 4)  # plain decoding first: what the others must beat
     rates = {POLICY: 1900.0, 0: 2000.0, 4: 1000.0}  # plain decoding pays best
     arms = run_steps(budget, clock, 3000, rates)
-    # each change of arm adds a step, not scored (drafters catch up on the context they missed)
-    assert runs(arms)[:3] == [(POLICY, WINDOW_STEPS), (0, WINDOW_STEPS + 1), (4, WINDOW_STEPS + 1)]
+    # the others' first measurements are tries; each change of arm adds a step, not scored (drafters catch
+    # up on the context they missed)
+    assert runs(arms)[:3] == [(0, WINDOW_STEPS), (POLICY, TRY_STEPS + 1), (4, TRY_STEPS + 1)]
     assert all(abs(budget.goodput(16)[arm] - rate) < 0.02 * rate for arm, rate in rates.items())
     later = arms[400:]
     tries = [n for arm, n in runs(later) if arm != 0]
@@ -73,7 +76,15 @@ def test_a_new_load_starts_from_a_measured_neighbour_rescaled_by_its_first_windo
     assert arms[200:].count(4) >= 0.97 * 200
     # a load farther off starts blank: at 1 request what pays at 16 rarely does
     arms = run_steps(budget, clock, 3 * WINDOW_STEPS, {POLICY: 1.0, 0: 1.0, 4: 1.0}, running=1)
-    assert [arm for arm, _ in runs(arms)] == [POLICY, 0, 4]
+    assert [arm for arm, _ in runs(arms)][:3] == [POLICY, 0, 4]
+
+
+def test_another_arm_runs_instead_of_the_first_only_when_it_leads_by_a_margin():
+    for lead, kept in ((LEAD / 2, 0), (2 * LEAD, 4)):
+        clock = Clock()
+        budget = BatchBudget((0, 4), clock=clock)
+        arms = run_steps(budget, clock, 400, {0: 1000.0, 4: 1000.0 * (1 + lead)})
+        assert arms[100:].count(kept) >= 0.95 * 300, lead  # a window's noise is no reason to speculate
 
 
 def test_a_window_spans_enough_time_and_a_load_change_ends_it():

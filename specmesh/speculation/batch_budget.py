@@ -1,10 +1,12 @@
 """The batch's speculation budget, chosen by the goodput measured (tokens committed per second of the step
 loop's own cycle), not predicted.
 
-The adaptive requests of a step follow one *arm*: their policy's own choice (``POLICY``, the goodput model
-of ``goodput.py``), plain decoding (0), or a fixed number of nodes each. The step loop runs an arm for a
+The adaptive requests of a step follow one *arm*: plain decoding (0), their policy's own choice (``POLICY``,
+the goodput model of ``goodput.py``), or a fixed number of nodes each. The step loop runs an arm for a
 window of steps and measures what the window committed over its wall time, all overheads in; the arm with
-the best decayed mean runs, and each other arm gets a short try every ``TRY_EVERY`` windows. Arms are
+the best decayed mean runs — the first (plain decoding) unless another leads it by ``LEAD`` — and each
+other arm gets a short try every ``TRY_EVERY`` windows. At a new load the first arm gets a window and the
+others a try each: on open prompts, where plain decoding pays, a load's first measurements cost little. Arms are
 measured per load (running requests, to the nearest power of two) and request kind (the batch's, when
 its adaptive requests share one): what pays at one request rarely does at 64, and what pays for a request
 that rewrites its prompt rarely does for an open question. A new load next to a measured one starts from
@@ -24,8 +26,11 @@ from specmesh.speculation.policy import DEFAULT_FIXED_TREE_NODES
 
 POLICY = -1  # the arm where each request's policy chooses its own budget
 MIXED = "mixed"  # the kind of a batch whose adaptive requests are of several kinds
-# tried in this order at a new load: the policy, plain decoding, and the fixed budget `specmesh tune` chose
-DEFAULT_ARMS = (POLICY, 0, DEFAULT_FIXED_TREE_NODES)
+# tried in this order at a new load: plain decoding, the policy, and the fixed budget `specmesh tune` chose
+DEFAULT_ARMS = (0, POLICY, DEFAULT_FIXED_TREE_NODES)
+# what another arm must gain over the first to run instead: one window's noise locked in a slower arm for
+# TRY_EVERY windows (embedded target, MT-Bench, 4 requests: a new engine ran 0.88x plain; 0.99x with it)
+LEAD = 0.05
 WINDOW_STEPS = 4  # steps a window measures, at least,
 TRY_STEPS = 2  # or a try of an arm that is not the best (its mean spans tries; a losing try costs its steps)
 WINDOW_S = 0.02  # and at least this long (a lone request's steps are ~1 ms on a tiny target)
@@ -144,17 +149,22 @@ class BatchBudget:
             arm.due = state.windows + TRY_EVERY
 
     def _best(self, state: _Load) -> int:
+        """The arm with the best mean; the first arm unless another beats it by ``LEAD``."""
         measured = [(arm.goodput, name) for name, arm in state.arms.items() if arm.goodput is not None]
-        return max(measured)[1] if measured else self.arms[0]
+        if not measured:
+            return self.arms[0]
+        goodput, name = max(measured)
+        first = state.arms[self.arms[0]].goodput
+        return self.arms[0] if first is not None and goodput < (1 + LEAD) * first else name
 
     def _choose(self, load: tuple[int, str]) -> tuple[int, bool]:
         """The next window's arm, and whether it is a try (not the best)."""
         state = self._loads.get(load)
         if state is None:
             state = self._loads[load] = self._seeded(load)
-        for name in self.arms:  # every arm not measured yet, in order
+        for name in self.arms:  # every arm not measured yet, in order: the first a window, the others tries
             if state.arms[name].goodput is None:
-                return name, False
+                return name, name != self.arms[0]
         best = self._best(state)
         due = [name for name in self.arms if name != best and state.arms[name].due <= state.windows]
         return (min(due, key=lambda name: state.arms[name].due), True) if due else (best, False)
