@@ -688,19 +688,27 @@ def load_sweep(cluster: LocalCluster, prompts: Sequence, max_tokens: int, levels
                 latencies[policy].extend(latency)
                 totals[policy].update(counts)
         for policy in policies:
-            tokens, steps, nodes = (totals[policy][k] for k in ("tokens", "steps", "nodes"))
-            rows.append({"concurrency": level, "policy": policy, "requests": count, "rounds": rounds,
-                         "tokens_per_s": round(statistics.fmean(speeds[policy]), 2),
-                         "tokens_per_s_runs": [round(s, 2) for s in speeds[policy]],
-                         "tokens_per_s_spread": round(_spread(speeds[policy]), 2),
-                         "p50_ms": _percentile(latencies[policy], 50), "p99_ms": _percentile(latencies[policy], 99),
-                         "tokens_per_step": round(tokens / max(steps, 1), 3),
-                         "tree_nodes_per_step": round(nodes / max(steps, 1), 2),
-                         # requests a client waited on, on average (Little's law): what a pass could hold
-                         "in_flight": round(totals[policy]["busy_us"] / max(totals[policy]["wall_us"], 1), 2),
-                         **({"answers_unlike_plain": totals[policy]["unlike"]} if expected is not None else {}),
-                         **(_where_the_time_went(costs[policy]) if meter is not None else {})})
+            rows.append(_sweep_row(level, policy, count, speeds[policy], latencies[policy], totals[policy],
+                                   expected is not None)
+                        # requests a client waited on, on average (Little's law): what a pass could hold
+                        | {"in_flight": round(totals[policy]["busy_us"] / max(totals[policy]["wall_us"], 1), 2)}
+                        | (_where_the_time_went(costs[policy]) if meter is not None else {}))
     return rows
+
+
+def _sweep_row(level: int, policy: str, count: int, speeds: list[float], latencies: list[float], totals: Counter,
+               checked: bool) -> dict:
+    """One (level, policy) of a load sweep: tokens/s over its runs, per-token latency percentiles, tokens and
+    tree nodes a step; ``checked``: the answers unlike plain decoding, counted."""
+    tokens, steps, nodes = (totals[k] for k in ("tokens", "steps", "nodes"))
+    return {"concurrency": level, "policy": policy, "requests": count, "rounds": len(speeds),
+            "tokens_per_s": round(statistics.fmean(speeds), 2),
+            "tokens_per_s_runs": [round(s, 2) for s in speeds],
+            "tokens_per_s_spread": round(_spread(speeds), 2),
+            "p50_ms": _percentile(latencies, 50), "p99_ms": _percentile(latencies, 99),
+            "tokens_per_step": round(tokens / max(steps, 1), 3),
+            "tree_nodes_per_step": round(nodes / max(steps, 1), 2),
+            **({"answers_unlike_plain": totals["unlike"]} if checked else {})}
 
 
 def engine_load_sweep(engines: dict[str, SpeculativeEngine], requests: Sequence[Request], levels: list[int],
@@ -730,16 +738,7 @@ def engine_load_sweep(engines: dict[str, SpeculativeEngine], requests: Sequence[
                                       nodes=sum(c.stats.drafted_nodes for c in done),
                                       unlike=sum(expected is not None and c.token_ids != expected[i]
                                                  for c, i in zip(done, chosen)))
-        for policy in policies:
-            tokens, steps, nodes = (totals[policy][k] for k in ("tokens", "steps", "nodes"))
-            rows.append({"concurrency": level, "policy": policy, "requests": count, "rounds": rounds,
-                         "tokens_per_s": round(statistics.fmean(speeds[policy]), 2),
-                         "tokens_per_s_runs": [round(s, 2) for s in speeds[policy]],
-                         "tokens_per_s_spread": round(_spread(speeds[policy]), 2),
-                         "p50_ms": _percentile(latencies[policy], 50), "p99_ms": _percentile(latencies[policy], 99),
-                         "tokens_per_step": round(tokens / max(steps, 1), 3),
-                         "tree_nodes_per_step": round(nodes / max(steps, 1), 2),
-                         **({"answers_unlike_plain": totals[policy]["unlike"]} if expected is not None else {})})
+        rows += [_sweep_row(level, p, count, speeds[p], latencies[p], totals[p], expected is not None) for p in policies]
     return rows
 
 
