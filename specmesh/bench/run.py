@@ -415,7 +415,8 @@ def run_bench(args: argparse.Namespace) -> int:
                                 args.sweep_rounds)
                      if cluster and concurrency else [])
         at_load = {"none": engines["own_plain"], "fixed": engines["router_fixed"], "adaptive": engines["engine"]}
-        engine_rows = engine_load_sweep(at_load, requests, concurrency, args.sweep_rounds, own_answers) if concurrency else []
+        engine_rows = (engine_load_sweep(at_load, requests, concurrency, args.sweep_rounds, own_answers)
+                       if concurrency else [])
     machine["load_average_after"] = os.getloadavg()[0]
     report = {
         "machine": machine,
@@ -674,19 +675,16 @@ def load_sweep(cluster: LocalCluster, prompts: Sequence, max_tokens: int, levels
     for index, level in enumerate(tqdm(levels, desc="load sweep", unit="level")):
         count = max(2 * level, min(len(prompts), 8))
         chosen = [i % len(prompts) for i in range(count)]
-        speeds: dict[str, list[float]] = {p: [] for p in policies}
-        latencies: dict[str, list[float]] = {p: [] for p in policies}
-        totals: dict[str, Counter] = {p: Counter() for p in policies}
         costs: dict[str, list] = {p: [] for p in policies}  # (reading before, after, tokens, wall s) of each run
-        for round_ in range(rounds):
-            for policy in sweep_order(index + round_, (round_ // len(policies)) % 2 == 1, policies):
-                before = meter.reading() if meter is not None else None
-                speed, latency, counts = asyncio.run(one_run(level, policy, chosen))
-                if meter is not None:
-                    costs[policy].append((before, meter.reading(), counts["tokens"], counts["tokens"] / speed))
-                speeds[policy].append(speed)
-                latencies[policy].extend(latency)
-                totals[policy].update(counts)
+
+        def run(policy: str, level: int = level, chosen: list[int] = chosen) -> tuple[float, list[float], Counter]:
+            before = meter.reading() if meter is not None else None
+            speed, latency, counts = asyncio.run(one_run(level, policy, chosen))
+            if meter is not None:
+                costs[policy].append((before, meter.reading(), counts["tokens"], counts["tokens"] / speed))
+            return speed, latency, counts
+
+        speeds, latencies, totals = _rotated_rounds(policies, index, rounds, run)
         for policy in policies:
             rows.append(_sweep_row(level, policy, count, speeds[policy], latencies[policy], totals[policy],
                                    expected is not None)
@@ -723,23 +721,40 @@ def engine_load_sweep(engines: dict[str, SpeculativeEngine], requests: Sequence[
         count = max(2 * level, min(len(requests), 8))
         chosen = [i % len(requests) for i in range(count)]
         batch = [replace(requests[i], request_id=f"load-{n}") for n, i in enumerate(chosen)]  # one id each
-        speeds: dict[str, list[float]] = {p: [] for p in policies}
-        latencies: dict[str, list[float]] = {p: [] for p in policies}
-        totals: dict[str, Counter] = {p: Counter() for p in policies}
-        for round_ in range(rounds):
-            for policy in sweep_order(index + round_, (round_ // len(policies)) % 2 == 1, policies):
-                started = time.perf_counter()
-                done = engines[policy].generate(batch, concurrency=level)
-                wall = time.perf_counter() - started
-                tokens = sum(len(c.token_ids) for c in done)
-                speeds[policy].append(tokens / wall)
-                latencies[policy].extend(c.stats.total_s * 1e3 / max(len(c.token_ids), 1) for c in done)
-                totals[policy].update(tokens=tokens, steps=sum(c.stats.target_steps for c in done),
-                                      nodes=sum(c.stats.drafted_nodes for c in done),
-                                      unlike=sum(expected is not None and c.token_ids != expected[i]
-                                                 for c, i in zip(done, chosen)))
-        rows += [_sweep_row(level, p, count, speeds[p], latencies[p], totals[p], expected is not None) for p in policies]
+
+        def run(policy: str, level: int = level, chosen: list[int] = chosen,
+                batch: list[Request] = batch) -> tuple[float, list[float], Counter]:
+            started = time.perf_counter()
+            done = engines[policy].generate(batch, concurrency=level)
+            wall = time.perf_counter() - started
+            tokens = sum(len(c.token_ids) for c in done)
+            counts = Counter(tokens=tokens, steps=sum(c.stats.target_steps for c in done),
+                             nodes=sum(c.stats.drafted_nodes for c in done),
+                             unlike=sum(expected is not None and c.token_ids != expected[i]
+                                        for c, i in zip(done, chosen)))
+            return tokens / wall, [c.stats.total_s * 1e3 / max(len(c.token_ids), 1) for c in done], counts
+
+        speeds, latencies, totals = _rotated_rounds(policies, index, rounds, run)
+        rows += [_sweep_row(level, p, count, speeds[p], latencies[p], totals[p], expected is not None)
+                 for p in policies]
     return rows
+
+
+def _rotated_rounds(policies: tuple[str, ...], rotation: int, rounds: int,
+                    run: Callable[[str], tuple[float, list[float], Counter]]) -> tuple[dict, dict, dict]:
+    """``run(policy)`` (tokens/s, per-token latencies, counts) ``rounds`` times for each policy, in orders
+    rotated from ``rotation`` (then mirrored, ``sweep_order``): each policy's speeds, latencies and summed
+    counts."""
+    speeds: dict[str, list[float]] = {p: [] for p in policies}
+    latencies: dict[str, list[float]] = {p: [] for p in policies}
+    totals: dict[str, Counter] = {p: Counter() for p in policies}
+    for round_ in range(rounds):
+        for policy in sweep_order(rotation + round_, (round_ // len(policies)) % 2 == 1, policies):
+            speed, latency, counts = run(policy)
+            speeds[policy].append(speed)
+            latencies[policy].extend(latency)
+            totals[policy].update(counts)
+    return speeds, latencies, totals
 
 
 def _where_the_time_went(runs: list) -> dict[str, float]:
