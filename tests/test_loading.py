@@ -139,3 +139,25 @@ def test_distill_writes_a_drafter_directory_that_generate_uses(tiny_dir, tmp_pat
     assert result.returncode == 0, result.stderr[-2000:]
     training = json.loads((boosted / "drafter.json").read_text())["training"]
     assert training["boosted_from"] == ["code-expert"] and training["examples"] == 7  # the held-out eighth not trained on
+
+
+def test_random_weights_are_drawn_by_their_seed_as_the_architecture_draws_them():
+    from transformers import AutoModelForCausalLM
+
+    from specmesh.runtime.random_models import random_config, random_model
+
+    name = "random:tiny"
+    first, again = (random_model(name, torch.float32, torch.device("cpu"), seed=3) for _ in range(2))
+    other = random_model(name, torch.float32, torch.device("cpu"), seed=4)
+    reference = AutoModelForCausalLM.from_config(random_config(name))  # transformers' own initialisation
+    drawn = dict(first.named_parameters())
+    for key, value in reference.state_dict().items():  # every tensor there, buffers (RoPE's) included
+        mine = first.state_dict()[key]
+        if key.endswith("inv_freq") or value.ndim == 1:
+            assert torch.equal(mine, value), key  # computed, or a norm's ones and a bias's zeros
+    for key, weight in drawn.items():
+        if weight.ndim > 1:
+            assert abs(weight.std().item() - reference.config.initializer_range) < 0.1 * reference.config.initializer_range
+            assert torch.equal(weight, dict(again.named_parameters())[key])  # the same seed: the same weights
+            assert not torch.equal(weight, dict(other.named_parameters())[key])
+    assert first.lm_head.weight is first.model.embed_tokens.weight  # tied as the configuration says

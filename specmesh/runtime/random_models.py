@@ -4,7 +4,8 @@ downloading a model. A step's time does not depend on the weights' values, only 
 The configurations are the published ones' shapes (hidden size, layers, heads, vocabulary, RoPE), and
 ``tiny``: a near-free target (2 layers, 128 wide) whose pass costs little next to the cluster's own hops,
 so that what the cluster adds a step can be measured on a CPU as it would be beside a GPU's fast pass;
-weights are drawn with the architecture's own initialisation, on the target device, in its dtype.
+weights are drawn as the architecture's own initialisation draws them, in the target's dtype, from a
+seed, on a GPU where there is one (``random_model``).
 Such a target has no text: its tokenizer names token i ``<i>`` (so ``"<5> <17>"`` is tokens 5 and 17),
 and a cluster serving it is sent token ids.
 """
@@ -76,14 +77,34 @@ def random_config(model: str):
 
 @torch.no_grad()
 def random_model(model: str, dtype: torch.dtype, device: torch.device, seed: int = 0) -> torch.nn.Module:
-    """A causal LM of ``random:<architecture>`` with random weights, built directly on ``device``."""
+    """A causal LM of ``random:<architecture>`` with random weights, built directly on ``device``: the layers
+    built uninitialised, then every weight drawn as the architecture's initialisation draws it (matrices
+    N(0, initializer_range), norms one, biases zero) by ``seed``. The values are drawn on a GPU when there is
+    one, also for weights kept in host memory (``--offload``): an 8B model's take seconds there, minutes on a
+    CPU's one-threaded generator."""
     from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
 
     config = random_config(model)
-    torch.manual_seed(seed)
-    with torch.device(device):
+    with torch.device(device), no_init_weights():
         hf_model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    hf_model.tie_weights()
+    drawn_on = torch.device("cuda") if device.type == "cpu" and torch.cuda.is_available() else device
+    draw_weights(hf_model, config.initializer_range, seed, drawn_on)
     return hf_model.eval()
+
+
+@torch.no_grad()
+def draw_weights(hf_model: torch.nn.Module, std: float, seed: int, drawn_on: torch.device) -> None:
+    """Every parameter (a tied one once) in place: a matrix from N(0, std), drawn on ``drawn_on`` in order
+    from one seeded generator; a vector (a norm's weight, a bias) one for norms, zero otherwise."""
+    generator = torch.Generator(drawn_on).manual_seed(seed)
+    for name, weight in hf_model.named_parameters():
+        if weight.ndim == 1:
+            weight.fill_(1.0 if "norm" in name else 0.0)
+            continue
+        values = torch.empty(weight.shape, dtype=weight.dtype, device=drawn_on).normal_(0.0, std, generator=generator)
+        weight.copy_(values)
 
 
 def weight_bytes(hf_model: torch.nn.Module) -> int:
