@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install model run test test-fast soak gpu-check bench bench-grounded tune proto dashboards docs classifier-data tuning-prompts clean
+.PHONY: install model run test test-fast soak gpu-check gpu-wheels gpu-travel gpu-travel-back bench bench-grounded tune proto dashboards docs classifier-data tuning-prompts clean
 
 install: $(STAMP) model
 
@@ -42,10 +42,21 @@ soak: install
 	mkdir -p out
 	$(PY) tests/soak/run.py --duration $(SOAK_DURATION) --out out/soak.json --log-dir out/soak-logs
 
-# On a CUDA machine: the paged kernels and CUDA graphs compiled, and the runtime on random weights of real
-# architectures against its weight-streaming limit (no install, no model download; JSON in gpu-results/).
+# On a CUDA machine: the open issues' GPU figures within one short window (PROFILE=long: every check), no
+# install, no model download; JSON and logs in gpu-results/ (tests/gpu_checks.sh says what runs).
 gpu-check:
 	bash tests/gpu_checks.sh
+
+# Before a GPU window, here: the wheels a stock CUDA image lacks, for its Python (3.12), into .whl/ (carry it).
+gpu-wheels: $(STAMP)
+	$(PY) tests/gpu_wheels.py --into .whl
+
+# The shipped expert weights out of the tree that travels to a GPU machine (64 MiB at most) and back again.
+gpu-travel:
+	bash tests/gpu_travel.sh out
+
+gpu-travel-back:
+	bash tests/gpu_travel.sh back
 
 bench: install
 	mkdir -p out

@@ -1,68 +1,93 @@
 #!/usr/bin/env bash
-# The GPU checks (`make gpu-check`): the kernels and CUDA graphs compiled on a CUDA machine, the tile ladder
-# of the batch-invariant products, an EAGLE-3 head's cost per drafted token on the 8B shape (its greedy
-# check fails the run), the target runtime's speed on random weights of real architectures (`specmesh bench
-# --model random:...`), whose lossless and batch-invariance checks fail the run, then the whole cluster on
-# the device with the oracle drafter (`--oracle-acceptance`), which fails the run when a speculative answer
-# differs from plain decoding, and the 8B offloaded (layers streamed from host memory: its step against the
-# host-to-device link, trees of 256 and 1,024 nodes; then the cluster offloaded with a wide oracle, where trees
-# of hundreds of nodes pay). SKIP_TESTS, SKIP_TILES, SKIP_HEAD, SKIP_ORACLE, SKIP_OFFLOAD, SKIP_OFFLOAD_ORACLE
-# and MODELS= narrow it (offload alone: SKIP_TESTS=1 SKIP_TILES=1 SKIP_HEAD=1 SKIP_ORACLE=1 MODELS=).
+# The GPU checks (`make gpu-check`), made to fit one short GPU window: PROFILE=default (the GPU figures the
+# open issues ask for, inside BUDGET_S, 480 s unless set) or PROFILE=long (every check, no budget).
+#   default, in order: the 8B one-token step and trees against cuBLAS (`specmesh bench --model random:llama-3-8b`,
+#   whose lossless and batch-invariance checks fail the run; the first figure), the whole cluster on the device
+#   with the oracle drafter at 1, 16 and 64 requests (fails when a speculative answer differs from plain), the
+#   8B offloaded (its step against the host-to-device link), then the cluster offloaded with a wide oracle.
+#   long adds, first: the kernels' and CUDA graphs' tests, the tile ladder of the batch-invariant products, an
+#   EAGLE-3 head's cost per drafted token; last, the runtime on the other real architectures (MODELS=).
+# Each check writes its log and JSON to $OUT (default ./gpu-results) as it ends, so a window that closes early
+# keeps what ran; a check that would start with under 20 s left is skipped and named. SKIP_<NAME>=1 leaves one
+# out (TESTS, TILES, HEAD, STEP, ORACLE, OFFLOAD, OFFLOAD_ORACLE, MODELS).
 # Runs from the repository root without installing: a package shim maps `specmesh.kernels` to kernels/
-# (PYTHONSAFEPATH keeps the un-mapped folder in the working directory off the import path).
-# Results (JSON, logs) go to $OUT (default ./gpu-results). Exit 1 if any step failed.
+# (PYTHONSAFEPATH keeps the un-mapped folder in the working directory off the import path). What a stock CUDA
+# image lacks comes as wheels in .whl/ (`make gpu-wheels` on any machine with pip's registry; carry `.whl`),
+# installed here into /tmp/site ahead of the image's own. Exit 1 if a check failed, 3 if one was left for lack of time.
 set -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-results}
 PY=${PYTHON:-python3}
+PROFILE=${PROFILE:-default}
+case "$PROFILE" in
+  default) BUDGET_S=${BUDGET_S:-480} ;;
+  long) BUDGET_S=${BUDGET_S:-100000} ;;
+  *) echo "PROFILE must be default or long, got $PROFILE" >&2; exit 2 ;;
+esac
+started=$(date +%s)
 mkdir -p "$OUT" /tmp/specmesh-shim/specmesh
 for entry in specmesh/*; do ln -sfn "$PWD/$entry" /tmp/specmesh-shim/specmesh/; done
 ln -sfn "$PWD/kernels" /tmp/specmesh-shim/specmesh/kernels
 ln -sfn "$PWD/services" /tmp/specmesh-shim/specmesh/services
-export PYTHONSAFEPATH=1 PYTHONPATH=/tmp/specmesh-shim${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 HF_HUB_OFFLINE=1
+site=""
+if compgen -G ".whl/*.whl" >/dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "gpu-check: installing .whl/ failed"; exit 1; }
+  site=:/tmp/site
+fi
+export PYTHONSAFEPATH=1 PYTHONPATH=/tmp/specmesh-shim$site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 \
+  TRITON_INTERPRET=0 HF_HUB_OFFLINE=1
 failed=()
+skipped=()
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv,noheader
-$PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-if [ -z "${SKIP_TESTS:-}" ]; then
-  timeout "${TEST_TIMEOUT:-300}" $PY -m pytest -q -p no:cacheprovider tests/test_paged_runtime.py tests/test_tree_attention_kernel.py >"$OUT/tests.txt" 2>&1 \
-    || failed+=(tests)
-  tail -8 "$OUT/tests.txt"
+$PY -c "import torch, triton, transformers, grpc, google.protobuf, pydantic; print('torch', torch.__version__, 'triton', \
+triton.__version__, 'transformers', transformers.__version__, 'grpcio', grpc.__version__, 'protobuf', \
+google.protobuf.__version__)" || { echo "gpu-check: the image lacks a package specmesh imports (make gpu-wheels)"; exit 1; }
+
+# check NAME LIMIT_S SHOWN_LINES COMMAND...: run it within its limit and what is left of the budget
+check() {
+  local name=$1 limit=$2 shown=$3 left
+  shift 3
+  local skip="SKIP_${name^^}"
+  skip=${skip//[.-]/_}
+  [ -n "${!skip:-}" ] && return
+  left=$((BUDGET_S - ($(date +%s) - started)))
+  if [ "$left" -lt 20 ]; then skipped+=("$name"); return; fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  echo "== $name (at $(($(date +%s) - started)) s, up to $limit s)"
+  timeout "$limit" "$@" >"$OUT/$name.txt" 2>&1 || failed+=("$name")
+  grep -v -i -E "warn|it/s|level/s" "$OUT/$name.txt" | tail -"$shown"
+}
+
+if [ "$PROFILE" = long ]; then
+  check tests 300 8 $PY -m pytest -q -p no:cacheprovider tests/test_paged_runtime.py tests/test_tree_attention_kernel.py
+  check tiles 300 4 $PY -m specmesh.bench.invariant_tiles --model llama-3-8b --json "$OUT/tiles-llama-3-8b.json"
+  check head 300 10 $PY -m specmesh.bench.head_cost --model random:llama-3-8b --device cuda \
+    --json "$OUT/head-cost-llama-3-8b.json"
 fi
-if [ -z "${SKIP_TILES:-}" ]; then
-  timeout 300 $PY -m specmesh.bench.invariant_tiles --model llama-3-8b --json "$OUT/tiles-llama-3-8b.json" \
-    >"$OUT/tiles.txt" 2>&1 || failed+=(tiles)
-  tail -4 "$OUT/tiles.txt"
+check step 90 14 $PY -m specmesh bench --model random:llama-3-8b --device cuda --repeats "${REPEATS:-10}" \
+  --json "$OUT/llama-3-8b.json"
+check oracle 240 24 $PY -m specmesh bench --model random:llama-3-8b --device cuda \
+  --oracle-acceptance "${ORACLE_ACCEPTANCE:-0.8,0.6}" --concurrency 1,16,64 --max-tokens "${ORACLE_TOKENS:-64}" \
+  --sweep-rounds "${ORACLE_ROUNDS:-2}" --json "$OUT/oracle-llama-3-8b.json"
+check offload 60 10 $PY -m specmesh bench --model random:llama-3-8b --device cuda --offload \
+  --repeats "${OFFLOAD_REPEATS:-3}" --json "$OUT/offload-llama-3-8b.json"
+check offload-oracle 120 10 $PY -m specmesh bench --model random:llama-3-8b --device cuda --offload \
+  --oracle-acceptance 0.8 --oracle-width 4 --concurrency 1 --max-tokens 32 --sweep-rounds 1 \
+  --max-tree-nodes 1024 --fixed-tree-nodes 256 --json "$OUT/offload-oracle-llama-3-8b.json"
+if [ "$PROFILE" = long ] && [ -z "${SKIP_MODELS:-}" ]; then
+  for model in ${MODELS-llama-3.2-1b qwen2.5-0.5b}; do
+    check "$model" 420 14 $PY -m specmesh bench --model "random:$model" --device cuda --repeats "${REPEATS:-30}" \
+      --json "$OUT/$model.json"
+  done
 fi
-if [ -z "${SKIP_HEAD:-}" ]; then
-  timeout 300 $PY -m specmesh.bench.head_cost --model random:llama-3-8b --device cuda \
-    --json "$OUT/head-cost-llama-3-8b.json" >"$OUT/head-cost.txt" 2>&1 || failed+=(head-cost)
-  grep -v -i warn "$OUT/head-cost.txt" | tail -10
-fi
-for model in ${MODELS-llama-3-8b llama-3.2-1b qwen2.5-0.5b}; do
-  timeout "${BENCH_TIMEOUT:-420}" $PY -m specmesh bench --model "random:$model" --device cuda --repeats "${REPEATS:-30}" \
-    --json "$OUT/$model.json" >"$OUT/$model.txt" 2>&1 || failed+=("$model")
-  grep -v -i warn "$OUT/$model.txt" | tail -14
-done
-if [ -z "${SKIP_ORACLE:-}" ]; then
-  timeout "${ORACLE_TIMEOUT:-540}" $PY -m specmesh bench --model random:llama-3-8b --device cuda \
-    --oracle-acceptance "${ORACLE_ACCEPTANCE:-0.8,0.6}" --concurrency 1,16,64 --max-tokens "${ORACLE_TOKENS:-64}" \
-    --json "$OUT/oracle-llama-3-8b.json" >"$OUT/oracle.txt" 2>&1 || failed+=(oracle)
-  grep -v -i -E "warn|it/s|level/s" "$OUT/oracle.txt" | tail -24
-fi
-if [ -z "${SKIP_OFFLOAD:-}" ]; then
-  timeout "${OFFLOAD_TIMEOUT:-420}" $PY -m specmesh bench --model random:llama-3-8b --device cuda --offload \
-    --repeats "${OFFLOAD_REPEATS:-5}" --json "$OUT/offload-llama-3-8b.json" >"$OUT/offload.txt" 2>&1 || failed+=(offload)
-  grep -v -i warn "$OUT/offload.txt" | tail -10
-  if [ -z "${SKIP_OFFLOAD_ORACLE:-}" ]; then
-    timeout "${OFFLOAD_ORACLE_TIMEOUT:-540}" $PY -m specmesh bench --model random:llama-3-8b --device cuda --offload \
-      --oracle-acceptance 0.8 --oracle-width 4 --concurrency 1 --max-tokens 32 --sweep-rounds 1 \
-      --max-tree-nodes 1024 --fixed-tree-nodes 256 --json "$OUT/offload-oracle-llama-3-8b.json" \
-      >"$OUT/offload-oracle.txt" 2>&1 || failed+=(offload-oracle)
-    grep -v -i -E "warn|it/s|level/s" "$OUT/offload-oracle.txt" | tail -10
-  fi
-fi
+echo "gpu-check ($PROFILE) took $(($(date +%s) - started)) s"
 if [ ${#failed[@]} -gt 0 ]; then
-  echo "gpu-check FAILED: ${failed[*]}"
+  echo "gpu-check FAILED: ${failed[*]}${skipped:+; not run, out of time: ${skipped[*]}}"
   exit 1
+fi
+if [ ${#skipped[@]} -gt 0 ]; then
+  echo "gpu-check INCOMPLETE: what ran passed; not run, out of time: ${skipped[*]}"
+  exit 3
 fi
 echo "gpu-check passed"
