@@ -15,6 +15,7 @@ from conftest import wait_until_async
 
 from specmesh.cluster.drafter_sessions import MAX_PROPOSE_ITEMS, DrafterSessions
 from specmesh.cluster.metrics import DrafterMetrics
+from specmesh.cluster.proposal_stream import ProposalStream
 from specmesh.cluster.remote_drafter import MAX_CALL_BYTES, RemoteDrafter, _chunks
 from specmesh.cluster.serving import ErrorInterceptor, Service, TorchThread, start_server
 from specmesh.cluster.wire import tree_from_pb
@@ -39,18 +40,20 @@ def commits(i: int) -> list[int]:
     return [30 + i, 10 + i]
 
 
-def info(opens_in_propose: bool = True) -> drafter_pb2.DrafterInfo:
+def info(opens_in_propose: bool = True, proposes_in_stream: bool = True) -> drafter_pb2.DrafterInfo:
     return drafter_pb2.DrafterInfo(name="ngram", kind="ngram", domains=["general"], tokenizer_hash="h",
-                                   opens_in_propose=opens_in_propose)
+                                   opens_in_propose=opens_in_propose, proposes_in_stream=proposes_in_stream)
 
 
 @asynccontextmanager
-async def drafter_service(drafter=None, max_sessions: int = 64, opens_in_propose: bool = True):
+async def drafter_service(drafter=None, max_sessions: int = 64, opens_in_propose: bool = True,
+                          proposes_in_stream: bool = True):
     """A drafter service on a free loopback port, as specmesh-drafter serves it: its metrics count its calls;
-    ``opens_in_propose`` False: as drafters before v1.4 (sessions opened by OpenSession alone)."""
+    ``opens_in_propose`` False: as drafters before v1.4 (sessions opened by OpenSession alone);
+    ``proposes_in_stream`` False: as drafters before v1.5 (its card offers no proposal stream)."""
     metrics = DrafterMetrics()
     sessions = DrafterSessions(drafter or NgramDrafter(), VOCAB, max_sessions)
-    servicer = DrafterServicer(sessions, info(opens_in_propose), TorchThread("draft"), metrics)
+    servicer = DrafterServicer(sessions, info(opens_in_propose, proposes_in_stream), TorchThread("draft"), metrics)
     server = await start_server(
         [Service("specmesh.v1.Drafter", lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s))],
         "127.0.0.1:0", metrics=metrics)
@@ -65,7 +68,7 @@ def calls(metrics: DrafterMetrics, method: str, code: str = "OK") -> float:
 
 
 def batch_items(metrics: DrafterMetrics) -> tuple[float, float]:
-    """(ProposeMany calls, items in them) as the batch histogram has them."""
+    """(ProposeMany messages, calls or on the stream; items in them) as the batch histogram has them."""
     get = metrics.registry.get_sample_value
     labels = {"drafter": "ngram"}
     return (get("specmesh_drafter_propose_batch_items_count", labels) or 0.0,
@@ -112,25 +115,31 @@ async def commit_all(remote: RemoteDrafter) -> None:
         await remote.commit(rid(i), commits(i))
 
 
-@pytest.mark.parametrize("opens_in_propose", [True, False], ids=["sessions opened in the call", "before v1.4"])
-def test_a_turns_proposals_go_in_one_call_and_draft_what_single_calls_do(reference, opens_in_propose):
+@pytest.mark.parametrize("opens_in_propose, in_stream", [(True, True), (True, False), (False, False)],
+                         ids=["on the proposal stream", "a call a turn (before v1.5)", "before v1.4"])
+def test_a_turns_proposals_go_in_one_message_and_draft_what_single_calls_do(reference, opens_in_propose, in_stream):
     async def main():
-        async with drafter_service(opens_in_propose=opens_in_propose) as (address, metrics):
+        async with drafter_service(opens_in_propose=opens_in_propose, proposes_in_stream=in_stream) as (address, metrics):
             remote = await connected(address)
             first = await propose_all(remote)  # each session opened with its first proposal, or by a call before it
             await commit_all(remote)
-            before = calls(metrics, "ProposeMany"), batch_items(metrics)
+            before = batch_items(metrics)
             second = await propose_all(remote)
-            after = calls(metrics, "ProposeMany"), batch_items(metrics)
+            after = batch_items(metrics)
             await remote.close()
-            return first, second, before, after, calls(metrics, "Propose"), calls(metrics, "OpenSession")
+            streams = await wait_until_async(  # counted when it ends (OK: the caller closed it)
+                lambda: calls(metrics, "ProposeStream", "OK") + calls(metrics, "ProposeStream", "CANCELLED")
+                or not in_stream, what="the stream's end counted")
+            return (first, second, before, after, calls(metrics, "Propose"), calls(metrics, "OpenSession"),
+                    calls(metrics, "ProposeMany"), int(streams) if in_stream else 0)
 
-    first, second, before, after, single, opened = asyncio.run(main())
+    first, second, before, after, single, opened, unary, streams = asyncio.run(main())
     assert (first, second) == reference
-    assert after[0] - before[0] == 1  # one call for the turn's N proposals
-    assert (after[1][0] - before[1][0], after[1][1] - before[1][1]) == (1, N)
+    assert (after[0] - before[0], after[1] - before[1]) == (1, N)  # one message for the turn's N proposals
     assert single == 0
-    # the first turn: one call that opens every session, or N calls to open them, each request's proposal
+    # every turn on one held stream, closed with the adapter; or a call a turn
+    assert (unary, streams) == ((0, 1) if in_stream else (after[0], 0))
+    # the first turn: one message that opens every session, or N calls to open them, each request's proposal
     # sent in the turn its open was answered in
     if opens_in_propose:
         assert (before[0], opened) == (1, 0)
@@ -153,15 +162,15 @@ def test_a_session_the_drafter_lost_is_reopened_and_answered_with_the_others(ref
                         await stub.Propose(drafter_pb2.ProposeRequest(request_id=rid(i), budget=0), timeout=10)
                 await stub.OpenSession(drafter_pb2.OpenSessionRequest(request_id="another", prompt_ids=[1, 2]),
                                        timeout=10)
-            before = calls(metrics, "ProposeMany"), calls(metrics, "OpenSession"), batch_items(metrics)[1]
+            before = batch_items(metrics)[0], calls(metrics, "OpenSession"), batch_items(metrics)[1]
             second = await propose_all(remote)
-            after = calls(metrics, "ProposeMany"), calls(metrics, "OpenSession"), batch_items(metrics)[1]
+            after = batch_items(metrics)[0], calls(metrics, "OpenSession"), batch_items(metrics)[1]
             await remote.close()
             return second, before, after, remote.failures
 
     second, before, after, failures = asyncio.run(main())
     assert second == reference[1]
-    # the turn's call, then the lost one's item again, opening its session afresh with its whole context
+    # the turn's message, then the lost one's item again, opening its session afresh with its whole context
     assert [a - b for a, b in zip(after, before)] == [2, 0, N + 1]
     assert failures == 0
 
@@ -174,9 +183,9 @@ def test_an_invalid_item_fails_alone(reference):
             remote = await connected(address)
             await propose_all(remote)
             await commit_all(remote)
-            before = calls(metrics, "ProposeMany")
+            before = batch_items(metrics)[0]
             second = await propose_all(remote, **{rid(bad): {"assumed": [VOCAB + 7]}})  # outside the vocabulary
-            one_call = calls(metrics, "ProposeMany") - before
+            one_call = batch_items(metrics)[0] - before
             healthy = remote.healthy
             again = await remote.propose(rid(bad), BUDGET)  # its session opened afresh: it may have run there
             await remote.close()
@@ -240,7 +249,7 @@ def test_a_drafter_without_propose_many_is_called_once_a_proposal_from_then_on(r
     async def main():
         counter = MethodCounter()
         server = grpc.aio.server(interceptors=[counter, ErrorInterceptor()])
-        servicer = DrafterServicer(DrafterSessions(NgramDrafter(), VOCAB, 64), info(False), TorchThread("draft"))
+        servicer = DrafterServicer(DrafterSessions(NgramDrafter(), VOCAB, 64), info(False, False), TorchThread("draft"))
         server.add_generic_rpc_handlers((before_propose_many(servicer),))
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
@@ -254,10 +263,10 @@ def test_a_drafter_without_propose_many_is_called_once_a_proposal_from_then_on(r
             await remote.close()
         finally:
             await server.stop(0)
-        return first, second, before, after
+        return first, second, before, after, remote.failures
 
-    first, second, before, after = asyncio.run(main())
-    assert (first, second) == reference
+    first, second, before, after, failures = asyncio.run(main())
+    assert (first, second) == reference and failures == 0  # UNIMPLEMENTED is not a drafter down
     assert before["ProposeMany"] >= 1 and before["Propose"] == N  # refused, then each proposal alone
     assert after["ProposeMany"] == before["ProposeMany"] and after["Propose"] == 2 * N
 
@@ -357,3 +366,50 @@ def test_a_turn_past_the_bounds_goes_in_several_calls():
     big = drafter_pb2.ProposeRequest(request_id="r", features=common_pb2.Features(data=b"\0" * (MAX_CALL_BYTES // 2)))
     small = drafter_pb2.ProposeRequest(request_id="s")
     assert [len(c) for c in _chunks([(big, None), (small, None), (big, None), (big, None)])] == [2, 1, 1]
+
+
+def test_on_the_stream_a_reply_past_its_deadline_fails_its_turn_alone_and_the_next_meet_their_own(reference):
+    async def main():
+        drafter = HeldNgram()
+        async with drafter_service(drafter) as (address, metrics):
+            remote = RemoteDrafter(address, timeout_s=0.5, max_backoff_s=0.05)
+            assert await remote.connect("h")
+            for i in range(N):
+                await remote.start(rid(i), prompt(i))
+            first = await propose_all(remote)
+            drafter.armed = True  # the next turn's reply comes after its deadline
+            late = await propose_all(remote)
+            failures = remote.failures
+            drafter.release.set()
+            await wait_until_async(lambda: batch_items(metrics)[0] == 2 and remote.healthy, what="the late reply sent")
+            again = await propose_all(remote)  # on the same stream: the late reply read and dropped before this one's
+            await remote.close()
+            return first, late, failures, again
+
+    first, late, failures, again = asyncio.run(main())
+    assert first == reference[0] and all(len(t) == 0 for t in late) and failures == 1
+    assert again == reference[0]  # its sessions opened afresh (the late turn may have run there): the first trees
+
+
+def test_on_the_stream_each_reply_meets_its_message_while_the_loop_stands_still():
+    """A verifier's pass holds its event loop: the write's completion and the reply then wait together, and
+    either may be handled first. Each message (of a different size) must still get its own reply."""
+
+    async def main():
+        async with drafter_service(max_sessions=64) as (address, _):
+            async with grpc.aio.insecure_channel(address) as channel:
+                stream = ProposalStream(drafter_pb2_grpc.DrafterStub(channel), timeout_s=5.0)
+                sizes = []
+                for turn in range(60):
+                    items = [drafter_pb2.ProposeRequest(request_id=rid(i), committed=prompt(i), budget=BUDGET,
+                                                        opens=True) for i in range(1 + turn % 7)]
+                    asking = asyncio.ensure_future(stream.propose_many(drafter_pb2.ProposeManyRequest(items=items)))
+                    for _ in range(turn % 3):
+                        await asyncio.sleep(0)  # written: its reply is on its way
+                    time.sleep(0.002 * (turn % 4))  # the loop stands still, as during an inline pass
+                    sizes.append((len(items), len((await asking).results)))
+                await stream.close()
+                return sizes
+
+    sizes = asyncio.run(main())
+    assert all(sent == answered for sent, answered in sizes), sizes

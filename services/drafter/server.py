@@ -54,6 +54,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         return proposal.answer()
 
     async def ProposeMany(self, request, context):
+        return await self._propose_many(request)
+
+    async def ProposeStream(self, request_iterator, context):
+        async for request in request_iterator:  # answered in order, one at a time
+            yield await self._propose_many(request)
+
+    async def _propose_many(self, request: drafter_pb2.ProposeManyRequest) -> drafter_pb2.ProposeManyResponse:
         if len(request.items) > MAX_PROPOSE_ITEMS:
             raise InvalidArgument("items", f"{len(request.items)} proposals in one call; at most {MAX_PROPOSE_ITEMS}")
         self.metrics.propose_batch_items.labels(self.info.name).observe(len(request.items))
@@ -150,7 +157,7 @@ async def serve(args: DrafterSettings) -> None:
         name=drafter.name, kind=drafter.kind, domains=domains, target=target.name,
         tokenizer_hash=tokenizer_fingerprint(target.tokenizer), max_sessions=args.max_sessions,
         feature_layers=drafter.feature_layers, hidden_size=target.hidden_size if drafter.feature_layers else 0,
-        opens_in_propose=True,
+        opens_in_propose=True, proposes_in_stream=True,
     )
     metrics = DrafterMetrics()
     endpoint = serve_metrics(metrics, args.metrics_address)

@@ -5,8 +5,10 @@ session re-opened with the whole context, and one that is down (UNAVAILABLE, dea
 proposes nothing — the request goes on with the other drafters, or as plain decoding — until a
 back-off has passed. A drafter's failure costs speculation, never a request.
 
-The proposals asked for in one event-loop turn (a step's, one a request) go in one ``ProposeMany`` call,
-each item answered alone; a drafter that predates it (UNIMPLEMENTED) is called once a proposal instead.
+The proposals asked for in one event-loop turn (a step's, one a request) go in one ``ProposeMany`` message,
+each item answered alone: on the held proposal stream where the drafter's card offers it (v1.5,
+``proposal_stream.py``), else as a call; a drafter that predates ProposeMany (UNIMPLEMENTED) is called
+once a proposal instead.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 from specmesh.cluster.backoff import unreachable_node
 from specmesh.cluster.drafter_sessions import MAX_PROPOSE_ITEMS
+from specmesh.cluster.proposal_stream import ProposalStream, rpc_failure
 from specmesh.cluster.wire import features_to_pb, tree_from_pb
 from specmesh.errors import InvalidArgument
 from specmesh.runtime.features import MAX_PROMPT_FEATURES, Features
@@ -67,6 +70,7 @@ class RemoteDrafter:
         self._feature_end: dict[str, int] = {}  # request -> where the next block must start
         self._refused: set[str] = set()  # requests whose features the drafter refused: it sits them out
         self._batching = True  # False once the drafter answered UNIMPLEMENTED to ProposeMany (an older one)
+        self._stream: ProposalStream | None = None  # where the card offers it (v1.5): ProposeMany on a held stream
         self._queued: list[tuple[drafter_pb2.ProposeRequest, asyncio.Future]] = []  # this turn's proposals
         self._calls: set[asyncio.Task] = set()  # ProposeMany calls in flight
         self._down_until = 0.0
@@ -107,11 +111,18 @@ class RemoteDrafter:
         self.name, self.kind, self.domains, self.tokenizer_hash = info.name, info.kind, tuple(info.domains), info.tokenizer_hash
         self.feature_layers = tuple(info.feature_layers)
         self.opens_in_propose = info.opens_in_propose
+        if info.proposes_in_stream and self._stream is None:
+            self._stream = ProposalStream(self._stub, self.timeout_s)
+        elif not info.proposes_in_stream and self._stream is not None:  # replaced by an older drafter
+            await self._stream.close()
+            self._stream = None
         self._up()
         return True
 
     async def close(self) -> None:
         await asyncio.gather(*self._closing, *self._calls, return_exceptions=True)
+        if self._stream is not None:
+            await self._stream.close()
         await self._channel.close()
 
     async def start(self, request_id: str, prompt_ids: Sequence[int]) -> None:
@@ -211,30 +222,45 @@ class RemoteDrafter:
             for i, (_, future) in enumerate(chunk):
                 if not future.done():
                     future.set_result(answers[i] if i < len(answers)
-                                      else _failure(grpc.StatusCode.CANCELLED, "the drafter's adapter stopped"))
+                                      else rpc_failure(grpc.StatusCode.CANCELLED, "the drafter's adapter stopped"))
 
     async def _call_many(self, requests: list[drafter_pb2.ProposeRequest]) -> list[Answer]:
+        message, stream = drafter_pb2.ProposeManyRequest(items=requests), self._stream
         try:
-            reply = await self._stub.ProposeMany(drafter_pb2.ProposeManyRequest(items=requests), timeout=self.timeout_s)
+            if stream is not None:
+                reply = await stream.propose_many(message)
+            else:
+                reply = await self._stub.ProposeMany(message, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
+            if stream is not None and await self._off_stream(stream, exc):
+                return await self._call_many(requests)
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # an older drafter: one call a proposal, for good
                 self._batching = False
                 return list(await asyncio.gather(*(self._propose_one(r) for r in requests)))
             self._mark_down(exc)  # the whole call failed: one failure of the drafter's, every item's answer
-            return [_failure(exc.code(), exc.details()) for _ in requests]
+            return [rpc_failure(exc.code(), exc.details()) for _ in requests]
         return self._item_answers(reply, len(requests))
+
+    async def _off_stream(self, stream: ProposalStream, exc: grpc.aio.AioRpcError) -> bool:
+        """Whether a message that failed on ``stream`` goes again as a call: the stream was dropped meanwhile, or
+        is refused (UNIMPLEMENTED: a proxy or an older drafter at the address, whatever the card said): calls
+        from now on."""
+        if self._stream is stream and exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+            self._stream = None
+            await stream.close()
+        return self._stream is not stream
 
     def _item_answers(self, reply: drafter_pb2.ProposeManyResponse, items: int) -> list[Answer]:
         if len(reply.results) != items:
             why = f"{len(reply.results)} answers to {items} proposals"
-            self._mark_down(_failure(grpc.StatusCode.INTERNAL, why))
-            return [_failure(grpc.StatusCode.INTERNAL, why) for _ in range(items)]
+            self._mark_down(rpc_failure(grpc.StatusCode.INTERNAL, why))
+            return [rpc_failure(grpc.StatusCode.INTERNAL, why) for _ in range(items)]
         answers: list[Answer] = []
         for result in reply.results:
             if result.code == grpc.StatusCode.OK.value[0]:
                 answers.append(result.answer)
                 continue
-            exc = _failure(STATUS_OF_CODE.get(result.code, grpc.StatusCode.UNKNOWN), result.message)
+            exc = rpc_failure(STATUS_OF_CODE.get(result.code, grpc.StatusCode.UNKNOWN), result.message)
             if exc.code() != grpc.StatusCode.NOT_FOUND:  # as a Propose call failing so would count
                 self._mark_down(exc)
             answers.append(exc)
@@ -324,11 +350,6 @@ class RemoteDrafter:
 
     def _up(self) -> None:
         self._backoff.reset()
-
-
-def _failure(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    """One item's failure, as its own Propose call would have raised it."""
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
 def _chunks(queued: list) -> list[list]:

@@ -165,27 +165,42 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return grpc.unary_stream_rpc_method_handler(
                 stream, request_deserializer=tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer)
-        if self.access is not None and not method.startswith(OPEN_PREFIX):  # streaming requests (reflection): the
-            inner_bidi = handler.stream_stream  # key is checked, or nothing is answered
+        if handler.stream_stream is not None:  # a held stream (proposals, reflection): one call, many messages
+            inner_bidi = handler.stream_stream
 
             async def bidi(requests, context):
+                started, code, permit = time.perf_counter(), grpc.StatusCode.OK, None
                 try:
                     permit = self._admit(method, context)
-                except Exception as exc:
-                    await _abort(context, method, exc)
-                try:
-                    async for item in inner_bidi(requests, context):
+                    async for item in inner_bidi(_wellformed(method, requests), context):
                         yield item
+                except (asyncio.CancelledError, GeneratorExit):
+                    code = grpc.StatusCode.CANCELLED
+                    raise
+                except grpc.aio.AbortError:
+                    code = context.code() or grpc.StatusCode.UNKNOWN
+                    raise
+                except Exception as exc:
+                    code = status_for(exc)[0]
+                    await _abort(context, method, exc)
                 finally:
                     if permit is not None:
                         permit.release()
+                    self._done(method, code, started)
 
-            if inner_bidi is not None:
-                return grpc.stream_stream_rpc_method_handler(
-                    bidi, request_deserializer=handler.request_deserializer,
-                    response_serializer=handler.response_serializer)
+            return grpc.stream_stream_rpc_method_handler(
+                bidi, request_deserializer=tolerant(handler.request_deserializer),
+                response_serializer=handler.response_serializer)
+        if self.access is not None and not method.startswith(OPEN_PREFIX):
             return None  # a client-streaming method without a check of its own: not served
         return handler
+
+
+async def _wellformed(method: str, requests):
+    """A stream's requests, each checked as a unary call's is (a malformed one ends the stream)."""
+    async for request in requests:
+        check_wellformed(method, request)
+        yield request
 
 
 async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:

@@ -82,7 +82,7 @@ class DrafterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterInfo(_message.Message):
-    __slots__ = ("name", "kind", "domains", "target", "tokenizer_hash", "active_sessions", "max_sessions", "feature_layers", "hidden_size", "opens_in_propose")
+    __slots__ = ("name", "kind", "domains", "target", "tokenizer_hash", "active_sessions", "max_sessions", "feature_layers", "hidden_size", "opens_in_propose", "proposes_in_stream")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     DOMAINS_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,7 @@ class DrafterInfo(_message.Message):
     FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     OPENS_IN_PROPOSE_FIELD_NUMBER: _ClassVar[int]
+    PROPOSES_IN_STREAM_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: str
     domains: _containers.RepeatedScalarFieldContainer[str]
@@ -103,4 +104,5 @@ class DrafterInfo(_message.Message):
     feature_layers: _containers.RepeatedScalarFieldContainer[int]
     hidden_size: int
     opens_in_propose: bool
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., domains: _Optional[_Iterable[str]] = ..., target: _Optional[str] = ..., tokenizer_hash: _Optional[str] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., feature_layers: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., opens_in_propose: _Optional[bool] = ...) -> None: ...
+    proposes_in_stream: bool
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., domains: _Optional[_Iterable[str]] = ..., target: _Optional[str] = ..., tokenizer_hash: _Optional[str] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., feature_layers: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., opens_in_propose: _Optional[bool] = ..., proposes_in_stream: _Optional[bool] = ...) -> None: ...

@@ -49,6 +49,11 @@ class DrafterStub:
                 request_serializer=specmesh_dot_v1_dot_drafter__pb2.ProposeManyRequest.SerializeToString,
                 response_deserializer=specmesh_dot_v1_dot_drafter__pb2.ProposeManyResponse.FromString,
                 _registered_method=True)
+        self.ProposeStream = channel.stream_stream(
+                '/specmesh.v1.Drafter/ProposeStream',
+                request_serializer=specmesh_dot_v1_dot_drafter__pb2.ProposeManyRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_drafter__pb2.ProposeManyResponse.FromString,
+                _registered_method=True)
         self.CloseSession = channel.unary_unary(
                 '/specmesh.v1.Drafter/CloseSession',
                 request_serializer=specmesh_dot_v1_dot_drafter__pb2.CloseSessionRequest.SerializeToString,
@@ -92,6 +97,16 @@ class DrafterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProposeStream(self, request_iterator, context):
+        """Since v1.5, for drafters whose DrafterInfo says proposes_in_stream: ProposeMany on one held stream,
+        each request message answered by one response message, in order, as ProposeMany would answer it — a
+        step's proposals without a call of their own (on loopback a stream's message costs half a unary call).
+        A request past MAX_PROPOSE_ITEMS ends the stream with INVALID_ARGUMENT; the caller opens another.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CloseSession(self, request, context):
         """Tell the last committed tokens and free the session (unknown ids are fine).
         """
@@ -120,6 +135,11 @@ def add_DrafterServicer_to_server(servicer, server):
             ),
             'ProposeMany': grpc.unary_unary_rpc_method_handler(
                     servicer.ProposeMany,
+                    request_deserializer=specmesh_dot_v1_dot_drafter__pb2.ProposeManyRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_drafter__pb2.ProposeManyResponse.SerializeToString,
+            ),
+            'ProposeStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.ProposeStream,
                     request_deserializer=specmesh_dot_v1_dot_drafter__pb2.ProposeManyRequest.FromString,
                     response_serializer=specmesh_dot_v1_dot_drafter__pb2.ProposeManyResponse.SerializeToString,
             ),
@@ -213,6 +233,33 @@ class Drafter:
             request,
             target,
             '/specmesh.v1.Drafter/ProposeMany',
+            specmesh_dot_v1_dot_drafter__pb2.ProposeManyRequest.SerializeToString,
+            specmesh_dot_v1_dot_drafter__pb2.ProposeManyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProposeStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specmesh.v1.Drafter/ProposeStream',
             specmesh_dot_v1_dot_drafter__pb2.ProposeManyRequest.SerializeToString,
             specmesh_dot_v1_dot_drafter__pb2.ProposeManyResponse.FromString,
             options,
