@@ -93,7 +93,7 @@ def metric_total(process: ServiceProcess, name: str, **labels: str) -> float:
 STEPS = [(name, {}) for name in ("specmesh_target_steps_total", "specmesh_drafter_drafts_total",
                                  "specmesh_drafter_draft_tokens_total", "specmesh_routing_decisions_total")]
 MOVING = {"router": [("specmesh_generated_tokens_total", {}), ("specmesh_routing_reports_total", {})],
-          "drafter": [("specmesh_rpc_requests_total", {"method": "ProposeMany"})],
+          "drafter": [("specmesh_rpc_requests_total", {"method": "ProposeStream"})],
           "verifier": [("specmesh_verify_jobs_total", {}), ("specmesh_verify_batch_tokens_count", {}), *STEPS]}
 
 
@@ -157,7 +157,7 @@ def test_the_openai_api_of_the_launched_cluster_is_plain_greedy(cluster, questio
 def test_fixed_speculation_drafts_with_the_expert_and_is_plain_greedy(cluster, questions, plain_outputs):
     """The whole budget every step: the code expert's service is asked, and its trees accepted in part at least."""
     drafter = next(d for d in cluster.drafters if d.name == "drafter-code")
-    drafted_before = metric_total(drafter, "specmesh_rpc_requests_total", method="ProposeMany")
+    drafted_before = metric_total(drafter, "specmesh_rpc_requests_total", method="ProposeStream")
     with Client(cluster.router_address) as client, ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda q: client.generate(chat=[("user", q)], max_tokens=MAX_TOKENS,
                                                           speculation="fixed"), questions))
@@ -166,7 +166,7 @@ def test_fixed_speculation_drafts_with_the_expert_and_is_plain_greedy(cluster, q
     assert all(r.stats.target_steps > 0 and r.stats.request_kind for r in results)
     steps, tokens = sum(r.stats.target_steps for r in results), sum(len(r.token_ids) for r in results)
     assert steps < tokens, (steps, tokens)
-    assert metric_total(drafter, "specmesh_rpc_requests_total", method="ProposeMany") > drafted_before
+    assert metric_total(drafter, "specmesh_rpc_requests_total", method="ProposeStream") > drafted_before
 
 
 def test_a_stream_the_client_leaves_is_freed_on_the_router_and_the_verifier(cluster, questions):

@@ -76,7 +76,9 @@ class ServiceMetrics:
               registry=r).labels(service, __version__).set(1)
         self.rpc_requests = Counter("specmesh_rpc_requests", "gRPC calls handled, by method and status code",
                                     ["method", "code"], registry=r)
-        self.rpc_seconds = Histogram("specmesh_rpc_duration_seconds", "gRPC call duration (streams: until the last message)",
+        self.rpc_seconds = Histogram("specmesh_rpc_duration_seconds",
+                                     "gRPC call duration (a server stream: until its last message; a held request "
+                                     "stream: each message until its reply)",
                                      ["method"], buckets=LATENCY_BUCKETS, registry=r)
 
     def watch_policy(self, policy: AdaptivePolicy, budget: BatchBudget | None = None) -> None:

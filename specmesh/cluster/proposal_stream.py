@@ -47,13 +47,14 @@ class ProposalStream:
             writing = asyncio.ensure_future(call.write(request))
             try:  # a write to a stream that has ended may never return: its reply's failure ends the wait
                 await asyncio.wait((writing, reply), timeout=self.timeout_s, return_when=asyncio.FIRST_COMPLETED)
+                if reply.done() and not writing.done():  # answered before the write's completion was seen
+                    await asyncio.wait((writing,), timeout=self.timeout_s)
             except asyncio.CancelledError:  # written or not: its reply's place is in doubt, so the stream goes
+                writing.cancel()
                 self._broke(call)
                 raise
-            finally:
-                if not writing.done():
-                    writing.cancel()
-            if writing.cancelled() or writing.exception() is not None:
+            if not writing.done() or writing.cancelled() or writing.exception() is not None:
+                writing.cancel()
                 self._broke(call)  # the reader fails what waits, with the stream's status where it has one
                 await asyncio.wait((reply,), timeout=self.timeout_s)
                 if reply.done() and not reply.cancelled() and reply.exception() is not None:

@@ -8,9 +8,11 @@ import logging
 import os
 import signal
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Sequence
+from typing import AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -107,6 +109,33 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if self.metrics is not None:
             self.metrics.rpc_done(method, code.name, time.perf_counter() - started)
 
+    async def _relayed(self, method: str, context, replies: Callable[[], AsyncIterator],
+                       arrived: deque[float] | None = None):
+        """A streaming call's replies (``replies()``, the handler's) with the key checked, errors mapped to their
+        status and the call counted when it ends; with ``arrived`` (when each request message came, on a held
+        stream answering each in order) every reply is counted as a call instead, timed from its request."""
+        started, code, permit = time.perf_counter(), grpc.StatusCode.OK, None
+        try:
+            permit = self._admit(method, context)
+            async for item in replies():
+                if arrived is not None:
+                    self._done(method, grpc.StatusCode.OK, arrived.popleft() if arrived else started)
+                yield item
+        except (asyncio.CancelledError, GeneratorExit):
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except grpc.aio.AbortError:
+            code = context.code() or grpc.StatusCode.UNKNOWN
+            raise
+        except Exception as exc:
+            code = status_for(exc)[0]
+            await _abort(context, method, exc)
+        finally:
+            if permit is not None:
+                permit.release()
+            if arrived is None or code != grpc.StatusCode.OK:
+                self._done(method, code, started)
+
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None:
@@ -142,25 +171,13 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             inner_stream = handler.unary_stream
 
             async def stream(request, context):
-                started, code, permit = time.perf_counter(), grpc.StatusCode.OK, None
-                try:
-                    permit = self._admit(method, context)
+                def replies():
                     check_wellformed(method, request)
-                    async for item in inner_stream(request, context):
+                    return inner_stream(request, context)
+
+                async with aclosing(self._relayed(method, context, replies)) as relayed:
+                    async for item in relayed:
                         yield item
-                except (asyncio.CancelledError, GeneratorExit):
-                    code = grpc.StatusCode.CANCELLED
-                    raise
-                except grpc.aio.AbortError:
-                    code = context.code() or grpc.StatusCode.UNKNOWN
-                    raise
-                except Exception as exc:
-                    code = status_for(exc)[0]
-                    await _abort(context, method, exc)
-                finally:
-                    if permit is not None:
-                        permit.release()
-                    self._done(method, code, started)
 
             return grpc.unary_stream_rpc_method_handler(
                 stream, request_deserializer=tolerant(handler.request_deserializer),
@@ -169,24 +186,14 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             inner_bidi = handler.stream_stream
 
             async def bidi(requests, context):
-                started, code, permit = time.perf_counter(), grpc.StatusCode.OK, None
-                try:
-                    permit = self._admit(method, context)
-                    async for item in inner_bidi(_wellformed(method, requests), context):
+                arrived: deque[float] = deque()
+
+                def replies():
+                    return inner_bidi(_wellformed(method, requests, arrived), context)
+
+                async with aclosing(self._relayed(method, context, replies, arrived)) as relayed:
+                    async for item in relayed:
                         yield item
-                except (asyncio.CancelledError, GeneratorExit):
-                    code = grpc.StatusCode.CANCELLED
-                    raise
-                except grpc.aio.AbortError:
-                    code = context.code() or grpc.StatusCode.UNKNOWN
-                    raise
-                except Exception as exc:
-                    code = status_for(exc)[0]
-                    await _abort(context, method, exc)
-                finally:
-                    if permit is not None:
-                        permit.release()
-                    self._done(method, code, started)
 
             return grpc.stream_stream_rpc_method_handler(
                 bidi, request_deserializer=tolerant(handler.request_deserializer),
@@ -196,9 +203,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
 
-async def _wellformed(method: str, requests):
-    """A stream's requests, each checked as a unary call's is (a malformed one ends the stream)."""
+async def _wellformed(method: str, requests, arrived: deque[float]):
+    """A stream's requests, each checked as a unary call's is (a malformed one ends the stream), each one's
+    arrival noted."""
     async for request in requests:
+        arrived.append(time.perf_counter())
         check_wellformed(method, request)
         yield request
 
