@@ -54,12 +54,11 @@ class ProposalStream:
                 self._broke(call)
                 raise
             if not writing.done() or writing.cancelled() or writing.exception() is not None:
-                writing.cancel()
-                self._broke(call)  # the reader fails what waits, with the stream's status where it has one
-                await asyncio.wait((reply,), timeout=self.timeout_s)
-                if reply.done() and not reply.cancelled() and reply.exception() is not None:
-                    raise reply.exception() from None
-                raise rpc_failure(grpc.StatusCode.UNAVAILABLE, "the proposal stream took no message")
+                writing.cancel()  # the stream's own status where it ended (UNIMPLEMENTED from a proxy, say)
+                failure = (rpc_failure(await call.code(), await call.details()) if call.done()
+                           else rpc_failure(grpc.StatusCode.UNAVAILABLE, "the proposal stream took no message"))
+                self._broke(call)  # the reader fails what else waits
+                raise failure
         try:
             return await asyncio.wait_for(asyncio.shield(reply), self.timeout_s)
         except asyncio.TimeoutError:
