@@ -45,7 +45,20 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specmesh", description="Lossless speculative decoding.")
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_generate(commands)
+    _add_up(commands)
+    _add_bench(commands)
+    _add_tune(commands)
+    _add_distill(commands)
+    _add_drafters(commands)
+    _add_prepare(commands)
+    _add_redis_acl(commands)
+    _add_verifier(commands)
+    return parser
 
+
+def _add_generate(commands) -> None:
+    """The ``generate`` command: text for a prompt, in process or through a cluster."""
     gen = commands.add_parser("generate", help="generate text for a prompt or a JSONL file of prompts")
     gen.add_argument("prompt", nargs="?", help="the user message (chat template applied)")
     gen.add_argument("--prompts", help="JSONL file: one {'prompt': ..., 'category': ...} a line")
@@ -67,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--tls-ca", default=None, metavar="PEM",
                      help="with --server: connect over TLS, trusting this CA (\"\": the system's roots)")
 
+
+def _add_up(commands) -> None:
+    """The ``up`` command: the whole cluster on this machine, with a demo."""
     up = commands.add_parser("up", help="run the whole cluster on this machine, with a demo request")
     VerifierSettings.add_flags(up, ["model"], defaults=True, environment=False)
     up.add_argument("--drafter", action="append", default=None,
@@ -93,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--exit-after-demo", action="store_true", help="stop the cluster after the demo (for scripts)")
     up.add_argument("--log-dir", default=None, help="where each process logs (default: a new temporary folder)")
 
+
+def _add_bench(commands) -> None:
+    """The ``bench`` command: speed against plain and Hugging Face's assisted decoding."""
     bench = commands.add_parser("bench", help="measure speed against plain and HF assisted decoding")
     bench.add_argument("--prompts", help="JSONL prompts, or 'grounded' (requests that rewrite text they hold, "
                        "built from Python's standard library; give them --max-tokens 256) (default: MT-Bench first turns)")
@@ -133,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(bench)
     VerifierSettings.add_flags(bench, ["offload"], defaults=True, environment=False)
 
+
+def _add_tune(commands) -> None:
+    """The ``tune`` command: the speculation constants measured on held-out prompts."""
     tune = commands.add_parser("tune", help="measure the speculation constants on held-out prompts (not MT-Bench)")
     tune.add_argument("--prompts", help="JSONL prompts sharing no word 8-gram with MT-Bench, or 'grounded' (the "
                       "grounded set's tuning half) (default: the shipped held-out set, specmesh/bench/tuning_prompts.jsonl)")
@@ -152,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(tune)
     VerifierSettings.add_flags(tune, ["offload"], defaults=True, environment=False)
 
+
+def _add_distill(commands) -> None:
+    """The ``distill`` command: an expert or feature drafter trained for a target."""
     dist = commands.add_parser("distill", help="train a drafter for a target: an expert on one domain, or a "
                                "feature drafter that reads the target's hidden states (--kind feature)")
     dist.add_argument("--kind", choices=("expert", "feature"), default="expert",
@@ -195,6 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="--kind feature: drafting steps unrolled in training (training-time test; default 3)")
     VerifierSettings.add_flags(dist, ["precision"], defaults=True, environment=False)  # --kind feature: the verifiers'
 
+
+def _add_drafters(commands) -> None:
+    """The ``drafters check`` command: each drafter's fit, cost and agreement."""
     cards = commands.add_parser("drafters", help="check drafters against a target: whether each fits, what a "
                                 "drafted token costs against the target's step, how often it guesses right")
     cards.add_argument("action", choices=("check",))
@@ -210,6 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
     VerifierSettings.add_flags(cards, ["device", "dtype", "precision", "threads", "kv_cache_gb", "batch_invariant"],
                                defaults=True, environment=False)
 
+
+def _add_prepare(commands) -> None:
+    """The ``prepare`` command: the embedded model converted, its kernel built."""
     prep = commands.add_parser("prepare", help="convert the embedded default model and build its quantized kernel once "
                                "(done by make install)")
     VerifierSettings.add_flags(prep, ["model"], defaults=True, environment=False)
@@ -217,6 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="build the CPU kernels for every x86 CPU (AVX-512 VNNI, AVX-VNNI, AVX2, portable), not only "
                       "this one's: for an image that will run on other machines")
 
+
+def _add_redis_acl(commands) -> None:
+    """The ``redis-acl`` command: an ACL file with a user per role."""
     acl = commands.add_parser("redis-acl", help="print Redis ACL file lines giving each role (router, verifier, "
                               "drafter) only the commands and keys it needs (docs/security.md)")
     acl.add_argument("--role", action="append", choices=("router", "verifier", "drafter"),
@@ -229,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "requirepass)")
     acl.add_argument("--output", help="write the ACL file here instead of printing it")
 
+
+def _add_verifier(commands) -> None:
+    """The ``verifier`` command: a verifier's control API."""
     control = commands.add_parser("verifier", help="call a verifier's control API: info, or drain (it stops taking "
                                   "work and finishes what it holds), with the cluster's credential")
     control.add_argument("action", choices=("info", "drain"))
@@ -238,7 +275,6 @@ def build_parser() -> argparse.ArgumentParser:
     control.add_argument("--tls-key")
     control.add_argument("--tls-ca")
     control.add_argument("--tls-server-name", help="the name expected in the verifier's certificate")
-    return parser
 
 
 def _verifier_control(args) -> int:
@@ -582,7 +618,7 @@ def _distill(args: argparse.Namespace) -> int:
     if not args.domain:
         raise InvalidArgument("domain", "an expert is trained for one domain: give --domain")
     from specmesh.distill.overlap import without_benchmark
-    from specmesh.distill.pipeline import distill, synthesized_prompts
+    from specmesh.distill.recipe import distill, synthesized_prompts
     from specmesh.distill.templates import DOMAINS, domain_prompts
     from specmesh.distill.train import TrainConfig
     from specmesh.prompts import load_prompts
@@ -634,11 +670,11 @@ def _distill_feature(args: argparse.Namespace) -> int:
     import itertools
     import shlex
 
-    from specmesh.distill.feature_pipeline import default_feature_layers, distill_feature
+    from specmesh.distill.feature_recipe import default_feature_layers, distill_feature
     from specmesh.drafters.eagle import default_layers as eagle3_layers
     from specmesh.distill.feature_train import FeatureTrainConfig
     from specmesh.distill.overlap import without_benchmark
-    from specmesh.distill.pipeline import target_written_requests
+    from specmesh.distill.recipe import target_written_requests
     from specmesh.distill.templates import DOMAINS, domain_prompts
     from specmesh.prompts import Prompt, load_prompts
     from specmesh.runtime.llama import check_feature_layers

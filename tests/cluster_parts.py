@@ -9,13 +9,13 @@ from contextlib import asynccontextmanager
 
 from conftest import wait_until_async
 
-from specmesh.cluster.gateway import ModelCard, Router, RouterLimits
+from specmesh.cluster.gateway import ModelCard, Gateway, GatewayLimits
 from specmesh.cluster.metrics import DrafterMetrics, MetricsEndpoint, RouterMetrics, serve_metrics
 from specmesh.cluster.pipeline.engine_client import EngineClient
 from specmesh.cluster.pipeline.engine_worker import EngineWorker
 from specmesh.cluster.pipeline.messages import QueueKeys
 from specmesh.cluster.pipeline.policy_sync import RoutingPublisher
-from specmesh.cluster.pipeline.verifier_end import VerifierQueue
+from specmesh.cluster.pipeline.verifier_end import QueueMember
 from specmesh.cluster.pipeline.verifier_watch import VerifierWatch
 from specmesh.cluster.redis_clients import async_redis
 from specmesh.cluster.remote_drafter import RemoteDrafter
@@ -42,7 +42,7 @@ from specmesh.v1 import drafter_pb2, drafter_pb2_grpc, router_pb2_grpc, verifier
 class ServiceStack:
     """A router and one drafter as real gRPC servers on loopback, over engine nodes that call the drafter."""
 
-    def __init__(self, url: str, model, tokenizer, drafter: Drafter, limits: RouterLimits | None = None,
+    def __init__(self, url: str, model, tokenizer, drafter: Drafter, limits: GatewayLimits | None = None,
                  metrics: bool = False, http: bool = False, access=None, tls=None, verifiers: int = 1,
                  **node_args) -> None:
         """``metrics``: each service counts into its own registry, served over HTTP on a free port
@@ -61,7 +61,7 @@ class ServiceStack:
         self.node_args = node_args
         # fixed: a tiny model's pass costs about a drafter's round trip, so the adaptive policy would
         # (rightly) stop speculating, and these stacks are here to exercise drafting through the services
-        self.limits = limits or RouterLimits(max_tree_nodes=6, speculation="fixed")
+        self.limits = limits or GatewayLimits(max_tree_nodes=6, speculation="fixed")
 
     async def __aenter__(self):
         vocab = self.model.config.vocab_size
@@ -85,11 +85,11 @@ class ServiceStack:
         watch = self.pool.watch
         card = ModelCard("tiny", vocab, self.model.config.max_position_embeddings,
                          tokenizer_fingerprint(self.tokenizer), frozenset())
-        self.router = Router(self.tokenizer, card, [self.remote], self.pool.client, self.limits,
+        self.router = Gateway(self.tokenizer, card, [self.remote], self.pool.client, self.limits,
                              classifier=default_classifier(), metrics=router_metrics)
         # the router learns routing from the verifiers' reports, as serve() does
         publisher = RoutingPublisher(self.pool.redis, self.pool.keys, self.pool.client.router_id,
-                                     self.router.policy.router, self.pool.signer, router_metrics)
+                                     self.router.policy.expertise, self.pool.signer, router_metrics)
         self.pool.client.on_report = publisher.receive
         self.publishing = asyncio.create_task(publisher.run())
         router_servicer = RouterServicer(self.router, watch)
@@ -207,7 +207,7 @@ class EngineNode:
         return self
 
     async def _build(self) -> EngineWorker:
-        queue = VerifierQueue(async_redis(self.url), self.keys, self.name, heartbeat_ttl_s=self.heartbeat_ttl_s,
+        queue = QueueMember(async_redis(self.url), self.keys, self.name, heartbeat_ttl_s=self.heartbeat_ttl_s,
                               signer=self.signer)
         drafters = await self.make_drafters() if self.make_drafters else [LocalDrafter(NgramDrafter())]
         self.drafters = drafters

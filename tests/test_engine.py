@@ -133,7 +133,7 @@ def test_the_router_policy_is_lossless_and_routes_to_the_drafter_that_is_right(t
         assert out.token_ids == answers[tuple(prompt)]
         assert out.stats.request_kind == "code"
     if not adapt_budget:  # (adaptive: on a tiny model's cheap passes, whether it drafts at all depends on timings)
-        table = policy.router.table()["code"]
+        table = policy.expertise.table()["code"]
         assert table["oracle-tree"] > table["noise"]
         later = outputs[3:]
         steps = {name: sum(o.stats.drafter_steps.get(name, 0) for o in later) for name in ("noise", "oracle-tree")}

@@ -12,7 +12,7 @@ from specmesh.runtime.llama import LlamaRuntime
 from specmesh.runtime.tree_verifier import TreeVerifier
 from specmesh.sampling import SamplingParams
 from specmesh.speculation.drafting import LocalDrafter
-from specmesh.speculation.engine import InProcessVerifier
+from specmesh.speculation.engine import InlineExecutor
 from specmesh.speculation.engine_core import EngineCore
 from specmesh.speculation.policy import FixedPolicy
 from specmesh.speculation.requests import Request, SpeculationStats
@@ -25,7 +25,7 @@ def runtime(tiny_model):
     return LlamaRuntime(tiny_model)
 
 
-class CountingVerifier(InProcessVerifier):
+class CountingVerifier(InlineExecutor):
     """The in-process verifier, remembering which requests each pass carried."""
 
     def __init__(self, verifier: TreeVerifier) -> None:
@@ -76,7 +76,7 @@ def test_requests_joining_between_steps_get_plain_greedy_output(tiny_model, runt
 
 def test_an_aborted_request_frees_its_cache_and_sessions_and_the_others_go_on(tiny_model, runtime):
     chosen = prompts(3, seed=2)
-    verifier = InProcessVerifier(TreeVerifier(runtime))
+    verifier = InlineExecutor(TreeVerifier(runtime))
     drafter = OracleTreeDrafter({}, vocab_size=96)
 
     async def main():
@@ -104,7 +104,7 @@ def test_an_aborted_request_frees_its_cache_and_sessions_and_the_others_go_on(ti
 
 
 def test_a_failing_pass_fails_its_requests_not_the_core(tiny_model, runtime):
-    class Failing(InProcessVerifier):
+    class Failing(InlineExecutor):
         calls = 0
 
         async def verify(self, jobs):
@@ -175,7 +175,7 @@ def test_steps_under_the_plain_arm_are_counted_in_the_budget_histogram(tiny_mode
     answer = hf_greedy(tiny_model, list(prompt), MAX_TOKENS)
     drafter = OracleTreeDrafter({prompt: answer}, vocab_size=96, seed=3)
     policy = adaptive_policy({})
-    policy.router.register(drafter)
+    policy.expertise.register(drafter)
     metrics = VerifierMetrics()
 
     async def main():

@@ -16,7 +16,7 @@ from conftest import HANG_S, wait_until_async
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specmesh.client import AsyncClient
-from specmesh.cluster.gateway import RouterLimits
+from specmesh.cluster.gateway import GatewayLimits
 from specmesh.cluster.pipeline.messages import GROUP
 from specmesh.cluster.serving import Service, start_server
 from specmesh.drafters.ngram import NgramDrafter
@@ -242,7 +242,7 @@ def test_without_a_verifier_admissions_wait_in_a_bounded_queue_past_the_timeout_
     """The engine path with no verifier yet: requests are admitted and wait; past the pool's backlog limit new
     ones are refused RESOURCE_EXHAUSTED; the admitted ones outlive the router's timeout (they wait in Redis,
     as for a restarting verifier) and complete when a verifier comes."""
-    limits = RouterLimits(max_tree_nodes=0, max_queue_backlog=2, speculation="off")
+    limits = GatewayLimits(max_tree_nodes=0, max_queue_backlog=2, speculation="off")
 
     async def main():
         async with ServiceStack(redis_server.url, model, tokenizer, NgramDrafter(), limits, verifiers=0) as stack:
@@ -318,7 +318,7 @@ def test_bursts_after_redis_was_killed_and_restarted_all_succeed(restartable_red
     chat = [("user", "Count: one two three")]
 
     async def main():
-        limits = RouterLimits(max_concurrent_requests=burst_size, max_tree_nodes=6, speculation="fixed")
+        limits = GatewayLimits(max_concurrent=burst_size, max_tree_nodes=6, speculation="fixed")
         async with ServiceStack(server.url, model, tokenizer, NgramDrafter(), limits) as stack:
             async with AsyncClient(stack.address, retries=0) as client:
                 async def burst():

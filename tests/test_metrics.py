@@ -22,7 +22,7 @@ from cluster_parts import ServiceStack
 from conftest import need, tiny_llama
 
 from specmesh.client import AsyncClient
-from specmesh.cluster.gateway import RouterLimits
+from specmesh.cluster.gateway import GatewayLimits
 from specmesh.cluster.metrics import ALERTS, DERIVED, RouterMetrics, VerifierMetrics, serve_metrics
 from specmesh.cluster.ports import free_port
 from specmesh.drafters.ngram import HistoryDrafter
@@ -286,7 +286,7 @@ def test_prometheus_scrapes_the_services_and_every_panel_and_rule_returns_data(r
     binary = _tool("prometheus")
     model = tiny_llama(vocab_size=len(tokenizer), layers=1, seed=5)
     chat = [("user", "Repeat after me: one two three one two three")]
-    limits = RouterLimits(max_tree_nodes=6, speculation="fixed")
+    limits = GatewayLimits(max_tree_nodes=6, speculation="fixed")
 
     async def main():
         # the router's loop: on the verifiers' the per-drafter series come from their reports (issue 66, point 3)

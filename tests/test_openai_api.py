@@ -17,7 +17,7 @@ from conftest import wait_until_async
 from openai import AsyncOpenAI, OpenAI, RateLimitError
 
 from specmesh.client import AsyncClient
-from specmesh.cluster.gateway import RouterLimits, TextStream
+from specmesh.cluster.gateway import GatewayLimits, TextStream
 from specmesh.cluster.stops import StopScanner, tokens_through
 from specmesh.drafters.ngram import NgramDrafter
 
@@ -209,7 +209,7 @@ def test_bad_requests_get_openai_errors_naming_the_field(redis_server, model, to
 
 def test_overload_is_429_and_a_client_that_leaves_frees_its_request(redis_server, model, tokenizer):
     async def main():
-        limits = RouterLimits(max_concurrent_requests=1, max_tree_nodes=6, speculation="fixed")
+        limits = GatewayLimits(max_concurrent=1, max_tree_nodes=6, speculation="fixed")
         async with ServiceStack(redis_server.url, model, tokenizer, NgramDrafter(), limits, metrics=True,
                                 http=True) as stack:
             client = AsyncOpenAI(base_url=stack.http_url, api_key="unused", max_retries=0)

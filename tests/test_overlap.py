@@ -45,9 +45,9 @@ def test_a_benchmark_of_any_texts():
 def test_distill_and_distill_feature_filter_what_they_are_given_whatever_its_source():
     import pytest
 
-    from specmesh.distill.feature_pipeline import distill_feature
+    from specmesh.distill.feature_recipe import distill_feature
     from specmesh.distill.overlap import without_benchmark
-    from specmesh.distill.pipeline import distill
+    from specmesh.distill.recipe import distill
     from specmesh.errors import InvalidArgument
     from specmesh.prompts import Prompt
 

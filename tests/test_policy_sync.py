@@ -22,7 +22,7 @@ from specmesh.cluster.pipeline.policy_sync import (
 )
 from specmesh.cluster.redis_clients import async_redis
 from specmesh.sampling import SamplingParams
-from specmesh.speculation.expertise import ExpertRouter, LevelCounts, LevelRecord, RoutingConfig, Tally, team_key
+from specmesh.speculation.expertise import Expertise, LevelCounts, LevelRecord, RoutingConfig, Tally, team_key
 from specmesh.speculation.policy import adaptive_policy
 from specmesh.speculation.requests import Request
 from specmesh.v1 import verifier_pb2
@@ -32,7 +32,7 @@ KINDS = ("coding", "writing", "general")
 PROMPT = (5, 6, 7, 5, 6, 7, 5)
 
 
-def feed(router: ExpertRouter, seed: int, steps: int = 300) -> None:
+def feed(router: Expertise, seed: int, steps: int = 300) -> None:
     """Steps of requests of every kind, as the adaptive policy observes them: each drafter's tree and the
     team's fused tree against the committed tokens."""
     rng = random.Random(seed)
@@ -52,7 +52,7 @@ def signed(signer: QueueSigner, snapshot: verifier_pb2.RoutingSnapshot) -> tuple
     return payload, signer.tag(ROUTING, payload)
 
 
-def reads_alike(verifier: ExpertRouter, router: ExpertRouter) -> None:
+def reads_alike(verifier: Expertise, router: Expertise) -> None:
     """Routing and fusion as each reads them: the same drafters, trust and team estimates for every kind."""
     assert verifier.table() == router.table() != {}
     for kind in KINDS:
@@ -82,9 +82,9 @@ def test_counts_taken_in_at_once_are_the_walks_one_by_one():
 
 def test_a_verifier_that_applies_the_routers_snapshot_routes_and_weighs_as_the_router():
     signer = QueueSigner(new_key())
-    router = ExpertRouter(DOMAINS, RoutingConfig(max_drafters=2, explore=0.0), free=("ngram",))
+    router = Expertise(DOMAINS, RoutingConfig(max_drafters=2, explore=0.0), free=("ngram",))
     feed(router, seed=1)
-    verifier = ExpertRouter(DOMAINS, free=("ngram",))
+    verifier = Expertise(DOMAINS, free=("ngram",))
     follower = RoutingFollower(verifier, signer)
     feed(verifier, seed=2)  # its own learning before any snapshot, reported: the router has it (or not)
     follower.report(flush=True)
@@ -101,8 +101,8 @@ def test_a_verifier_that_applies_the_routers_snapshot_routes_and_weighs_as_the_r
     router.learn(unreported)
     reads_alike(verifier, router)
     # an older version, or the records of drafters it does not have, are not applied
-    assert not follower.apply(*signed(signer, snapshot_to_pb(ExpertRouter(DOMAINS), 5, "r")), known=set(DOMAINS))
-    partial = ExpertRouter(DOMAINS, free=("ngram",))
+    assert not follower.apply(*signed(signer, snapshot_to_pb(Expertise(DOMAINS), 5, "r")), known=set(DOMAINS))
+    partial = Expertise(DOMAINS, free=("ngram",))
     RoutingFollower(partial, signer).apply(*signed(signer, snapshot_to_pb(router, 9, "r")), known={"coder", "ngram"})
     drafters, teams = partial.shared()
     assert {name for _, name in drafters} == {"coder", "ngram"}
@@ -111,9 +111,9 @@ def test_a_verifier_that_applies_the_routers_snapshot_routes_and_weighs_as_the_r
 
 def test_forged_unreadable_and_unsound_snapshots_are_refused_and_counted_once():
     signer = QueueSigner(new_key())
-    router = ExpertRouter(DOMAINS)
+    router = Expertise(DOMAINS)
     feed(router, seed=1)
-    verifier = ExpertRouter(DOMAINS)
+    verifier = Expertise(DOMAINS)
     metrics = VerifierMetrics()
     follower = RoutingFollower(verifier, signer, metrics)
     good, _ = signed(signer, snapshot_to_pb(router, 7, "r"))
@@ -133,7 +133,7 @@ def test_forged_unreadable_and_unsound_snapshots_are_refused_and_counted_once():
 
 def observed(seed: int) -> Tally:
     """What a verifier's steps observed: its tally."""
-    observer = ExpertRouter(DOMAINS)
+    observer = Expertise(DOMAINS)
     observer.tally = Tally()
     feed(observer, seed, steps=50)
     return observer.tally
@@ -145,9 +145,9 @@ def test_routers_publish_one_lineage_that_holds_every_report_once(redis_server):
     async def main():
         redis, keys, signer = async_redis(redis_server.url), QueueKeys(pool=uuid.uuid4().hex[:8]), QueueSigner(new_key())
         metrics = RouterMetrics()
-        a = RoutingPublisher(redis, keys, "router-a", ExpertRouter(DOMAINS), signer, metrics)
-        b = RoutingPublisher(redis, keys, "router-b", ExpertRouter(DOMAINS), signer)
-        both = ExpertRouter(DOMAINS)  # what one router given every report would hold
+        a = RoutingPublisher(redis, keys, "router-a", Expertise(DOMAINS), signer, metrics)
+        b = RoutingPublisher(redis, keys, "router-b", Expertise(DOMAINS), signer)
+        both = Expertise(DOMAINS)  # what one router given every report would hold
         try:
             a.receive(report_to_pb(observed(1)))
             b.receive(report_to_pb(observed(2)))
@@ -155,12 +155,12 @@ def test_routers_publish_one_lineage_that_holds_every_report_once(redis_server):
                 both.learn(observed(seed))
             read_before = await redis.hget(keys.routing, "version")  # b reads, then a publishes first
             assert await a.sync()
-            assert not await b._publish(read_before or b"") and b.router.tally  # lost the race: kept its counts
+            assert not await b._publish(read_before or b"") and b.expertise.tally  # lost the race: kept its counts
             assert await b.sync() and b.version > a.version
             assert not await b.sync()  # nothing new: nothing published
             assert await a.sync() is False and a.version == b.version  # adopted b's
-            assert a.router.shared() == b.router.shared()
-            for mine, theirs in zip(a.router.shared(), both.shared()):
+            assert a.expertise.shared() == b.expertise.shared()
+            for mine, theirs in zip(a.expertise.shared(), both.shared()):
                 assert mine.keys() == theirs.keys()
                 for key in mine:
                     for x, y in zip(mine[key].levels, theirs[key].levels):
@@ -188,7 +188,7 @@ def routed_pool(redis_server, tiny_model):
             self.pool = await EnginePool(redis_server.url, tiny_model).__aenter__()
             self.policy = adaptive_policy({}, routing=RoutingConfig(max_drafters=2, explore=0.0))
             self.metrics = RouterMetrics()
-            self.publisher = RoutingPublisher(self.pool.redis, self.pool.keys, "router-sync", self.policy.router,
+            self.publisher = RoutingPublisher(self.pool.redis, self.pool.keys, "router-sync", self.policy.expertise,
                                               self.pool.signer, self.metrics, every_s=0.2)
             self.client = EngineClient(self.pool.redis, self.pool.keys, "router-sync", signer=self.pool.signer,
                                        on_report=self.publisher.receive)
@@ -222,25 +222,25 @@ def test_a_verifiers_reports_reach_the_router_whose_snapshot_it_applies(routed_p
     async def main():
         async with routed_pool as routed:
             worker = routed.pool.workers[0]
-            router = routed.policy.router
+            router = routed.policy.expertise
             assert router.table() == {}
             answers = [await asyncio.wait_for(routed.answer(Request(PROMPT, SamplingParams(max_tokens=40),
                                                                     f"synced-{i}", kind="coding")), 60)
                        for i in range(2)]
 
             def caught_up() -> bool:
-                return (not router.tally and not worker.policy.router.tally
+                return (not router.tally and not worker.policy.expertise.tally
                         and routed.applied() == routed.published() == routed.publisher.version > 0)
 
             await wait_until_async(caught_up, timeout_s=20, what="the verifier applies the router's last snapshot")
             reports = routed.metrics.registry.get_sample_value("specmesh_routing_reports_total")
-            assert worker.policy.router.shared() == router.shared()
+            assert worker.policy.expertise.shared() == router.shared()
             return answers, reports, worker
 
     answers, reports, worker = asyncio.run(main())
     assert answers == [plain_greedy(tiny_model, PROMPT, 40)] * 2
     assert reports >= 1
-    router = worker.policy.router
+    router = worker.policy.expertise
     assert "coding" in router.table()
     assert (router.config.max_drafters, router.config.explore) == (2, 0.0)  # the router's settings
 
@@ -253,7 +253,7 @@ def test_a_forged_snapshot_is_refused_and_counted_and_the_routers_next_one_appli
                                    what="the router's first snapshot applied")
             routed.publishing.cancel()
             first = routed.applied()
-            forger = ExpertRouter(DOMAINS, RoutingConfig(max_drafters=5))
+            forger = Expertise(DOMAINS, RoutingConfig(max_drafters=5))
             feed(forger, seed=4)
             payload = snapshot_to_pb(forger, int(first) + 10**9, "forger").SerializeToString()
             await routed.pool.redis.hset(routed.pool.keys.routing, mapping={
@@ -261,9 +261,9 @@ def test_a_forged_snapshot_is_refused_and_counted_and_the_routers_next_one_appli
             refused = lambda: worker.metrics.registry.get_sample_value(  # noqa: E731
                 "specmesh_routing_snapshots_refused_total", {"reason": "forged"})
             await wait_until_async(lambda: refused() == 1, timeout_s=10, what="the forged snapshot refused")
-            assert routed.applied() == first and worker.policy.router.config.max_drafters == 2
-            assert worker.policy.router.shared() == ({}, {})
-            routed.publisher.router.learn(observed(5))  # the router learns: it publishes over the forgery
+            assert routed.applied() == first and worker.policy.expertise.config.max_drafters == 2
+            assert worker.policy.expertise.shared() == ({}, {})
+            routed.publisher.expertise.learn(observed(5))  # the router learns: it publishes over the forgery
             assert await routed.publisher.sync()
             await wait_until_async(lambda: routed.applied() == routed.publisher.version, timeout_s=10,
                                    what="the router's snapshot applied after the forged one")

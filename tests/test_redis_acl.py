@@ -122,7 +122,7 @@ def test_routers_write_the_routing_snapshot_and_verifiers_only_read_it(secured, 
     from specmesh.cluster.pipeline.messages import QueueSigner, new_key
     from specmesh.cluster.pipeline.policy_sync import RoutingFollower, RoutingPublisher
     from specmesh.cluster.redis_acl import CONNECTION, role_rules
-    from specmesh.speculation.expertise import ExpertRouter, LevelCounts, Tally
+    from specmesh.speculation.expertise import Expertise, LevelCounts, Tally
 
     password = "old-verifier-password-0123456789"
     older = [word for rule in role_rules("verifier") if "routing" not in rule  # a selector is one argument
@@ -133,7 +133,7 @@ def test_routers_write_the_routing_snapshot_and_verifiers_only_read_it(secured, 
                               "-@all", *CONNECTION.split(), *older)
 
     def learnt(publisher: RoutingPublisher) -> RoutingPublisher:  # with counts to publish
-        publisher.router.learn(Tally(drafters={("general", "ngram"): LevelCounts([1], [1])}))
+        publisher.expertise.learn(Tally(drafters={("general", "ngram"): LevelCounts([1], [1])}))
         return publisher
 
     async def main():
@@ -142,14 +142,14 @@ def test_routers_write_the_routing_snapshot_and_verifiers_only_read_it(secured, 
         old_redis = aioredis.Redis.from_url(
             url(secured, "verifier").replace(f"specmesh-verifier:{PASSWORDS['verifier']}@", f"old-verifier:{password}@"))
         try:
-            published = await RoutingPublisher(router_redis, keys, "router-acl", ExpertRouter({}), signer).sync()
-            follower = RoutingFollower(ExpertRouter({}), signer, VerifierMetrics())
+            published = await RoutingPublisher(router_redis, keys, "router-acl", Expertise({}), signer).sync()
+            follower = RoutingFollower(Expertise({}), signer, VerifierMetrics())
             applied = await follower.poll(verifier_redis, keys.routing, set)
             refused = {}
             for name, call in [
                 ("verifier writes the snapshot", verifier_redis.hset(keys.routing, "snapshot", b"forged")),
                 ("verifier deletes it", verifier_redis.delete(keys.routing)),
-                ("verifier publishes one", learnt(RoutingPublisher(verifier_redis, keys, "v", ExpertRouter({}),
+                ("verifier publishes one", learnt(RoutingPublisher(verifier_redis, keys, "v", Expertise({}),
                                                                    signer)).sync()),
             ]:
                 try:
@@ -157,7 +157,7 @@ def test_routers_write_the_routing_snapshot_and_verifiers_only_read_it(secured, 
                     refused[name] = False
                 except NoPermissionError:
                     refused[name] = True
-            old = RoutingFollower(ExpertRouter({}), signer)
+            old = RoutingFollower(Expertise({}), signer)
             for _ in range(2):
                 assert not await old.poll(old_redis, keys.routing, set)
                 old._next_read = 0.0

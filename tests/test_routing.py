@@ -10,7 +10,7 @@ from specmesh.distill.templates import domain_prompts
 from specmesh.errors import InvalidArgument
 from specmesh.fusion import fuse_trees
 from specmesh.speculation.classifier import RequestClassifier, default_classifier
-from specmesh.speculation.expertise import GENERAL, ExpertRouter, LevelRecord, RoutingConfig, level_hits
+from specmesh.speculation.expertise import GENERAL, Expertise, LevelRecord, RoutingConfig, level_hits
 from specmesh.speculation.goodput import CostModel, DraftCost, GoodputController, Load, Realism, expected_tokens
 from specmesh.runtime.calibration import PassSample
 from specmesh.speculation.policy import SPECULATION_MARGIN, AdaptivePolicy, StepOutcome, StepPlan
@@ -68,13 +68,13 @@ class Simulated:
         return TokenTree.chain(tokens, [0.8] * len(tokens))
 
 
-def run_steps(router, route, drafters, steps, rng):
+def run_steps(expertise, route, drafters, steps, rng):
     chosen_counts = {name: 0 for name in drafters}
     for _ in range(steps):
         truth = [rng.randrange(100) for _ in range(5)]
-        for name in router.select(route, list(drafters)):
+        for name in expertise.select(route, list(drafters)):
             chosen_counts[name] += 1
-            router.observe(route, name, *level_hits(drafters[name].tree(truth), truth))
+            expertise.observe(route, name, *level_hits(drafters[name].tree(truth), truth))
     return chosen_counts
 
 
@@ -82,83 +82,83 @@ def test_an_always_wrong_drafter_loses_its_traffic_and_regains_it_when_it_improv
     rng = random.Random(0)
     config = RoutingConfig(max_drafters=1, explore=0.1)
     # the wrong one even claims the request's domain: the prior favours it at first
-    router = ExpertRouter({"expert": ["code"], "lookup": ["general"]}, config, seed=1)
+    expertise = Expertise({"expert": ["code"], "lookup": ["general"]}, config, seed=1)
     drafters = {"expert": Simulated(0.0, rng), "lookup": Simulated(0.7, rng)}
-    route = router.open("code")
-    assert router.select(route, list(drafters))[0] == "expert"
-    first = run_steps(router, route, drafters, 5, rng)
+    route = expertise.open("code")
+    assert expertise.select(route, list(drafters))[0] == "expert"
+    first = run_steps(expertise, route, drafters, 5, rng)
     assert first["lookup"] >= 3, first  # a couple of misses of the favoured one move the traffic over
-    later = run_steps(router, route, drafters, 100, rng)
+    later = run_steps(expertise, route, drafters, 100, rng)
     assert later["lookup"] == 100 and later["expert"] <= 20, later  # the wrong one only when explored
     # the expert improves (a retrained node): exploration finds it, and it wins the traffic back
     drafters["expert"].skill, drafters["lookup"].skill = 0.95, 0.3
-    run_steps(router, route, drafters, 60, rng)
-    again = run_steps(router, route, drafters, 50, rng)
+    run_steps(expertise, route, drafters, 60, rng)
+    again = run_steps(expertise, route, drafters, 50, rng)
     assert again["expert"] >= 45, again
     # and it is learned for the kind too: a new request of the same kind starts with the expert
-    assert router.select(router.open("code"), list(drafters))[0] == "expert"
+    assert expertise.select(expertise.open("code"), list(drafters))[0] == "expert"
 
 
 def test_routing_by_kind_prior_and_trust_weights():
-    router = ExpertRouter({"code": ["code"], "math": ["math"], "ngram": ["general"]},
+    expertise = Expertise({"code": ["code"], "math": ["math"], "ngram": ["general"]},
                           RoutingConfig(max_drafters=2, explore=0.0))
-    code, math_route = router.open("code"), router.open("math")
-    assert router.select(code, ["code", "math", "ngram"]) == ["code", "ngram"]
-    assert router.select(math_route, ["code", "math", "ngram"]) == ["math", "ngram"]
-    assert router.select(code, ["math", "ngram"]) == ["ngram", "math"]  # a dead expert is routed around
+    code, math_route = expertise.open("code"), expertise.open("math")
+    assert expertise.select(code, ["code", "math", "ngram"]) == ["code", "ngram"]
+    assert expertise.select(math_route, ["code", "math", "ngram"]) == ["math", "ngram"]
+    assert expertise.select(code, ["math", "ngram"]) == ["ngram", "math"]  # a dead expert is routed around
     # trust follows the request's own evidence: a wrong drafter's weight shrinks
-    before = router.weights(code, ["code"])[0]
+    before = expertise.weights(code, ["code"])[0]
     for _ in range(5):
-        router.observe(code, "code", 0, 1)
-    assert router.weights(code, ["code"])[0] < before / 2
-    assert router.table()["code"]["code"] < router.config.domain_prior
+        expertise.observe(code, "code", 0, 1)
+    assert expertise.weights(code, ["code"])[0] < before / 2
+    assert expertise.table()["code"]["code"] < expertise.config.domain_prior
 
 
 def test_model_free_drafters_ride_along_with_the_best_expert():
-    router = ExpertRouter({"code": ["code"], "math": ["math"], "ngram": ["general"], "history": ["general"]},
+    expertise = Expertise({"code": ["code"], "math": ["math"], "ngram": ["general"], "history": ["general"]},
                           RoutingConfig(max_drafters=1, explore=0.0), free=["ngram", "history"])
-    route = router.open("code")
-    assert router.select(route, ["code", "math", "ngram", "history"]) == ["code", "history", "ngram"]
+    route = expertise.open("code")
+    assert expertise.select(route, ["code", "math", "ngram", "history"]) == ["code", "history", "ngram"]
     for _ in range(30):  # history never helps this request: it stops being asked, ngram stays
-        router.observe(route, "history", 0, 2)
-    assert router.select(route, ["code", "math", "ngram", "history"]) == ["code", "ngram"]
+        expertise.observe(route, "history", 0, 2)
+    assert expertise.select(route, ["code", "math", "ngram", "history"]) == ["code", "ngram"]
 
 
 def test_a_budget_given_is_drafted_without_the_experts_a_model_free_drafter_out_guesses():
     """Under the batch's fixed arm the budget is given: an expert that prompt lookup out-guesses on this
     request (an edit of text the prompt holds) only adds its cost, and is left out; one that guesses better
     stays."""
-    policy = AdaptivePolicy(ExpertRouter({"code": ["code"], "ngram": ["general"]}, RoutingConfig(explore=0.0),
+    policy = AdaptivePolicy(Expertise({"code": ["code"], "ngram": ["general"]}, RoutingConfig(explore=0.0),
                                          free=["ngram"]), GoodputController(CostModel(), probe_every=0))
-    router = policy.router
+    expertise = policy.expertise
     copying, open_question = policy.begin("code", 8), policy.begin("code", 8)
     assert copying.plan(room=100, available=["code", "ngram"], position=10, budget=4).drafters == ("code", "ngram")
     for _ in range(20):
-        router.observe(copying.route, "ngram", 4, 4)
-        router.observe(copying.route, "code", 0, 1)
-        router.observe(open_question.route, "ngram", 0, 1)
-        router.observe(open_question.route, "code", 2, 3)
+        expertise.observe(copying.route, "ngram", 4, 4)
+        expertise.observe(copying.route, "code", 0, 1)
+        expertise.observe(open_question.route, "ngram", 0, 1)
+        expertise.observe(open_question.route, "code", 2, 3)
     plan = copying.plan(room=100, available=["code", "ngram"], position=10, budget=4)
     assert plan.drafters == ("ngram",) and plan.budget == 4
     assert open_question.plan(room=100, available=["code", "ngram"], position=10, budget=4).drafters == ("code", "ngram")
-    assert router.outguessed(copying.route, ["code"]) == ["code"]  # no model-free drafter asked: nothing to compare
+    assert expertise.outguessed(copying.route, ["code"]) == ["code"]  # no model-free drafter asked: nothing to compare
 
 
 def test_a_team_is_expected_to_be_right_as_often_as_its_fused_trees_were():
-    router = ExpertRouter({"a": ["code"], "b": ["code"]}, RoutingConfig(explore=0.0))
-    route = router.open("code")
+    expertise = Expertise({"a": ["code"], "b": ["code"]}, RoutingConfig(explore=0.0))
+    route = expertise.open("code")
     for step in range(60):  # each right half the time, on the same tokens: together no better than one
         hit = step % 2
-        router.observe(route, "a", hit, 1)
-        router.observe(route, "b", hit, 1)
-        router.observe_team(route, ["a", "b"], hit, 1)
-    alone = router.levels(route, "a", 1)[0]
-    independent = 1 - (1 - alone) * (1 - router.levels(route, "b", 1)[0])
-    together = router.team_levels(route, ["b", "a"], 1)[0]  # the order of the names does not matter
+        expertise.observe(route, "a", hit, 1)
+        expertise.observe(route, "b", hit, 1)
+        expertise.observe_team(route, ["a", "b"], hit, 1)
+    alone = expertise.levels(route, "a", 1)[0]
+    independent = 1 - (1 - alone) * (1 - expertise.levels(route, "b", 1)[0])
+    together = expertise.team_levels(route, ["b", "a"], 1)[0]  # the order of the names does not matter
     assert alone == pytest.approx(0.5, abs=0.1) and independent > 0.7
     assert together == pytest.approx(0.5, abs=0.1)
-    assert router.team_levels(router.open("code"), ["a", "b"], 1)[0] < 0.65  # the next request of the kind knows it too
-    assert set(router.table()["code"]) == {"a", "b"}  # teams are not drafters
+    assert expertise.team_levels(expertise.open("code"), ["a", "b"], 1)[0] < 0.65  # the next request of the kind knows it too
+    assert set(expertise.table()["code"]) == {"a", "b"}  # teams are not drafters
 
 
 def test_drafters_register_by_what_they_advertise():
@@ -167,21 +167,21 @@ def test_drafters_register_by_what_they_advertise():
     from specmesh.drafters.ngram import NgramDrafter
     from specmesh.speculation.drafting import LocalDrafter
 
-    router = ExpertRouter({})
-    router.register(SimpleNamespace(name="code", kind="expert", domains=("code",)))  # an in-process expert
-    router.register(SimpleNamespace(name="remote-math", kind="expert", domains=("math", "reasoning")))  # a card
-    router.register(LocalDrafter(NgramDrafter()))  # no domain of its own
-    assert router.domains == {"code": ("code",), "remote-math": ("math", "reasoning"), "ngram": (GENERAL,)}
-    assert router.free == {"ngram"}
+    expertise = Expertise({})
+    expertise.register(SimpleNamespace(name="code", kind="expert", domains=("code",)))  # an in-process expert
+    expertise.register(SimpleNamespace(name="remote-math", kind="expert", domains=("math", "reasoning")))  # a card
+    expertise.register(LocalDrafter(NgramDrafter()))  # no domain of its own
+    assert expertise.domains == {"code": ("code",), "remote-math": ("math", "reasoning"), "ngram": (GENERAL,)}
+    assert expertise.free == {"ngram"}
 
 
 def test_a_hopeless_drafter_is_not_asked_unless_exploring():
-    router = ExpertRouter({"bad": ["code"]}, RoutingConfig(max_drafters=2, explore=0.0, kind_decay=1.0))
-    route = router.open("code")
+    expertise = Expertise({"bad": ["code"]}, RoutingConfig(max_drafters=2, explore=0.0, kind_decay=1.0))
+    route = expertise.open("code")
     for _ in range(40):
-        router.observe(route, "bad", 0, 3)
-    assert router.select(route, ["bad"]) == []
-    assert router.select(route, ["bad"], at_least_one=True) == ["bad"]  # a probe asks the best there is
+        expertise.observe(route, "bad", 0, 3)
+    assert expertise.select(route, ["bad"]) == []
+    assert expertise.select(route, ["bad"], at_least_one=True) == ["bad"]  # a probe asks the best there is
 
 
 # ---- the request classifier ----
@@ -304,7 +304,7 @@ def test_a_first_proposal_that_took_in_the_whole_prompt_does_not_make_the_drafte
 
 
 def test_a_step_that_prefilled_does_not_teach_the_step_overhead():
-    policy = AdaptivePolicy(ExpertRouter({"ngram": ["general"]}, free=["ngram"]), GoodputController(CostModel()))
+    policy = AdaptivePolicy(Expertise({"ngram": ["general"]}, free=["ngram"]), GoodputController(CostModel()))
     request = policy.begin("general", 4)
     plan = request.plan(16, ["ngram"], 60)
     first = StepOutcome(plan, (TokenTree(),), TokenTree(), (3,), step_ms=260.0, pass_ms=50.0, batch_rows=1,
@@ -316,7 +316,7 @@ def test_a_step_that_prefilled_does_not_teach_the_step_overhead():
 
 
 def test_the_step_overhead_is_learnt_once_a_pass_for_the_whole_cycle():
-    policy = AdaptivePolicy(ExpertRouter({"ngram": ["general"]}, free=["ngram"]), GoodputController(CostModel()))
+    policy = AdaptivePolicy(Expertise({"ngram": ["general"]}, free=["ngram"]), GoodputController(CostModel()))
     requests = [policy.begin("general", 4) for _ in range(8)]
     learnt = []
     observe = policy.controller.overhead.observe
@@ -433,7 +433,7 @@ def test_realism_scales_predictions_to_what_came_true():
 
 
 def test_a_policy_whose_trees_keep_fewer_tokens_than_it_predicts_stops_drafting_them():
-    policy = AdaptivePolicy(ExpertRouter({"expert": ["code"]}, RoutingConfig(explore=0.0)),
+    policy = AdaptivePolicy(Expertise({"expert": ["code"]}, RoutingConfig(explore=0.0)),
                             GoodputController(measured_cost(), probe_every=0))
     policy.draft_cost("expert").fit.observe([1.0, 4.0, 0.0], 8.0)
     request = policy.begin("code", 8)
@@ -447,7 +447,7 @@ def test_a_policy_whose_trees_keep_fewer_tokens_than_it_predicts_stops_drafting_
         request.observe(StepOutcome(plan, (tree,), tree, (6,), draft_ms=8.0, drafter_ms=(8.0,), step_ms=30.0,
                                     pass_ms=20.0, batch_rows=1 + plan.budget, batch_size=1))
         request.route.records.clear()  # the record keeps saying what the prior says: only realism can learn
-        policy.router._kinds.clear()
+        policy.expertise._kinds.clear()
         plan = request.plan(room=100, available=["expert"], position=100 + step)
     assert plan.budget == 0 and policy.state.realism.ratio < 0.5
 
@@ -461,7 +461,7 @@ def test_controller_probes_after_a_run_of_plain_steps_and_less_often_in_a_busy_b
 
 def test_a_busy_batch_of_short_requests_still_probes_once_in_a_while():
     # 16 requests of 8 steps each never reach a busy batch's probe interval (64 steps) on their own
-    policy = AdaptivePolicy(ExpertRouter({"ngram": ["general"]}, free=["ngram"]), GoodputController(CostModel(), probe_every=4))
+    policy = AdaptivePolicy(Expertise({"ngram": ["general"]}, free=["ngram"]), GoodputController(CostModel(), probe_every=4))
     for _ in range(30):  # every step learnt dear: plain decoding pays best
         policy.controller.overhead.observe(10.0, requests=16)
         policy.controller.overhead.observe(500.0, requests=16, trees=16)
@@ -484,7 +484,7 @@ def test_a_busy_batch_of_short_requests_still_probes_once_in_a_while():
 def test_probes_that_keep_nothing_come_less_often_until_one_keeps_something():
     from specmesh.speculation.policy import PROBE_BACKOFF_MOST
 
-    policy = AdaptivePolicy(ExpertRouter({"ngram": ["general"]}, RoutingConfig(explore=0.0), free=["ngram"]),
+    policy = AdaptivePolicy(Expertise({"ngram": ["general"]}, RoutingConfig(explore=0.0), free=["ngram"]),
                             GoodputController(CostModel(), probe_every=4))
     policy.draft_cost("ngram").fit.observe([1.0, 4.0, 0.0], 400.0)  # drafting looks hopeless: only probes
     request = policy.begin("general", 4)
@@ -507,7 +507,7 @@ def test_probes_that_keep_nothing_come_less_often_until_one_keeps_something():
 
 
 def test_the_policy_leaves_out_an_expert_whose_guesses_do_not_pay_for_its_time():
-    policy = AdaptivePolicy(ExpertRouter({"expert": ["code"], "ngram": ["general"]}, RoutingConfig(explore=0.0),
+    policy = AdaptivePolicy(Expertise({"expert": ["code"], "ngram": ["general"]}, RoutingConfig(explore=0.0),
                                          free=["ngram"]), GoodputController(CostModel(), probe_every=0))
     request = policy.begin("code", 8)
     plan = request.plan(room=100, available=["expert", "ngram"], position=100)
@@ -532,7 +532,7 @@ def test_in_a_shared_pass_a_predicted_gain_within_the_margin_is_not_worth_a_tree
             return 4, self.goodput(0, [], 0.0, load) * self.gain
 
     controller = Predicting(CostModel(), probe_every=0)
-    policy = AdaptivePolicy(ExpertRouter({"ngram": ["general"]}, RoutingConfig(explore=0.0), free=["ngram"]), controller)
+    policy = AdaptivePolicy(Expertise({"ngram": ["general"]}, RoutingConfig(explore=0.0), free=["ngram"]), controller)
     request = policy.begin("general", 8)
     controller.gain = 1.0 + SPECULATION_MARGIN / 2
     assert request.plan(room=100, available=["ngram"], position=100).budget == 4  # alone: the model holds
@@ -549,11 +549,11 @@ def test_in_a_shared_pass_a_predicted_gain_within_the_margin_is_not_worth_a_tree
 
 def test_a_negative_margin_is_refused():
     with pytest.raises(InvalidArgument, match="margin"):
-        AdaptivePolicy(ExpertRouter({"ngram": ["general"]}), GoodputController(CostModel()), margin=-0.1)
+        AdaptivePolicy(Expertise({"ngram": ["general"]}), GoodputController(CostModel()), margin=-0.1)
 
 
 def test_an_expert_joining_late_pays_its_catch_up_over_the_steps_it_will_draft():
-    policy = AdaptivePolicy(ExpertRouter({"expert": ["code"]}, RoutingConfig(explore=0.0)),
+    policy = AdaptivePolicy(Expertise({"expert": ["code"]}, RoutingConfig(explore=0.0)),
                             GoodputController(CostModel(), probe_every=0))
     policy.draft_cost("expert").fit.observe([1.0, 8.0, 100.0], 2.0 + 4.0 * 8 + 0.35 * 100)  # 0.35 ms a context token
     policy.state.tokens_per_request_step = 2.0
@@ -566,7 +566,7 @@ def test_an_expert_joining_late_pays_its_catch_up_over_the_steps_it_will_draft()
 
 @pytest.mark.parametrize("in_flight", [0, 7])  # alone, and in a busy batch
 def test_a_request_without_speculation_weighs_it_again_every_few_steps(in_flight):
-    policy = AdaptivePolicy(ExpertRouter({"ngram": ["general"]}, RoutingConfig(explore=0.0), free=["ngram"]),
+    policy = AdaptivePolicy(Expertise({"ngram": ["general"]}, RoutingConfig(explore=0.0), free=["ngram"]),
                             GoodputController(CostModel(), probe_every=0), margin=0.0)  # the margin: its own test
     others = [policy.begin("general", 4) for _ in range(in_flight)]
     request = policy.begin("general", 4)
@@ -579,7 +579,7 @@ def test_a_request_without_speculation_weighs_it_again_every_few_steps(in_flight
         if step == 1:  # from here on drafting looks cheap and right: noticed at the next weighing
             policy.state.drafting.clear()
             for _ in range(30):
-                policy.router.observe(request.route, "ngram", 4, 4)
+                policy.expertise.observe(request.route, "ngram", 4, 4)
     assert plans[:4] == [0, 0, 0, 0] and plans[4] > 0
     assert len(others) == in_flight
 
@@ -587,7 +587,7 @@ def test_a_request_without_speculation_weighs_it_again_every_few_steps(in_flight
 def test_a_request_at_zero_weighs_again_only_once_something_was_learned(monkeypatch):
     from specmesh.speculation.policy import RECHECK_EVERY, RECHECK_UNCHANGED_EVERY
 
-    policy = AdaptivePolicy(ExpertRouter({"ngram": ["general"]}, RoutingConfig(explore=0.0), free=["ngram"]),
+    policy = AdaptivePolicy(Expertise({"ngram": ["general"]}, RoutingConfig(explore=0.0), free=["ngram"]),
                             GoodputController(CostModel(), probe_every=0))
     request = policy.begin("general", 4)
     policy.draft_cost("ngram").fit.observe([1.0, 4.0, 0.0], 400.0)  # drafting looks hopeless
@@ -600,7 +600,7 @@ def test_a_request_at_zero_weighs_again_only_once_something_was_learned(monkeypa
         request.observe(StepOutcome(plan, (), TokenTree(), (3,), step_ms=6.0, pass_ms=5.0, batch_rows=1, batch_size=1))
     # the first weighing, then one each RECHECK_UNCHANGED_EVERY steps: nothing was learned in between
     assert weighings == [0, RECHECK_UNCHANGED_EVERY]
-    policy.router.observe(request.route, "ngram", 4, 4)  # something learned: weighed at the next recheck
+    policy.expertise.observe(request.route, "ngram", 4, 4)  # something learned: weighed at the next recheck
     for step in range(RECHECK_EVERY):
         plan = request.plan(room=500, available=["ngram"], position=200 + step)
         request.observe(StepOutcome(plan, (), TokenTree(), (3,), step_ms=6.0, pass_ms=5.0, batch_rows=1, batch_size=1))
@@ -608,7 +608,7 @@ def test_a_request_at_zero_weighs_again_only_once_something_was_learned(monkeypa
 
 
 def test_adaptive_policy_learns_costs_and_load_from_the_verifiers_reports():
-    policy = AdaptivePolicy(ExpertRouter({"a": ["general"]}), GoodputController(CostModel(), probe_every=0))
+    policy = AdaptivePolicy(Expertise({"a": ["general"]}), GoodputController(CostModel(), probe_every=0))
     request = policy.begin("general", 8)
     plan = request.plan(room=50, available=["a"], position=50)
     assert plan.drafters == ("a",) and plan.budget > 0

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from specmesh.client import AsyncClient, generate_request
-from specmesh.cluster.gateway import RouterLimits
+from specmesh.cluster.gateway import GatewayLimits
 from specmesh.cluster.remote_drafter import RemoteDrafter
 from specmesh.cluster.serving import Service, TorchThread, start_server
 from specmesh.drafters.ngram import HistoryDrafter, NgramDrafter
@@ -295,7 +295,7 @@ def test_a_session_whose_proposal_timed_out_is_closed_when_its_request_ends(toke
 
 def test_overload_is_resource_exhausted_and_cancel_frees_everything(redis_server, model, tokenizer):
     async def main():
-        limits = RouterLimits(max_concurrent_requests=1, max_tree_nodes=6)
+        limits = GatewayLimits(max_concurrent=1, max_tree_nodes=6)
         async with ServiceStack(redis_server.url, model, tokenizer, NgramDrafter(), limits) as stack:
             async with AsyncClient(stack.address) as client:
                 first = client.stream(chat=CHAT, max_tokens=200)
@@ -325,7 +325,7 @@ def test_a_burst_never_puts_more_than_the_limit_in_flight(redis_server, model, t
     limit, calls = 8, 200
 
     async def main():
-        limits = RouterLimits(max_concurrent_requests=limit, max_tree_nodes=6)
+        limits = GatewayLimits(max_concurrent=limit, max_tree_nodes=6)
         async with ServiceStack(redis_server.url, model, tokenizer, NgramDrafter(), limits) as stack:
             verifier = stack.pool.workers[0]
             async with passes_held(verifier):

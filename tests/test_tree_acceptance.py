@@ -8,7 +8,7 @@ import pytest
 
 from specmesh.drafters.oracle import OracleEntry, best_first_tree
 from specmesh.runtime.calibration import PassSample
-from specmesh.speculation.expertise import ExpertRouter, RoutingConfig, level_hits
+from specmesh.speculation.expertise import Expertise, RoutingConfig, level_hits
 from specmesh.speculation.goodput import CostModel, GoodputController, expected_tokens_upto
 from specmesh.speculation.policy import AdaptivePolicy, StepOutcome
 from specmesh.speculation.tree_acceptance import RankRecord, tree_tokens_upto, walk_ranks
@@ -103,7 +103,7 @@ def _oracle_outcome(policy, request, entry, at, vocab=1000):
 def _policy_over_the_oracle(width: int, steps: int) -> tuple[AdaptivePolicy, list[int], list[int]]:
     """An adaptive policy on a flat pass curve, fed ``steps`` of the oracle at p = 0.8: it, and each step's
     budget and tokens committed."""
-    policy = AdaptivePolicy(ExpertRouter({"oracle": ["general"]}, RoutingConfig(explore=0.0), free=["oracle"]),
+    policy = AdaptivePolicy(Expertise({"oracle": ["general"]}, RoutingConfig(explore=0.0), free=["oracle"]),
                             GoodputController(CostModel()))
     policy.controller.cost.calibrate(FLAT)
     policy.controller.drafting_shares_cores = False

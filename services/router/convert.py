@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from specmesh.cluster.gateway import Generation
+from specmesh.cluster.gateway import RequestState
 from specmesh.cluster.wire import stats_to_pb
 from specmesh.v1 import router_pb2
 
 
-def usage_pb(generation: Generation) -> router_pb2.Usage:
+def usage_pb(generation: RequestState) -> router_pb2.Usage:
     return router_pb2.Usage(prompt_tokens=generation.prompt_tokens, completion_tokens=len(generation.token_ids))
 
 
-def stats_pb(generation: Generation) -> router_pb2.SpeculationStats:
+def stats_pb(generation: RequestState) -> router_pb2.SpeculationStats:
     return stats_to_pb(generation.stats)
 
 

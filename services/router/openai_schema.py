@@ -86,13 +86,13 @@ class CompletionRequest(SamplingFields):
 
 # ---- responses ----
 
-class Usage(BaseModel):
+class CompletionUsage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
 
 
-class SpeculationStats(BaseModel):
+class SpeculationUsage(BaseModel):
     """specmesh's extension on a response (and a stream's last chunk): how the answer was speculated."""
 
     target_steps: int
@@ -123,19 +123,19 @@ class ChatCompletion(BaseModel):
     created: int
     model: str
     choices: list[ChatChoice]
-    usage: Usage
+    usage: CompletionUsage
     system_fingerprint: str
-    specmesh: SpeculationStats
+    specmesh: SpeculationUsage
 
 
-class Delta(BaseModel):
+class ChoiceDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int
-    delta: Delta
+    delta: ChoiceDelta
     finish_reason: Literal["stop", "length"] | None = None
     logprobs: None = None
 
@@ -146,9 +146,9 @@ class ChatCompletionChunk(BaseModel):
     created: int
     model: str
     choices: list[ChatChunkChoice]
-    usage: Usage | None = None
+    usage: CompletionUsage | None = None
     system_fingerprint: str
-    specmesh: SpeculationStats | None = None
+    specmesh: SpeculationUsage | None = None
 
 
 class CompletionChoice(BaseModel):
@@ -166,9 +166,9 @@ class Completion(BaseModel):
     created: int
     model: str
     choices: list[CompletionChoice]
-    usage: Usage | None = None
+    usage: CompletionUsage | None = None
     system_fingerprint: str
-    specmesh: SpeculationStats | None = None
+    specmesh: SpeculationUsage | None = None
 
 
 class Model(BaseModel):

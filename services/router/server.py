@@ -14,7 +14,7 @@ from typing import Sequence
 from specmesh import __version__
 from specmesh.cluster.auth import Access, ApiKeys, KeyLimits, check_exposure
 from specmesh.cluster.discovery import reach_drafters
-from specmesh.cluster.gateway import ModelCard, Router, RouterLimits, TextStream, watch_cluster
+from specmesh.cluster.gateway import ModelCard, Gateway, GatewayLimits, TextStream, watch_cluster
 from specmesh.cluster.metrics import RouterMetrics, serve_metrics
 from specmesh.cluster.pipeline.engine_client import EngineClient
 from specmesh.cluster.pipeline.messages import QueueKeys, QueueSigner
@@ -41,16 +41,16 @@ log = logging.getLogger("specmesh.router")
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    def __init__(self, router: Router, verifiers: VerifierWatch) -> None:
-        self.router = router
+    def __init__(self, gateway: Gateway, verifiers: VerifierWatch) -> None:
+        self.gateway = gateway
         self.verifiers = verifiers
 
     def _prompt_ids(self, message) -> list[int]:
         kind = message.WhichOneof("input")
         if kind == "prompt":
-            return self.router.encode_text(message.prompt)
+            return self.gateway.encode_text(message.prompt)
         if kind == "chat":
-            return self.router.encode_chat([(m.role, m.content) for m in message.chat.messages])
+            return self.gateway.encode_chat([(m.role, m.content) for m in message.chat.messages])
         if kind == "prompt_ids":
             return list(message.prompt_ids.ids)
         raise InvalidArgument("input", "give one of prompt, chat or prompt_ids")
@@ -69,29 +69,29 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         sampling = common_pb2.SamplingParams()
         sampling.CopyFrom(message.sampling)
         if sampling.max_tokens == 0:
-            sampling.max_tokens = self.router.limits.default_max_tokens
+            sampling.max_tokens = self.gateway.limits.default_max_tokens
         budget = message.max_tree_nodes if message.HasField("max_tree_nodes") else None
         if message.speculation not in SPECULATION:
             raise InvalidArgument("speculation", f"unknown value {message.speculation}")
-        return self.router.make_request(self._prompt_ids(message), sampling_from_pb(sampling), message.request_id,
+        return self.gateway.make_request(self._prompt_ids(message), sampling_from_pb(sampling), message.request_id,
                                         budget, text=self._text(message), speculation=SPECULATION[message.speculation],
                                         resume_ids=message.resume_ids.ids)
 
     async def Generate(self, request, context):
-        ticket = await self.router.prepare(self._ticket, request)
+        ticket = await self.gateway.prepare(self._ticket, request)
         generation = None
-        async for generation, _ in self.router.generate(ticket, final_only=True):  # the answer goes whole
+        async for generation, _ in self.gateway.generate(ticket, final_only=True):  # the answer goes whole
             pass
         return router_pb2.GenerateResponse(
-            request_id=request.request_id or ticket.request.request_id, text=self.router.decode(generation.token_ids),
+            request_id=request.request_id or ticket.request.request_id, text=self.gateway.decode(generation.token_ids),
             token_ids=generation.token_ids, finish_reason=generation.finish_reason or "length",
             usage=usage_pb(generation), stats=stats_pb(generation),
         )
 
     async def GenerateStream(self, request, context):
-        ticket = await self.router.prepare(self._ticket, request)
-        text = TextStream(self.router.decode, ticket.resumed)
-        async for generation, step in self.router.generate(ticket):
+        ticket = await self.gateway.prepare(self._ticket, request)
+        text = TextStream(self.gateway.decode, ticket.resumed)
+        async for generation, step in self.gateway.generate(ticket):
             final = step.finish_reason is not None
             chunk = router_pb2.GenerateChunk(
                 request_id=request.request_id or ticket.request.request_id, token_ids=step.token_ids,
@@ -106,11 +106,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             yield chunk
 
     async def CountTokens(self, request, context):
-        ids = await self.router.prepare(self._prompt_ids, request)
+        ids = await self.gateway.prepare(self._prompt_ids, request)
         return router_pb2.CountTokensResponse(count=len(ids), token_ids=ids)
 
     def _card(self) -> router_pb2.ModelCard:
-        card = self.router.card
+        card = self.gateway.card
         return router_pb2.ModelCard(id=card.name, tokenizer_hash=card.tokenizer_hash, max_length=card.max_length,
                                     vocab_size=card.vocab_size)
 
@@ -118,16 +118,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return router_pb2.ListModelsResponse(models=[self._card()])
 
     async def Info(self, request, context):
-        limits = self.router.limits
+        limits = self.gateway.limits
         return router_pb2.RouterInfo(
             model=self._card(),
             drafters=[router_pb2.DrafterStatus(address=d.address, name=d.name, domains=d.domains or (GENERAL,),
                                                healthy=d.healthy)
-                      for d in self.router.drafters],
-            active_requests=self.router.active, max_concurrent_requests=limits.max_concurrent_requests,
+                      for d in self.gateway.drafters],
+            active_requests=self.gateway.active, max_concurrent_requests=limits.max_concurrent,
             max_tree_nodes=limits.max_tree_nodes, verifiers=len(self.verifiers.alive), version=__version__,
             routing=[router_pb2.RoutingEstimate(kind=kind, drafter=name, acceptance=value)
-                     for kind, row in sorted(self.router.policy.router.table().items()) for name, value in sorted(row.items())],
+                     for kind, row in sorted(self.gateway.policy.expertise.table().items()) for name, value in sorted(row.items())],
             speculation=limits.speculation,
         )
 
@@ -144,10 +144,8 @@ async def serve(args: RouterSettings) -> None:
                     KeyLimits(args.key_max_concurrent, args.key_requests_per_minute))
     check_exposure(access, [args.listen, args.http_listen])  # before anything starts
     target = load_target_parts(args.model)
-    card = ModelCard(
-        target.name, target.vocab_size, target.max_length, tokenizer_fingerprint(target.tokenizer),
-        frozenset(target.eos_token_ids),
-    )
+    card = ModelCard(target.name, target.vocab_size, target.max_length, tokenizer_fingerprint(target.tokenizer),
+                     frozenset(target.eos_token_ids))
     redis = async_redis(args.redis_url)
     metrics = RouterMetrics()
     router_id = f"router-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -156,7 +154,7 @@ async def serve(args: RouterSettings) -> None:
     verifiers = VerifierWatch(redis, keys, on_pass_curve=policy.calibrate)
     await verifiers.start()
     # the verifiers run the requests' steps, routed by this router's policy, learnt from what they report
-    publisher = RoutingPublisher(redis, keys, router_id, policy.router, signer, metrics)
+    publisher = RoutingPublisher(redis, keys, router_id, policy.expertise, signer, metrics)
     engine = EngineClient(redis, keys, router_id, timeout_s=args.job_timeout, signer=signer,
                           on_forged=metrics.forged_results.inc, on_report=publisher.receive)
     await engine.start()
@@ -165,28 +163,23 @@ async def serve(args: RouterSettings) -> None:
     drafters: list = [*local]
     remote, discovery = await reach_drafters(args, redis, drafters, card.tokenizer_hash, target.hidden_size or None,
                                              target.num_layers or None, tls)
-    limits = RouterLimits(args.max_concurrent, args.max_queue_backlog, args.default_max_tokens, args.max_tree_nodes,
-                          speculation=args.speculation)
+    limits = GatewayLimits.from_settings(args)
     endpoint = serve_metrics(metrics, args.metrics_address)
-    router = Router(target.tokenizer, card, drafters, engine, limits, policy, default_classifier(), metrics)
-    servicer = RouterServicer(router, verifiers)
+    gateway = Gateway(target.tokenizer, card, drafters, engine, limits, policy, default_classifier(), metrics)
+    servicer = RouterServicer(gateway, verifiers)
     server = await start_server(
         [Service(ROUTER_SERVICE, lambda s: router_pb2_grpc.add_RouterServicer_to_server(servicer, s))],
         args.listen, metrics=metrics, access=access if access.keys.enabled else None, tls=tls,
     )
     http = None
     if args.http_listen:
-        http = HttpServer(openai_app(router, lambda: len(verifiers.alive), args.http_max_body,
+        http = HttpServer(openai_app(gateway, lambda: len(verifiers.alive), args.http_max_body,
                                      access if access.keys.enabled else None), args.http_listen, tls)
         await http.start()
-    gauges = asyncio.create_task(watch_cluster(router, verifiers, metrics, server=server, service=ROUTER_SERVICE))
+    gauges = asyncio.create_task(watch_cluster(gateway, verifiers, metrics, server=server, service=ROUTER_SERVICE))
     log.info("router on port %d: drafters %s (discovery %s), pool %s", server.port,
              ", ".join(d.name for d in drafters) or "none yet", args.discovery, args.pool)
-    metrics_note = f", metrics at {endpoint.url}" if endpoint else ""
-    http_note = f", OpenAI API at {http.url}" if http else ""
-    auth_note = (f"{len(access.keys)} API key(s) required" if access.keys.enabled
-                 else "no API keys: loopback only, no authentication")
-    print(f"specmesh-router ready on port {server.port}{http_note}{metrics_note} ({auth_note})", flush=True)
+    _say_ready(server.port, http, endpoint, access)
     await server.wait(grace_s=30)
     if http is not None:
         await http.stop()
@@ -201,6 +194,15 @@ async def serve(args: RouterSettings) -> None:
     await remote.close()
     await asyncio.gather(*(d.close() for d in drafters if isinstance(d, RemoteDrafter)))
     await redis.aclose()
+
+
+def _say_ready(port: int, http: HttpServer | None, endpoint, access: Access) -> None:
+    """The line a launcher waits for: where the router serves, and whether keys are required."""
+    metrics_note = f", metrics at {endpoint.url}" if endpoint else ""
+    http_note = f", OpenAI API at {http.url}" if http else ""
+    auth_note = (f"{len(access.keys)} API key(s) required" if access.keys.enabled
+                 else "no API keys: loopback only, no authentication")
+    print(f"specmesh-router ready on port {port}{http_note}{metrics_note} ({auth_note})", flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -18,7 +18,7 @@ from specmesh.cluster.discovery import reach_drafters
 from specmesh.cluster.metrics import VerifierMetrics, serve_metrics
 from specmesh.cluster.pipeline.messages import ENV_KEY as QUEUE_KEY
 from specmesh.cluster.pipeline.messages import QueueKeys, QueueSigner, new_key
-from specmesh.cluster.pipeline.verifier_end import VerifierQueue
+from specmesh.cluster.pipeline.verifier_end import QueueMember
 from specmesh.cluster.pipeline.engine_worker import EngineWorker
 from specmesh.cluster.redis_clients import async_redis
 from specmesh.cluster.remote_drafter import RemoteDrafter
@@ -93,7 +93,7 @@ def load_verifier(args: VerifierSettings):
     return target, runtime, TreeVerifier(runtime, max_sessions=args.max_sessions, max_tree_nodes=MAX_TREE_NODES)
 
 
-async def engine_worker(args: VerifierSettings, target, verifier: TreeVerifier, queue: VerifierQueue,
+async def engine_worker(args: VerifierSettings, target, verifier: TreeVerifier, queue: QueueMember,
                         torch_thread: TorchThread, curve, metrics: VerifierMetrics, tls: TlsFiles | None):
     """The engine loop, with its drafters: model-free ones in this process, the others
     over gRPC (mutual TLS with the cluster's CA), found as --discovery says. Returns the worker, its drafter
@@ -127,7 +127,7 @@ async def serve(args: VerifierSettings) -> None:
     verifier_id = args.verifier_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     redis = async_redis(args.redis_url)
     signer = QueueSigner.from_environment(args.queue_key_file)
-    queue = VerifierQueue(redis, QueueKeys(args.pool), verifier_id, heartbeat_ttl_s=args.heartbeat_ttl,
+    queue = QueueMember(redis, QueueKeys(args.pool), verifier_id, heartbeat_ttl_s=args.heartbeat_ttl,
                           signer=signer, pass_curve=curve)
     metrics = VerifierMetrics()
     endpoint = serve_metrics(metrics, args.metrics_address)

@@ -14,8 +14,8 @@ from specmesh.bench.provenance import provenance
 from specmesh.bench.run import write_json
 from specmesh.distill.data import generate_examples
 from specmesh.distill.evaluate import agreement_by_category, expected_tokens_per_step, interface_hits
-from specmesh.distill.feature_pipeline import feature_store, mtbench_features
-from specmesh.distill.pipeline import mtbench_examples, target_step_ms
+from specmesh.distill.feature_recipe import feature_store, mtbench_features
+from specmesh.distill.recipe import mtbench_examples, target_step_ms
 from specmesh.drafters.catalog import load_drafter
 from specmesh.errors import InvalidArgument
 from specmesh.prompts import load_prompts

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from specmesh.runtime.tree_verifier import TreeVerifier, VerifyJob, VerifyResult
 from specmesh.sampling import SamplingParams
-from specmesh.speculation.engine import InProcessVerifier
+from specmesh.speculation.engine import InlineExecutor
 from specmesh.speculation.engine_core import EngineCore
 from specmesh.speculation.policy import FixedPolicy
 from specmesh.speculation.requests import Request
@@ -26,7 +26,7 @@ class EngineRun:
     full_pass_ms: float  # the mean pass with every request of the level decoding (0: none was timed)
 
 
-class _TimedVerifier(InProcessVerifier):
+class _TimedExecutor(InlineExecutor):
     """The process's tree verifier, as the core calls it, timing the passes where ``level`` requests decode."""
 
     def __init__(self, verifier: TreeVerifier, level: int) -> None:
@@ -45,7 +45,7 @@ class _TimedVerifier(InProcessVerifier):
 def engine_at_load(verifier: TreeVerifier, prompts: Sequence[Sequence[int]], max_tokens: int, level: int,
                    eos_token_ids: frozenset[int] = frozenset()) -> EngineRun:
     """Every prompt decoded plainly, ``level`` at a time: tokens/s from the first step to the last."""
-    timed = _TimedVerifier(verifier, level)
+    timed = _TimedExecutor(verifier, level)
     core = EngineCore(timed, eos_token_ids, max_running=level)
     waiting = [Request(tuple(p), SamplingParams(max_tokens=max_tokens), request_id=f"engine-{i}")
                for i, p in enumerate(prompts)][::-1]

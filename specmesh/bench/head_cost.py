@@ -24,7 +24,7 @@ import torch
 
 from specmesh.bench.provenance import provenance
 from specmesh.bench.run import write_json
-from specmesh.distill.pipeline import target_step_ms
+from specmesh.distill.recipe import target_step_ms
 from specmesh.drafters.catalog import load_drafter
 from specmesh.drafters.eagle import default_layers, write_eagle3
 from specmesh.drafters.feature import FeatureConfig, FeatureDrafter, FeatureHead

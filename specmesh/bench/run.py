@@ -80,14 +80,14 @@ def drafter_report(assembly: Assembly, drafters: list, target_ms: float) -> tupl
     """Per drafter and MT-Bench category: teacher-forced top-1 agreement with the target's greedy answers,
     cost per drafted token over a target step, expected tokens per step for a chain of k = 1..8."""
     from specmesh.distill.evaluate import agreement_by_category, expected_tokens_per_step, interface_hits, union_hits
-    from specmesh.distill.pipeline import mtbench_examples
+    from specmesh.distill.recipe import mtbench_examples
 
     examples = mtbench_examples(assembly)
     rows, all_hits = [], []
     for drafter in tqdm(drafters, desc="drafters (teacher forcing)", unit="drafter"):
         layers = drafter.feature_layers
         if layers:  # the target's answers with their hidden states, from the runtime that serves (its precision)
-            from specmesh.distill.feature_pipeline import mtbench_features
+            from specmesh.distill.feature_recipe import mtbench_features
 
             feature_examples, features = mtbench_features(assembly, layers)
             hits, ms_per_guess = interface_hits(drafter, feature_examples, features)

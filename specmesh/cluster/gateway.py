@@ -1,5 +1,5 @@
-"""The router's domain logic: turn a client's request into token ids, classify it, admit it within the
-limits to the verifiers, which run its steps (``pipeline/engine_client.py``), and stream its answer. The
+"""The router service's domain logic, its ``Gateway``: turn a client's request into token ids, classify it,
+admit it within the limits to the verifiers, which run its steps (``pipeline/engine_client.py``), and stream its answer. The
 router's adaptive policy (expertise routing, trust-weighted fusion, goodput budget) learns from what the
 verifiers report and is published to them (``pipeline/policy_sync.py``).
 
@@ -12,7 +12,7 @@ import asyncio
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import AsyncIterator, Callable, Sequence, TypeVar
 
 from jinja2 import TemplateError
@@ -22,6 +22,8 @@ from specmesh.cluster.metrics import RequestClock, RouterMetrics
 from specmesh.cluster.pipeline.engine_client import EngineClient
 from specmesh.cluster.pipeline.verifier_watch import VerifierWatch
 from specmesh.cluster.serving import Server
+from specmesh.cluster.service_settings import RouterSettings
+from specmesh.cluster.settings import default_of
 from specmesh.errors import InvalidArgument, ResourceExhausted, Unavailable
 from specmesh.prompts import check_text
 from specmesh.sampling import SamplingParams
@@ -29,12 +31,7 @@ from specmesh.speculation.classifier import RequestClassifier
 from specmesh.speculation.expertise import GENERAL
 from specmesh.speculation.drafting import AsyncDrafter, one_per_name
 from specmesh.speculation.requests import Request, SpeculationStats, StepOutput, validate_request
-from specmesh.speculation.policy import (
-    DEFAULT_TREE_NODES,
-    AdaptivePolicy,
-    adaptive_policy,
-    check_speculation,
-)
+from specmesh.speculation.policy import AdaptivePolicy, adaptive_policy, check_speculation
 from specmesh.tree import MAX_TREE_NODES
 
 MAX_REQUEST_ID = 128
@@ -55,12 +52,18 @@ class ModelCard:
 
 
 @dataclass
-class RouterLimits:
-    max_concurrent_requests: int = 64
-    max_queue_backlog: int = 256  # admissions no verifier has taken yet: beyond this, new requests wait elsewhere
-    default_max_tokens: int = 256
-    max_tree_nodes: int = DEFAULT_TREE_NODES  # a cap: adaptive picks smaller trees (or none) where they pay more
-    speculation: str = "adaptive"  # for requests that do not say: adaptive, fixed (the whole budget) or off
+class GatewayLimits:
+    """The router's limits and its defaults for requests: its settings of the same names."""
+
+    max_concurrent: int = default_of(RouterSettings, "max_concurrent")
+    max_queue_backlog: int = default_of(RouterSettings, "max_queue_backlog")  # admissions not taken yet
+    default_max_tokens: int = default_of(RouterSettings, "default_max_tokens")
+    max_tree_nodes: int = default_of(RouterSettings, "max_tree_nodes")  # a cap: adaptive picks smaller trees or none
+    speculation: str = default_of(RouterSettings, "speculation")  # for requests that do not say
+
+    @classmethod
+    def from_settings(cls, settings: RouterSettings) -> GatewayLimits:
+        return cls(**{f.name: getattr(settings, f.name) for f in fields(cls)})
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,7 @@ class Ticket:
 
 
 @dataclass
-class Generation:
+class RequestState:
     """A request in flight: its tokens so far and, when finished, why and its statistics."""
 
     request: Request
@@ -89,10 +92,12 @@ class Generation:
         return sorted(self.stats.drafter_steps)
 
 
-class Router:
+class Gateway:
+    """The router service's front door: requests in (validated, tokenized, classified, admitted), answers out."""
+
     def __init__(
         self, tokenizer, card: ModelCard, drafters: Sequence[AsyncDrafter], engine: EngineClient,
-        limits: RouterLimits | None = None, policy: AdaptivePolicy | None = None,
+        limits: GatewayLimits | None = None, policy: AdaptivePolicy | None = None,
         classifier: RequestClassifier | None = None, metrics: RouterMetrics | None = None,
     ) -> None:
         """``engine``: the verifiers, which run the requests' steps: requests are admitted there and their
@@ -105,7 +110,7 @@ class Router:
         self.card = card
         self.drafters = list(drafters)
         self.engine = engine
-        self.limits = limits or RouterLimits()
+        self.limits = limits or GatewayLimits()
         check_speculation(self.limits.speculation)
         self.policy = policy or adaptive_policy({})
         self.classifier = classifier
@@ -200,17 +205,17 @@ class Router:
         """One drafter per name, each advertising its domains to the policy."""
         unique = one_per_name(self.drafters)
         for drafter in unique:
-            self.policy.router.register(drafter)
+            self.policy.expertise.register(drafter)
         return unique
 
     # ---- generation ----
 
-    async def generate(self, ticket: Ticket, final_only: bool = False) -> AsyncIterator[tuple[Generation, StepOutput]]:
+    async def generate(self, ticket: Ticket, final_only: bool = False) -> AsyncIterator[tuple[RequestState, StepOutput]]:
         """Admit the request (or refuse it with ResourceExhausted) and yield each step's tokens (``final_only``:
         the whole answer once, for a caller that sends it whole: no wake-up a step)."""
-        if self.active >= self.limits.max_concurrent_requests:
+        if self.active >= self.limits.max_concurrent:
             raise ResourceExhausted(
-                f"{self.active} requests are in flight, the limit is {self.limits.max_concurrent_requests}; retry later"
+                f"{self.active} requests are in flight, the limit is {self.limits.max_concurrent}; retry later"
             )
         self.active += 1  # before any await: the requests arriving meanwhile count this one
         try:
@@ -229,12 +234,12 @@ class Router:
         finally:
             self.active -= 1
 
-    async def _run(self, ticket: Ticket, final_only: bool) -> AsyncIterator[tuple[Generation, StepOutput]]:
+    async def _run(self, ticket: Ticket, final_only: bool) -> AsyncIterator[tuple[RequestState, StepOutput]]:
         """An admitted request's answer from the verifier that runs its steps, counted in the metrics."""
         request = ticket.request
         if ticket.budget > 0:
             self._unique_drafters()  # the drafters' advertised domains: the routing table's priors
-        generation = Generation(request, len(request.prompt_ids) - len(ticket.resumed), list(ticket.resumed))
+        generation = RequestState(request, len(request.prompt_ids) - len(ticket.resumed), list(ticket.resumed))
         clock = None
         if self.metrics is not None:
             clock = RequestClock(self.metrics)
@@ -304,7 +309,7 @@ class TextStream:
         return delta
 
 
-async def watch_cluster(router: Router, verifier: VerifierWatch, metrics: RouterMetrics, every_s: float = 1.0,
+async def watch_cluster(gateway: Gateway, verifier: VerifierWatch, metrics: RouterMetrics, every_s: float = 1.0,
                         server: Server | None = None, service: str = "") -> None:
     """Keep the cluster gauges current: queue depth, live verifiers, reachable drafters. With ``server``,
     the health of ``service`` (the Router service) says whether any verifier is live (the server's own, "", stays
@@ -312,13 +317,13 @@ async def watch_cluster(router: Router, verifier: VerifierWatch, metrics: Router
     shown: set[tuple[str, str]] = set()
     while True:
         try:
-            metrics.queue_depth.set(await router.engine.backlog())
+            metrics.queue_depth.set(await gateway.engine.backlog())
         except Unavailable:
             pass  # Redis is down: the depth is unknown, the last value stays
         metrics.verifiers_alive.set(len(verifier.alive))
         if server is not None and not server.stopping.is_set() and verifier.looked.is_set():
             await server.set_serving(bool(verifier.alive), [service])
-        now = {(d.name, d.address): d.healthy for d in router.drafters}
+        now = {(d.name, d.address): d.healthy for d in gateway.drafters}
         for labels, healthy in now.items():
             metrics.drafter_up.labels(*labels).set(1 if healthy else 0)
         for labels in shown - set(now):  # a drafter that left (discovery) is not "down": its series goes

@@ -24,6 +24,8 @@ import torch
 from specmesh.cluster.backoff import unreachable_node
 from specmesh.cluster.drafter_sessions import MAX_PROPOSE_ITEMS
 from specmesh.cluster.proposal_stream import ProposalStream, rpc_failure
+from specmesh.cluster.service_settings import DrafterClientSettings
+from specmesh.cluster.settings import default_of
 from specmesh.cluster.wire import features_to_pb, tree_from_pb
 from specmesh.errors import InvalidArgument
 from specmesh.runtime.features import MAX_PROMPT_FEATURES, Features
@@ -46,7 +48,7 @@ Answer = drafter_pb2.ProposeResponse | grpc.aio.AioRpcError  # an item's: its tr
 
 
 class RemoteDrafter:
-    def __init__(self, address: str, timeout_s: float = 2.0, max_backoff_s: float = 10.0,
+    def __init__(self, address: str, timeout_s: float = default_of(DrafterClientSettings, "drafter_timeout"), max_backoff_s: float = 10.0,
                  credentials: grpc.ChannelCredentials | None = None, options: Sequence[tuple[str, str]] = ()) -> None:
         """``credentials``: call over TLS (the cluster's CA and the router's own certificate); ``options``:
         the channel's (``tls.channel_options``)."""

@@ -14,7 +14,8 @@ from specmesh.cluster.settings import Settings, setting
 from specmesh.errors import InvalidArgument
 from specmesh.runtime.loading import EMBEDDED_DEFAULT
 from specmesh.runtime.precision import PRECISIONS
-from specmesh.speculation.expertise import MODEL_FREE_KINDS
+from specmesh.runtime.tree_verifier import MAX_SESSIONS
+from specmesh.speculation.expertise import MODEL_FREE_KINDS, RoutingConfig
 from specmesh.speculation.policy import DEFAULT_TREE_NODES, SPECULATION_MARGIN, SPECULATION_MODES
 from specmesh.tree import MAX_TREE_NODES
 
@@ -109,9 +110,9 @@ class RouterSettings(DrafterClientSettings):
     speculation_margin: float = setting(
         SPECULATION_MARGIN, "adaptive, in a shared pass: the least predicted gain in the batch's goodput a tree must "
         "promise, in shares of one request's part of it (0.3: the request itself predicted 30 % faster)", ge=0)
-    max_drafters: int = setting(1, "model drafters asked per step, the best for the request, besides the model-free "
+    max_drafters: int = setting(RoutingConfig.max_drafters, "model drafters asked per step, the best for the request, besides the model-free "
                                 "ones", ge=1)
-    explore: float = setting(0.1, "chance per step of also asking a drafter outside the best", ge=0, le=1)
+    explore: float = setting(RoutingConfig.explore, "chance per step of also asking a drafter outside the best", ge=0, le=1)
     job_timeout: float = setting(30.0, "seconds a request may hear nothing from the verifiers before it fails "
                                  "UNAVAILABLE, unless its admission still waits in the queue (a verifier restarting)", gt=0)
 
@@ -123,7 +124,7 @@ class VerifierSettings(DrafterClientSettings):
     verifier_id: str | None = setting(None, "its Redis consumer name and commit log (the chart uses the "
                                       "StatefulSet pod's name)", shown="host-pid-random")
     threads: int | None = setting(None, "torch threads", shown="all cores", ge=1)
-    max_sessions: int = setting(256, "KV sessions held (requests whose cache it keeps)", gt=0)
+    max_sessions: int = setting(MAX_SESSIONS, "KV sessions held (requests whose cache it keeps)", gt=0)
     max_batch_rows: int = setting(2048, "rows (roots, tree nodes, prefill) a pass may take (fewer where the pass "
                                   "curve says they take over 250 ms)", gt=0)
     heartbeat_ttl: float = setting(3.0, "seconds its heartbeat key lives without renewal (then the others adopt "

@@ -142,65 +142,74 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return None
         method = handler_call_details.method
         if handler.unary_unary is not None:
-            inner = handler.unary_unary
-
-            async def unary(request, context):
-                started, code, permit = time.perf_counter(), grpc.StatusCode.OK, None
-                try:
-                    permit = self._admit(method, context)
-                    check_wellformed(method, request)
-                    return await inner(request, context)
-                except asyncio.CancelledError:
-                    code = grpc.StatusCode.CANCELLED
-                    raise
-                except grpc.aio.AbortError:
-                    code = context.code() or grpc.StatusCode.UNKNOWN
-                    raise
-                except Exception as exc:
-                    code = status_for(exc)[0]
-                    await _abort(context, method, exc)
-                finally:
-                    if permit is not None:
-                        permit.release()
-                    self._done(method, code, started)
-
-            return grpc.unary_unary_rpc_method_handler(
-                unary, request_deserializer=tolerant(handler.request_deserializer),
-                response_serializer=handler.response_serializer)
+            return self._unary(method, handler)
         if handler.unary_stream is not None:
-            inner_stream = handler.unary_stream
-
-            async def stream(request, context):
-                def replies():
-                    check_wellformed(method, request)
-                    return inner_stream(request, context)
-
-                async with aclosing(self._relayed(method, context, replies)) as relayed:
-                    async for item in relayed:
-                        yield item
-
-            return grpc.unary_stream_rpc_method_handler(
-                stream, request_deserializer=tolerant(handler.request_deserializer),
-                response_serializer=handler.response_serializer)
+            return self._server_stream(method, handler)
         if handler.stream_stream is not None:  # a held stream (proposals, reflection): one call, many messages
-            inner_bidi = handler.stream_stream
-
-            async def bidi(requests, context):
-                arrived: deque[float] = deque()
-
-                def replies():
-                    return inner_bidi(_wellformed(method, requests, arrived), context)
-
-                async with aclosing(self._relayed(method, context, replies, arrived)) as relayed:
-                    async for item in relayed:
-                        yield item
-
-            return grpc.stream_stream_rpc_method_handler(
-                bidi, request_deserializer=tolerant(handler.request_deserializer),
-                response_serializer=handler.response_serializer)
+            return self._bidi(method, handler)
         if self.access is not None and not method.startswith(OPEN_PREFIX):
             return None  # a client-streaming method without a check of its own: not served
         return handler
+
+    def _unary(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        inner = handler.unary_unary
+
+        async def unary(request, context):
+            started, code, permit = time.perf_counter(), grpc.StatusCode.OK, None
+            try:
+                permit = self._admit(method, context)
+                check_wellformed(method, request)
+                return await inner(request, context)
+            except asyncio.CancelledError:
+                code = grpc.StatusCode.CANCELLED
+                raise
+            except grpc.aio.AbortError:
+                code = context.code() or grpc.StatusCode.UNKNOWN
+                raise
+            except Exception as exc:
+                code = status_for(exc)[0]
+                await _abort(context, method, exc)
+            finally:
+                if permit is not None:
+                    permit.release()
+                self._done(method, code, started)
+
+        return grpc.unary_unary_rpc_method_handler(
+            unary, request_deserializer=tolerant(handler.request_deserializer),
+            response_serializer=handler.response_serializer)
+
+    def _server_stream(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        inner = handler.unary_stream
+
+        async def stream(request, context):
+            def replies():
+                check_wellformed(method, request)
+                return inner(request, context)
+
+            async with aclosing(self._relayed(method, context, replies)) as relayed:
+                async for item in relayed:
+                    yield item
+
+        return grpc.unary_stream_rpc_method_handler(
+            stream, request_deserializer=tolerant(handler.request_deserializer),
+            response_serializer=handler.response_serializer)
+
+    def _bidi(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        inner = handler.stream_stream
+
+        async def bidi(requests, context):
+            arrived: deque[float] = deque()
+
+            def replies():
+                return inner(_wellformed(method, requests, arrived), context)
+
+            async with aclosing(self._relayed(method, context, replies, arrived)) as relayed:
+                async for item in relayed:
+                    yield item
+
+        return grpc.stream_stream_rpc_method_handler(
+            bidi, request_deserializer=tolerant(handler.request_deserializer),
+            response_serializer=handler.response_serializer)
 
 
 async def _wellformed(method: str, requests, arrived: deque[float]):

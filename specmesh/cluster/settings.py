@@ -28,6 +28,12 @@ def setting(default: Any, description: str, *, shown: str | None = None, **bound
     return Field(default, description=description, json_schema_extra={"shown": shown} if shown else None, **bounds)
 
 
+def default_of(settings: type[BaseSettings], name: str) -> Any:
+    """The default of ``settings``' field ``name``, for the machinery it configures: a default is stated once,
+    where its flag is declared."""
+    return settings.model_fields[name].default
+
+
 def flag_name(field: str) -> str:
     return "--" + field.replace("_", "-")
 

@@ -36,7 +36,7 @@ class Supervised(Protocol):
 
 
 @dataclass
-class Record:
+class RestartRecord:
     crashes: deque = field(default_factory=deque)  # monotonic times of the crashes in the window
     restart_at: float | None = None  # when the next start is due (None: running, or given up)
     restarts: int = 0
@@ -65,7 +65,7 @@ class Supervisor:
         self.every_s = every_s
         self.unresponsive_s = unresponsive_s
         self.probe_every_s = probe_every_s
-        self.records: dict[str, Record] = {}
+        self.records: dict[str, RestartRecord] = {}
         self.failed = threading.Event()  # an essential process crash-loops: the cluster cannot serve
         self._hold = threading.Event()  # restart nothing more
         self._stop = threading.Event()  # and end the thread
@@ -104,7 +104,7 @@ class Supervisor:
     def check(self, now: float) -> None:
         """One round: note the crashes, start what is due."""
         for part in self.parts():
-            record = self.records.setdefault(part.name, Record())
+            record = self.records.setdefault(part.name, RestartRecord())
             if record.given_up or self._hold.is_set():
                 continue
             if record.restart_at is None:
@@ -138,7 +138,7 @@ class Supervisor:
                 except Exception as exc:  # it counts as the next crash at the next round
                     self.report(f"{part.name} could not be started again: {exc}")
 
-    def _give_up(self, part: Supervised, record: Record, why: str) -> None:
+    def _give_up(self, part: Supervised, record: RestartRecord, why: str) -> None:
         record.given_up = True
         essential = self.essential(part)
         self.report(f"{part.name} {why}: a crash loop, left down"
@@ -146,7 +146,7 @@ class Supervisor:
         if essential:
             self.failed.set()
 
-    def _unresponsive(self, part: Supervised, record: Record, now: float) -> bool:
+    def _unresponsive(self, part: Supervised, record: RestartRecord, now: float) -> bool:
         """Whether ``part`` has not served for ``unresponsive_s``. Silence counts only once it has served
         since its start: before, it is still starting (a start that never ends is its launcher's to time out)."""
         if now - record.probed_at < self.probe_every_s:

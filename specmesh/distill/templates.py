@@ -23,6 +23,20 @@ from specmesh.errors import InvalidArgument
 from specmesh.prompts import Prompt
 
 
+def _tuples(value):
+    """JSON's lists as the tuples the forms were written as (so they compare, hash and join as before)."""
+    if isinstance(value, list):
+        return tuple(_tuples(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _tuples(v) for k, v in value.items()}
+    return value
+
+
+# the forms' fillers: names, tasks, snippets, passages' parts (data, not code)
+_FILLERS = {name: _tuples(value) for name, value in
+            json.loads(Path(__file__).with_name("template_words.json").read_text()).items()}
+
+
 def _a(phrase: str) -> str:
     return ("an " if phrase[:1].lower() in "aeiou" else "a ") + phrase
 
@@ -31,14 +45,12 @@ def _money(x: float) -> str:
     return f"${x:,.0f}" if x == int(x) else f"${x:,.2f}"
 
 
-_FIRST = ("Alice", "Ben", "Carla", "David", "Emma", "Farid", "Grace", "Hiro", "Ines", "Jamal", "Kira", "Liam", "Maya",
-          "Nikos", "Olga", "Pedro", "Quinn", "Rosa", "Sami", "Tara", "Umar", "Vera", "Wes", "Yuki", "Zane", "Priya")
-_MEN = ("Adam", "Carlos", "Daniel", "Ethan", "Felix", "George", "Hassan", "Ivan", "Jon", "Kofi", "Luca", "Marco", "Omar")
-_WOMEN = ("Anna", "Bella", "Chloe", "Diana", "Elena", "Fatima", "Hana", "Irene", "Julia", "Lena", "Mira", "Nora", "Sofia")
-_SURNAMES = ("Okafor", "Lindqvist", "Moreau", "Tanaka", "Alvarez", "Kowalski", "Brennan", "Haddad", "Novak", "Castillo",
-             "Whitlock", "Sato", "Fischer", "Mensah", "Rossi", "Petrov", "Nakamura", "Duarte", "Abbott", "Iyer")
+_FIRST = _FILLERS["first"]
+_MEN = _FILLERS["men"]
+_WOMEN = _FILLERS["women"]
+_SURNAMES = _FILLERS["surnames"]
 
-_WEEKDAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
+_WEEKDAYS = _FILLERS["weekdays"]
 
 
 def _person(rng: random.Random) -> str:
@@ -47,234 +59,25 @@ def _person(rng: random.Random) -> str:
 
 # ---- code ----
 
-_LANGS = ("Python", "JavaScript", "TypeScript", "Java", "C", "C++", "C#", "Go", "Rust", "Ruby", "Kotlin", "Swift",
-          "PHP", "Scala", "Haskell", "Lua", "R", "Julia")
-_OO_LANGS = ("Python", "JavaScript", "TypeScript", "Java", "C++", "C#", "Go", "Rust", "Ruby", "Kotlin", "Swift", "PHP")
-_FENCE = {"C++": "cpp", "C#": "csharp"}
-_FUNCTION_TASKS = ("reverses a singly linked list", "checks whether a number is prime",
-                   "merges two sorted lists into one sorted list", "counts how often each word appears in a text",
-                   "computes n factorial", "finds the longest common prefix of a list of strings",
-                   "removes duplicates from a list while keeping the original order", "converts a Roman numeral to an integer",
-                   "converts an integer to a Roman numeral", "checks whether an email address looks valid",
-                   "flattens an arbitrarily nested list",
-                   "finds the contiguous subarray with the largest sum", "performs binary search on a sorted array",
-                   "splits a CSV line into fields, respecting quoted commas", "transposes a matrix",
-                   "checks whether the brackets in a string are balanced", "computes the greatest common divisor of two integers",
-                   "sorts a list of people by last name and then by age", "returns the k most frequent elements of an array",
-                   "rotates an array to the right by k positions", "finds the second largest distinct value in an array",
-                   "checks whether two strings are anagrams", "finds the first non-repeating character in a string",
-                   "computes the Levenshtein distance between two strings", "generates all permutations of a string",
-                   "generates all subsets of a set", "returns all primes below n using a sieve",
-                   "converts a decimal number to binary", "parses a date such as 2024-03-15 and returns the weekday",
-                   "keeps a running average of a stream of numbers",
-                   "merges overlapping intervals", "checks whether a binary tree is a valid binary search tree",
-                   "computes the height of a binary tree",
-                   "finds the shortest path in an unweighted graph", "detects a cycle in a directed graph",
-                   "orders tasks so that every task comes after its dependencies", "counts the islands in a grid of 0s and 1s",
-                   "finds the longest increasing subsequence", "solves the 0/1 knapsack problem",
-                   "counts the ways to climb n stairs taking one or two steps at a time",
-                   "finds two numbers in an array that add up to a target", "groups a list of words into sets of anagrams",
-                   "compresses a string like aaabcc into a3b1c2", "validates a filled-in Sudoku board",
-                   "checks whether a year is a leap year", "converts temperatures between Celsius and Fahrenheit",
-                   "formats a number of seconds as hours, minutes and seconds",
-                   "capitalizes the first letter of every word in a sentence", "counts the vowels and consonants in a string",
-                   "reverses the order of the words in a sentence",
-                   "checks whether a string is a palindrome, ignoring case and punctuation",
-                   "splits a list into chunks of size n", "deep-merges two nested dictionaries",
-                   "retries a failing function call with exponential backoff", "memoizes an expensive function",
-                   "multiplies two matrices", "prints Pascal's triangle up to n rows", "finds the mode of a list of numbers",
-                   "computes the standard deviation of a list of numbers",
-                   "shuffles an array in place with the Fisher-Yates algorithm", "checks whether a number is an Armstrong number",
-                   "finds the longest palindromic substring", "counts the set bits in an integer",
-                   "converts snake_case identifiers to camelCase", "truncates a long string to n characters and adds an ellipsis",
-                   "checks that a password has at least eight characters, a digit and an uppercase letter",
-                   "finds the missing number in an array of 1 to n",
-                   "computes the Hamming distance between two equal-length strings",
-                   "evaluates an expression in reverse Polish notation", "generates a random password of a given length",
-                   "checks whether one string is a rotation of another",
-                   "splits a restaurant bill, including tip, between n people", "returns the day of the year for a given date",
-                   "rounds a price to the nearest 0.05", "parses a URL query string into a dictionary",
-                   "finds all files with a given extension in a directory tree",
-                   "counts the lines, words and characters in a file")
-_CLASS_TASKS = ("a Stack class with push, pop, peek and is_empty", "a BankAccount class whose balance can never go negative",
-                "an LRU cache with get and put in O(1) time", "a queue built from two stacks",
-                "a min-heap with insert and extract_min", "a Matrix class that supports addition and multiplication",
-                "a Trie with insert, search and starts_with", "a small event emitter with on, off and emit",
-                "a rate limiter that allows at most N calls per minute",
-                "a ShoppingCart class that adds and removes items and computes the total with tax",
-                "a Library class that tracks which books are borrowed and by whom",
-                "a Fraction class that keeps fractions in lowest terms", "a Vector2D class with addition, scaling and length",
-                "a doubly linked list with insert, delete and reverse", "a thread-safe counter",
-                "a Graph class with add_edge and a depth-first traversal", "a state machine for a traffic light",
-                "a TodoList class that lists tasks by due date", "a ParkingLot class that assigns the nearest free spot",
-                "a fixed-size circular buffer", "a key-value store whose keys expire after a timeout",
-                "a Deck of cards with shuffle and deal",
-                "a hash map with separate chaining, without using the built-in dictionary",
-                "a priority queue of tasks ordered by priority and arrival time")
-_PROGRAM_TASKS = ("a command-line to-do list that saves tasks to a JSON file", "a number-guessing game between 1 and 100",
-                  "a script that renames all .jpg files in a folder by their date",
-                  "a program that prints the ten most common IP addresses in a log file",
-                  "a two-player tic-tac-toe game in the terminal", "a calculator that evaluates expressions typed by the user",
-                  "a program that reads a CSV of sales and prints the total per month",
-                  "a unit converter for lengths and weights",
-                  "a program that checks which websites in a list are reachable",
-                  "a script that backs up a folder into a timestamped zip archive",
-                  "a tiny HTTP server that returns the current time as JSON",
-                  "a simulation that rolls two dice 10,000 times and prints the distribution of sums",
-                  "a tool that finds duplicate files by hash", "a program that prints a calendar for a given month",
-                  "a hangman game", "a converter from a Markdown list to an HTML list",
-                  "a quiz that asks five questions and keeps score", "a program that prints a multiplication table up to 12 x 12",
-                  "a script that merges several CSV files with the same columns",
-                  "a password strength checker that gives feedback",
-                  "an ATM simulation with deposits, withdrawals and a PIN check")
-_CODE_CONSTRAINTS = (
-    "", "", "", "", " without using any built-in sorting functions", " in O(n) time", " using recursion", " without recursion",
-    " with comments explaining each step", ", handling empty input and other edge cases", " using only the standard library",
-    " in a functional style", " with O(1) extra space", " and include a few example calls", " and explain its time complexity",
-    " with input validation and clear error messages", " in fewer than 15 lines", ", easy for a beginner to read",
-    " with descriptive variable names", " and write tests for it", ", fast enough for very large inputs", " without using loops",
-)
-_STYLE_CONSTRAINTS = ("", "", " with comments explaining each step", " using only the standard library",
-                      " and include a few example calls", " with input validation and clear error messages",
-                      ", easy for a beginner to read", " and write tests for it")
-_PY_EXTRAS = (" with type hints", " with a docstring and doctests", " using a generator", " as a dataclass-friendly module")
-_FUNCTION_FORMS = ("Write a {lang} function that {task}{cons}.", "Can you write a function in {lang} that {task}{cons}?",
-                   "I need a {lang} function that {task}{cons}. Please explain how it works.",
-                   "Implement a function that {task} in {lang}{cons}.", "Show me how to write {lang} code that {task}{cons}.",
-                   "How do I write a function that {task} in {lang}?",
-                   "Give me an efficient {lang} solution for a function that {task}{cons}.",
-                   "In {lang}, write a function that {task}{cons}. Then walk through an example input.",
-                   "Write a function that {task}{cons}. Use {lang}.",
-                   "For a coding interview, write a {lang} function that {task}, and discuss its complexity.",
-                   "Write pseudocode and then a {lang} implementation of a function that {task}.",
-                   "Write a {lang} function that {task}. Which edge cases should it handle?",
-                   "Write unit tests in {lang} for a function that {task}.",
-                   "What is the most efficient way to write a function that {task}? Implement it in {lang}.",
-                   "Develop a {lang} program that {task}{cons}.")
-_CLASS_FORMS = ("Design and implement {task} in {lang}{cons}.", "Write {task} in {lang}{cons}.",
-                "Implement {task} in {lang} and show a short usage example.",
-                "How would you design {task}? Show the {lang} code.", "Create {task} in {lang}, with unit tests.")
-_PROGRAM_FORMS = ("Write {task} in {lang}{cons}.", "Build {task} using {lang}.", "Can you help me write {task} in {lang}?",
-                  "Develop {task} in {lang}. Keep the code well organised into functions.",
-                  "I want to learn {lang} by building {task}. Walk me through it step by step.")
+_LANGS = _FILLERS["langs"]
+_OO_LANGS = _FILLERS["oo_langs"]
+_FENCE = _FILLERS["fence"]
+_FUNCTION_TASKS = _FILLERS["function_tasks"]
+_CLASS_TASKS = _FILLERS["class_tasks"]
+_PROGRAM_TASKS = _FILLERS["program_tasks"]
+_CODE_CONSTRAINTS = _FILLERS["code_constraints"]
+_STYLE_CONSTRAINTS = _FILLERS["style_constraints"]
+_PY_EXTRAS = _FILLERS["py_extras"]
+_FUNCTION_FORMS = _FILLERS["function_forms"]
+_CLASS_FORMS = _FILLERS["class_forms"]
+_PROGRAM_FORMS = _FILLERS["program_forms"]
 # (language, what it should do, what goes wrong, code with the bug)
-_BUGGY = (("Python", "return the largest value in a list", "it misses the last element",
-           "def find_max(values):\n    best = values[0]\n    for i in range(1, len(values) - 1):\n"
-           "        if values[i] > best:\n            best = values[i]\n    return best"),
-          ("Python", "start a fresh list on every call unless one is passed in", "items from earlier calls keep showing up",
-           "def add_item(item, items=[]):\n    items.append(item)\n    return items"),
-          ("Python", "check whether a string is a palindrome", "it raises an AttributeError",
-           "def is_palindrome(s):\n    s = s.lower()\n    return s == s.reverse()"),
-          ("Python", "compute n factorial", "it always returns 0",
-           "def factorial(n):\n    if n == 0:\n        return 0\n    return n * factorial(n - 1)"),
-          ("Python", "count how often each word occurs", "it raises a KeyError",
-           "def count_words(text):\n    counts = {}\n    for word in text.split():\n        counts[word] += 1\n"
-           "    return counts"),
-          ("Python", "find the index where a target should be inserted in a sorted list", "it never finishes for some inputs",
-           "def insert_position(arr, target):\n    lo, hi = 0, len(arr)\n    while lo < hi:\n        mid = (lo + hi) // 2\n"
-           "        if arr[mid] < target:\n            lo = mid\n        else:\n            hi = mid\n    return lo"),
-          ("Python", "remove every negative number from a list", "some negative numbers are left behind",
-           "def remove_negatives(nums):\n    for n in nums:\n        if n < 0:\n            nums.remove(n)\n    return nums"),
-          ("Python", "return the nth Fibonacci number", "the numbers come out wrong",
-           "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a = b\n        b = a + b\n    return a"),
-          ("Python", "count how many times increment is called", "it raises an UnboundLocalError",
-           "class Counter:\n    count = 0\n\n    def increment(self):\n        count += 1"),
-          ("JavaScript", "add up the numbers in an array", "it returns NaN",
-           "function sumArray(arr) {\n  let total = 0;\n  for (let i = 0; i <= arr.length; i++) {\n    total += arr[i];\n  }\n"
-           "  return total;\n}"),
-          ("JavaScript", "fetch a user and return their name", "it throws 'response.json is not a function'",
-           "async function getUserName(id) {\n  const response = fetch(`/api/users/${id}`);\n"
-           "  const data = await response.json();\n  return data.name;\n}"),
-          ("JavaScript", "print 0, 1 and 2 after a short delay", "it prints 3 three times",
-           "for (var i = 0; i < 3; i++) {\n  setTimeout(function () {\n    console.log(i);\n  }, 100);\n}"),
-          ("JavaScript", "print the highest score", "it prints 9 instead of 100",
-           "const scores = [10, 9, 100, 25];\nscores.sort();\nconsole.log(scores[scores.length - 1]);"),
-          ("C", "return the sum of 1 to n", "it returns garbage values",
-           "int sum_to(int n) {\n    int total;\n    for (int i = 1; i <= n; i++)\n        total += i;\n    return total;\n}"),
-          ("C", "return a heap copy of a string", "it sometimes crashes",
-           "char *copy(const char *s) {\n    char *out = malloc(strlen(s));\n    strcpy(out, s);\n    return out;\n}"),
-          ("C++", "remove the even numbers from a vector", "it crashes or skips elements",
-           "std::vector<int> v = {1, 2, 3, 4, 6};\nfor (auto it = v.begin(); it != v.end(); ++it) {\n    if (*it % 2 == 0)\n"
-           "        v.erase(it);\n}"),
-          ("Java", "check whether a user's role is admin", "it returns false even for \"admin\"",
-           "public static boolean isAdmin(String role) {\n    if (role == \"admin\") {\n        return true;\n    }\n"
-           "    return false;\n}"),
-          ("Java", "return the average of an array", "the decimals are lost",
-           "public static double average(int[] xs) {\n    int sum = 0;\n    for (int x : xs) sum += x;\n"
-           "    return sum / xs.length;\n}"),
-          ("Go", "add up the numbers in a slice", "it returns the wrong total",
-           "func sum(nums []int) int {\n    total := 0\n    for i := range nums {\n        total += i\n    }\n"
-           "    return total\n}"),
-          ("Rust", "return the longest word", "it returns the shortest one",
-           "fn longest(words: &[String]) -> &String {\n    let mut best = &words[0];\n    for w in words {\n"
-           "        if w.len() < best.len() {\n            best = w;\n        }\n    }\n    best\n}"),
-          ("SQL", "list departments whose average salary is above 50000", "the database rejects the query",
-           "SELECT department, AVG(salary)\nFROM employees\nWHERE AVG(salary) > 50000\nGROUP BY department;"),
-          ("Bash", "print a message when notes.txt is among the text files", "it fails with a syntax error",
-           "for f in *.txt; do\n  if [ \"$f\" == \"notes.txt\" ]\n    echo \"found notes\"\n  fi\ndone"),
-          ("TypeScript", "return the length of an optional string", "the compiler reports an error",
-           "function getLength(value: string | null): number {\n  return value.length;\n}"))
-_BUG_FORMS = (
-    "Find and fix the bug in this {lang} code. It should {purpose}.\n\n{code}",
-    "This {lang} snippet is supposed to {purpose}, but {symptom}. What's wrong?\n\n{code}",
-    "Why does this code misbehave? It should {purpose}.\n\n{code}",
-    "Debug the following {lang} code and explain the fix:\n\n{code}",
-    "My code should {purpose}, but {symptom}. Can you help?\n\n{code}",
-    "{code}\n\nThe function above is meant to {purpose}. Point out the mistake and give a corrected version.",
-    "Can you spot the bug? Right now {symptom}.\n\n{code}",
-)
-_SNIPPETS = (("Python",
-              "def mystery(s):\n    seen = set()\n    out = []\n    for ch in s:\n        if ch not in seen:\n"
-              "            seen.add(ch)\n            out.append(ch)\n    return \"\".join(out)"),
-             ("Python", "result = [x * x for x in range(10) if x % 3 == 0]\nprint(result)"),
-             ("Python", "def f(n):\n    if n < 2:\n        return n\n    return f(n - 1) + f(n - 2)"),
-             ("Python",
-              "from collections import Counter\n\ndef top_words(text, k):\n    words = text.lower().split()\n"
-              "    return [w for w, _ in Counter(words).most_common(k)]"),
-             ("Python",
-              "def pairs(nums, target):\n    found = []\n    for i in range(len(nums)):\n"
-              "        for j in range(i + 1, len(nums)):\n            if nums[i] + nums[j] == target:\n"
-              "                found.append((nums[i], nums[j]))\n    return found"),
-             ("Python",
-              "data = {\"b\": 2, \"a\": 3, \"c\": 1}\nfor key, value in sorted(data.items(), key=lambda kv: kv[1]):\n"
-              "    print(key, value)"),
-             ("Python",
-              "def search(matrix, target):\n    row, col = 0, len(matrix[0]) - 1\n    while row < len(matrix) and col >= 0:\n"
-              "        if matrix[row][col] == target:\n            return True\n        if matrix[row][col] > target:\n"
-              "            col -= 1\n        else:\n            row += 1\n    return False"),
-             ("Python",
-              "import time\n\ndef timed(func):\n    def wrapper(*args, **kwargs):\n        start = time.perf_counter()\n"
-              "        result = func(*args, **kwargs)\n"
-              "        print(f\"{func.__name__} took {time.perf_counter() - start:.3f}s\")\n        return result\n"
-              "    return wrapper"),
-             ("JavaScript",
-              "const debounce = (fn, ms) => {\n  let timer;\n  return (...args) => {\n    clearTimeout(timer);\n"
-              "    timer = setTimeout(() => fn(...args), ms);\n  };\n};"),
-             ("JavaScript",
-              "const totals = orders\n  .filter(o => o.status === \"paid\")\n  .reduce((acc, o) => {\n"
-              "    acc[o.customer] = (acc[o.customer] || 0) + o.amount;\n    return acc;\n  }, {});"),
-             ("C",
-              "int count(unsigned int x) {\n    int c = 0;\n    while (x) {\n        x &= x - 1;\n        c++;\n    }\n"
-              "    return c;\n}"),
-             ("Java",
-              "public static int[] prefixSums(int[] a) {\n    int[] out = new int[a.length + 1];\n"
-              "    for (int i = 0; i < a.length; i++) {\n        out[i + 1] = out[i] + a[i];\n    }\n    return out;\n}"),
-             ("Go",
-              "func worker(jobs <-chan int, results chan<- int) {\n    for j := range jobs {\n        results <- j * 2\n    }\n"
-              "}"),
-             ("Rust", "fn word_lengths(text: &str) -> Vec<usize> {\n    text.split_whitespace().map(|w| w.len()).collect()\n}"),
-             ("SQL",
-              "SELECT c.name, COUNT(o.id) AS orders\nFROM customers c\nLEFT JOIN orders o ON o.customer_id = c.id\n"
-              "GROUP BY c.name\nORDER BY orders DESC\nLIMIT 5;"), ("Bash", "find . -name \"*.log\" -mtime +7 -exec gzip {} \\;"),
-             ("C++", "std::map<std::string, int> freq;\nfor (const auto& w : words) {\n    ++freq[w];\n}"),
-             ("TypeScript",
-              "interface User { id: number; name: string; active: boolean }\n\n"
-              "function activeNames(users: User[]): string[] {\n  return users.filter(u => u.active).map(u => u.name).sort();\n"
-              "}"))
-_FN_NAMES = ("process", "compute", "summarise", "helper", "calc", "transform", "check", "f")
-_SEQ_NAMES = (("scores", "score"), ("prices", "price"), ("values", "value"), ("temps", "t"), ("ages", "age"), ("nums", "n"))
-_RECORDS = (("products", "p", "price", "stock"), ("users", "u", "age", "score"), ("orders", "o", "total", "items"),
-            ("rooms", "r", "size", "beds"))
+_BUGGY = _FILLERS["buggy"]
+_BUG_FORMS = _FILLERS["bug_forms"]
+_SNIPPETS = _FILLERS["snippets"]
+_FN_NAMES = _FILLERS["fn_names"]
+_SEQ_NAMES = _FILLERS["seq_names"]
+_RECORDS = _FILLERS["records"]
 
 
 def _made_snippet(rng: random.Random) -> tuple[str, str]:
@@ -302,116 +105,23 @@ def _made_snippet(rng: random.Random) -> tuple[str, str]:
     ))
 
 
-_SNIPPET_FORMS = (
-    "What does this {lang} code do?\n\n{code}", "Explain this {lang} snippet line by line:\n\n{code}",
-    "What is the time and space complexity of the following code?\n\n{code}",
-    "Refactor this {lang} code to make it more readable:\n\n{code}", "Write unit tests for this {lang} code:\n\n{code}",
-    "Translate this {lang} code into {other}:\n\n{code}", "Add comments and documentation to this code:\n\n{code}",
-    "Can this code be made faster or simpler? Explain.\n\n{code}",
-    "{code}\n\nWalk through what this does on a small example input.", "Review this code as if it were a pull request:\n\n{code}",
-)
+_SNIPPET_FORMS = _FILLERS["snippet_forms"]
 # (schema as words, questions over it)
-_SCHEMAS = (
-    ("employees(id, name, department_id, salary, hire_date) and departments(id, name, city)",
-     ("the highest-paid employee in each department", "the number of employees hired each year",
-      "departments whose average salary is above 60,000", "employees who earn more than their department's average",
-      "the department with the most employees")),
-    ("orders(id, customer_id, order_date, total) and customers(id, name, country)",
-     ("the total revenue per country", "customers who have never placed an order", "the five customers who spent the most",
-      "the number of orders per month in 2023", "the average order value of each customer")),
-    ("students(id, name, year), courses(id, title, credits) and enrollments(student_id, course_id, grade)",
-     ("each student's average grade", "courses with no enrolled students", "the top three students by average grade",
-      "the number of students in each course", "students taking more than four courses")),
-    ("books(id, title, author_id, published_year, price) and authors(id, name, country)",
-     ("authors with more than three books", "the most expensive book by each author", "books published before 1950, oldest first",
-      "the average book price per author country")),
-    ("products(id, name, category, price, stock)",
-     ("products that are out of stock", "the number of products and the average price per category",
-      "the three most expensive products in each category", "products priced between 10 and 50")),
-    ("rides(id, driver_id, started_at, distance_km, fare) and drivers(id, name, city)",
-     ("the total fares earned by each driver last month", "the longest ride in each city", "drivers who completed no rides",
-      "the average fare per kilometre in each city")),
-    ("page_visits(user_id, page, visited_at)",
-     ("the number of unique users per day", "the most visited page", "users who visited on three consecutive days",
-      "each user's first and last visit")),
-)
-_SQL_FORMS = ("Given the tables {schema}, write a SQL query that returns {q}.",
-              "Write a SQL query to find {q}. The database has {schema}.",
-              "I have a database with {schema}. How do I get {q}?",
-              "Using {schema}, write a {dialect} query for {q} and explain how it works.",
-              "Tables: {schema}. Query: {q}. Please write it in {dialect}.")
-_PAGES = ("a personal portfolio page with a header, an about section and a contact form",
-          "a login form with client-side validation", "a responsive three-column pricing table", "a restaurant menu page",
-          "a photo gallery laid out as a grid", "a navigation bar that collapses into a hamburger menu on small screens",
-          "a countdown timer to New Year's Day", "a to-do list where items can be added and removed",
-          "a landing page for a mobile app", "an FAQ section with collapsible answers",
-          "a profile card with an avatar, a name and a short bio", "a dark-mode toggle",
-          "a table of books that sorts when a column header is clicked", "a modal dialog that opens when a button is clicked",
-          "a signup form with a password strength meter", "a simple image carousel")
-_PAGE_FORMS = ("Create {page} using HTML and CSS.", "Write the HTML, CSS and JavaScript for {page}.",
-               "Build {page} with plain HTML and CSS, no frameworks.", "How do I make {page}? Show the code.",
-               "Write a React component for {page}.", "Using Flexbox or Grid, create {page}.")
-_REGEXES = ("matches a five-digit ZIP code", "extracts every email address from a text", "matches dates in the format YYYY-MM-DD",
-            "validates a 24-hour time such as 23:59", "finds all hashtags in a social media post",
-            "matches hex colour codes like #1a2B3c", "extracts the domain name from a URL",
-            "matches phone numbers like (555) 123-4567", "finds repeated words such as 'the the'", "matches IPv4 addresses",
-            "strips HTML tags from a string", "matches words that start with a capital letter",
-            "captures the key and value in lines like key=value", "matches signed floating-point numbers",
-            "finds all five-letter words")
-_REGEX_FORMS = ("Write a regular expression that {r}.", "Give me a regex that {r}, and explain each part.",
-                "In {lang}, use a regular expression that {r}.",
-                "How would I write a regex that {r}? Include strings that should and should not match.")
-_SHELL_TASKS = ("count the lines in all .py files under the current directory", "find the ten largest files in a directory tree",
-                "replace 'foo' with 'bar' in every .txt file", "list the processes using the most memory",
-                "print the lines that are in a.txt but not in b.txt", "rename every .jpeg file to .jpg",
-                "delete files older than 30 days in a cache folder",
-                "print the unique values of the second column of a CSV file",
-                "follow a log file and show only lines containing ERROR",
-                "archive a project folder as tar.gz without node_modules",
-                "count how often each HTTP status code appears in an access log", "find all files modified in the last 24 hours",
-                "see which ports are listening", "add up the size of all .mp4 files", "find duplicate lines in a file")
-_SHELL_FORMS = ("Write a Bash one-liner to {s}.", "What shell command would I use to {s}?",
-                "How can I {s} from the Linux command line?", "Write a short shell script to {s}, and explain each part.",
-                "On macOS, how do I {s} in the terminal?")
-_CONCEPTS = (
-    "recursion", "closures", "hash tables", "big-O notation", "garbage collection", "race conditions", "deadlocks",
-    "dependency injection", "REST APIs", "SQL joins", "database indexes", "git rebase", "mocking in unit tests",
-    "binary search trees", "dynamic programming", "composition over inheritance", "exception handling", "list comprehensions",
-    "async/await", "memory leaks", "pointers", "ownership and borrowing", "generics", "interfaces", "immutability",
-    "pure functions", "higher-order functions", "the event loop", "mutexes", "caching", "pagination", "the SOLID principles",
-    "the observer pattern", "the singleton pattern", "decorators", "iterators", "virtual functions", "stack versus heap memory",
-    "tail recursion", "bit manipulation", "password hashing with salts", "CORS", "JSON serialization", "the MVC architecture",
-    "floating-point rounding errors", "Unicode and character encodings", "continuous integration", "lazy evaluation",
-)
-_CONCEPT_FORMS = ("Explain {c} with a short {lang} example.",
-                  "What should every beginner know about {c}? Use {lang} for the examples.",
-                  "Give me a simple {lang} example that demonstrates {c}.",
-                  "What are common mistakes people make with {c} in {lang}?",
-                  "I keep getting confused by {c}. Can you explain the idea with code?",
-                  "When should I care about {c}? Give a practical {lang} example.",
-                  "Write a short tutorial on {c} in {lang}, with two exercises.",
-                  "Explain {c} in simple terms and show what that looks like in {lang}.")
-_ALGORITHMS = (
-    "Dijkstra's algorithm", "quicksort", "merge sort", "heap sort", "binary search", "breadth-first search", "depth-first search",
-    "A* search", "Kruskal's algorithm", "union-find", "the two-pointer technique", "the sliding-window technique",
-    "Kadane's algorithm", "topological sorting", "a trie", "a skip list", "a Bloom filter", "consistent hashing",
-    "the KMP string-matching algorithm", "backtracking", "the Floyd-Warshall algorithm", "reservoir sampling", "counting sort",
-    "a segment tree", "a red-black tree", "the Bellman-Ford algorithm",
-)
-_ALGORITHM_FORMS = ("Explain how {a} works and implement it in {lang}.", "What is the time complexity of {a}, and why?",
-                    "Implement {a} in {lang}{cons}.", "When would you use {a}? Give an example problem and a {lang} solution.",
-                    "Walk me through {a} on a small example, then show {lang} code.")
-_CODE_PAIRS = (("lists", "tuples in Python"), ("let", "var in JavaScript"), ("==", "=== in JavaScript"),
-               ("interfaces", "abstract classes in Java"), ("processes", "threads"), ("SQL", "NoSQL databases"), ("TCP", "UDP"),
-               ("arrays", "linked lists"), ("map()", "forEach() in JavaScript"), ("structs", "classes in C++"),
-               ("goroutines", "OS threads"), ("Box", "Rc in Rust"), ("an inner join", "a left join"), ("git merge", "git rebase"),
-               ("unit tests", "integration tests"), ("a shallow copy", "a deep copy"), ("pass by value", "pass by reference"))
-_CODE_PAIR_FORMS = ("What is the difference between {a} and {b}?", "When should I use {a} instead of {b}? Give examples.",
-                    "Compare {a} and {b} with short code examples.")
-_CODE_INTROS = ("",) * 10 + (
-    "I'm new to programming. ", "I'm preparing for a technical interview. ", "This is for a school assignment. ",
-    "I'm working on a small side project. ", "I'm a data analyst, not a developer, so keep it simple. ", "Please help! ",
-)
+_SCHEMAS = _FILLERS["schemas"]
+_SQL_FORMS = _FILLERS["sql_forms"]
+_PAGES = _FILLERS["pages"]
+_PAGE_FORMS = _FILLERS["page_forms"]
+_REGEXES = _FILLERS["regexes"]
+_REGEX_FORMS = _FILLERS["regex_forms"]
+_SHELL_TASKS = _FILLERS["shell_tasks"]
+_SHELL_FORMS = _FILLERS["shell_forms"]
+_CONCEPTS = _FILLERS["concepts"]
+_CONCEPT_FORMS = _FILLERS["concept_forms"]
+_ALGORITHMS = _FILLERS["algorithms"]
+_ALGORITHM_FORMS = _FILLERS["algorithm_forms"]
+_CODE_PAIRS = _FILLERS["code_pairs"]
+_CODE_PAIR_FORMS = _FILLERS["code_pair_forms"]
+_CODE_INTROS = _FILLERS["code_intros"]
 
 
 def _fence(lang: str, code: str) -> str:
@@ -460,11 +170,9 @@ def _code_prompt(rng: random.Random) -> str:
 
 # ---- math ----
 
-_ITEMS = ("apples", "notebooks", "pencils", "concert tickets", "cookies", "marbles", "stickers", "oranges", "T-shirts",
-          "cupcakes", "plant pots", "bus passes", "candles", "sandwiches", "tennis balls")
-_MATH_ASKS = ("",) * 5 + (" Show your work.", " Explain step by step.", " Explain your reasoning.",
-                          " Give just the final answer.", " Check your answer.", " Please show each step clearly.")
-_ORD = ("first", "second", "third", "fourth", "fifth")
+_ITEMS = _FILLERS["items"]
+_MATH_ASKS = _FILLERS["math_asks"]
+_ORD = _FILLERS["ord"]
 
 
 def _lin(a: int, b: int, var: str = "x") -> str:
@@ -686,8 +394,7 @@ def _m_numbers(rng: random.Random) -> str:
     ))
 
 
-_WORDS = ("BANANA", "LETTER", "APPLE", "COFFEE", "PEPPER", "STATISTICS", "BALLOON", "GARDEN", "PUZZLE", "TOMATO", "CANADA",
-          "BOOKKEEPER", "SUCCESS", "PARALLEL", "MATH", "ORANGE")
+_WORDS = _FILLERS["words"]
 
 
 def _m_chance(rng: random.Random) -> str:
@@ -764,11 +471,7 @@ def _m_calculus(rng: random.Random) -> str:
     ))
 
 
-_UNITS = (("kilometres", "miles"), ("miles", "kilometres"), ("kilograms", "pounds"), ("pounds", "kilograms"),
-          ("litres", "US gallons"), ("feet", "metres"), ("inches", "centimetres"), ("square metres", "square feet"),
-          ("metres per second", "kilometres per hour"), ("kilometres per hour", "metres per second"), ("cups", "millilitres"),
-          ("ounces", "grams"), ("hectares", "acres"), ("cubic metres", "litres"), ("days", "seconds"),
-          ("nautical miles", "kilometres"), ("gigabytes", "megabytes"))
+_UNITS = _FILLERS["units"]
 
 
 def _m_units(rng: random.Random) -> str:
@@ -805,35 +508,9 @@ def _m_stats(rng: random.Random) -> str:
 
 
 # clue phrasing per scene; slot 0 is the first finisher, the tallest, the leftmost chair, the lowest floor
-_SCENES = (("{names} ran a race, and there were no ties.", ("What was the finishing order?", "Who finished {ord}?"),
-            {"before": "{a} finished ahead of {b}.", "after": "{a} finished immediately after {b}.", "at": "{a} finished {ord}.",
-             "not_at": "{a} did not finish {ord}."}),
-           ("{names} sit side by side in a row of {n} chairs.",
-            ("Who sits where, from left to right?", "Who sits in the {ord} chair from the left?"),
-            {"before": "{a} sits somewhere to the left of {b}.", "after": "{a} sits immediately to the right of {b}.",
-             "at": "{a} sits in the {ord} chair from the left.", "not_at": "{a} is not in the {ord} chair from the left.",
-             "next": "{a} sits next to {b}.", "apart": "{a} does not sit next to {b}."}),
-           ("{names} all have different heights.", ("List them from tallest to shortest.", "Who is the {ord} tallest?"),
-            {"before": "{a} is taller than {b}.", "at": "{a} is the {ord} tallest.", "not_at": "{a} is not the {ord} tallest."}),
-           ("{names} arrived at a party one at a time.", ("In what order did they arrive?", "Who was the {ord} to arrive?"),
-            {"before": "{a} arrived before {b}.", "after": "{a} arrived right after {b}.", "at": "{a} was the {ord} to arrive.",
-             "not_at": "{a} was not the {ord} to arrive."}),
-           ("{names} each live on a different floor of a {n}-storey building; floor 1 is the lowest.",
-            ("Who lives on which floor?", "Who lives on floor {k}?"),
-            {"before": "{a} lives lower than {b}.", "after": "{a} lives on the floor directly above {b}.",
-             "at": "{a} lives on floor {k}.", "not_at": "{a} does not live on floor {k}.",
-             "next": "{a} and {b} live on neighbouring floors.", "apart": "{a} and {b} do not live on neighbouring floors."}))
+_SCENES = _FILLERS["scenes"]
 # (intro, is, is not, ask about one, ask about all, values)
-_ATTRIBUTES = (("{names} each own one pet: {opts}.", "{a} owns {x}.", "{a} does not own {x}.", "Who owns {x}?",
-                "Which pet belongs to whom?", ("a cat", "a dog", "a parrot", "a rabbit", "a tortoise")),
-               ("{names} live in different cities: {opts}.", "{a} lives in {x}.", "{a} does not live in {x}.",
-                "Who lives in {x}?", "Where does each of them live?", ("Paris", "Cairo", "Lima", "Oslo", "Perth")),
-               ("{names} each drink something different at breakfast: {opts}.", "{a} drinks {x}.", "{a} never drinks {x}.",
-                "Who drinks {x}?", "What does each person drink?", ("tea", "coffee", "orange juice", "milk", "cocoa")),
-               ("{names} have different jobs, which are {opts} in some order.", "{a} is {x}.", "{a} is not {x}.", "Who is {x}?",
-                "What is each person's job?", ("a doctor", "a pilot", "a teacher", "a baker", "an engineer")),
-               ("{names} each play a different instrument: {opts}.", "{a} plays {x}.", "{a} does not play {x}.", "Who plays {x}?",
-                "Which instrument does each person play?", ("the piano", "the violin", "the drums", "the flute", "the guitar")))
+_ATTRIBUTES = _FILLERS["attributes"]
 _TESTS = {"before": lambda p, a, b: p[a] < p[b], "after": lambda p, a, b: p[a] == p[b] + 1,
           "at": lambda p, a, k: p[a] == k, "not_at": lambda p, a, k: p[a] != k,
           "next": lambda p, a, b: abs(p[a] - p[b]) == 1, "apart": lambda p, a, b: abs(p[a] - p[b]) > 1}
@@ -880,11 +557,7 @@ def _m_order_puzzle(rng: random.Random) -> str:
     return f"{intro.format(names=_names_list(names), opts=_names_list(opts))} {' '.join(lines)} {ask}"
 
 
-_ISLANDS = (("On an island, knights always tell the truth and knaves always lie.", "knight", "knave"),
-            ("In a village, everyone is either a truth-teller, who never lies, or a liar, who never tells the truth.",
-             "truth-teller", "liar"),
-            ("Each of the following people either always tells the truth (a knight) or always lies (a knave).", "knight",
-             "knave"))
+_ISLANDS = _FILLERS["islands"]
 
 
 def _m_knights(rng: random.Random) -> str:
@@ -910,41 +583,11 @@ def _m_knights(rng: random.Random) -> str:
     return f"{intro} {' '.join(lines)} {ask}"
 
 
-_FAMILY = ("{m1} is the brother of {f1}, and {f1} is the mother of {m2}. What is {m1} to {m2}?",
-           "{m1} and {f1} are siblings. {f2} is {f1}'s daughter. How is {f2} related to {m1}?",
-           "{f1}'s mother is the sister of {m1}'s father. How are {f1} and {m1} related?",
-           "Pointing at a photo of a woman, {m1} says: \"Her mother is my father's only daughter.\" How is the woman related to "
-           "{m1}?", "{f1} is married to {m1}, and {m2} is {m1}'s son from an earlier marriage. How is {f1} related to {m2}?",
-           "{f1} is the sister of {m1}'s wife. What is {f1} to {m1}?",
-           "{f1} is the daughter of {m1}'s father's brother. How is {f1} related to {m1}?",
-           "{f1} says: \"{m1}'s mother is my mother's only child.\" How is {m1} related to {f1}?",
-           "{m1} is the father of {m2} and {f1}. {f1} has a daughter, {f2}, and {m2} has a son, {m3}. How are {f2} and {m3} "
-           "related?",
-           "{m1} has exactly two children, {f1} and {m2}. {m2} has one son, {m3}. How many aunts does {m3} have on his father's "
-           "side, and who?")
-_TERMS = ("bloops", "razzies", "lazzies", "wugs", "zorks", "glims", "tarps", "fizzles", "daxes", "painters", "cyclists",
-          "teachers", "vegetarians", "early risers", "chess players", "musicians", "gardeners", "poets", "swimmers")
-_SYLLOGISMS = ("All {A} are {B}, and all {B} are {C}. Does it follow that all {A} are {C}?",
-               "All {A} are {B}. No {B} are {C}. Can any {A} be {C}?",
-               "All {A} are {B}. Some {B} are {C}. Does it necessarily follow that some {A} are {C}?",
-               "Some {A} are {B}, and some {B} are {C}. Must some {A} be {C}?",
-               "No {A} are {B}. All {C} are {B}. What can you conclude about {A} and {C}?",
-               "All {A} are {B}. {n} is not one of the {B}. Is {n} one of the {A}?",
-               "Some {A} are not {B}. All {C} are {B}. Does it follow that some {A} are not {C}?")
+_FAMILY = _FILLERS["family"]
+_TERMS = _FILLERS["terms"]
+_SYLLOGISMS = _FILLERS["syllogisms"]
 # (if, then, then is false, then is true, if in the past)
-_CONDITIONALS = (("it rains", "the match is cancelled", "The match was not cancelled.", "The match was cancelled.", "it rained"),
-                 ("the bakery is open", "its lights are on", "The bakery's lights are off.", "The bakery's lights are on.",
-                  "the bakery is open"),
-                 ("{n} finishes the report", "{n} leaves work early", "{n} did not leave early.", "{n} left early.",
-                  "{n} finished the report"),
-                 ("the password is correct", "the door opens", "The door did not open.", "The door opened.",
-                  "the password was correct"),
-                 ("a number is divisible by 6", "it is divisible by 3", "The number is not divisible by 3.",
-                  "The number is divisible by 3.", "the number is divisible by 6"),
-                 ("the plant gets no water", "it wilts", "The plant did not wilt.", "The plant wilted.",
-                  "the plant got no water"),
-                 ("the train is late", "{n} misses the meeting", "{n} did not miss the meeting.", "{n} missed the meeting.",
-                  "the train was late"))
+_CONDITIONALS = _FILLERS["conditionals"]
 
 
 def _m_reasoning(rng: random.Random) -> str:
@@ -963,8 +606,7 @@ def _m_reasoning(rng: random.Random) -> str:
 _MATH_KINDS = ((_m_money, 2), (_m_time, 1), (_m_rates, 2), (_m_mixtures_ages, 1), (_m_percent_ratio, 2), (_m_algebra, 3),
                (_m_geometry, 3), (_m_numbers, 2), (_m_chance, 2), (_m_sequences, 1), (_m_calculus, 2), (_m_units, 1),
                (_m_stats, 1), (_m_order_puzzle, 2), (_m_knights, 1), (_m_reasoning, 1))
-_MATH_INTROS = ("",) * 10 + ("Can you help me with this? ", "Homework question: ", "Quick maths question: ",
-                             "I'm stuck on this problem. ")
+_MATH_INTROS = _FILLERS["math_intros"]
 
 
 def _math_prompt(rng: random.Random) -> str:
@@ -974,243 +616,51 @@ def _math_prompt(rng: random.Random) -> str:
 
 # ---- writing ----
 
-_TONES = ("humorous", "heartfelt", "formal", "casual", "optimistic", "melancholic", "suspenseful", "whimsical", "inspiring",
-          "nostalgic", "gently sarcastic", "calm", "dramatic", "friendly", "poetic", "matter-of-fact")
-_LENGTHS = ("in under 100 words", "in under 150 words", "in about 300 words", "in exactly three paragraphs",
-            "in no more than five sentences", "in two short paragraphs", "in fewer than 50 words", "in one paragraph",
-            "in about 500 words")
-_AUDIENCES = ("children aged 6 to 8", "busy parents", "university students", "retirees", "first-time travellers",
-              "small-business owners", "teenagers", "software engineers", "dog owners", "a general audience", "new employees",
-              "people learning English")
-_STORY_TOPICS = ("a lighthouse keeper who receives a letter from the future", "a lost dog finding its way home across the city",
-                 "two rivals stuck in a lift", "a robot that wants to learn to paint",
-                 "an old bookshop whose books rearrange themselves at night", "a chef who loses her sense of taste",
-                 "a night train that never reaches its last stop", "a garden that grows overnight", "a musician's first concert",
-                 "a family moving to a new country", "a letter found inside a second-hand coat",
-                 "an astronaut's last day on the space station", "a storm that strands strangers in a roadside diner",
-                 "a village festival gone wrong", "a door that appears in a child's bedroom wall",
-                 "a retired detective and a missing cat", "the last tree on a dry planet",
-                 "a grandmother who teaches her grandson to fish", "a town where it has not rained for ten years",
-                 "a museum guard who talks to the paintings", "twins separated at a busy market",
-                 "a shy girl who finds a dragon egg", "an inventor whose machine only works on Tuesdays",
-                 "a postman delivering the very last letter", "a first date during a power cut",
-                 "a boy who can hear what plants think", "a ship's cook on a long voyage",
-                 "an old man's last day at his corner shop", "a friendship between a crow and a cat",
-                 "a heist at a cheese museum", "a ghost who is afraid of people", "a snowed-in mountain hut",
-                 "a girl who collects lost sounds")
-_GENRES = ("", "", "science-fiction", "mystery", "fairy-tale", "ghost", "comic", "bedtime", "adventure", "fable-style",
-           "romantic", "noir")
-_STORY_TWISTS = ("", "", "", ", with a twist ending", ", told in the first person", ", told entirely in dialogue",
-                 " that ends with a question", " in which the main character never speaks", ", set in the year 2150",
-                 ", told from the point of view of an object", ", with a moral at the end")
-_STORY_FORMS = ("Write {a_genre}story about {topic}{twist}.", "Tell me {a_genre}story about {topic}{twist}.",
-                "Write a short story about {topic}, {length}.", "Write a piece of flash fiction about {topic}{twist}.",
-                "Write {a_tone} story for {audience} about {topic}.",
-                "Can you write a short story about {topic}? Make it {tone}.",
-                "Write a diary entry by a character in a story about {topic}.")
-_POEM_TYPES = ("haiku", "limerick", "sonnet", "free-verse poem", "rhyming poem", "ballad", "short poem in rhyming couplets",
-               "villanelle", "series of three haiku", "cinquain", "ode", "prose poem", "poem of four quatrains")
-_POEM_SUBJECTS = ("autumn leaves", "a cup of morning coffee", "the city at three in the morning", "a grandmother's hands",
-                  "Monday mornings", "the moon over a car park", "a forgotten umbrella", "learning to ride a bike",
-                  "the smell of rain", "a cat asleep in the sun", "the sea in winter", "a power cut", "the first snowfall",
-                  "a houseplant that refuses to die", "old photographs", "a traffic jam", "a long-distance friendship",
-                  "the last day of summer holidays", "a lighthouse", "bees in a lavender field", "a broken violin",
-                  "the night shift at a hospital", "homesickness", "a kite on a windy hill", "a library at closing time",
-                  "a train window", "the ocean at dawn", "a lost glove", "a thunderstorm", "the first day of spring",
-                  "an empty playground", "a mountain summit", "a bowl of soup on a cold day")
-_POEM_FORMS = ("Write {a_type} about {subject}.", "Compose {a_type} about {subject}.",
-               "Write {a_type} about {subject} in {a_tone} tone.", "Can you write me {a_type} about {subject}?",
-               "Write {a_type} about {subject} that a child would enjoy.",
-               "Write an acrostic poem on the word {word} about {subject}.",
-               "I need {a_type} about {subject} for a greeting card.")
-_ACROSTICS = ("HOME", "RAIN", "SPRING", "FRIEND", "OCEAN", "MUSIC", "BREAD", "LIGHT", "DREAM", "AUTUMN")
-_DESTINATIONS = ("Kyoto", "the Scottish Highlands", "Lisbon", "Patagonia", "Marrakech", "Iceland's Ring Road", "the Amalfi Coast",
-                 "Hanoi", "Quebec City", "Cappadocia", "the Norwegian fjords", "Cartagena", "Tasmania", "Ljubljana", "Zanzibar",
-                 "Oaxaca", "Bruges", "Sri Lanka", "Yellowstone", "Crete", "Montreal", "the Dolomites", "Luang Prabang",
-                 "Valparaíso", "Tbilisi", "Seville", "New Zealand's South Island", "Edinburgh", "the Atacama Desert", "Istanbul",
-                 "a small Greek island", "Vancouver Island")
-_ISSUES = ("schools should start later in the morning", "cities should ban cars from their centres",
-           "every student should learn to cook", "public transport should be free", "primary schools should drop homework",
-           "museums should be free to enter", "companies should offer a four-day work week",
-           "single-use plastic bags should be banned", "voting should be compulsory", "public libraries matter more than ever",
-           "every child should learn a musical instrument", "zoos should be phased out", "cities need more trees",
-           "students should take a gap year", "school uniforms should be abolished", "handwriting should still be taught",
-           "people should repair things instead of replacing them", "video games can be good for children",
-           "tipping should be replaced by fair wages", "adults should keep learning new skills",
-           "towns should protect their independent shops")
-_ESSAY_FORMS = ("Write a persuasive essay arguing that {i}.", "Write a persuasive paragraph arguing that {i}, {length}.",
-                "Write an opinion piece for a local newspaper arguing that {i}.",
-                "Write a short persuasive speech arguing that {i}.",
-                "Write a persuasive essay arguing against the claim that {i}.", "Write a letter to the editor arguing that {i}.")
-_PRODUCTS = ("a solar-powered phone charger shaped like a leaf", "waterproof earbuds for swimmers",
-             "a smart water bottle that reminds you to drink", "a ceramic mug with a built-in tea-bag holder",
-             "a folding electric scooter", "a weighted blanket made from bamboo", "a board game about running a lighthouse",
-             "an app that plans meals from what is in your fridge", "a backpack with a built-in laptop stand",
-             "organic peanut-butter dog biscuits", "a mechanical keyboard with wooden keycaps",
-             "a reusable notebook that wipes clean", "a bicycle light that projects a lane onto the road",
-             "a candle that smells like a rainy forest", "a kids' telescope", "a plant pot that texts you when the soil is dry",
-             "hand-knitted wool socks", "a compact espresso maker for camping", "a language-learning podcast for commuters",
-             "a noise machine that plays café sounds", "a lunch box that keeps food warm for six hours")
-_PRODUCT_FORMS = ("Write a product description for {p}.",
-                  "Write an online-store listing for {p}, with a title and five bullet points.", "Write catchy ad copy for {p}.",
-                  "Come up with five slogans for {p}.", "Write a 30-second radio advert for {p}.",
-                  "Write a short social media caption launching {p}.",
-                  "Write a product description for {p} aimed at {audience}, {length}.",
-                  "Write a crowdfunding campaign pitch for {p}.")
-_EMAILS = {"my manager": ("ask for a day off next Friday", "ask for a raise after two years in the role",
-                          "explain why a project will be a week late", "propose working from home two days a week",
-                          "turn down an extra project because of my workload", "resign with four weeks' notice"),
-           "a client": ("apologise for a delayed delivery", "follow up on an unpaid invoice", "propose a new pricing plan",
-                        "confirm the details of next week's meeting", "thank them for their business this year",
-                        "explain a change in the project scope"),
-           "my landlord": ("report a leaking kitchen tap", "ask permission to keep a cat", "ask for my security deposit back",
-                           "complain about a broken heater", "ask to end the lease two months early"),
-           "my child's teacher": ("explain my child's absence last week", "ask how my child can improve in reading",
-                                  "request a meeting about a bullying concern", "thank them at the end of the school year"),
-           "my professor": ("ask for an extension on an essay", "request a recommendation letter",
-                            "ask about joining their research group", "politely question a grade"),
-           "a colleague": ("ask for help with a spreadsheet", "hand over my tasks before a holiday",
-                           "congratulate them on a promotion", "apologise for missing a meeting"),
-           "my neighbour": ("ask them to trim a hedge that blocks the path", "invite them to a street party",
-                            "apologise for noise from a party"),
-           "a company's customer service team": ("complain about a faulty washing machine",
-                                                 "ask for a refund for a cancelled flight", "cancel a gym membership"),
-           "a hiring manager": ("follow up after a job interview", "accept a job offer and confirm the start date",
-                                "decline a job offer politely")}
-_EMAIL_FORMS = ("Write a professional email to {r} to {p}.", "Draft a polite email to {r} to {p}.",
-                "Help me write an email to {r}: I need to {p}. Keep it {tone}.", "Write a short email to {r} to {p}, {length}.",
-                "Write an email to {r} to {p}. Include a clear subject line.")
-_JOBS = ("junior data analyst at a retail company", "barista at a busy café", "nurse on a children's ward",
-         "primary-school teacher", "graphic designer at an advertising agency", "park ranger",
-         "software developer at a fintech start-up", "museum guide", "marketing assistant", "laboratory technician",
-         "customer support agent", "sous-chef", "librarian", "event planner", "bicycle mechanic", "UX researcher",
-         "warehouse team lead", "translator", "veterinary assistant", "youth football coach")
-_BACKGROUNDS = ("I have just graduated", "I am changing careers after ten years in retail", "I have three years of experience",
-                "I am returning to work after raising my children", "I volunteered for two years at a community centre",
-                "I speak three languages", "I have no formal experience but lots of enthusiasm")
-_OCCASIONS = ("a best man's toast at a wedding", "a graduation speech for a high-school class",
-              "a retirement speech for a colleague of 30 years", "a welcome speech for new team members",
-              "an acceptance speech for a community award", "a eulogy for a beloved family dog",
-              "a speech opening a school science fair", "a pep talk before a football final", "a toast at a 50th birthday party",
-              "a farewell speech on my last day at work", "a speech thanking volunteers at a charity dinner")
-_ANNOUNCEMENTS = ("a bakery's new sourdough loaf", "a local charity run", "finishing my first marathon", "starting a new job",
-                  "a library's summer reading challenge", "a dog adoption day at the shelter",
-                  "a small bookshop's tenth anniversary", "a beach clean-up this Saturday", "the launch of a gardening podcast",
-                  "a pop-up vintage clothing market", "a community theatre's new play")
-_PLATFORMS = ("Instagram", "LinkedIn", "X (Twitter)", "Facebook", "Threads")
-_FILMS = (("Northern Static", "science-fiction thriller",
-           "a radio operator at an Arctic station who hears a voice from the future"),
-          ("The Paper Orchard", "family drama", "three sisters who inherit a failing apple farm"),
-          ("Mile Marker Nine", "road-trip comedy", "two estranged brothers driving their father's ashes across the country"),
-          ("Saltwater Kings", "heist film", "a crew planning to steal a pearl from a floating casino"),
-          ("Hollow Season", "horror film", "a village where the scarecrows move at night"),
-          ("The Quiet Engine", "animated film", "a little train that is afraid of tunnels"),
-          ("Glass Rivers", "romantic drama", "two glassblowers competing for the same commission in Venice"),
-          ("Zero Gravity Kitchen", "comedy", "a chef hired to cook on a space station"))
-_PLACES = ("a Nepalese dumpling house called Momo Corner", "a seaside fish restaurant called The Tide Table",
-           "a vegan burger bar called Green Bun", "a family-run trattoria called Nonna's Table",
-           "a rooftop tapas bar called Altura", "a ramen shop called Steam & Salt", "a breakfast café called The Early Bird")
-_GADGETS = ("the Orbit X2 wireless earbuds", "a budget smartwatch called PulseBand Lite", "the Brewly smart kettle",
-            "a robot vacuum called Dustin", "the Lumo 4K projector", "a folding phone called the Flipside Pro",
-            "an e-reader called PageLight")
-_REVIEW_FORMS = ("Write {a_stance} review of the film \"{title}\", {a_genre} about {premise}.",
-                 "Write {a_stance} restaurant review of {place} for a food blog.",
-                 "Write {a_stance} review of {gadget}, giving it {stars} out of 5 stars.",
-                 "Write a customer review of {gadget} that is {stance}, {length}.",
-                 "Write {a_stance} review of {place}: the food was {food} but the service was {service}.")
-_PARAGRAPHS = ("Our office will be closed on Monday for the public holiday. Any urgent requests should be sent to the support "
-               "inbox, which will be checked once in the afternoon. Normal hours resume on Tuesday.",
-               "The new park on River Street opened last weekend. It has a playground, a small pond and plenty of benches. Dogs "
-               "are allowed on a lead.",
-               "I tried the recipe last night. The sauce was too salty and the pasta took longer than the instructions said, "
-               "but my kids still liked it.",
-               "Due to rising costs, the monthly membership fee will increase from 30 to 35 dollars starting in March. Members "
-               "who pay for a full year in advance keep the old price.",
-               "The meeting ran over by an hour because nobody had prepared an agenda. We agreed on nothing except that we need "
-               "another meeting.",
-               "Our team finished the project two weeks early. Sales are up, the client is happy, and everyone deserves a break.",
-               "The train was delayed again this morning. I waited on the platform for forty minutes in the rain and missed the "
-               "start of my exam.",
-               "Please remember to switch off the lights and lock the back door when you leave the building in the evening.",
-               "The museum's new dinosaur exhibit features a full-size skeleton, touchable fossils and a short film about how "
-               "the dinosaurs died out.",
-               "Our cat has learned to open the fridge. We have tried everything, including tape and a child lock, and she "
-               "still gets in.")
-_STYLES = ("a formal business tone", "a friendly, casual tone", "the style of a children's book", "a pirate's voice",
-           "plain English for a ten-year-old", "a more persuasive tone", "half the length", "a single tweet",
-           "the style of a Shakespeare play", "the voice of a sports commentator", "a polite, apologetic tone",
-           "the voice of a dramatic movie-trailer narrator", "the style of a Victorian letter", "an upbeat marketing tone",
-           "the style of a news report")
-_REWRITE_FORMS = ("Rewrite the following paragraph in {style}:\n\n\"{p}\"", "Rewrite this in {style}: {p}",
-                  "Here is a paragraph:\n\n{p}\n\nRewrite it in {style}, keeping the meaning.",
-                  "Turn this text into {style}:\n{p}")
-_PERSONAS = ("a pirate captain", "a hard-boiled 1940s detective", "a medieval knight", "an eccentric Victorian inventor",
-             "a scientist who gets very excited about experiments", "a sleepy dragon", "a grumpy old lighthouse keeper",
-             "a cheerful robot butler", "an alien visiting Earth for the first time", "a 1920s jazz singer", "a celebrity chef with very strong opinions",
-             "a time traveller from the year 3000", "a cowboy on a cattle drive", "an overly dramatic theatre critic",
-             "a cat who can talk", "a Roman senator", "a calm yoga teacher", "a superhero on a day off",
-             "a ship's captain in a storm")
-_QUESTIONS = ("what do you think of smartphones?", "how should I spend a rainy Sunday?", "what is the secret to a happy life?",
-              "how do I make friends in a new city?", "describe your morning routine.", "is pineapple acceptable on pizza?",
-              "how do I stay motivated to exercise?", "what advice do you have for a nervous student before an exam?",
-              "what is your greatest fear?", "tell me about the best meal you have ever had.",
-              "how should I ask my boss for a raise?", "what do you do to relax?",
-              "what do you think about people who are always late?", "how would you spend a million dollars?",
-              "what is the best way to learn to cook?")
-_ACTS = {"travel agent": ("plan a five-day trip to {d} for a couple on a mid-range budget",
-                          "suggest a weekend getaway for a family with a toddler"),
-         "fitness coach": ("design a four-week beginner running plan", "create a 20-minute home workout with no equipment"),
-         "interview coach": ("prepare me for a job interview (the role: {job}) by asking me questions one at a time",),
-         "chef": ("suggest a dinner menu for six guests, one of whom is vegan", "help me plan a week of cheap, healthy lunches"),
-         "career counsellor": ("help me decide between two job offers",
-                               "help me figure out whether to go back to university at 35"),
-         "tour guide": ("give me a walking tour of {d}", "tell me the story of an old harbour town as we walk through it"),
-         "stand-up comedian": ("write a short routine about working from home",
-                               "do five minutes on the chaos of family group chats"),
-         "motivational coach": ("help me stop procrastinating on my thesis", "give me a pep talk before my driving test"),
-         "storyteller": ("tell a bedtime story about a sleepy hedgehog", "tell a spooky campfire story for teenagers"),
-         "debate coach": ("help me prepare arguments for a debate on whether {i}",),
-         "screenwriter": ("write a short scene in which two strangers share an umbrella",
-                          "write the opening of a sitcom set in a laundrette"),
-         "poet": ("write a poem for my parents' 40th wedding anniversary", "write a poem I can read at my sister's graduation")}
-_MISC_WRITING = ("Write a letter to your future self, to be opened in ten years.",
-                 "Write a thank-you note to a nurse who cared for my grandfather.",
-                 "Write an apology letter from a cat to its owner for knocking a vase off the table.",
-                 "Write the lyrics of a country song about a broken-down tractor.",
-                 "Write a dialogue between a barista and a customer who cannot decide what to order.",
-                 "Write a fairy tale that takes place inside a washing machine.",
-                 "Write ten funny one-line jokes about working in an office.",
-                 "Write a children's picture-book text about a cloud who wants to be a rainbow.",
-                 "Write a bedtime story about a penguin who is scared of the dark.",
-                 "Write a funny horoscope for each of the four seasons.",
-                 "Write the back-cover blurb for a mystery novel set on a cruise ship.",
-                 "Write a motivational quote and a short paragraph explaining it.",
-                 "Write a wedding invitation for a couple getting married in a lighthouse.",
-                 "Write a short monologue for a villain who just wants a quiet life.",
-                 "Write a to-do list written by a very busy squirrel.", "Write a recipe as if it were an epic poem.",
-                 "Write a love letter from the Moon to the Sun.",
-                 "Write a movie pitch for a comedy about grandparents who start a rock band.",
-                 "Write three riddles whose answers are household objects.", "Write an obituary for a pair of old running shoes.",
-                 "Write a welcome message for the first page of a community cookbook.")
-_WRITING_EXTRAS = ("",) * 8 + (" Use a title.", " Keep the language simple.", " Avoid clichés.", " End with a call to action.",
-                              " Use vivid sensory details.", " Make it memorable.")
+_TONES = _FILLERS["tones"]
+_LENGTHS = _FILLERS["lengths"]
+_AUDIENCES = _FILLERS["audiences"]
+_STORY_TOPICS = _FILLERS["story_topics"]
+_GENRES = _FILLERS["genres"]
+_STORY_TWISTS = _FILLERS["story_twists"]
+_STORY_FORMS = _FILLERS["story_forms"]
+_POEM_TYPES = _FILLERS["poem_types"]
+_POEM_SUBJECTS = _FILLERS["poem_subjects"]
+_POEM_FORMS = _FILLERS["poem_forms"]
+_ACROSTICS = _FILLERS["acrostics"]
+_DESTINATIONS = _FILLERS["destinations"]
+_ISSUES = _FILLERS["issues"]
+_ESSAY_FORMS = _FILLERS["essay_forms"]
+_PRODUCTS = _FILLERS["products"]
+_PRODUCT_FORMS = _FILLERS["product_forms"]
+_EMAILS = _FILLERS["emails"]
+_EMAIL_FORMS = _FILLERS["email_forms"]
+_JOBS = _FILLERS["jobs"]
+_BACKGROUNDS = _FILLERS["backgrounds"]
+_OCCASIONS = _FILLERS["occasions"]
+_ANNOUNCEMENTS = _FILLERS["announcements"]
+_PLATFORMS = _FILLERS["platforms"]
+_FILMS = _FILLERS["films"]
+_PLACES = _FILLERS["places"]
+_GADGETS = _FILLERS["gadgets"]
+_REVIEW_FORMS = _FILLERS["review_forms"]
+_PARAGRAPHS = _FILLERS["paragraphs"]
+_STYLES = _FILLERS["styles"]
+_REWRITE_FORMS = _FILLERS["rewrite_forms"]
+_PERSONAS = _FILLERS["personas"]
+_QUESTIONS = _FILLERS["questions"]
+_ACTS = _FILLERS["acts"]
+_MISC_WRITING = _FILLERS["misc_writing"]
+_WRITING_EXTRAS = _FILLERS["writing_extras"]
 
 
-_COVER_FORMS = ("Write a cover letter for a job as {a_job}. {bg}.",
-                "Help me write a cover letter. The job: {job}. Some background: {bg}.",
-                "Write a short cover letter (under 250 words) for a role as {a_job}.")
-_SPEECH_FORMS = ("Write {o}.", "Write {o}, {length}.", "Write {o}. Make it {tone} but not too long.")
-_SOCIAL_FORMS = ("Write a {pl} post announcing {a}.", "Write three {pl} posts promoting {a}.",
-                 "Write a {pl} post about {a}, with hashtags.", "Write a 30-second TikTok video script about {a}.")
+_COVER_FORMS = _FILLERS["cover_forms"]
+_SPEECH_FORMS = _FILLERS["speech_forms"]
+_SOCIAL_FORMS = _FILLERS["social_forms"]
 # a "but" that contrasts: (food, service)
-_FOOD_SERVICE = (("superb", "painfully slow"), ("bland", "charming"), ("generous", "rude"), ("overpriced", "attentive"),
-                 ("cold", "friendly"), ("delicious", "chaotic"))
-_STANCES = ("glowing", "mixed", "harsh but fair", "lukewarm", "enthusiastic", "balanced")
-_ROLEPLAY_FORMS = ("Pretend you are {p}. Stay in character and answer: {q}",
-                   "You are {p}. Someone asks you: \"{Q}\" How do you reply?", "Speak like {p} and answer this: {q}",
-                   "From now on, respond as {p}. First question: {q}")
-_ACT_FORMS = ("Act as {r}. Please {q}.", "I want you to act as {r}. Your first task: {q}.",
-              "Imagine you are my personal {role}: {q}.")
+_FOOD_SERVICE = _FILLERS["food_service"]
+_STANCES = _FILLERS["stances"]
+_ROLEPLAY_FORMS = _FILLERS["roleplay_forms"]
+_ACT_FORMS = _FILLERS["act_forms"]
 
 
 def _writing_prompt(rng: random.Random) -> str:
@@ -1261,172 +711,44 @@ def _writing_prompt(rng: random.Random) -> str:
 # ---- knowledge: explanations, and extraction over a passage the prompt contains ----
 
 # singular noun phrases across the sciences, technology, society and the arts
-_TOPICS = ("Newton's third law", "the Doppler effect", "entropy", "the photoelectric effect", "special relativity",
-           "electromagnetic induction", "buoyancy", "quantum tunnelling", "the conservation of energy", "static electricity",
-           "oxidation and reduction", "the pH scale", "catalysis", "covalent bonding", "the layout of the periodic table",
-           "radioactive decay", "fermentation", "natural selection", "the immune system", "DNA replication",
-           "the role of mitochondria", "a food web", "symbiosis", "epigenetics", "the nervous system", "cell division",
-           "a black hole", "the life cycle of a star", "dark matter", "the Big Bang theory", "an exoplanet", "a solar eclipse",
-           "the lunar cycle", "the placebo effect", "herd immunity", "blood pressure", "type 2 diabetes", "an allergic reaction",
-           "the circadian rhythm", "antibiotic resistance", "the gut microbiome", "plate tectonics", "the water cycle",
-           "the greenhouse effect", "the rock cycle", "El Niño", "the ozone layer", "soil erosion",
-           "public-key encryption", "a blockchain", "cloud computing", "two-factor authentication",
-           "a semiconductor", "inflation", "supply and demand", "opportunity cost", "comparative advantage", "compound interest",
-           "a recession", "central-bank interest-rate policy", "the tragedy of the commons", "game theory",
-           "a stock market index", "utilitarianism", "stoicism", "the trolley problem", "existentialism",
-           "Plato's allegory of the cave", "the social contract", "the ship of Theseus", "Occam's razor",
-           "cognitive dissonance", "confirmation bias", "the Dunning-Kruger effect", "classical conditioning",
-           "Maslow's hierarchy of needs", "a growth mindset", "working memory", "the bystander effect", "Impressionism",
-           "perspective in Renaissance painting", "the sonata form", "Art Deco architecture", "the hero's journey", "Cubism",
-           "jazz improvisation", "Gothic architecture", "the separation of powers", "the rule of law",
-           "a constitutional monarchy", "federalism", "proportional representation", "due process", "intellectual property",
-           "a referendum", "the role of a supreme court", "the Silk Road", "feudalism", "the printing press", "colonialism",
-           "globalisation")
-_TOPIC_FORMS = ("Explain {t} in simple terms.", "What is {t}?", "Can you explain {t} to a 10-year-old?",
-                "Give me a clear explanation of {t}, with an everyday example.", "What is meant by {t}, and why does it matter?",
-                "Explain {t} for a high-school student.", "I never really understood {t}. Could you break it down?",
-                "Explain {t} in three short paragraphs.", "Summarise the key ideas behind {t} in five bullet points.",
-                "What are common misconceptions about {t}?", "How would you explain {t} using an analogy?",
-                "Explain {t} and give a real-world example.", "Tell me about {t}.", "Why is {t} important? Give two examples.",
-                "Teach me {t} as if I were a complete beginner.")
-_HOW_WHY = ("how a refrigerator keeps food cold", "how the heart pumps blood around the body",
-            "how vaccines train the immune system", "how GPS works out your position",
-            "how a bill becomes law in a typical parliament", "how noise-cancelling headphones work",
-            "how a nuclear power plant makes electricity", "how aeroplanes stay in the air", "how the kidneys filter blood",
-            "how a card payment is processed", "how search engines rank web pages", "how bees make honey", "how a rainbow forms",
-            "how the Moon causes tides", "how a microwave oven heats food", "how memories are formed",
-            "how a seed grows into a plant", "how solar panels turn sunlight into electricity", "how a compass finds north",
-            "how hurricanes form", "how glass is made", "how chocolate is made from cacao beans",
-            "how a touchscreen detects a finger", "how an MRI scanner makes images",
-            "how banknotes are protected against forgery", "how a pin-tumbler lock works",
-            "how the body regulates its temperature", "how coral reefs form", "why the sky is blue", "why we have seasons",
-            "why leaves change colour in autumn", "why ice floats on water", "why we dream", "why the ocean is salty",
-            "why cats purr", "why bread goes stale", "why prices tend to rise over time", "why the Romans built so many roads",
-            "why the Moon always shows the same face to Earth", "why onions make us cry", "why aeroplanes leave white trails",
-            "why we get goosebumps", "why some countries drive on the left", "why metal feels colder than wood",
-            "why yawning is contagious", "why time zones exist", "why birds migrate", "what causes the northern lights",
-            "what causes earthquakes", "what makes a volcano erupt", "why interest rates affect house prices",
-            "why stars twinkle", "why we need sleep", "why empires decline")
-_HOW_WHY_FORMS = ("Explain {h}.", "Can you explain {h}?", "Explain {h}, step by step.", "Explain {h} to a 10-year-old.",
-                  "I've always wondered {h}. Can you explain?", "Describe {h} in simple terms.",
-                  "In a numbered list, explain {h}.", "Give me a short, clear explanation of {h}.",
-                  "My kid asked me {h}. How should I explain it?", "What is the science behind {h}?")
-_PAIRS = (("mitosis", "meiosis"), ("weather", "climate"), ("viruses", "bacteria"), ("capitalism", "socialism"),
-          ("the Renaissance", "the Enlightenment"), ("stocks", "bonds"), ("nuclear fission", "nuclear fusion"),
-          ("alligators", "crocodiles"), ("comets", "asteroids"), ("DNA", "RNA"), ("civil law", "criminal law"),
-          ("Baroque music", "Classical-era music"), ("Impressionism", "Expressionism"), ("introverts", "extroverts"),
-          ("Stoicism", "Epicureanism"), ("AC electricity", "DC electricity"), ("hurricanes", "tornadoes"),
-          ("renewable energy", "fossil fuels"), ("Keynesian economics", "monetarism"), ("an MRI", "a CT scan"),
-          ("psychology", "psychiatry"), ("ancient Athens", "Sparta"), ("the Inca Empire", "the Aztec Empire"),
-          ("speed", "velocity"), ("heat", "temperature"), ("elements", "compounds"), ("vaccines", "antibiotics"),
-          ("stars", "planets"), ("the Arctic", "the Antarctic"), ("Gothic architecture", "Romanesque architecture"),
-          ("Hinduism", "Buddhism"), ("inflation", "deflation"), ("fixed-rate mortgages", "variable-rate mortgages"),
-          ("RAM", "storage"), ("Wi-Fi", "Bluetooth"), ("the metric system", "the imperial system"),
-          ("a presidential system", "a parliamentary system"), ("empiricism", "rationalism"))
-_PAIR_FORMS = ("Compare {a} and {b}.", "What is the difference between {a} and {b}?",
-               "How do {a} and {b} differ, and what do they have in common?", "Make a table comparing {a} and {b}.",
-               "{A} vs {b}: explain the key differences in simple terms.",
-               "Explain the similarities and differences between {a} and {b}.")
-_DEBATES = ("nuclear power", "a four-day work week", "remote work", "universal basic income", "electric cars", "homeschooling",
-            "social media for teenagers", "genetically modified crops", "standardised testing", "funding space exploration",
-            "a cashless society", "rent control", "tariffs on imports", "a sugar tax", "daylight saving time",
-            "self-driving cars", "open-plan offices", "online learning", "tourism in small historic towns", "lab-grown meat",
-            "year-round schooling", "wind farms at sea")
-_DEBATE_FORMS = ("What are the pros and cons of {d}?", "Give a balanced overview of the arguments for and against {d}.",
-                 "List three advantages and three disadvantages of {d}.", "Is {d} a good idea? Consider both sides.",
-                 "What do economists and critics say about {d}?")
-_EVENTS = ("the fall of the Western Roman Empire", "the French Revolution", "the Industrial Revolution", "the Black Death",
-           "the 2008 financial crisis", "the invention of the printing press", "the collapse of the Soviet Union",
-           "the Dust Bowl", "the extinction of the dinosaurs", "the Little Ice Age", "the Apollo Moon landings",
-           "the rise of the internet", "the Protestant Reformation", "the Meiji Restoration", "the American Civil War",
-           "the First World War", "the decolonisation of Africa", "the Green Revolution in agriculture", "the Great Depression",
-           "the Cuban Missile Crisis", "the spread of the Mongol Empire", "the Columbian Exchange", "the Scientific Revolution")
-_EVENT_FORMS = ("What were the main causes of {e}?", "What were the causes and consequences of {e}?",
-                "Explain the long-term effects of {e}.", "Why did {e} happen, and why does it still matter today?",
-                "Give a short timeline of {e}.", "Summarise {e} in one paragraph.",
-                "How did {e} change everyday life for ordinary people?")
-_PHENOMENA = ("coral bleaching", "urban heat islands", "rising sea levels", "insomnia", "traffic jams", "acid rain",
-              "ocean dead zones", "droughts", "wildfires", "food inflation", "loneliness in big cities", "migraines",
-              "plastic in the oceans", "soil salinisation")
-_PHENOMENON_FORMS = ("What causes {p}, and what are its effects?", "Explain the causes of {p} and what can be done about it.",
-                     "What is the cause-and-effect chain behind {p}?")
-_FIGURES = ("Marie Curie", "Isaac Newton", "Ada Lovelace", "Charles Darwin", "Nelson Mandela", "Hypatia", "Leonardo da Vinci",
-            "Ibn Sina", "Mansa Musa", "Confucius", "Galileo Galilei", "Florence Nightingale", "Alan Turing", "Rosalind Franklin",
-            "Simón Bolívar", "Elizabeth I", "Frida Kahlo", "Johann Sebastian Bach", "Mahatma Gandhi", "Wangari Maathai",
-            "Nikola Tesla", "Zheng He", "Harriet Tubman", "Adam Smith", "Immanuel Kant", "Hokusai", "Gregor Mendel")
-_FIGURE_FORMS = ("Who was {f}, and why are they remembered today?", "Summarise the life and achievements of {f}.",
-                 "What were the most important contributions of {f}?", "Give a short overview of {f}'s work and its influence.")
-_REGIONS = ("the Amazon rainforest", "the Sahara", "the Himalayas", "the Great Barrier Reef", "the Nile delta", "Iceland",
-            "the Mekong River", "the Andes", "Siberia", "the Pacific Ring of Fire", "the Great Lakes", "the Atacama Desert",
-            "Antarctica", "the Netherlands' polders", "the Mediterranean coast", "the Serengeti", "the Galápagos Islands",
-            "the Ganges basin")
-_REGION_FORMS = ("Describe the geography and climate of {r}.", "What makes {r} unique, geographically and ecologically?",
-                 "What environmental threats does {r} face?", "How have people adapted to life in or near {r}?")
-_KNOWLEDGE_EXTRAS = ("",) * 8 + (" Keep it under 150 words.", " Use bullet points.", " Include a concrete example.",
-                                 " Avoid jargon.", " End with a one-sentence summary.", " Answer in two paragraphs.",
-                                 " Mention one common misconception.")
+_TOPICS = _FILLERS["topics"]
+_TOPIC_FORMS = _FILLERS["topic_forms"]
+_HOW_WHY = _FILLERS["how_why"]
+_HOW_WHY_FORMS = _FILLERS["how_why_forms"]
+_PAIRS = _FILLERS["pairs"]
+_PAIR_FORMS = _FILLERS["pair_forms"]
+_DEBATES = _FILLERS["debates"]
+_DEBATE_FORMS = _FILLERS["debate_forms"]
+_EVENTS = _FILLERS["events"]
+_EVENT_FORMS = _FILLERS["event_forms"]
+_PHENOMENA = _FILLERS["phenomena"]
+_PHENOMENON_FORMS = _FILLERS["phenomenon_forms"]
+_FIGURES = _FILLERS["figures"]
+_FIGURE_FORMS = _FILLERS["figure_forms"]
+_REGIONS = _FILLERS["regions"]
+_REGION_FORMS = _FILLERS["region_forms"]
+_KNOWLEDGE_EXTRAS = _FILLERS["knowledge_extras"]
 
-_COMPANIES = ("Norvale Systems", "Brightwater Foods", "Keltra Motors", "Oakfield Pharma", "Sunmere Energy", "Pivotal Freight",
-              "Redwing Apparel", "Corvan Analytics", "Tidewell Shipping", "Glasshouse Games", "Verdant Farms", "Halcyon Telecom",
-              "Ashgrove Bank", "Marlow Robotics")
-_CITIES = ("Lisbon", "Toronto", "Nairobi", "Osaka", "Melbourne", "Austin", "Lyon", "Seoul", "Cape Town", "Oslo", "Monterrey",
-           "Pune", "Glasgow", "Porto Alegre")
-_MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November",
-           "December")
-_GOOD_DRIVERS = ("strong demand in Asia", "a popular new budget product line", "lower shipping costs", "a record holiday season",
-                 "new contracts with hospitals")
-_BAD_DRIVERS = ("weak consumer spending", "higher energy prices", "a product recall in the spring", "supply-chain delays",
-                "fierce price competition")
+_COMPANIES = _FILLERS["companies"]
+_CITIES = _FILLERS["cities"]
+_MONTHS = _FILLERS["months"]
+_GOOD_DRIVERS = _FILLERS["good_drivers"]
+_BAD_DRIVERS = _FILLERS["bad_drivers"]
 # (what happened, a detail with {n}, what comes next, range of n)
-_NEWS = (("a new pedestrian bridge over the river opened", "about {n:,} people crossed it on the first day",
-          "a second bridge is planned for 2031", (500, 20000)),
-         ("heavy rain flooded several streets in the old town", "{n} homes were evacuated overnight",
-          "repairs are expected to take two weeks", (10, 400)),
-         ("a three-day food festival began", "more than {n:,} visitors are expected",
-          "the festival will close with a fireworks show on Sunday", (5000, 80000)),
-         ("the city council approved a new cycling plan", "{n} km of protected bike lanes will be built",
-          "construction starts next spring", (5, 120)),
-         ("a power cut hit the eastern districts", "about {n:,} homes lost electricity for up to six hours",
-          "the grid operator has promised an inquiry", (1000, 60000)),
-         ("volunteers planted trees along the harbour front", "{n:,} saplings went into the ground",
-          "the group hopes to double that next year", (100, 5000)),
-         ("the central library reopened after a renovation", "{n:,} new books were added to the collection",
-          "opening hours will be extended in summer", (500, 20000)))
-_ROLES = ("the mayor", "a city spokesperson", "a local councillor", "a council official", "the deputy mayor")
-_STORE = (("AeroBrew coffee grinder", "kitchen"), ("TrailLite 2 tent", "outdoors"), ("PixelQuill stylus", "electronics"),
-          ("HomeHalo smart bulb", "electronics"), ("Cascade water filter", "kitchen"), ("Summit trekking poles", "outdoors"),
-          ("Nimbus pillow", "bedroom"), ("Echo Mini speaker", "electronics"), ("Forge cast-iron pan", "kitchen"),
-          ("DriftWool blanket", "bedroom"), ("Beacon head torch", "outdoors"), ("Quill & Co notebook", "stationery"),
-          ("Tempo desk clock", "stationery"), ("Aurora reading lamp", "bedroom"))
-_TITLES = ("The Salt Orchard", "Glass Rivers", "A Map of Small Hours", "Iron and Ivy", "The Quiet Engine", "Lanterns at Low Tide",
-           "The Cartographer's Daughter", "Seven Winters in Vell", "Paper Moons", "The Last Honest Clock", "Under the Copper Sky",
-           "A Field Guide to Leaving")
-_BOOK_GENRES = ("mystery", "fantasy novel", "historical novel", "science-fiction novel", "memoir", "thriller", "romance",
-                "popular-science book", "short-story collection")
-_PREMISES = ("a detective who can't remember faces", "a family of clockmakers during a war",
-             "a city that floats above the clouds", "a chemist who discovers a new colour", "a year spent living on a canal boat",
-             "two rival bakers in a seaside town", "the hidden life of fungi", "a heist inside a national archive",
-             "a girl who trains a wolf", "a lighthouse on a drifting island")
+_NEWS = _FILLERS["news"]
+_ROLES = _FILLERS["roles"]
+_STORE = _FILLERS["store"]
+_TITLES = _FILLERS["titles"]
+_BOOK_GENRES = _FILLERS["book_genres"]
+_PREMISES = _FILLERS["premises"]
 # mood-labelled lines, generic enough for any product or place
-_REVIEW_SNIPPETS = (
-    "Absolutely love it; it exceeded every expectation.", "Great value for money, and delivery was quick.",
-    "Works perfectly and looks even better in person.", "Five stars. I have already recommended it to my sister.",
-    "Exactly as described, and the customer service was friendly.", "Better than the expensive brand I used before.",
-    "Broke after two days and support never replied.", "Far too expensive for what you get.",
-    "Arrived late and the box was damaged.", "Honestly the worst purchase I have made this year.",
-    "Stopped working after a week. Avoid.", "Nothing like the photos, and the refund took a month.",
-    "Good quality, but the instructions were confusing.", "Decent overall, though I waited almost an hour.",
-    "Comfortable, but it runs small, so order a size up.", "Nice design; the battery life could be better.",
-    "Does the job, but I expected more at this price.", "Fine for a week of use, not sure about the long run.",
-)
-_PROJECTS = ("website redesign", "spring catalogue", "customer app", "charity gala", "office move", "product launch")
-_NOTE_TASKS = ("draft the press release", "book the venue", "update the budget spreadsheet", "send invitations to partners",
-               "test the checkout flow", "order the printed banners", "brief the design agency")
+_REVIEW_SNIPPETS = _FILLERS["review_snippets"]
+_PROJECTS = _FILLERS["projects"]
+_NOTE_TASKS = _FILLERS["note_tasks"]
 
 
-_PERIODS = ("the first quarter of", "the second quarter of", "the third quarter of", "the fourth quarter of",
-            "the financial year")
-_REVIEWED = ("headphones", "hotel", "pizza place", "phone case", "yoga studio", "e-reader", "airline", "hiking boots")
+_PERIODS = _FILLERS["periods"]
+_REVIEWED = _FILLERS["reviewed"]
 
 
 def _date(rng: random.Random) -> str:
@@ -1518,14 +840,9 @@ def _p_notes(rng: random.Random) -> tuple[str, str, tuple[str, ...]]:
 
 
 _PASSAGES = (_p_company, _p_news, _p_products, _p_books, _p_table, _p_reviews, _p_notes)
-_PROSE = ("company report", "news item", "set of book descriptions", "set of meeting notes")
-_EXTRACT_TASKS = ("Summarise the passage in one sentence.",
-                  "List every number in the passage and what it refers to.", "Extract all dates and times mentioned.",
-                  "Write three questions that can be answered from the passage, with their answers.",
-                  "Identify the main point of the passage in ten words or fewer.")
-_EXTRACT_FORMS = ("{task}\n\n{text}", "Read the following {kind}.\n\n{text}\n\n{task}",
-                  "{text}\n\nBased only on the text above: {task_lc}", "Here is a {kind}:\n\"\"\"\n{text}\n\"\"\"\n{task}",
-                  "Passage:\n{text}\n\nTask: {task}")
+_PROSE = _FILLERS["prose"]
+_EXTRACT_TASKS = _FILLERS["extract_tasks"]
+_EXTRACT_FORMS = _FILLERS["extract_forms"]
 
 
 def _knowledge_prompt(rng: random.Random) -> str:

@@ -180,7 +180,7 @@ DRAFTER_BLOCKS = "Q4_0"
 
 
 @dataclass
-class _Request:
+class _ExpertRequest:
     committed: list[int]
     session: KVSession
     cached: list[int] = field(default_factory=list)  # tokens whose K/V the session holds
@@ -220,10 +220,10 @@ class ExpertDrafter(DrafterBase):
         self.branch_below = branch_below
         self.branch_width = branch_width
         self.stop_below = stop_below
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, _ExpertRequest] = {}
 
     def start(self, request_id: str, prompt_ids: Sequence[int]) -> None:
-        self._requests[request_id] = _Request([int(t) for t in prompt_ids], self.runtime.new_session())
+        self._requests[request_id] = _ExpertRequest([int(t) for t in prompt_ids], self.runtime.new_session())
 
     def commit(self, request_id: str, new_token_ids: Sequence[int]) -> None:
         self._requests[request_id].committed.extend(int(t) for t in new_token_ids)
@@ -233,7 +233,7 @@ class ExpertDrafter(DrafterBase):
         if state is not None:
             state.session.free()
 
-    def _catch_up(self, state: _Request, context: list[int]) -> Step:
+    def _catch_up(self, state: _ExpertRequest, context: list[int]) -> Step:
         """Bring the session to ``context``; return the distribution after its last token."""
         shared = min(common_prefix(state.cached, context), len(context) - 1)  # the last token is always fed
         state.session.rollback(min(shared, state.session.length))
@@ -269,7 +269,7 @@ class ExpertDrafter(DrafterBase):
             stop_below=self.stop_below,
         )
 
-    def _score(self, state: _Request, last: int, grown: TokenTree, nodes: list[int]) -> list[Step]:
+    def _score(self, state: _ExpertRequest, last: int, grown: TokenTree, nodes: list[int]) -> list[Step]:
         """The expert's distributions after ``nodes`` of ``grown`` below the context's last token ``last``
         (one pass over them and their ancestors; the session keeps the context and nothing of the tree)."""
         tree, rows = with_ancestors(grown, nodes)
@@ -280,7 +280,7 @@ class ExpertDrafter(DrafterBase):
         state.session.keep_rows([0])
         return round_steps(logits.softmax(-1), self.subset_ids)  # [rows, subset + 1]
 
-    def _advance(self, state: _Request, token: int) -> Step:
+    def _advance(self, state: _ExpertRequest, token: int) -> Step:
         tree = compile_tree(token, TokenTree())
         logits = self.runtime.forward(TreeBatch.build([state.session], [tree]))
         state.session.keep_rows([0])

@@ -337,7 +337,7 @@ class FeatureMismatch(InvalidArgument):
 
 
 @dataclass
-class _Request:
+class _FeatureRequest:
     committed: list[int]  # every committed token
     pending: torch.Tensor | None = None  # target features heard and not yet fed [known - fed, layers, hidden]
     first: int = 0  # position of the first feature held (a long prompt's earliest are not sent)
@@ -394,13 +394,13 @@ class FeatureDrafter(DrafterBase):
                                if model.config.feature_norms else None)
         self.subset_ids = model.subset_ids.tolist()
         self.max_depth, self.branch_below, self.branch_width, self.stop_below = max_depth, branch_below, branch_width, stop_below
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, _FeatureRequest] = {}
         self._rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
         self._static_entries = device.type == "cuda" if static_entries is None else static_entries
 
     # -- the Drafter interface ----------------------------------------------------------------------
     def start(self, request_id: str, prompt_ids: Sequence[int]) -> None:
-        self._requests[request_id] = _Request([int(t) for t in prompt_ids])
+        self._requests[request_id] = _FeatureRequest([int(t) for t in prompt_ids])
 
     def commit(self, request_id: str, new_token_ids: Sequence[int]) -> None:
         self._requests[request_id].committed.extend(int(t) for t in new_token_ids)
@@ -452,7 +452,7 @@ class FeatureDrafter(DrafterBase):
                                   self.branch_width, stop_index=self.model.fallback, stop_below=self.stop_below)
 
     # -- drafting ----------------------------------------------------------------------------------
-    def _catch_up(self, state: _Request, context: list[int]) -> Step:
+    def _catch_up(self, state: _FeatureRequest, context: list[int]) -> Step:
         """Feed the real entries not yet cached, then the positions past the last target feature (reading
         the head's own outputs); return the distribution of the token after ``context``. Entry p reads g at p
         and token p + 1 and predicts token p + 2."""
@@ -472,14 +472,14 @@ class FeatureDrafter(DrafterBase):
         state.position, state.out = len(context) - 1, out
         return step or self._step(out)
 
-    def _advance(self, state: _Request):
+    def _advance(self, state: _FeatureRequest):
         def advance(token: int) -> Step:  # the guess follows the last fed token: one more scratch entry
             state.out, step = self._entry(state, state.out, token, state.position)
             state.position += 1
             return step
         return advance
 
-    def _score(self, state: _Request, grown: TokenTree, nodes: list[int], slots: dict[int, int],
+    def _score(self, state: _FeatureRequest, grown: TokenTree, nodes: list[int], slots: dict[int, int],
                outputs: dict[int, torch.Tensor]) -> list[Step]:
         """One best-first round: an entry for each of ``nodes`` (its parent's output and its token), in one
         pass; returns the distributions after them. A node's entry sees the context's entries and its
@@ -498,7 +498,7 @@ class FeatureDrafter(DrafterBase):
         outputs.update(zip(nodes, out))
         return round_steps(self._head(self.model.final(out)).float().softmax(-1), self.subset_ids)  # [n, outputs]
 
-    def _entry(self, state: _Request, g: torch.Tensor, token: int, position: int) -> tuple[torch.Tensor, Step]:
+    def _entry(self, state: _FeatureRequest, g: torch.Tensor, token: int, position: int) -> tuple[torch.Tensor, Step]:
         """One entry (g [hidden] and the token after it, at ``position``): its output [hidden] and the next
         distribution. On CUDA a captured graph per request and cache (~45 kernels replayed as one)."""
         if not self._static_entries:
@@ -563,7 +563,7 @@ class FeatureDrafter(DrafterBase):
         normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps) * self._feature_norms
         return self._fuse(normed.flatten(1).to(self.dtype))
 
-    def _entries(self, state: _Request, g: torch.Tensor, next_ids: Sequence[int], start: int) -> torch.Tensor:
+    def _entries(self, state: _FeatureRequest, g: torch.Tensor, next_ids: Sequence[int], start: int) -> torch.Tensor:
         """Feed entries at positions start.. (g [n, hidden], the tokens after each); write their K/V at those
         positions (overwriting any scratch there) and return their outputs [n, hidden]."""
         m, c = self.model, self.config
@@ -584,7 +584,7 @@ class FeatureDrafter(DrafterBase):
         mask = None if n == 1 else torch.ones(n, offset + n, dtype=torch.bool, device=g.device).tril(offset)  # causal
         return self._attend(state, g, ids, list(range(start, start + n)), offset, mask)
 
-    def _attend(self, state: _Request, g: torch.Tensor, ids: torch.Tensor, positions: list[int], offset: int,
+    def _attend(self, state: _FeatureRequest, g: torch.Tensor, ids: torch.Tensor, positions: list[int], offset: int,
                 visible: torch.Tensor | None) -> torch.Tensor:
         """Entries g [n, hidden] with the tokens after them ids [n] at ``positions`` (n), written at cache
         indices offset..offset + n - 1; each attends to the cache indices ``visible`` [n, offset + n] marks
@@ -614,7 +614,7 @@ class FeatureDrafter(DrafterBase):
                                                                             c.rope_scaling))
         return self._rope_tables
 
-    def _reserve(self, state: _Request, length: int) -> None:
+    def _reserve(self, state: _FeatureRequest, length: int) -> None:
         c = self.config
         capacity = 0 if state.keys is None else state.keys.shape[2]
         if length <= capacity:

@@ -22,7 +22,7 @@ from specmesh.tree import TokenTree
 
 
 @dataclass
-class _State:
+class _ModelState:
     committed: list[int]
     cache: object = None  # transformers DynamicCache
     cached: list[int] = field(default_factory=list)  # tokens whose K/V the cache holds, in order
@@ -44,10 +44,10 @@ class ModelDrafter(DrafterBase):
         self.branch_below = branch_below
         self.branch_width = branch_width
         self.device = next(model.parameters()).device
-        self._states: dict[str, _State] = {}
+        self._states: dict[str, _ModelState] = {}
 
     def start(self, request_id: str, prompt_ids: Sequence[int]) -> None:
-        self._states[request_id] = _State(committed=[int(t) for t in prompt_ids])
+        self._states[request_id] = _ModelState(committed=[int(t) for t in prompt_ids])
 
     def commit(self, request_id: str, new_token_ids: Sequence[int]) -> None:
         self._states[request_id].committed.extend(int(t) for t in new_token_ids)
@@ -83,7 +83,7 @@ class ModelDrafter(DrafterBase):
             self.branch_below, self.branch_width,
         )
 
-    def _score(self, state: _State, grown: TokenTree, nodes: list[int], slots: dict[int, int]) -> list[Step]:
+    def _score(self, state: _ModelState, grown: TokenTree, nodes: list[int], slots: dict[int, int]) -> list[Step]:
         """One best-first round: ``nodes`` fed in one pass after the context and the tree's earlier entries
         (``slots``: node -> cache index), each seeing the context, its ancestors and itself; returns the
         distributions after them."""
@@ -97,10 +97,10 @@ class ModelDrafter(DrafterBase):
                          attention_mask=mask[None, None].to(self.device), past_key_values=state.cache, use_cache=True)
         return round_steps(out.logits[0, :, : self.vocab_size].float().softmax(-1), None)  # [n, vocab]
 
-    def _distribution(self, state: _State, feed: list[int]) -> torch.Tensor:
+    def _distribution(self, state: _ModelState, feed: list[int]) -> torch.Tensor:
         return self._forward(state, feed)[: self.vocab_size].float().softmax(-1)
 
-    def _forward(self, state: _State, feed: list[int]) -> torch.Tensor:
+    def _forward(self, state: _ModelState, feed: list[int]) -> torch.Tensor:
         ids = torch.tensor([feed], device=self.device)
         out = self.model(input_ids=ids, past_key_values=state.cache, use_cache=True)
         state.cached.extend(feed)

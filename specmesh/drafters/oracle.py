@@ -132,7 +132,7 @@ def best_first_tree(entry: OracleEntry, at: int, budget: int, vocab_size: int) -
 
 
 @dataclass
-class _State:
+class _OracleState:
     entry: OracleEntry | None
     committed: list[int]
 
@@ -146,7 +146,7 @@ class OracleDrafter(DrafterBase):
         self.vocab_size = vocab_size
         self._entries: dict[tuple[int, ...], OracleEntry] = {}
         self._read_at: float | None = None
-        self._states: dict[str, _State] = {}
+        self._states: dict[str, _OracleState] = {}
         self._reload()
 
     def _reload(self) -> None:
@@ -170,7 +170,7 @@ class OracleDrafter(DrafterBase):
         return entry
 
     def start(self, request_id: str, prompt_ids: Sequence[int]) -> None:
-        self._states[request_id] = _State(self._lookup(prompt_ids), [int(t) for t in prompt_ids])
+        self._states[request_id] = _OracleState(self._lookup(prompt_ids), [int(t) for t in prompt_ids])
 
     def commit(self, request_id: str, new_token_ids: Sequence[int]) -> None:
         self._states[request_id].committed.extend(int(t) for t in new_token_ids)

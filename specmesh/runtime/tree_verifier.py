@@ -83,7 +83,7 @@ class Prefill:
 
 
 @dataclass
-class VerifierStats:
+class TreeVerifierStats:
     batches: int = 0
     jobs: int = 0
     tree_nodes: int = 0
@@ -114,6 +114,7 @@ FIRST_CHUNK = 64  # tokens of a budgeted prefill's first pass, whatever the budg
 # decoding request is still paced (alone, its neighbour's tokens came 1.7-1.8x slower, not 1.4-1.5x)
 PROMPTS_TO_ONE = 3
 MAX_PREFILL_ROWS = 2048  # history rows a budgeted pass gives the prefills under way, together (each at most PREFILL_CHUNK)
+MAX_SESSIONS = 256  # KV sessions held unless told; past them the least recently used request is re-prefilled
 
 
 class TreeVerifier:
@@ -123,7 +124,8 @@ class TreeVerifier:
     budget (``verify(..., prefill_ms=)``): then a long history is cached a chunk per call, the job coming
     back ``prefilling`` until its tree can be verified, so that other requests' steps go on between."""
 
-    def __init__(self, runtime: TargetRuntime, max_sessions: int = 256, max_tree_nodes: int = MAX_TREE_NODES) -> None:
+    def __init__(self, runtime: TargetRuntime, max_sessions: int = MAX_SESSIONS,
+                 max_tree_nodes: int = MAX_TREE_NODES) -> None:
         if max_sessions < 1:
             raise InvalidArgument("max_sessions", f"must be >= 1, got {max_sessions}")
         self.runtime = runtime
@@ -133,7 +135,7 @@ class TreeVerifier:
         self._last_used: dict[str, float] = {}
         self._random = torch.Generator(device=runtime.device)
         self._random.manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
-        self.stats = VerifierStats()
+        self.stats = TreeVerifierStats()
         self._warned: set[str] = set()  # each reason features cannot be given is logged once
         self._prefilling: dict[str, Prefill] = {}  # requests whose history is partly cached
         self.decode_cost = PassCost()  # what a pass of verified rows costs by its rows

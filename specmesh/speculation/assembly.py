@@ -35,7 +35,7 @@ class Assembly:
         if speculation == "adaptive" and max_tree_nodes > 0:
             policy.calibrate([self.pass_curve()])
         for drafter in self.drafters:
-            policy.router.register(drafter)
+            policy.expertise.register(drafter)
         return SpeculativeEngine(
             self.runtime,
             drafters=self.drafters if max_tree_nodes > 0 else [],

@@ -21,11 +21,11 @@ from specmesh.speculation.requests import Request, SpeculationStats, validate_re
 from specmesh.speculation.policy import FixedPolicy, SpeculationPolicy
 from specmesh.tree import MAX_TREE_NODES
 
-__all__ = ["Completion", "Request", "SpeculationStats", "SpeculativeEngine"]
+__all__ = ["FinishedRequest", "Request", "SpeculationStats", "SpeculativeEngine"]
 
 
 @dataclass
-class Completion:
+class FinishedRequest:
     request_id: str
     token_ids: list[int]
     finish_reason: str  # "stop" (an end-of-sequence token) or "length" (max_tokens reached)
@@ -55,7 +55,7 @@ class SpeculativeEngine:
     def validate(self, request: Request) -> None:
         validate_request(request, self.target.vocab_size, self.target.max_length, self.max_tree_nodes)
 
-    def generate(self, requests: Sequence[Request], concurrency: int | None = None) -> list[Completion]:
+    def generate(self, requests: Sequence[Request], concurrency: int | None = None) -> list[FinishedRequest]:
         """Generate every request to completion: all of them in each target pass, or at most ``concurrency``
         at a time, the next joining at the step one ends (as a server's stream of requests would)."""
         if concurrency is not None and concurrency < 1:
@@ -67,11 +67,11 @@ class SpeculativeEngine:
             raise InvalidArgument("request_id", "two requests in one batch share an id")
         return asyncio.run(self._generate_all(requests, min(concurrency or len(requests), self.verifier.max_sessions)))
 
-    async def _generate_all(self, requests: Sequence[Request], concurrency: int) -> list[Completion]:
-        core = EngineCore(InProcessVerifier(self.verifier), self.eos_token_ids, max_running=concurrency,
+    async def _generate_all(self, requests: Sequence[Request], concurrency: int) -> list[FinishedRequest]:
+        core = EngineCore(InlineExecutor(self.verifier), self.eos_token_ids, max_running=concurrency,
                           budget=self.budget)
         drafters = [LocalDrafter(d) for d in self.drafters] if self.max_tree_nodes > 0 else []
-        completions = {r.request_id: Completion(r.request_id, [], "length", SpeculationStats()) for r in requests}
+        completions = {r.request_id: FinishedRequest(r.request_id, [], "length", SpeculationStats()) for r in requests}
         try:
             for request in requests:
                 core.add(request, self.policy.begin(request.kind, self.max_tree_nodes), drafters,
@@ -88,7 +88,7 @@ class SpeculativeEngine:
         return [completions[r.request_id] for r in requests]
 
 
-class InProcessVerifier:
+class InlineExecutor:
     """The tree verifier of this process, as the engine core calls it."""
 
     def __init__(self, verifier: TreeVerifier) -> None:

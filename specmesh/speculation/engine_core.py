@@ -57,7 +57,7 @@ AHEAD_ALPHA = 0.1  # weight of the newest draft made ahead in the share
 DraftAhead = Literal["auto", "on", "off"]  # auto: with drafters on other machines (``drafting.runs_apart``)
 
 
-class StepVerifier(Protocol):
+class PassExecutor(Protocol):
     """The verifier as the core calls it: one call a step for every request's job."""
 
     async def verify(self, jobs: list[VerifyJob]) -> list[VerifyResult]: ...
@@ -129,7 +129,7 @@ class _Stepping:
 
 
 class EngineCore:
-    def __init__(self, verifier: StepVerifier, eos_token_ids: frozenset[int] = frozenset(),
+    def __init__(self, verifier: PassExecutor, eos_token_ids: frozenset[int] = frozenset(),
                  max_running: int = 256, draft_ahead: DraftAhead = "off", budget: BatchBudget | None = None) -> None:
         """``budget``: how adaptive requests' budgets follow the batch's measured goodput (default: a new one)."""
         self.verifier = verifier

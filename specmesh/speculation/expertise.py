@@ -52,7 +52,7 @@ def level_hits(tree: TokenTree, committed: Sequence[int]) -> tuple[int, int]:
 
 
 @dataclass
-class Record:
+class HitRecord:
     """Decayed counts of hits and attempts."""
 
     hits: float = 0.0
@@ -74,12 +74,12 @@ class LevelRecord:
     usually accepted more often than shallow ones (a drafter on the right track tends to stay on it),
     which one rate for all levels would miss."""
 
-    levels: list[Record] = field(default_factory=list)
+    levels: list[HitRecord] = field(default_factory=list)
 
     def add(self, hits: int, attempts: int, decay: float) -> None:
         """One walk's outcome (``level_hits``): levels below ``hits`` were hit, level ``hits`` missed if attempted."""
         while len(self.levels) < attempts:
-            self.levels.append(Record())
+            self.levels.append(HitRecord())
         for level in range(hits):
             self.levels[level].add(1, 1, decay)
         if attempts > hits:
@@ -106,7 +106,7 @@ class LevelRecord:
         """Many walks' outcomes at once, as if spread evenly over them: n walks at a level decay the old
         record by decay^n and add their hits at the weight their mean age gives (one walk: ``add``'s sum)."""
         while len(self.levels) < len(counts.attempts):
-            self.levels.append(Record())
+            self.levels.append(HitRecord())
         for record, hits, attempts in zip(self.levels, counts.hits, counts.attempts):
             if attempts <= 0:
                 continue
@@ -198,7 +198,7 @@ class Route:
     teams: dict[str, LevelRecord] = field(default_factory=dict)  # team_key -> its fused trees' record
 
 
-class ExpertRouter:
+class Expertise:
     """Routes requests to drafters by learned acceptance per request kind (see the module doc)."""
 
     def __init__(self, domains: Mapping[str, Sequence[str]], config: RoutingConfig | None = None, seed: int | None = None,

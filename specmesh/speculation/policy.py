@@ -2,7 +2,7 @@
 trusts each, how many tree nodes — and what the policy learns from the step's outcome.
 
 ``FixedPolicy``: every drafter, equal trust, the same budget every step (0 = plain decoding).
-``AdaptivePolicy``: expertise routing and trust (``expertise.ExpertRouter``) and a goodput-chosen
+``AdaptivePolicy``: expertise routing and trust (``expertise.Expertise``) and a goodput-chosen
 budget (``goodput.GoodputController``). Each step it weighs the routed set, the model-free drafters
 alone and no speculation by the goodput each would give, and learns from the outcome (each drafter's
 tree against the committed tokens, its drafting time, the verifier's pass). See docs/design.md.
@@ -15,7 +15,7 @@ from typing import Protocol, Sequence
 
 from specmesh.errors import InvalidArgument
 from specmesh.runtime.calibration import PassCurve
-from specmesh.speculation.expertise import GENERAL, ExpertRouter, Route, RoutingConfig, level_hits, team_key
+from specmesh.speculation.expertise import GENERAL, Expertise, Route, RoutingConfig, level_hits, team_key
 from specmesh.speculation.goodput import CostModel, DraftCost, GoodputController, Load, Realism
 from specmesh.speculation.tree_acceptance import RankRecord, tree_tokens_upto, walk_ranks
 from specmesh.tree import TokenTree
@@ -123,7 +123,7 @@ class _FixedRequest:
 
 @dataclass
 class PolicyState:
-    """What the adaptive policy has learned across requests, besides the router's table."""
+    """What the adaptive policy has learned across requests, besides the expertise table."""
 
     drafting: dict[str, DraftCost] = field(default_factory=dict)  # drafter -> what drafting costs it
     batch_size: float = 1.0  # moving averages: requests in the verifier's recent passes (fast: load changes),
@@ -145,12 +145,12 @@ class PolicyState:
 class AdaptivePolicy:
     """Expertise routing, trust-weighted fusion and goodput-adaptive budgets (see the module doc)."""
 
-    def __init__(self, router: ExpertRouter, controller: GoodputController, adapt_budget: bool = True,
+    def __init__(self, expertise: Expertise, controller: GoodputController, adapt_budget: bool = True,
                  average: float = 0.9, margin: float = SPECULATION_MARGIN) -> None:
         """``adapt_budget`` False keeps routing and trust but always drafts the whole budget
         (the "fixed k" baseline of the benchmark's load sweep); ``margin``: see SPECULATION_MARGIN."""
         check_margin(margin)
-        self.router = router
+        self.expertise = expertise
         self.controller = controller
         self.adapt_budget = adapt_budget
         self.margin = margin
@@ -161,7 +161,7 @@ class AdaptivePolicy:
         """``fixed_budget`` True: routing and trust, but the whole budget every step (None: the policy's setting)."""
         fixed = not self.adapt_budget if fixed_budget is None else fixed_budget
         self.state.active += 1
-        return _AdaptiveRequest(self, self.router.open(kind or GENERAL), max_budget, adapt_budget=not fixed)
+        return _AdaptiveRequest(self, self.expertise.open(kind or GENERAL), max_budget, adapt_budget=not fixed)
 
     def draft_cost(self, name: str) -> DraftCost:
         return self.state.drafting.setdefault(name, DraftCost())
@@ -207,10 +207,10 @@ class AdaptivePolicy:
         self.controller.drafting_shares_cores = any(curve.device == "cpu" for curve in curves)
 
     def evidence(self) -> tuple:
-        """What a weighing reads that moves only with what is learned (the router's table, drafting costs,
+        """What a weighing reads that moves only with what is learned (the expertise table, drafting costs,
         the requests in flight and the passes' batch), not with every pass's time."""
         state = self.state
-        return self.router.learned, len(state.drafting), state.active, round(state.batch_size)
+        return self.expertise.learned, len(state.drafting), state.active, round(state.batch_size)
 
     def load(self) -> Load:
         """The rest of a typical pass: this policy's other requests in flight, or what the verifier's
@@ -254,28 +254,28 @@ class _AdaptiveRequest:
         return self.catch_up(name) / min(max(steps_left, 1.0), CATCH_UP_SPREAD)
 
     def plan(self, room: int, available: Sequence[str], position: int, budget: int | None = None) -> StepPlan:
-        policy, router = self.policy, self.policy.router
+        policy, expertise = self.policy, self.policy.expertise
         self.position = position
         budget = budget if self.adapt_budget else None
         if self.max_budget <= 0 or room <= 1 or not available or budget == 0:
             return StepPlan()
         if budget is not None:  # the batch's measured choice: routing and trust only
-            names = router.select(self.route, available, at_least_one=True)
-            names = router.outguessed(self.route, names)  # a budget given is drafted by what guesses best for free
-            return StepPlan(tuple(names), tuple(router.weights(self.route, names)), min(budget, self.max_budget))
+            names = expertise.select(self.route, available, at_least_one=True)
+            names = expertise.outguessed(self.route, names)  # a budget given is drafted by what guesses best for free
+            return StepPlan(tuple(names), tuple(expertise.weights(self.route, names)), min(budget, self.max_budget))
         load = policy.load()
         if self.adapt_budget and self.steps_without % RECHECK_EVERY:
             # a request without speculation weighs it again only every few steps: what the weighing reads
             # moves only with speculative steps, and its time (~4 % of a one-row step on the embedded
             # default) is spent on the cores the verifier's passes need
             return StepPlan()
-        names = router.select(self.route, available, at_least_one=True)
+        names = expertise.select(self.route, available, at_least_one=True)
         if not self.adapt_budget:
-            return StepPlan(tuple(names), tuple(router.weights(self.route, names)), self.max_budget)
+            return StepPlan(tuple(names), tuple(expertise.weights(self.route, names)), self.max_budget)
         # the routed set, or its model-free part alone (an expert whose guesses do not pay for its time)
         core = [n for n in names if n != self.route.explored]
         options = [core]
-        free = [n for n in core if n in router.free]
+        free = [n for n in core if n in expertise.free]
         if free and len(free) < len(core):
             options.append(free)
         budget, chosen, levels, shares = 0, core, [], []
@@ -286,7 +286,7 @@ class _AdaptiveRequest:
             best_goodput, realism = plain_goodput, policy.state.realism.ratio
             for option in options:
                 costs = [(policy.draft_cost(n), self.charged_catch_up(n, room)) for n in option]
-                option_levels, option_shares = policy.tree_model(option, router.team_levels(self.route, option,
+                option_levels, option_shares = policy.tree_model(option, expertise.team_levels(self.route, option,
                                                                                              self.max_budget))
                 n, goodput = policy.controller.choose(self.max_budget, option_levels,
                                                       lambda nodes: sum(c.ms(nodes, t) for c, t in costs), load,
@@ -304,11 +304,11 @@ class _AdaptiveRequest:
             policy.state.steps_without = 0  # this request probes: the others wait for the next interval
             # the cheapest look: in a busy batch an expert's catch-up would hold up every request
             budget, chosen = min(policy.controller.probe_budget, self.max_budget), free or core
-            levels, shares = policy.tree_model(chosen, router.team_levels(self.route, chosen, budget))
+            levels, shares = policy.tree_model(chosen, expertise.team_levels(self.route, chosen, budget))
         elif self.route.explored:
             chosen = [*chosen, self.route.explored]
         predicted = tree_tokens_upto(levels, shares, budget)[budget] - 1.0  # as the levels say, before realism
-        return StepPlan(tuple(chosen), tuple(router.weights(self.route, chosen)), budget, predicted, probe)
+        return StepPlan(tuple(chosen), tuple(expertise.weights(self.route, chosen)), budget, predicted, probe)
 
     def observe(self, outcome: StepOutcome) -> None:
         policy = self.policy
@@ -328,9 +328,9 @@ class _AdaptiveRequest:
             policy.state.probe_backoff = 1 if kept else min(2 * policy.state.probe_backoff, PROBE_BACKOFF_MOST)
         policy.state.realism.observe(outcome.plan.predicted_accepted, max(len(outcome.committed) - 1, 0))
         for name, tree in zip(outcome.plan.drafters, outcome.trees):
-            policy.router.observe(self.route, name, *level_hits(tree, outcome.committed))
+            policy.expertise.observe(self.route, name, *level_hits(tree, outcome.committed))
         team = [n for n in outcome.plan.drafters if n != self.route.explored]  # the option the budget was chosen for
-        policy.router.observe_team(self.route, team, *level_hits(outcome.fused, outcome.committed))
+        policy.expertise.observe_team(self.route, team, *level_hits(outcome.fused, outcome.committed))
         policy.state.ranks.setdefault(team_key(team), RankRecord()).add(walk_ranks(outcome.fused, outcome.committed))
 
     def end(self) -> None:
@@ -344,5 +344,5 @@ def adaptive_policy(domains: dict[str, Sequence[str]], adapt_budget: bool = True
                     margin: float = SPECULATION_MARGIN) -> AdaptivePolicy:
     """The router's policy over drafters named in ``domains`` (name -> advertised domains), of which
     ``free`` are model-free."""
-    return AdaptivePolicy(ExpertRouter(domains, routing, seed=seed, free=free), GoodputController(CostModel()),
+    return AdaptivePolicy(Expertise(domains, routing, seed=seed, free=free), GoodputController(CostModel()),
                           adapt_budget, margin=margin)

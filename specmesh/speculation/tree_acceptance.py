@@ -23,7 +23,7 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from specmesh.speculation.expertise import Record
+from specmesh.speculation.expertise import HitRecord
 from specmesh.tree import TokenTree
 
 MAX_RANKS = 8  # guesses a node's children are ranked over; later ranks are taken to catch nothing
@@ -56,9 +56,9 @@ class RankRecord:
     """Decayed hazards of ranks 2..MAX_RANKS (index 0 is rank 2), and how often the team's trees offer
     each rank at all (a drafter of chains offers none: its trees are credited with no runner-up)."""
 
-    hazards: list[Record] = field(default_factory=lambda: [Record() for _ in range(MAX_RANKS - 1)])
-    offered: list[Record] = field(default_factory=lambda: [Record() for _ in range(MAX_RANKS - 1)])
-    first: Record = field(default_factory=Record)  # of the levels the trees hit, those the first guess hit
+    hazards: list[HitRecord] = field(default_factory=lambda: [HitRecord() for _ in range(MAX_RANKS - 1)])
+    offered: list[HitRecord] = field(default_factory=lambda: [HitRecord() for _ in range(MAX_RANKS - 1)])
+    first: HitRecord = field(default_factory=HitRecord)  # of the levels the trees hit, those the first guess hit
 
     def add(self, walk: Sequence[tuple[int, int | None]], decay: float = 0.99) -> None:
         """One verified tree's walk (``walk_ranks``), counted as one observation per rank it tried."""

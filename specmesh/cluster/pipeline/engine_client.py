@@ -21,6 +21,8 @@ from redis.exceptions import NoPermissionError
 from specmesh.cancellation import raise_if_cancelled
 from specmesh.cluster.backoff import REDIS_DOWN, queue_unreachable, redis_reconnect
 from specmesh.cluster.pipeline.messages import ABORT, ADMISSION, GROUP, OUTPUTS, QueueKeys, QueueSigner
+from specmesh.cluster.service_settings import RouterSettings
+from specmesh.cluster.settings import default_of
 from specmesh.cluster.wire import sampling_to_pb, stats_from_pb, trace_from_pb
 from specmesh.errors import RequestFailed, Unavailable
 from specmesh.speculation.requests import Request, SpeculationStats, StepTiming
@@ -85,7 +87,7 @@ class _Receiver:
 
 
 class EngineClient:
-    def __init__(self, redis: aioredis.Redis, keys: QueueKeys, router_id: str, timeout_s: float = 30.0,
+    def __init__(self, redis: aioredis.Redis, keys: QueueKeys, router_id: str, timeout_s: float = default_of(RouterSettings, "job_timeout"),
                  signer: QueueSigner | None = None, on_forged=None, on_report=None) -> None:
         """``timeout_s``: a request that hears nothing this long, and whose admission is gone from the stream
         (a Redis that lost it), fails UNAVAILABLE; one still admitted waits on (a lone verifier restarting).

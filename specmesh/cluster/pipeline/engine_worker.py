@@ -38,7 +38,7 @@ from specmesh.cluster.backoff import REDIS_DOWN, redis_reconnect
 from specmesh.cluster.metrics import MeteredRequest, VerifierMetrics
 from specmesh.cluster.pipeline.messages import ABORT, ADMISSION, GROUP, OUTPUTS, QueueKeys, QueueSigner
 from specmesh.cluster.pipeline.policy_sync import RoutingFollower
-from specmesh.cluster.pipeline.verifier_end import VerifierQueue
+from specmesh.cluster.pipeline.verifier_end import QueueMember
 from specmesh.cluster.serving import TorchThread
 from specmesh.cluster.wire import sampling_from_pb, stats_to_pb, trace_to_pb
 from specmesh.errors import InvalidArgument
@@ -97,7 +97,7 @@ return logged
 FENCED = -1
 
 
-class ThreadedVerifier:
+class TorchThreadExecutor:
     """The tree verifier as the engine core calls it, its passes on the torch thread, counted."""
 
     def __init__(self, verifier: TreeVerifier, torch_thread: TorchThread, metrics: VerifierMetrics,
@@ -154,7 +154,7 @@ class _Held:
 
 
 class EngineWorker:
-    def __init__(self, verifier: TreeVerifier, queue: VerifierQueue, torch_thread: TorchThread,
+    def __init__(self, verifier: TreeVerifier, queue: QueueMember, torch_thread: TorchThread,
                  policy: AdaptivePolicy, drafters: list[AsyncDrafter], eos_token_ids: frozenset[int],
                  metrics: VerifierMetrics | None = None, draft_ahead: DraftAhead = "auto") -> None:
         self.verifier = verifier
@@ -168,11 +168,11 @@ class EngineWorker:
         self.metrics = metrics or VerifierMetrics()
         self.metrics.watch(verifier.runtime)
         # the routers own the routing table: this one's steps' counts go to them, their snapshots come here
-        self.routing = RoutingFollower(policy.router, self.signer, self.metrics)
+        self.routing = RoutingFollower(policy.expertise, self.signer, self.metrics)
         self._unsent: tuple[list[RequestOutput], list[bytes]] | None = None  # the last step's outputs, to publish
         self._publishing: asyncio.Task | None = None  # their publish, once started (``_send``: at the next pass)
         self._log_due = 0.0  # when the answers sent whole are next logged (``_log_withheld``)
-        threaded = ThreadedVerifier(verifier, torch_thread, self.metrics, on_pass=self._send)
+        threaded = TorchThreadExecutor(verifier, torch_thread, self.metrics, on_pass=self._send)
         self.core = EngineCore(threaded, eos_token_ids, max_running=verifier.max_sessions, draft_ahead=draft_ahead)
         self.metrics.watch_policy(policy, self.core.budget)  # what the controller learned, where it plans
         self._held: dict[str, _Held] = {}
@@ -253,7 +253,7 @@ class EngineWorker:
 
     async def _loop(self) -> None:
         """Each turn: what the listeners took (admissions, aborts), one core step, its outputs published. A
-        step's publish starts once the next pass has (``ThreadedVerifier.on_pass``): its work on this thread
+        step's publish starts once the next pass has (``TorchThreadExecutor.on_pass``): its work on this thread
         runs while the torch thread passes, not between passes. Publishes go out one after another, in step
         order. No Redis read a step: the listeners wait in Redis for what comes."""
         registered = False
@@ -459,7 +459,7 @@ class EngineWorker:
     def _unique_drafters(self) -> list[AsyncDrafter]:
         unique = one_per_name(self.drafters)
         for drafter in unique:
-            self.policy.router.register(drafter)
+            self.policy.expertise.register(drafter)
         return unique
 
     async def _publish(self, outputs: list[RequestOutput], dropped: list[bytes]) -> None:

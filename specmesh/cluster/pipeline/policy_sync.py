@@ -3,10 +3,10 @@ applied by the verifiers, where the drafts meet.
 
 The verifiers run every request's steps, so they see how each drafter's tree, and each team's fused tree,
 fared level by level; the routers own the routing policy. What goes round is the per-kind table of
-``expertise.ExpertRouter``: decayed per-level hits and attempts per (request kind, drafter) and per (kind,
+``expertise.Expertise``: decayed per-level hits and attempts per (request kind, drafter) and per (kind,
 team), from which routing (which drafters a step asks) and the fusion's trust weights are read.
 
-1. **Report.** A verifier's ``ExpertRouter`` keeps a ``Tally`` of the per-level counts its steps observed.
+1. **Report.** A verifier's ``Expertise`` keeps a ``Tally`` of the per-level counts its steps observed.
    At most every ``REPORT_EVERY_S``, and in the step that ends a request (so an idle verifier owes
    nothing), the counts ride on one router's ``StepOutputs`` message of that step (``RoutingReport``): no
    Redis command of their own.
@@ -48,7 +48,7 @@ from redis.exceptions import NoPermissionError
 from specmesh.cluster.backoff import REDIS_DOWN
 from specmesh.cluster.metrics import RouterMetrics, VerifierMetrics
 from specmesh.cluster.pipeline.messages import ROUTING, QueueKeys, QueueSigner
-from specmesh.speculation.expertise import ExpertRouter, LevelCounts, LevelRecord, Record, RoutingConfig, Tally
+from specmesh.speculation.expertise import Expertise, LevelCounts, LevelRecord, HitRecord, RoutingConfig, Tally
 from specmesh.tree import MAX_TREE_NODES
 from specmesh.v1 import verifier_pb2
 
@@ -76,13 +76,13 @@ def report_to_pb(tally: Tally) -> verifier_pb2.RoutingReport:
         for team, entries in ((False, tally.drafters), (True, tally.teams)) for (kind, name), counts in entries.items()])
 
 
-def snapshot_to_pb(router: ExpertRouter, version: int, router_id: str) -> verifier_pb2.RoutingSnapshot:
-    drafters, teams = router.shared()
+def snapshot_to_pb(expertise: Expertise, version: int, router_id: str) -> verifier_pb2.RoutingSnapshot:
+    drafters, teams = expertise.shared()
     records = [verifier_pb2.RoutingRecord(kind=kind, name=name, team=team, hits=[r.hits for r in record.levels],
                                           attempts=[r.attempts for r in record.levels])
                for team, table in ((False, drafters), (True, teams)) for (kind, name), record in table.items()]
     return verifier_pb2.RoutingSnapshot(version=version, router_id=router_id, records=records,
-                                        max_drafters=router.config.max_drafters, explore=router.config.explore)
+                                        max_drafters=expertise.config.max_drafters, explore=expertise.config.explore)
 
 
 def _checked(records) -> list[verifier_pb2.RoutingRecord]:
@@ -119,7 +119,7 @@ def table_from_pb(snapshot: verifier_pb2.RoutingSnapshot, known: set[str] | None
         names = record.name.split("+") if record.team else [record.name]
         if known is not None and not all(name in known for name in names):
             continue
-        levels = [Record(hits, attempts) for hits, attempts in zip(record.hits, record.attempts)]
+        levels = [HitRecord(hits, attempts) for hits, attempts in zip(record.hits, record.attempts)]
         (teams if record.team else drafters)[(record.kind, record.name)] = LevelRecord(levels)
     return drafters, teams
 
@@ -148,11 +148,11 @@ def read_snapshot(signer: QueueSigner, payload: bytes, tag: bytes | None, known:
 class RoutingFollower:
     """A verifier's side: its steps' counts reported, the routers' snapshots applied (see the module doc)."""
 
-    def __init__(self, router: ExpertRouter, signer: QueueSigner, metrics: VerifierMetrics | None = None,
+    def __init__(self, expertise: Expertise, signer: QueueSigner, metrics: VerifierMetrics | None = None,
                  report_every_s: float = REPORT_EVERY_S, read_every_s: float = SNAPSHOT_EVERY_S) -> None:
-        self.router = router
-        if router.tally is None:
-            router.tally = Tally()
+        self.expertise = expertise
+        if expertise.tally is None:
+            expertise.tally = Tally()
         self.signer = signer
         self.metrics = metrics
         self.report_every_s, self.read_every_s = report_every_s, read_every_s
@@ -164,10 +164,10 @@ class RoutingFollower:
     def report(self, flush: bool = False) -> verifier_pb2.RoutingReport | None:
         """The counts observed since the last report, when one is due (``flush``: now; a request ended)."""
         now = time.monotonic()
-        if not self.router.tally or not (flush or now >= self._next_report):
+        if not self.expertise.tally or not (flush or now >= self._next_report):
             return None
         self._next_report = now + self.report_every_s
-        return report_to_pb(self.router.tally.take())
+        return report_to_pb(self.expertise.tally.take())
 
     async def poll(self, redis, key: str, known: Callable[[], set[str]]) -> bool:
         """Read the routing key ``key`` if due (at most every ``read_every_s``) and apply what it holds (True:
@@ -201,8 +201,8 @@ class RoutingFollower:
             return False
         if snapshot.version <= self.version:
             return False
-        self.router.config = replace(self.router.config, max_drafters=config.max_drafters, explore=config.explore)
-        self.router.adopt(drafters, teams)
+        self.expertise.config = replace(self.expertise.config, max_drafters=config.max_drafters, explore=config.explore)
+        self.expertise.adopt(drafters, teams)
         self.version = snapshot.version
         if self.metrics is not None:
             self.metrics.routing_applied.set(snapshot.version)
@@ -212,14 +212,14 @@ class RoutingFollower:
 class RoutingPublisher:
     """A router's side: the verifiers' reports learnt, the table published (see the module doc)."""
 
-    def __init__(self, redis, keys: QueueKeys, router_id: str, router: ExpertRouter, signer: QueueSigner,
+    def __init__(self, redis, keys: QueueKeys, router_id: str, expertise: Expertise, signer: QueueSigner,
                  metrics: RouterMetrics | None = None, every_s: float = SNAPSHOT_EVERY_S) -> None:
         self.redis = redis
         self.key = keys.routing
         self.router_id = router_id
-        self.router = router
-        if router.tally is None:
-            router.tally = Tally()
+        self.expertise = expertise
+        if expertise.tally is None:
+            expertise.tally = Tally()
         self.signer = signer
         self.metrics = metrics
         self.every_s = every_s
@@ -234,7 +234,7 @@ class RoutingPublisher:
         except ValueError as exc:
             log.warning("a routing report refused: %s", exc)
             return
-        self.router.learn(counts)
+        self.expertise.learn(counts)
         if self.metrics is not None:
             self.metrics.routing_reports.inc()
 
@@ -263,16 +263,16 @@ class RoutingPublisher:
             except Refused as exc:  # overwritten below
                 log.warning("the routing key holds a snapshot refused (%s)", exc)
         if snapshot is not None and snapshot.version > self.version:
-            self.router.adopt(*table)
+            self.expertise.adopt(*table)
             self.version = snapshot.version
-        if snapshot is not None and snapshot.version == self.version and not self.router.tally:
+        if snapshot is not None and snapshot.version == self.version and not self.expertise.tally:
             return False  # the key holds this router's table (and nothing was reported since)
         return await self._publish(stored or b"")
 
     async def _publish(self, read_version: bytes) -> bool:
         version = max(self.version + 1, int(time.time() * 1e3))
-        taken = self.router.tally.take()  # in this snapshot; reports arriving meanwhile stay in the tally
-        payload = snapshot_to_pb(self.router, version, self.router_id).SerializeToString()
+        taken = self.expertise.tally.take()  # in this snapshot; reports arriving meanwhile stay in the tally
+        payload = snapshot_to_pb(self.expertise, version, self.router_id).SerializeToString()
         published = False
         try:
             published = bool(await self._script(keys=[self.key], args=[read_version, version, payload,

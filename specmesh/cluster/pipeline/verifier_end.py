@@ -16,18 +16,20 @@ import redis.asyncio as aioredis
 
 from specmesh.cluster.backoff import REDIS_DOWN
 from specmesh.cluster.pipeline.messages import QueueKeys, QueueSigner, encode_pass_curve
+from specmesh.cluster.service_settings import VerifierSettings
+from specmesh.cluster.settings import default_of
 from specmesh.runtime.calibration import PassCurve
 
 log = logging.getLogger("specmesh.cluster.pipeline")
 
 
-class VerifierQueue:
+class QueueMember:
     """A verifier's end of the queue: its membership, its heartbeat, and the Redis client, keys and signer
     its engine worker uses."""
 
     def __init__(
         self, redis: aioredis.Redis, keys: QueueKeys, verifier_id: str,
-        heartbeat_ttl_s: float = 3.0, signer: QueueSigner | None = None, pass_curve: PassCurve | None = None,
+        heartbeat_ttl_s: float = default_of(VerifierSettings, "heartbeat_ttl"), signer: QueueSigner | None = None, pass_curve: PassCurve | None = None,
     ) -> None:
         """``signer``: take only entries with a valid tag, and tag what it posts; ``pass_curve``: the runtime's
         measured passes, told to the routers with each heartbeat."""

@@ -23,7 +23,7 @@ from specmesh.distill.feature_train import (
     train_feature_head,
 )
 from specmesh.distill.overlap import without_benchmark
-from specmesh.distill.pipeline import MTBENCH_ANSWER_TOKENS, target_step_ms
+from specmesh.distill.recipe import MTBENCH_ANSWER_TOKENS, target_step_ms
 from specmesh.drafters.expert import round_to_stored, save_drafter, subset_for
 from specmesh.drafters.eagle import write_eagle3
 from specmesh.drafters.feature import FeatureDrafter, FeatureHead, FeatureSpec
