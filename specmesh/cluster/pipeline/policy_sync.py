@@ -279,7 +279,7 @@ class RoutingPublisher:
                                                                         self.signer.tag(ROUTING, payload)]))
         finally:
             if not published:  # another router was first (or Redis is down): still to publish
-                self.router.tally.merge(taken)
+                self.expertise.tally.merge(taken)
         if published:
             self.version = version
             if self.metrics is not None:
