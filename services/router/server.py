@@ -140,9 +140,7 @@ async def serve(args: RouterSettings) -> None:
     policy = adaptive_policy({}, routing=RoutingConfig(max_drafters=args.max_drafters, explore=args.explore),
                              margin=args.speculation_margin)  # first: a bad flag fails before anything starts
     tls = TlsFiles.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
-    access = Access(ApiKeys.from_environment(args.api_keys_file),
-                    KeyLimits(args.key_max_concurrent, args.key_requests_per_minute))
-    check_exposure(access, [args.listen, args.http_listen])  # before anything starts
+    access = _access(args)
     target = load_target_parts(args.model)
     card = ModelCard(target.name, target.vocab_size, target.max_length, tokenizer_fingerprint(target.tokenizer),
                      frozenset(target.eos_token_ids))
@@ -163,7 +161,9 @@ async def serve(args: RouterSettings) -> None:
     drafters: list = [*local]
     remote, discovery = await reach_drafters(args, redis, drafters, card.tokenizer_hash, target.hidden_size or None,
                                              target.num_layers or None, tls)
-    limits = GatewayLimits.from_settings(args)
+    limits = GatewayLimits(max_concurrent=args.max_concurrent, max_queue_backlog=args.max_queue_backlog,
+                           default_max_tokens=args.default_max_tokens, max_tree_nodes=args.max_tree_nodes,
+                           speculation=args.speculation)
     endpoint = serve_metrics(metrics, args.metrics_address)
     gateway = Gateway(target.tokenizer, card, drafters, engine, limits, policy, default_classifier(), metrics)
     servicer = RouterServicer(gateway, verifiers)
@@ -194,6 +194,14 @@ async def serve(args: RouterSettings) -> None:
     await remote.close()
     await asyncio.gather(*(d.close() for d in drafters if isinstance(d, RemoteDrafter)))
     await redis.aclose()
+
+
+def _access(args: RouterSettings) -> Access:
+    """The callers' keys and limits, refused before anything starts if keyless ports face a network."""
+    access = Access(ApiKeys.from_environment(args.api_keys_file),
+                    KeyLimits(args.key_max_concurrent, args.key_requests_per_minute))
+    check_exposure(access, [args.listen, args.http_listen])
+    return access
 
 
 def _say_ready(port: int, http: HttpServer | None, endpoint, access: Access) -> None:

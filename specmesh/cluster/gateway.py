@@ -12,7 +12,7 @@ import asyncio
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Callable, Sequence, TypeVar
 
 from jinja2 import TemplateError
@@ -60,10 +60,6 @@ class GatewayLimits:
     default_max_tokens: int = default_of(RouterSettings, "default_max_tokens")
     max_tree_nodes: int = default_of(RouterSettings, "max_tree_nodes")  # a cap: adaptive picks smaller trees or none
     speculation: str = default_of(RouterSettings, "speculation")  # for requests that do not say
-
-    @classmethod
-    def from_settings(cls, settings: RouterSettings) -> GatewayLimits:
-        return cls(**{f.name: getattr(settings, f.name) for f in fields(cls)})
 
 
 @dataclass(frozen=True)
