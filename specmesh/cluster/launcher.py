@@ -38,7 +38,7 @@ from specmesh.cluster.service_settings import SERVICES, DrafterSettings, RouterS
 from specmesh.cluster.settings import env_name
 from specmesh.cluster.pipeline.messages import ENV_KEY as QUEUE_KEY
 from specmesh.cluster.pipeline.messages import new_key
-from specmesh.cluster.supervisor import Supervisor
+from specmesh.cluster.supervisor import UNRESPONSIVE_S, Supervisor
 from specmesh.errors import InvalidArgument, Unavailable
 from specmesh.runtime.loading import EMBEDDED_DEFAULT, cache_root
 from specmesh.speculation.expertise import MODEL_FREE_KINDS
@@ -77,7 +77,7 @@ class ClusterSpec:
     cores: int = field(default_factory=lambda: os.cpu_count() or 1)
     log_dir: Path | None = None  # None: a temporary directory, removed by ``stop(clean=True)``
     supervise: bool = True  # start again what dies (see specmesh.cluster.supervisor)
-    unresponsive_s: float = 30.0  # and kill, then start again, what has stopped serving this long
+    unresponsive_s: float = UNRESPONSIVE_S  # and kill, then start again, what has stopped serving this long
     redis_url: str | None = None  # a Redis of the caller's (not started, stopped or supervised here)
     extra_env: dict[str, str] = field(default_factory=dict)
 

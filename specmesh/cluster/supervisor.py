@@ -48,11 +48,14 @@ class RestartRecord:
     probed_at: float = float("-inf")
 
 
+UNRESPONSIVE_S = 30.0  # a part that has not served this long is killed and started again
+
+
 class Supervisor:
     def __init__(self, parts: Callable[[], Sequence[Supervised]], essential: Callable[[Supervised], bool],
                  report: Callable[[str], None] = print, max_restarts: int = 5, window_s: float = 60.0,
                  first_delay_s: float = 0.5, max_delay_s: float = 10.0, every_s: float = 0.2,
-                 unresponsive_s: float = 30.0, probe_every_s: float = 2.0) -> None:
+                 unresponsive_s: float = UNRESPONSIVE_S, probe_every_s: float = 2.0) -> None:
         """``parts()``: the processes to watch (asked each round: the cluster may change); ``essential(p)``:
         whether the cluster can serve without ``p``; ``report``: where restarts and crash loops are said."""
         self.parts = parts
