@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install model run test test-fast soak gpu-check gpu-wheels gpu-travel gpu-travel-back bench bench-grounded tune proto dashboards docs classifier-data tuning-prompts clean
+.PHONY: install model run test test-slow soak gpu-check gpu-wheels gpu-travel gpu-travel-back bench bench-grounded tune proto dashboards docs classifier-data tuning-prompts clean
 
 install: $(STAMP) model
 
@@ -29,11 +29,13 @@ model: $(STAMP)
 run: install
 	$(PY) -m specmesh up
 
+# The suite without the tests marked slow (the real model, whole clusters of processes, the bench): those
+# are `make test-slow`, and CI runs both.
 test: install
-	$(PY) -m pytest -q
-
-test-fast: install
 	$(PY) -m pytest -q -m "not slow"
+
+test-slow: install
+	$(PY) -m pytest -q -m slow
 
 # The cluster under mixed traffic (locust) with faults at random: JSON report in out/soak.json, exit 1
 # unless nothing hung, every output was right and every failure is one a fault explains (docs/soak.md).
