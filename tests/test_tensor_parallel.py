@@ -1,11 +1,13 @@
-"""A target split over two processes by tensor parallelism (gloo on this CPU): each holds half of every
-layer's heads and MLP; speculative decoding on the pair is exactly the pair's plain decoding, greedy and
-with trees of hundreds of nodes, and the pair computes what one process does up to the order of its sums.
-The ranks run NCCL's code path: every collective's tensors are checked to be on the group's device (the
-CPU for gloo, the rank's GPU for NCCL), and the commands are built on whatever device the group gives."""
+"""A target split over two processes by tensor parallelism (gloo on this CPU; on a GPU, `make gpu-check`,
+both ranks share it over gloo with GPU tensors): each holds half of every layer's heads and MLP;
+speculative decoding on the pair is exactly the pair's plain decoding, greedy and with trees of hundreds of
+nodes, and the pair computes what one process does up to the order of its sums. The ranks run NCCL's code
+path: every collective's tensors are checked to be on the rank's device, and the commands are built on
+whatever device the group gives."""
 
 import functools
 import multiprocessing
+import os
 
 import pytest
 import torch
@@ -17,13 +19,14 @@ from sampled_distribution import judge_sampling_on
 from specmesh.errors import InvalidArgument
 from specmesh.runtime.paged_llama import PagedLlamaRuntime
 from specmesh.runtime.tensor_parallel import (
-    MOVE, PASS, _all_reduce, _broadcast, comm_device, decode_header, encode_command, join_group, rank_runtime,
+    MOVE, PASS, _all_reduce, _broadcast, decode_header, encode_command, group_plan, join_group, rank_runtime,
     read_shard, run_follower, shard_model, sharded, start_group,
 )
 from specmesh.sampling import SamplingParams
 from specmesh.speculation.engine import Request, SpeculativeEngine
 
 VOCAB = 96
+DEVICE = torch.device("cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu")
 FACTORY = functools.partial(tiny_llama, vocab_size=VOCAB, layers=2, seed=5, max_position_embeddings=2048)
 
 
@@ -40,9 +43,9 @@ def pair(tmp_path, request):
     so); the group is taken down after the test."""
     offload = getattr(request, "param", False)
     init = f"file://{tmp_path / 'group'}"
-    follower = start_follower(init, offload=offload)
-    join_group(torch.device("cpu"), init, 0, 2)
-    runtime = rank_runtime(shard_model(FACTORY(), 0, 2), 0, 2, torch.device("cpu"), offload)
+    follower = start_follower(init, offload=offload, device=DEVICE.type)
+    mine = join_group(DEVICE, init, 0, 2)
+    runtime = rank_runtime(shard_model(FACTORY(), 0, 2), 0, 2, mine, offload)
     try:
         yield runtime
     finally:
@@ -55,7 +58,8 @@ def pair(tmp_path, request):
 @pytest.mark.parametrize("pair", [False, True], indirect=True, ids=["resident", "offloaded"])
 def test_speculation_on_two_ranks_is_their_plain_decoding(pair, request):
     offload = request.node.callspec.params["pair"]
-    assert pair.offload == offload and pair.rank_modes == [{"batch_invariant": False, "offload": offload}] * 2
+    invariant = DEVICE.type == "cuda"  # the paged runtime's default
+    assert pair.offload == offload and pair.rank_modes == [{"batch_invariant": invariant, "offload": offload}] * 2
     prompts = [[5 + i, 17, 3 * i + 2, 40] for i in range(3)]
     requests = lambda: [Request(tuple(p), SamplingParams(max_tokens=16)) for p in prompts]  # noqa: E731
     plain = SpeculativeEngine(pair, drafters=[], max_tree_nodes=0).generate(requests())
@@ -65,7 +69,7 @@ def test_speculation_on_two_ranks_is_their_plain_decoding(pair, request):
         outputs = SpeculativeEngine(pair, drafters=[drafter], max_tree_nodes=nodes).generate(requests())
         assert [out.token_ids for out in outputs] == [answers[tuple(p)] for p in prompts]
         assert sum(len(o.token_ids) for o in outputs) > sum(o.stats.target_steps for o in outputs)
-    alone = SpeculativeEngine(PagedLlamaRuntime(FACTORY()), drafters=[], max_tree_nodes=0).generate(requests())
+    alone = SpeculativeEngine(PagedLlamaRuntime(FACTORY().to(DEVICE)), drafters=[], max_tree_nodes=0).generate(requests())
     assert [o.token_ids for o in alone] == [o.token_ids for o in plain]  # the same model, summed in halves
 
 
@@ -74,10 +78,17 @@ def test_sampling_on_two_ranks_keeps_their_distribution(pair, rule, monkeypatch)
     judge_sampling_on(pair, rule, monkeypatch, VOCAB, "speculative sampling on two ranks")
 
 
-def test_a_collective_takes_its_tensors_on_the_device_the_backend_carries():
-    """NCCL moves GPU memory only, the rank's own GPU; gloo host memory."""
-    assert comm_device("nccl", 0) == torch.device("cuda:0") and comm_device("nccl", 3) == torch.device("cuda:3")
-    assert comm_device("gloo", 3) == torch.device("cpu")
+def test_ranks_get_a_gpu_each_over_nccl_or_share_them_over_gloo():
+    """NCCL with a GPU per rank (rank r on cuda:r); fewer GPUs than ranks: gloo, the ranks on the GPUs in
+    turn (NCCL refuses two ranks on one GPU); a CPU: gloo. Collectives take tensors on the rank's device."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert group_plan(cuda, 2, 2) == ("nccl", [torch.device("cuda:0"), torch.device("cuda:1")])
+    assert group_plan(cuda, 2, 8) == ("nccl", [torch.device("cuda:0"), torch.device("cuda:1")])
+    assert group_plan(cuda, 2, 1) == ("gloo", [torch.device("cuda:0")] * 2)
+    assert group_plan(cuda, 4, 2) == ("gloo", [torch.device(f"cuda:{r % 2}") for r in range(4)])
+    assert group_plan(cpu, 3, 0) == ("gloo", [cpu] * 3)
+    with pytest.raises(InvalidArgument, match="no GPU"):
+        group_plan(cuda, 2, 0)
 
 
 def test_a_command_is_built_on_the_groups_device():

@@ -153,7 +153,8 @@ class VerifierSettings(DrafterClientSettings):
         "(used when the verdict confirms it): on, off, or auto: with drafters on other machines (on this one's "
         "cores, drafting takes them from the pass)")
     tensor_parallel: int = setting(1, "processes the target is split over (tensor parallelism: each holds 1/N of "
-                                   "every layer and its KV cache; one per GPU, NCCL; gloo on a CPU); they fail and "
+                                   "every layer and its KV cache; a GPU each over NCCL, or sharing GPUs or a CPU over "
+                                   "gloo); they fail and "
                                    "start again as one", ge=1)
     queue_key_file: str | None = setting(None, "the queue's HMAC key shared with the routers: only admissions tagged "
                                          "with it run, outputs are tagged with it (else $SPECMESH_QUEUE_KEY; "

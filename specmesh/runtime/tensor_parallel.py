@@ -1,8 +1,8 @@
 """A target split across N processes by tensor parallelism: each rank holds 1/N of every layer's attention
 heads (with their share of the KV cache) and of its MLP, and the attention output and MLP down projections
 are summed across the ranks (an all-reduce; PyTorch's own ``torch.distributed``: gloo on a CPU, NCCL on
-CUDA). The embeddings, norms and LM head are whole on every rank. Every tensor a collective takes lives on
-the group's device (``comm_device``): NCCL carries GPU memory only, gloo host memory.
+CUDA, gloo where ranks share a GPU). The embeddings, norms and LM head are whole on every rank. Every tensor
+a collective takes lives on the rank's own device (``group_plan``): NCCL carries GPU memory only.
 
 Rank 0 serves: its sessions own the KV pages, it plans each pass and sends the pass's inputs (and each
 accepted path's KV moves) to the others, which compute their shares in lockstep and never allocate a
@@ -194,14 +194,24 @@ class TensorParallelRuntime(PagedLlamaRuntime):
             _send_command(STOP, [])
 
 
-def comm_device(backend: str, rank: int) -> torch.device:
-    """Where the tensors of rank ``rank``'s collectives live: NCCL takes GPU memory only, the rank's own GPU
-    (a host tensor is refused); gloo takes host memory."""
-    return torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+def group_plan(where: torch.device, world: int, gpus: int) -> tuple[str, list[torch.device]]:
+    """The backend of ``world`` ranks computing on ``where``'s kind of device among ``gpus`` GPUs, and each
+    rank's device, where its collectives' tensors live too. A GPU per rank: NCCL, rank r on cuda:r. Fewer GPUs
+    than ranks: the ranks share them in turn over gloo, which takes GPU tensors through host memory (NCCL
+    refuses two ranks on one GPU, NVIDIA/nccl#418); slower, for trying a split on one GPU. A CPU: gloo."""
+    if where.type != "cuda":
+        return "gloo", [where] * world
+    if gpus < 1:
+        raise InvalidArgument("device", "CUDA asked for, but no GPU is visible")
+    devices = [torch.device("cuda", r % gpus) for r in range(world)]
+    return ("nccl" if gpus >= world else "gloo"), devices
+
+
+_group: dict[str, torch.device] = {}  # this process's rank device, once it joined its group (one per process)
 
 
 def _group_device() -> torch.device:
-    return comm_device(dist.get_backend(), dist.get_rank())
+    return _group["device"]
 
 
 def _on_group_device(*tensors: torch.Tensor) -> None:
@@ -233,7 +243,7 @@ def _all_gather(parts: list[torch.Tensor], tensor: torch.Tensor) -> None:
 
 def encode_command(command: int, tensors: list[torch.Tensor],
                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A command as rank 0 broadcasts it, on ``device`` (the group's, ``comm_device``): a header of HEADER
+    """A command as rank 0 broadcasts it, on ``device`` (the rank's, ``join_group``): a header of HEADER
     longs (the command, each tensor's rank and shape) and the tensors' values in one long buffer (None
     for none)."""
     header = [command, len(tensors)]
@@ -282,29 +292,22 @@ def group_failed(exc: BaseException) -> None:
     os._exit(GROUP_FAILED)
 
 
-def backend_for(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
-
-
-def rank_device(device: torch.device, rank: int) -> torch.device:
-    """Rank ``rank``'s device: its own GPU (cuda:rank), or the CPU."""
-    return torch.device("cuda", rank) if device.type == "cuda" else device
-
-
-def join_group(where: torch.device, init_method: str, rank: int, world: int) -> None:
-    """Join the group of ranks computing on ``where``'s kind of device: NCCL with this process's current GPU
-    made the rank's own (NCCL's buffers and streams go on the current GPU), or gloo."""
-    backend = backend_for(where)
-    if backend == "nccl":
-        torch.cuda.set_device(comm_device(backend, rank))
+def join_group(where: torch.device, init_method: str, rank: int, world: int) -> torch.device:
+    """Join the group of ranks computing on ``where``'s kind of device (``group_plan``); this rank's device,
+    made the process's current GPU on CUDA (NCCL's buffers and streams go there)."""
+    backend, devices = group_plan(where, world, torch.cuda.device_count() if where.type == "cuda" else 0)
+    device = _group["device"] = devices[rank]
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=IDLE)
+    return device
 
 
-def rank_runtime(shard: torch.nn.Module, rank: int, world: int, where: torch.device, offload: bool,
+def rank_runtime(shard: torch.nn.Module, rank: int, world: int, device: torch.device, offload: bool,
                  **kwargs) -> TensorParallelRuntime:
-    """Rank ``rank``'s runtime over its share, loaded in host memory: the share moved to the rank's device, or
-    with ``offload`` its decoder layers left on the host and streamed to the device (``offload.py``)."""
-    device = rank_device(where, rank)
+    """Rank ``rank``'s runtime over its share, loaded in host memory: the share moved to the rank's device
+    (``join_group``'s), or with ``offload`` its decoder layers left on the host and streamed there
+    (``offload.py``)."""
     if offload:
         return TensorParallelRuntime(shard, rank, world, offload=device, **kwargs)
     return TensorParallelRuntime(shard.to(device), rank, world, **kwargs)
@@ -317,10 +320,9 @@ def run_follower(rank: int, world: int, init_method: str, shard_factory: Callabl
     whose death would otherwise leave it waiting forever."""
     if parent is not None:
         threading.Thread(target=_end_with, args=(parent,), daemon=True).start()
-    where = torch.device(device)
-    join_group(where, init_method, rank, world)
+    mine = join_group(torch.device(device), init_method, rank, world)
     try:
-        rank_runtime(shard_factory(rank, world), rank, world, where, offload, **kwargs).follow()
+        rank_runtime(shard_factory(rank, world), rank, world, mine, offload, **kwargs).follow()
     finally:
         dist.destroy_process_group()
 
@@ -364,8 +366,11 @@ def start_group(model: str, world: int, dtype: str | None = None, device: str | 
     for rank in range(1, world):
         spawn.Process(target=run_follower, args=(rank, world, init, factory, str(where), os.getpid(), offload),
                       kwargs=computing, daemon=True, name=f"tensor-parallel-rank-{rank}").start()
-    join_group(where, init, 0, world)
-    runtime = rank_runtime(loaded.model, 0, world, where, offload, **computing)
-    log.info("tensor parallel over %d processes (%s)%s: this is rank 0", world, backend_for(where),
+    mine = join_group(where, init, 0, world)
+    runtime = rank_runtime(loaded.model, 0, world, mine, offload, **computing)
+    log.info("tensor parallel over %d processes (%s)%s: this is rank 0", world, dist.get_backend(),
              ", layers streamed from host memory" if offload else "")
+    if dist.get_backend() == "gloo" and where.type == "cuda":
+        log.warning("%d ranks share %d GPU(s): their sums cross host memory (gloo), slower than NCCL with a GPU "
+                    "per rank", world, torch.cuda.device_count())
     return loaded, runtime
