@@ -609,43 +609,55 @@ def _summary(records: dict[str, ModeRecord], count: int, identical: int, referen
             "engine_speedup_vs_hf_assisted": round(speed["engine"] / assisted_speed, 3),
         }
     if "cluster" in records:
-        cluster, engine = records["cluster"], records["engine"]
-        cluster_steps, engine_steps = max(sum(cluster.steps.values()), 1), max(sum(engine.steps.values()), 1)
-        # per target step, what the cluster adds to the same loop in process: the drafters' gRPC round trips
-        # (their wait beyond the in-process drafters'), the queue (the wait for verification beyond the
-        # verifier's own work); and, wall clock, everything: those hops, the client's call, the processes
-        drafter_hops_ms = max(cluster.draft_s / cluster_steps - engine.draft_s / engine_steps, 0.0) * 1e3
-        queue_ms = cluster.transport_s / cluster_steps * 1e3
-        added_ms = cluster.step_ms() - engine.step_ms()
+        summary |= _cluster_figures(records, one_step_ms, busy_s, drafting_s, drafters,
+                                    assisted if "hf_plain" in records else None)
+    return summary
+
+
+def _cluster_figures(records: dict[str, ModeRecord], one_step_ms: float, busy_s: float, drafting_s: float,
+                     drafters: int, assisted: tuple[str, float] | None) -> dict:
+    """The summary's figures of the cluster modes: speed, accepted length, what the cluster adds to a step
+    against the same loop in process, idle fractions, TLS's cost, and against Hugging Face (``assisted``: its
+    best assisted setting and speed, where its baselines ran)."""
+    speed = {m: r.speed() for m, r in records.items()}
+    accepted = {m: r.accepted_length() for m, r in records.items() if r.steps}
+    cluster, engine = records["cluster"], records["engine"]
+    cluster_steps, engine_steps = max(sum(cluster.steps.values()), 1), max(sum(engine.steps.values()), 1)
+    # per target step, what the cluster adds to the same loop in process: the drafters' gRPC round trips
+    # (their wait beyond the in-process drafters'), the queue (the wait for verification beyond the
+    # verifier's own work); and, wall clock, everything: those hops, the client's call, the processes
+    drafter_hops_ms = max(cluster.draft_s / cluster_steps - engine.draft_s / engine_steps, 0.0) * 1e3
+    queue_ms = cluster.transport_s / cluster_steps * 1e3
+    added_ms = cluster.step_ms() - engine.step_ms()
+    summary = {
+        "cluster_tokens_per_s": round(speed["cluster"], 2),
+        "cluster_mean_accepted_length": round(accepted["cluster"], 3),
+        "cluster_overhead_fraction": round((drafter_hops_ms + queue_ms) / one_step_ms, 3),
+        "cluster_drafter_hops_ms_per_step": round(drafter_hops_ms, 2),
+        "cluster_queue_ms_per_step": round(queue_ms, 2),
+        "cluster_queue_overhead_fraction": round(queue_ms / one_step_ms, 3),
+        "cluster_added_ms_per_step": round(added_ms, 2),
+        "cluster_added_fraction": round(added_ms / one_step_ms, 3),
+        "verifier_idle_fraction": round(max(0.0, 1.0 - busy_s / max(sum(cluster.seconds.values()), 1e-9)), 3),
+    }
+    if "cluster_fixed" in accepted:  # both sides draft every step: the same step mix, unlike adaptive's
+        fixed_added_ms = records["cluster_fixed"].step_ms() - records["router_fixed"].step_ms()
+        summary |= {"cluster_fixed_tokens_per_s": round(speed["cluster_fixed"], 2),
+                    "cluster_fixed_mean_accepted_length": round(accepted["cluster_fixed"], 3),
+                    "cluster_fixed_added_ms_per_step": round(fixed_added_ms, 2)}
+    if drafters:  # the drafter processes' share of the cluster's time spent idle (proposing is their work)
+        summary["drafters_idle_fraction"] = round(
+            max(0.0, 1.0 - drafting_s / max(drafters * sum(cluster.seconds.values()), 1e-9)), 3)
+    if "cluster_secure" in records:  # what TLS, mutual TLS and API keys cost a step
+        summary |= {"cluster_secure_tokens_per_s": round(speed["cluster_secure"], 2),
+                    "cluster_secure_vs_cluster": round(speed["cluster_secure"] / speed["cluster"], 3),
+                    "cluster_secure_added_ms_per_step":
+                        round(records["cluster_secure"].step_ms() - cluster.step_ms(), 2)}
+    if assisted:
         summary |= {
-            "cluster_tokens_per_s": round(speed["cluster"], 2),
-            "cluster_mean_accepted_length": round(accepted["cluster"], 3),
-            "cluster_overhead_fraction": round((drafter_hops_ms + queue_ms) / one_step_ms, 3),
-            "cluster_drafter_hops_ms_per_step": round(drafter_hops_ms, 2),
-            "cluster_queue_ms_per_step": round(queue_ms, 2),
-            "cluster_queue_overhead_fraction": round(queue_ms / one_step_ms, 3),
-            "cluster_added_ms_per_step": round(added_ms, 2),
-            "cluster_added_fraction": round(added_ms / one_step_ms, 3),
-            "verifier_idle_fraction": round(max(0.0, 1.0 - busy_s / max(sum(cluster.seconds.values()), 1e-9)), 3),
+            "speedup_vs_plain": round(speed["cluster"] / speed["hf_plain"], 3),
+            "speedup_vs_hf_assisted": round(speed["cluster"] / assisted[1], 3),
         }
-        if "cluster_fixed" in accepted:  # both sides draft every step: the same step mix, unlike adaptive's
-            fixed_added_ms = records["cluster_fixed"].step_ms() - records["router_fixed"].step_ms()
-            summary |= {"cluster_fixed_tokens_per_s": round(speed["cluster_fixed"], 2),
-                        "cluster_fixed_mean_accepted_length": round(accepted["cluster_fixed"], 3),
-                        "cluster_fixed_added_ms_per_step": round(fixed_added_ms, 2)}
-        if drafters:  # the drafter processes' share of the cluster's time spent idle (proposing is their work)
-            summary["drafters_idle_fraction"] = round(
-                max(0.0, 1.0 - drafting_s / max(drafters * sum(cluster.seconds.values()), 1e-9)), 3)
-        if "cluster_secure" in records:  # what TLS, mutual TLS and API keys cost a step
-            summary |= {"cluster_secure_tokens_per_s": round(speed["cluster_secure"], 2),
-                        "cluster_secure_vs_cluster": round(speed["cluster_secure"] / speed["cluster"], 3),
-                        "cluster_secure_added_ms_per_step":
-                            round(records["cluster_secure"].step_ms() - cluster.step_ms(), 2)}
-        if "plain_tokens_per_s" in summary:
-            summary |= {
-                "speedup_vs_plain": round(speed["cluster"] / speed["hf_plain"], 3),
-                "speedup_vs_hf_assisted": round(speed["cluster"] / assisted[1], 3),
-            }
     return summary
 
 
