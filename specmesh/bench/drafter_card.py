@@ -11,7 +11,7 @@ import hashlib
 from pathlib import Path
 
 from specmesh.bench.provenance import provenance
-from specmesh.bench.run import write_json
+from specmesh.bench.report import write_json
 from specmesh.distill.data import generate_examples
 from specmesh.distill.evaluate import agreement_by_category, expected_tokens_per_step, interface_hits
 from specmesh.distill.feature_recipe import feature_store, mtbench_features

@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 
 from specmesh.bench.provenance import provenance
-from specmesh.bench.run import write_json
+from specmesh.bench.report import write_json
 from specmesh.distill.recipe import target_step_ms
 from specmesh.drafters.catalog import load_drafter
 from specmesh.drafters.eagle import default_layers, write_eagle3

@@ -26,13 +26,9 @@ import torch
 from specmesh.bench.cluster_meter import ClusterMeter
 from specmesh.bench.engine_at_load import engine_at_load
 from specmesh.bench.provenance import provenance
-from specmesh.bench.run import (
-    MAX_CONCURRENCY,
-    adaptive_verdicts,
-    load_sweep,
-    number_list,
-    write_json,
-)
+from specmesh.bench.arguments import number_list
+from specmesh.bench.load_sweep import MAX_CONCURRENCY, adaptive_verdicts, load_sweep
+from specmesh.bench.report import write_json
 from specmesh.client import AsyncClient
 from specmesh.cluster.launcher import ClusterSpec, LocalCluster
 from specmesh.drafters.oracle import MAX_WIDTH, PREFIX, OracleEntry, write_oracle_file

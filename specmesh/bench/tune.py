@@ -4,7 +4,7 @@ A constant chosen on the prompts a benchmark judges on flatters that benchmark. 
 here instead, on held-out prompts (default: ``tuning_prompts.jsonl``, templated prompts of their own seed,
 disjoint from the experts' training prompts, the classifier's examples and MT-Bench), and only judged by
 ``specmesh bench`` on MT-Bench. Four sweeps, each candidate interleaved with the others and rotated
-prompt by prompt (bench/run.py's rule), each speed relative to plain decoding in the same sweep:
+prompt by prompt (bench/modes.py's rule), each speed relative to plain decoding in the same sweep:
 
 - ``tree_nodes`` (adaptive's budget cap) and ``fixed_tree_nodes`` (the load sweep's fixed k): one request
   at a time, in process;
@@ -32,16 +32,10 @@ from tqdm.auto import tqdm
 
 from specmesh.bench.grounded import named_or_file
 from specmesh.bench.provenance import provenance
-from specmesh.bench.run import (
-    MAX_CONCURRENCY,
-    WARMUP_PROMPT,
-    ModeRecord,
-    load_sweep,
-    mode_order,
-    non_inferiority,
-    number_list,
-    write_json,
-)
+from specmesh.bench.arguments import number_list
+from specmesh.bench.load_sweep import MAX_CONCURRENCY, load_sweep, non_inferiority
+from specmesh.bench.modes import WARMUP_PROMPT, ModeRecord, mode_order
+from specmesh.bench.report import write_json
 from specmesh.client import Client
 from specmesh.cluster.launcher import DEFAULT_DRAFTERS, OPENMP_SPIN_COUNT, ClusterSpec, LocalCluster
 from specmesh.distill.overlap import overlapped_questions
@@ -111,7 +105,7 @@ def interleaved(runs: dict[str, Run], prompts: list[Prompt], requests: list[Requ
 
 
 def versus(speeds: list[float], base: list[float]) -> dict:
-    """The mean of the paired relative differences to ``base`` and its 95 % interval (bench/run.py's test)."""
+    """The mean of the paired relative differences to ``base`` and its 95 % interval (bench/load_sweep.py's test)."""
     test = non_inferiority(speeds, base)
     return {"paired_vs_plain": round(test.mean, 4),
             "paired_vs_plain_ci95": None if test.low is None else [round(test.low, 4), round(test.high, 4)]}
@@ -208,7 +202,7 @@ def round_robin(prompts: list[Prompt]) -> list[Prompt]:
 def load_margin_sweep(args: argparse.Namespace, drafters: tuple[str, ...], prompts: list[Prompt], warmup: Prompt,
                       margins: list[float], levels: list[int], rounds: int) -> dict[str, dict]:
     """One local cluster per margin; in each, at every concurrency, adaptive (up to ``args.max_tree_nodes``) and
-    no speculation over the same requests, ``rounds`` times in rotated order (bench/run.py's load sweep).
+    no speculation over the same requests, ``rounds`` times in rotated order (bench/load_sweep.py).
     Each margin is judged by adaptive's paired relative difference to plain decoding in its own cluster."""
     rows: dict[str, dict] = {}
     for margin in tqdm(margins, desc="margins under load", unit="cluster"):

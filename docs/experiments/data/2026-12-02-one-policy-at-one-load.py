@@ -4,7 +4,7 @@ Usage: python 2026-12-02-one-policy-at-one-load.py POLICIES LEVEL ACCEPTANCE SEC
 import asyncio, subprocess, sys, tempfile, time
 from pathlib import Path
 from specmesh.bench.oracle_cluster import random_prompts, plain_answers, ids_input
-from specmesh.bench.run import load_sweep
+from specmesh.bench.load_sweep import load_sweep
 from specmesh.cluster.launcher import ClusterSpec, LocalCluster
 from specmesh.drafters.oracle import PREFIX, OracleEntry, write_oracle_file
 
