@@ -23,14 +23,8 @@ from specmesh.speculation.requests import Request
 
 
 MAX_CONCURRENCY = 256  # the load sweep's most concurrent requests
-
-
 LOAD_POLICIES = ("none", "fixed", "adaptive")
-
-
 LOAD_ROUNDS = 3  # runs of each policy at each concurrency, in rotated/mirrored orders
-
-
 _SPECULATION_OF = {"none": "off", "fixed": "fixed", "adaptive": "adaptive"}
 
 

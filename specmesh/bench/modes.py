@@ -23,8 +23,6 @@ from specmesh.speculation.engine import SpeculativeEngine
 
 
 HF_PROMPT_LOOKUP_TOKENS = (2, 3, 5, 10)  # Hugging Face assisted decoding's settings: its best one is the baseline
-
-
 WARMUP_PROMPT = "Name three colours of the rainbow, then say which one you like best and why."  # in no prompt set
 
 
