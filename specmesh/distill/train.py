@@ -139,6 +139,77 @@ def _soft_loss(log_q_all: torch.Tensor, weights: torch.Tensor, soft: list) -> to
     return total / mass.clamp_min(1e-6)
 
 
+def _training_rows(examples: Sequence[Example], config: TrainConfig, subset_index: dict[int, int], fallback: int,
+                   position_weights: Sequence[Sequence[float]] | None,
+                   soft_labels: Sequence[SoftLabels] | None) -> list[tuple]:
+    """Each example cut to ``config.max_length``: (tokens, labels in the subset, position weights, soft targets
+    or None)."""
+    rows = []
+    for n, example in enumerate(examples):
+        tokens = example.token_ids[: config.max_length]
+        labels = labels_for(example, subset_index, fallback)[: config.max_length]
+        weights = list(position_weights[n][: config.max_length]) if position_weights else [1.0] * len(tokens)
+        targets = soft_targets(example, soft_labels[n], subset_index, fallback, len(tokens)) if soft_labels else None
+        rows.append((tokens, labels, weights, targets))
+    return rows
+
+
+class _BestKept:
+    """The trainable weights with the best held-out agreement so far. A check is due every ``every_s``
+    seconds or more, so that checking takes at most ``share`` of the time (checked every 30 s regardless,
+    it took most of a run), or every tenth of a run by steps (so that it repeats exactly)."""
+
+    def __init__(self, model: ExpertModel, validation: Sequence[Example], every_s: float, share: float, bar) -> None:
+        self.model, self.validation, self.min_every_s, self.share, self.bar = model, validation, every_s, share, bar
+        self.every_s, self.last_s = every_s, 0.0
+        self.agreement, self.state = -1.0, None
+
+    def due(self, config: TrainConfig, steps: int, elapsed_s: float) -> bool:
+        if not self.validation:
+            return False
+        if config.steps:
+            return steps > 0 and steps % max(1, config.steps // 10) == 0
+        return elapsed_s - self.last_s >= self.every_s
+
+    def check(self, elapsed_s: float) -> None:
+        from specmesh.distill.evaluate import teacher_forced_hits
+
+        checked_at = time.perf_counter()
+        self.model.eval()
+        hits = [h for row in teacher_forced_hits(self.model, self.validation) for h in row]
+        self.model.train()
+        agreement = sum(hits) / max(len(hits), 1)
+        if agreement > self.agreement:
+            self.agreement = agreement
+            self.state = {k: v.detach().clone() for k, v in self.model.trainable_state().items()}
+        self.bar.set_description(f"training (held-out best {self.agreement:.3f})")
+        self.every_s = max(self.min_every_s, (time.perf_counter() - checked_at) / self.share)
+        self.last_s = elapsed_s
+
+
+def _train_step(model: ExpertModel, optimizer: torch.optim.Optimizer, params: list, batch: tuple, config: TrainConfig,
+                progress: float, fallback: int) -> tuple[float, int, int]:
+    """One optimiser step on ``batch`` at the learning rate of a cosine from 1 to 0.1 at ``progress``: the loss,
+    the right guesses (fallback excluded) and the labels counted."""
+    ids, labels, weights, mask, soft = batch
+    lr = config.learning_rate * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    log_q = model(ids, attention_mask=mask).log_softmax(-1)  # [batch, seq, subset + 1]
+    per_token = F.nll_loss(log_q.transpose(1, 2), labels, ignore_index=IGNORE, reduction="none")
+    counted = labels != IGNORE
+    loss = (per_token * weights * counted).sum() / (weights * counted).sum().clamp_min(1e-6)
+    if soft:
+        loss = (1.0 - config.soft_weight) * loss + config.soft_weight * _soft_loss(log_q, weights, soft)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    optimizer.step()
+    with torch.no_grad():
+        right = ((log_q.argmax(-1) == labels) & counted & (labels != fallback)).sum().item()
+    return loss.item(), right, int(counted.sum())
+
+
 def train_student(
     model: ExpertModel,
     examples: Sequence[Example],
@@ -150,90 +221,46 @@ def train_student(
     validation_share: float = 0.1,
 ) -> TrainResult:
     """Train until the time budget is spent (or for ``config.steps`` steps); with ``validation``
-    examples, keep the weights that had the best held-out agreement, checked at the end and every
-    ``validate_every_s`` seconds or more: so that checking takes at most ``validation_share`` of the time
-    (checked every 30 s regardless, it took most of a run). A run by steps checks every tenth of its
-    steps instead, so it repeats exactly."""
-    from specmesh.distill.evaluate import teacher_forced_hits
+    examples, keep the weights that had the best held-out agreement, checked at the end and as
+    ``_BestKept`` says (every ``validate_every_s`` seconds or more, at most ``validation_share`` of the time)."""
     torch.manual_seed(config.seed)
     generator = torch.Generator().manual_seed(config.seed)
-    subset = model.subset_ids.tolist()
-    subset_index = {token: i for i, token in enumerate(subset)}
-    fallback = len(subset)
-    rows = []
-    for n, example in enumerate(examples):
-        tokens = example.token_ids[: config.max_length]
-        labels = labels_for(example, subset_index, fallback)[: config.max_length]
-        weights = list(position_weights[n][: config.max_length]) if position_weights else [1.0] * len(tokens)
-        targets = soft_targets(example, soft_labels[n], subset_index, fallback, len(tokens)) if soft_labels else None
-        rows.append((tokens, labels, weights, targets))
+    subset_index = {token: i for i, token in enumerate(model.subset_ids.tolist())}
+    fallback = len(subset_index)
+    rows = _training_rows(examples, config, subset_index, fallback, position_weights, soft_labels)
     total_tokens = sum(sum(1 for l in r[1] if l != IGNORE) for r in rows)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=0.0, betas=(0.9, 0.98))
     budget = config.minutes * 60.0
-    check_every_steps = max(1, config.steps // 10)
     started = time.perf_counter()
     steps = seen = 0
     recent: list[tuple[int, int]] = []
     model.train()
     bar = tqdm(total=config.steps or int(budget), desc="training", unit="step" if config.steps else "s")
+    best = _BestKept(model, validation, validate_every_s, validation_share, bar)
     done = False
-    best_agreement, best_state, last_check = -1.0, None, 0.0
-
-    check_every_s = validate_every_s
-
-    def check() -> None:
-        nonlocal best_agreement, best_state, check_every_s
-        checked_at = time.perf_counter()
-        model.eval()
-        hits = [h for row in teacher_forced_hits(model, validation) for h in row]
-        model.train()
-        agreement = sum(hits) / max(len(hits), 1)
-        if agreement > best_agreement:
-            best_agreement = agreement
-            best_state = {k: v.detach().clone() for k, v in model.trainable_state().items()}
-        bar.set_description(f"training (held-out best {best_agreement:.3f})")
-        check_every_s = max(validate_every_s, (time.perf_counter() - checked_at) / validation_share)
-
     while not done:
-        for ids, labels, weights, mask, soft in batches(rows, config.tokens_per_batch, generator, model.device):
+        for batch in batches(rows, config.tokens_per_batch, generator, model.device):
             elapsed = time.perf_counter() - started
             progress = steps / config.steps if config.steps else elapsed / budget
             if progress >= 1.0:
                 done = True
                 break
-            due = (steps > 0 and steps % check_every_steps == 0) if config.steps else elapsed - last_check >= check_every_s
-            if validation and due:
-                check()
-                last_check = elapsed
-            lr = config.learning_rate * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            log_q = model(ids, attention_mask=mask).log_softmax(-1)  # [batch, seq, subset + 1]
-            per_token = F.nll_loss(log_q.transpose(1, 2), labels, ignore_index=IGNORE, reduction="none")
-            counted = labels != IGNORE
-            loss = (per_token * weights * counted).sum() / (weights * counted).sum().clamp_min(1e-6)
-            if soft:
-                loss = (1.0 - config.soft_weight) * loss + config.soft_weight * _soft_loss(log_q, weights, soft)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optimizer.step()
-            with torch.no_grad():
-                right = ((log_q.argmax(-1) == labels) & counted & (labels != fallback)).sum().item()
-            recent = (recent + [(right, int(counted.sum()))])[-20:]
+            if best.due(config, steps, elapsed):
+                best.check(elapsed)
+            loss, right, counted = _train_step(model, optimizer, params, batch, config, progress, fallback)
+            recent = (recent + [(right, counted)])[-20:]
             steps += 1
-            seen += int(counted.sum())
+            seen += counted
             accuracy = sum(r for r, _ in recent) / max(sum(c for _, c in recent), 1)
-            bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{accuracy:.3f}", epoch=f"{seen / total_tokens:.2f}")
+            bar.set_postfix(loss=f"{loss:.3f}", acc=f"{accuracy:.3f}", epoch=f"{seen / total_tokens:.2f}")
             bar.n = steps if config.steps else int(min(time.perf_counter() - started, budget))
             bar.refresh()
     if validation:
-        check()
-        model.load_state_dict(best_state, strict=False)
+        best.check(time.perf_counter() - started)
+        model.load_state_dict(best.state, strict=False)
     bar.close()
     model.eval()
     accuracy = sum(r for r, _ in recent) / max(sum(c for _, c in recent), 1)
     return TrainResult(steps, seen / max(total_tokens, 1), time.perf_counter() - started, accuracy,
-                       best_agreement if validation else None)
-
+                       best.agreement if validation else None)
