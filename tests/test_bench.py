@@ -16,7 +16,7 @@ from specmesh.bench.load_sweep import (
 from specmesh.bench.modes import (
     HF_PROMPT_LOOKUP_TOKENS, ModeRecord, best_setting, hf_modes, llama_cpp_baseline, mode_order, mode_references,
 )
-from specmesh.bench.report import headline_lines, summarize
+from specmesh.bench.report import headline_lines, mode_summary
 from specmesh.cli import main
 from specmesh.drafters.model import ModelDrafter
 from specmesh.drafters.ngram import NgramDrafter
@@ -197,7 +197,7 @@ def test_the_cluster_overhead_counts_the_drafter_hops_and_the_queue():
                "own_plain": _record(200, 5.0, 200), "single:ngram": _record(200, 4.0, 100),
                "router_fixed": _record(200, 4.5, 100), "engine": _record(200, 4.0, 100, draft_s=0.5),
                "cluster": _record(200, 5.0, 100, draft_s=0.8, transport_s=0.2)}
-    summary = summarize(records, count=2, identical=2, reference="hf_plain", one_step_ms=25.0, busy_s=4.0, union={},
+    summary = mode_summary(records, count=2, identical=2, reference="hf_plain", one_step_ms=25.0, busy_s=4.0, union={},
                        drafting_s=3.0, drafters=3)
     assert summary["verifier_idle_fraction"] == 0.2 and summary["drafters_idle_fraction"] == 0.8  # 3 s of 3 x 5 s
     assert summary["cluster_drafter_hops_ms_per_step"] == 3.0 and summary["cluster_queue_ms_per_step"] == 2.0

@@ -69,7 +69,8 @@ def test_speculation_on_two_ranks_is_their_plain_decoding(pair, request):
         outputs = SpeculativeEngine(pair, drafters=[drafter], max_tree_nodes=nodes).generate(requests())
         assert [out.token_ids for out in outputs] == [answers[tuple(p)] for p in prompts]
         assert sum(len(o.token_ids) for o in outputs) > sum(o.stats.target_steps for o in outputs)
-    alone = SpeculativeEngine(PagedLlamaRuntime(FACTORY().to(DEVICE)), drafters=[], max_tree_nodes=0).generate(requests())
+    one = PagedLlamaRuntime(FACTORY().to(DEVICE))
+    alone = SpeculativeEngine(one, drafters=[], max_tree_nodes=0).generate(requests())
     assert [o.token_ids for o in alone] == [o.token_ids for o in plain]  # the same model, summed in halves
 
 

@@ -127,7 +127,8 @@ def controller_state(cluster: LocalCluster) -> dict[str, float]:
     return state
 
 
-def run_oracle_bench(args: argparse.Namespace) -> int:
+def _check_args(args: argparse.Namespace) -> tuple[list[float], list[int]]:
+    """Refuse what cannot be measured, naming the argument; the acceptances and the concurrency levels."""
     acceptances = number_list("oracle_acceptance", args.oracle_acceptance, 0.0, 1.0, kind=float)
     levels = number_list("concurrency", args.concurrency or "1", 1, MAX_CONCURRENCY)
     if args.max_tokens < 1:
@@ -138,6 +139,11 @@ def run_oracle_bench(args: argparse.Namespace) -> int:
         raise InvalidArgument("sweep_rounds", f"must be >= 1, got {args.sweep_rounds}")
     if not 1 <= args.max_tree_nodes <= MAX_TREE_NODES or not 1 <= args.fixed_tree_nodes <= MAX_TREE_NODES:
         raise InvalidArgument("max_tree_nodes", f"--max-tree-nodes and --fixed-tree-nodes must be in 1..{MAX_TREE_NODES}")
+    return acceptances, levels
+
+
+def run_oracle_bench(args: argparse.Namespace) -> int:
+    acceptances, levels = _check_args(args)
     vocab = random_config(args.model).vocab_size
     per_set = max(2 * max(levels), 8)  # what the sweep sends at its highest concurrency
     prompt_sets = {p: random_prompts(vocab, per_set, seed=i) for i, p in enumerate(acceptances)}
@@ -147,7 +153,6 @@ def run_oracle_bench(args: argparse.Namespace) -> int:
                     "fixed_tree_nodes": args.fixed_tree_nodes, "rounds": args.sweep_rounds,
                     "oracle_width": args.oracle_width, "offload": args.offload,
                     "acceptance": {}, "cluster_at_load": {}}
-    failed = False
     with tempfile.TemporaryDirectory(prefix="specmesh-oracle-") as folder:
         oracle_file = Path(folder) / "oracle.jsonl"
         spec = ClusterSpec(model=args.model, drafters=(f"{PREFIX}{oracle_file}",), device=args.device, dtype=args.dtype,
@@ -169,25 +174,8 @@ def run_oracle_bench(args: argparse.Namespace) -> int:
             load_sweep(cluster, prompt_sets[first], min(args.max_tokens, 16), levels, args.fixed_tree_nodes,
                        args.max_tree_nodes, rounds=1, policies=("fixed", "adaptive"), inputs=ids_input)
             for p in acceptances:
-                print(f"oracle acceptance {p} ...", flush=True)
-                rows: list[dict] = []
-                controller: dict[str, dict] = {}
-                for level in levels:  # one level at a time, each written when done: a run stopped midway keeps them
-                    rows += load_sweep(cluster, prompt_sets[p], args.max_tokens, [level], args.fixed_tree_nodes,
-                                       args.max_tree_nodes, rounds=args.sweep_rounds, inputs=ids_input, expected=answers[p],
-                                       meter=meter)
-                    controller[str(level)] = controller_state(cluster)  # after the level's last round
-                    if p == first:  # plain decoding at this load against the same stepper in process
-                        report["cluster_at_load"][str(level)] = yardstick.compare(
-                            [r for r in rows if r["concurrency"] == level], prompt_sets[p], args.max_tokens,
-                            args.sweep_rounds)
-                    report["acceptance"][str(p)] = {"load_sweep": rows, "vs_plain": summarize(rows),
-                                                    "verdicts": adaptive_verdicts(rows), "controller": controller}
-                    if args.json_out:
-                        write_json(report, args.json_out)
-                failed |= any(r["answers_unlike_plain"] for r in rows)
-                report["acceptance"][str(p)]["timeline"] = asyncio.run(
-                    timeline(cluster, prompt_sets[p][0], args.max_tokens, args.max_tree_nodes))
+                _sweep_acceptance(args, cluster, meter, yardstick if p == first else None, p, prompt_sets[p],
+                                  answers[p], levels, report)
             report["streamed"] = streamed(cluster)
             meter.close()
     report["answers_unlike_plain"] = sum(r["answers_unlike_plain"] for a in report["acceptance"].values()
@@ -195,9 +183,33 @@ def run_oracle_bench(args: argparse.Namespace) -> int:
     _print(report)
     if args.json_out:
         print(f"wrote {write_json(report, args.json_out)}")
-    if failed:
+    if report["answers_unlike_plain"]:
         print("FAILED: a speculative answer differs from plain decoding through the same cluster")
-    return 1 if failed else 0
+    return 1 if report["answers_unlike_plain"] else 0
+
+
+def _sweep_acceptance(args: argparse.Namespace, cluster: LocalCluster, meter: ClusterMeter,
+                      yardstick: InProcessYardstick | None, p: float, prompts: list, answers: list, levels: list[int],
+                      report: dict) -> None:
+    """The sweep with the oracle at acceptance ``p``, one level at a time, each written to the report (and its
+    file) when done, so that a run stopped midway keeps them; with ``yardstick``, each level's plain run beside
+    the same stepper in process; then one request's timeline."""
+    print(f"oracle acceptance {p} ...", flush=True)
+    rows: list[dict] = []
+    controller: dict[str, dict] = {}
+    for level in levels:
+        rows += load_sweep(cluster, prompts, args.max_tokens, [level], args.fixed_tree_nodes, args.max_tree_nodes,
+                           rounds=args.sweep_rounds, inputs=ids_input, expected=answers, meter=meter)
+        controller[str(level)] = controller_state(cluster)  # after the level's last round
+        if yardstick is not None:
+            report["cluster_at_load"][str(level)] = yardstick.compare(
+                [r for r in rows if r["concurrency"] == level], prompts, args.max_tokens, args.sweep_rounds)
+        report["acceptance"][str(p)] = {"load_sweep": rows, "vs_plain": summarize(rows),
+                                        "verdicts": adaptive_verdicts(rows), "controller": controller}
+        if args.json_out:
+            write_json(report, args.json_out)
+    report["acceptance"][str(p)]["timeline"] = asyncio.run(timeline(cluster, prompts[0], args.max_tokens,
+                                                                    args.max_tree_nodes))
 
 
 class InProcessYardstick:

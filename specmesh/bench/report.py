@@ -34,7 +34,7 @@ FIGURE_LABELS = {
 DEFAULTS_TUNED_ON = "specmesh tune on specmesh/bench/tuning_prompts.jsonl: held out of MT-Bench and of training"
 
 
-def summarize(records: dict[str, ModeRecord], count: int, identical: int, reference: str, one_step_ms: float,
+def mode_summary(records: dict[str, ModeRecord], count: int, identical: int, reference: str, one_step_ms: float,
              busy_s: float, union: dict, drafting_s: float = 0.0, drafters: int = 0) -> dict:
     """The summary of shared/BENCH.md from every mode's record over ``count`` prompts, ``identical`` of which
     every specmesh mode answered exactly as ``reference`` did."""

@@ -33,7 +33,7 @@ from specmesh.bench.load_sweep import MAX_CONCURRENCY, adaptive_verdicts, engine
 from specmesh.bench.modes import WARMUP_PROMPT, BenchModes, hf_modes, llama_cpp_baseline
 from specmesh.bench.provenance import provenance
 from specmesh.bench.report import (
-    DEFAULTS_TUNED_ON, FIGURE_LABELS, mode_rows, per_category, print_report, summarize, write_json,
+    DEFAULTS_TUNED_ON, FIGURE_LABELS, mode_rows, mode_summary, per_category, print_report, write_json,
 )
 from specmesh.client import Client
 from specmesh.cluster.launcher import DEFAULT_DRAFTERS, ClusterSpec, LocalCluster
@@ -172,7 +172,8 @@ def _engines(assembly: Assembly, args: argparse.Namespace, quantized: bool) -> d
     return engines
 
 
-def _clusters(args: argparse.Namespace, drafter_names, cleanup: ExitStack) -> tuple[LocalCluster | None, dict[str, Client]]:
+def _clusters(args: argparse.Namespace, drafter_names,
+              cleanup: ExitStack) -> tuple[LocalCluster | None, dict[str, Client]]:
     """The local cluster (none with --no-cluster) and a client per cluster mode: adaptive, fixed (fusion where
     the drafts meet), and unless --no-secure-cluster a second cluster with TLS, mutual TLS and an API key."""
     if args.no_cluster:
@@ -214,14 +215,15 @@ def run_bench(args: argparse.Namespace) -> int:
         cluster, clients = _clusters(args, drafter_names, cleanup)
         modes = BenchModes(assembly, args, engines, hf, llama_cpp, clients, quantized)
         busy_before = (_verifier_busy_s(cluster), _drafters_busy_s(cluster)) if cluster else (0.0, 0.0)
-        all_identical, own_answers = modes.measure(prompts, requests, assembly.request(WARMUP_PROMPT, params, classifier))
+        warmup = assembly.request(WARMUP_PROMPT, params, classifier)
+        all_identical, own_answers = modes.measure(prompts, requests, warmup)
         busy_s, drafting_s = ((_verifier_busy_s(cluster) - busy_before[0], _drafters_busy_s(cluster) - busy_before[1])
                               if cluster else (0.0, 0.0))
         load_rows, engine_rows = _sweeps(args, concurrency, cluster, engines, prompts, requests, own_answers)
     machine["load_average_after"] = os.getloadavg()[0]
     records = modes.records
-    summary = summarize(records, len(prompts), all_identical, modes.references["own_plain"], one_step_ms, busy_s, union,
-                       drafting_s, len(cluster.drafters) if cluster else 0)
+    summary = mode_summary(records, len(prompts), all_identical, modes.references["own_plain"], one_step_ms, busy_s,
+                           union, drafting_s, len(cluster.drafters) if cluster else 0)
     report = {
         "machine": machine,
         "provenance": provenance(args.argv),
