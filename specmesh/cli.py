@@ -600,8 +600,8 @@ def boost_directory(spec: str, target_name: str) -> Path:
     return directory
 
 
-def _distill(args: argparse.Namespace) -> int:
-    feature = args.kind == "feature"
+def _distill_defaults(args: argparse.Namespace, feature: bool) -> None:
+    """The training settings a kind of drafter defaults to (a feature head: by steps, larger batches), checked."""
     if args.format != "specmesh" and not feature:
         raise InvalidArgument("format", f"{args.format} is a layout of feature heads: add --kind feature")
     args.minutes = args.minutes if args.minutes is not None else (0.0 if feature else 10.0)
@@ -613,19 +613,15 @@ def _distill(args: argparse.Namespace) -> int:
         raise InvalidArgument("learning_rate", f"must be in (0, 1), got {args.learning_rate}")
     if args.batch_tokens < 64:
         raise InvalidArgument("batch_tokens", f"must be >= 64, got {args.batch_tokens}")
-    if feature:
-        return _distill_feature(args)
-    if not args.domain:
-        raise InvalidArgument("domain", "an expert is trained for one domain: give --domain")
-    from specmesh.distill.overlap import without_benchmark
-    from specmesh.distill.recipe import distill, synthesized_prompts
-    from specmesh.distill.templates import DOMAINS, domain_prompts
-    from specmesh.distill.train import TrainConfig
-    from specmesh.prompts import load_prompts
-    from specmesh.runtime.loading import configure_threads
-    from specmesh.speculation.assembly import assemble
+
+
+def _check_expert_args(args: argparse.Namespace) -> None:
+    """An expert's own arguments: its domain, the student's shape, where its prompts come from."""
+    from specmesh.distill.templates import DOMAINS
     from specmesh.speculation.expertise import GENERAL
 
+    if not args.domain:
+        raise InvalidArgument("domain", "an expert is trained for one domain: give --domain")
     if args.steps < 0:
         raise InvalidArgument("steps", f"must be >= 0 (0: train for --minutes), got {args.steps}")
     if not 1 <= args.layers <= 64:
@@ -639,6 +635,22 @@ def _distill(args: argparse.Namespace) -> int:
     if args.synthesize and args.domain not in (*DOMAINS, GENERAL):
         raise InvalidArgument("domain", f"--synthesize keeps the requests classified as one of {sorted(DOMAINS)} "
                               f"or {GENERAL!r} (all but code and math), not {args.domain!r}")
+
+
+def _distill(args: argparse.Namespace) -> int:
+    feature = args.kind == "feature"
+    _distill_defaults(args, feature)
+    if feature:
+        return _distill_feature(args)
+    _check_expert_args(args)
+    from specmesh.distill.overlap import without_benchmark
+    from specmesh.distill.recipe import distill, synthesized_prompts
+    from specmesh.distill.templates import domain_prompts
+    from specmesh.distill.train import TrainConfig
+    from specmesh.prompts import load_prompts
+    from specmesh.runtime.loading import configure_threads
+    from specmesh.speculation.assembly import assemble
+
     prompts = None
     if args.prompts:
         prompts = without_benchmark(load_prompts(args.prompts))  # before loading the model: refused at once
@@ -663,7 +675,6 @@ def _distill(args: argparse.Namespace) -> int:
     print(f"  expected tokens per step (k=1..8): {measured['mtbench_expected_tokens_per_step']}")
     print(f"  cost {measured['cost_ms']} ms per drafted token = {measured['cost_fraction']:.3f} of a target step")
     return 0
-
 
 
 def _distill_feature(args: argparse.Namespace) -> int:
