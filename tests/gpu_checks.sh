@@ -2,16 +2,16 @@
 # The GPU checks (`make gpu-check`), made to fit one short GPU window: PROFILE=default (the GPU figures the
 # open issues ask for, inside BUDGET_S, 480 s unless set) or PROFILE=long (every check, no budget).
 #   default, in order: the 8B one-token step and trees against cuBLAS (`specmesh bench --model random:llama-3-8b`,
-#   whose lossless and batch-invariance checks fail the run; the first figure), two tensor-parallel ranks
-#   sharing the GPU (gloo over GPU tensors: NCCL refuses two ranks on one GPU; NCCL itself where there are two)
-#   with speculative == plain, the whole cluster on the device with the oracle drafter at 1, 16 and 64 requests
-#   (fails when a speculative answer differs from plain), the 8B offloaded (its step against the host-to-device
-#   link), then the cluster offloaded with a wide oracle.
+#   whose lossless and batch-invariance checks fail the run; the first figure), the whole cluster on the device
+#   with the oracle drafter at 1, 16 and 64 requests (fails when a speculative answer differs from plain), the
+#   8B offloaded (its step against the host-to-device link), the cluster offloaded with a wide oracle, then two
+#   tensor-parallel ranks sharing the GPU (gloo over GPU tensors: NCCL refuses two ranks on one GPU; NCCL itself
+#   where there are two) with speculative == plain (~30 s).
 #   long adds, first: the kernels' and CUDA graphs' tests, the tile ladder of the batch-invariant products, an
 #   EAGLE-3 head's cost per drafted token; last, the runtime on the other real architectures (MODELS=).
 # Each check writes its log and JSON to $OUT (default ./gpu-results) as it ends, so a window that closes early
 # keeps what ran; a check that would start with under 20 s left is skipped and named. SKIP_<NAME>=1 leaves one
-# out (TESTS, TILES, HEAD, STEP, TP, ORACLE, OFFLOAD, OFFLOAD_ORACLE, MODELS).
+# out (TESTS, TILES, HEAD, STEP, ORACLE, OFFLOAD, OFFLOAD_ORACLE, TP, MODELS).
 # Runs from the repository root without installing: a package shim maps `specmesh.kernels` to kernels/
 # (PYTHONSAFEPATH keeps the un-mapped folder in the working directory off the import path). What a stock CUDA
 # image lacks comes as wheels in .whl/ (`make gpu-wheels` on any machine with pip's registry; carry `.whl`),
@@ -69,7 +69,6 @@ if [ "$PROFILE" = long ]; then
 fi
 check step 90 14 $PY -m specmesh bench --model random:llama-3-8b --device cuda --repeats "${REPEATS:-10}" \
   --json "$OUT/llama-3-8b.json"
-check tp 90 4 $PY -m pytest -q -p no:cacheprovider tests/test_tensor_parallel.py -k two_ranks_is_their_plain
 check oracle 240 24 $PY -m specmesh bench --model random:llama-3-8b --device cuda \
   --oracle-acceptance "${ORACLE_ACCEPTANCE:-0.8,0.6}" --concurrency 1,16,64 --max-tokens "${ORACLE_TOKENS:-64}" \
   --sweep-rounds "${ORACLE_ROUNDS:-2}" --json "$OUT/oracle-llama-3-8b.json"
@@ -78,6 +77,7 @@ check offload 60 10 $PY -m specmesh bench --model random:llama-3-8b --device cud
 check offload-oracle 120 10 $PY -m specmesh bench --model random:llama-3-8b --device cuda --offload \
   --oracle-acceptance 0.8 --oracle-width 4 --concurrency 1 --max-tokens 32 --sweep-rounds 1 \
   --max-tree-nodes 1024 --fixed-tree-nodes 256 --json "$OUT/offload-oracle-llama-3-8b.json"
+check tp 90 4 $PY -m pytest -q -p no:cacheprovider tests/test_tensor_parallel.py -k two_ranks_is_their_plain
 if [ "$PROFILE" = long ] && [ -z "${SKIP_MODELS:-}" ]; then
   for model in ${MODELS-llama-3.2-1b qwen2.5-0.5b}; do
     check "$model" 420 14 $PY -m specmesh bench --model "random:$model" --device cuda --repeats "${REPEATS:-30}" \
