@@ -34,6 +34,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 HANG_S = 60.0  # how long a condition may take before the test fails: bounds a hang, never a speed
+# where the runtime tests compute: a GPU with Triton compiled (`make gpu-check`), else this CPU
+DEVICE = torch.device("cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu")
 
 
 def need(found: bool, what: str, install: str) -> None:

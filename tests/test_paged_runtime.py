@@ -4,12 +4,11 @@ On a CPU the kernel runs in Triton's interpreter (``TRITON_INTERPRET=1``, set by
 ``TRITON_INTERPRET=0`` on a CUDA machine the same tests run the compiled kernel and the CUDA graphs.
 """
 
-import os
 import random
 
 import pytest
 import torch
-from conftest import tiny_llama
+from conftest import DEVICE, tiny_llama
 
 from specmesh.bench.runtime_speed import plain_greedy
 from specmesh.errors import InvalidArgument, ResourceExhausted
@@ -25,7 +24,6 @@ from specmesh.runtime.paged_llama import PagedLlamaRuntime, bucket_pow2, bucket_
 from specmesh.runtime.target import prefill_sessions
 from specmesh.tree import TokenTree, compile_tree
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu")
 
 
 def random_batch(lengths, rows, num_heads, num_kv_heads, head_dim, page_size=16, pages=64, dtype=torch.float32, seed=0):

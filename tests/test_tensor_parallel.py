@@ -7,12 +7,11 @@ whatever device the group gives."""
 
 import functools
 import multiprocessing
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import tiny_llama
+from conftest import DEVICE, tiny_llama
 from drafting import OracleTreeDrafter
 from sampled_distribution import judge_sampling_on
 
@@ -26,7 +25,6 @@ from specmesh.sampling import SamplingParams
 from specmesh.speculation.engine import Request, SpeculativeEngine
 
 VOCAB = 96
-DEVICE = torch.device("cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu")
 FACTORY = functools.partial(tiny_llama, vocab_size=VOCAB, layers=2, seed=5, max_position_embeddings=2048)
 
 
