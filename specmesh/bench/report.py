@@ -90,18 +90,18 @@ def mode_summary(records: dict[str, ModeRecord], count: int, identical: int, ref
             "engine_speedup_vs_hf_assisted": round(speed["engine"] / assisted_speed, 3),
         }
     if "cluster" in records:
-        summary |= _cluster_figures(records, one_step_ms, busy_s, drafting_s, drafters,
+        summary |= _cluster_figures(records, speed, accepted, one_step_ms, busy_s, drafting_s, drafters,
                                     assisted if "hf_plain" in records else None)
     return summary
 
 
-def _cluster_figures(records: dict[str, ModeRecord], one_step_ms: float, busy_s: float, drafting_s: float,
-                     drafters: int, assisted: tuple[str, float] | None) -> dict:
+def _cluster_figures(records: dict[str, ModeRecord], speed: dict[str, float], accepted: dict[str, float],
+                     one_step_ms: float, busy_s: float, drafting_s: float, drafters: int,
+                     assisted: tuple[str, float] | None) -> dict:
     """The summary's figures of the cluster modes: speed, accepted length, what the cluster adds to a step
     against the same loop in process, idle fractions, TLS's cost, and against Hugging Face (``assisted``: its
-    best assisted setting and speed, where its baselines ran)."""
-    speed = {m: r.speed() for m, r in records.items()}
-    accepted = {m: r.accepted_length() for m, r in records.items() if r.steps}
+    best assisted setting and speed, where its baselines ran); ``speed`` and ``accepted``: each mode's, as
+    ``mode_summary`` has them."""
     cluster, engine = records["cluster"], records["engine"]
     cluster_steps, engine_steps = max(sum(cluster.steps.values()), 1), max(sum(engine.steps.values()), 1)
     # per target step, what the cluster adds to the same loop in process: the drafters' gRPC round trips

@@ -214,11 +214,10 @@ def run_bench(args: argparse.Namespace) -> int:
             cleanup.callback(llama_cpp.close)
         cluster, clients = _clusters(args, drafter_names, cleanup)
         modes = BenchModes(assembly, args, engines, hf, llama_cpp, clients, quantized)
-        busy_before = (_verifier_busy_s(cluster), _drafters_busy_s(cluster)) if cluster else (0.0, 0.0)
+        before = _busy_s(cluster)
         warmup = assembly.request(WARMUP_PROMPT, params, classifier)
         all_identical, own_answers = modes.measure(prompts, requests, warmup)
-        busy_s, drafting_s = ((_verifier_busy_s(cluster) - busy_before[0], _drafters_busy_s(cluster) - busy_before[1])
-                              if cluster else (0.0, 0.0))
+        busy_s, drafting_s = (now - then for now, then in zip(_busy_s(cluster), before))
         load_rows, engine_rows = _sweeps(args, concurrency, cluster, engines, prompts, requests, own_answers)
     machine["load_average_after"] = os.getloadavg()[0]
     records = modes.records
@@ -302,6 +301,11 @@ def _start_cluster(args: argparse.Namespace, drafters, secure: bool = False) -> 
                        precision=args.precision, tls=secure, api_keys=(f"sk-{new_key()}",) if secure else (),
                        offload=getattr(args, "offload", False))
     return LocalCluster(spec).start()
+
+
+def _busy_s(cluster: LocalCluster | None) -> tuple[float, float]:
+    """Seconds the cluster's verifier and its drafter processes have been busy so far (none without one)."""
+    return (_verifier_busy_s(cluster), _drafters_busy_s(cluster)) if cluster else (0.0, 0.0)
 
 
 def _drafters_busy_s(cluster: LocalCluster) -> float:
