@@ -11,6 +11,7 @@ import time
 
 import grpc
 import pytest
+import torch
 from cluster_parts import ServiceStack, SlowVerifier, passes_held, plain_greedy
 from conftest import wait_until_async
 from drafting import OracleTreeDrafter
@@ -361,14 +362,15 @@ def test_one_request_s_numbers_fail_that_request_alone(redis_server, model, toke
             verifier = stack.pool.workers[0].verifier
             forward = verifier.runtime.forward
 
-            def poisoned_forward(batch, **kwargs):  # the rows of the request named "poison" come out NaN
-                logits = forward(batch, **kwargs)
-                if logits is None:  # a prefill
-                    return logits
+            def poisoned_forward(batch, logits_rows=None):  # the rows of the request named "poison" come out NaN
+                logits = forward(batch, logits_rows=logits_rows)
+                # [logits rows]: the pass row each logits row is for (a pass with a prefill chunk keeps only
+                # the verified trees' rows)
+                rows = torch.arange(len(logits)) if logits_rows is None else logits_rows.cpu()
                 poisoned = {id(s) for rid, s in verifier._sessions.items() if rid.startswith("poison:")}
                 for i, session in enumerate(batch.sessions):
                     if id(session) in poisoned:
-                        logits[batch.cu_rows[i] : batch.cu_rows[i + 1]] = float("nan")
+                        logits[((rows >= batch.cu_rows[i]) & (rows < batch.cu_rows[i + 1])).to(logits.device)] = float("nan")
                 return logits
 
             monkeypatch.setattr(verifier.runtime, "forward", poisoned_forward)
