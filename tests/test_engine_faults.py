@@ -39,9 +39,10 @@ def test_a_verifier_that_stood_still_past_its_heartbeat_posts_nothing_for_what_a
             stalled = []
 
             def on_delta(delta):
-                if not stalled:  # the holder stands still past its 1 s heartbeat; the other adopts
+                if not stalled:  # the holder stands still past its 1 s heartbeat; the other adopts (its key
+                    # lapses <= 1 s after the last beat, then <= ADOPT_EVERY_S until the other looks: 2 s, and margin)
                     holder = next(node for node in pool.nodes if node.holds("stalled"))
-                    holder.stall(2.5)
+                    holder.stall(3.5)
                     stalled.append(holder.name)
 
             answer = await asyncio.wait_for(pool.answer(request, on_delta=on_delta), HANG_S)
