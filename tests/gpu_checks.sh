@@ -16,11 +16,20 @@
 # (PYTHONSAFEPATH keeps the un-mapped folder in the working directory off the import path). What a stock CUDA
 # image lacks comes as wheels in .whl/ (`make gpu-wheels` on any machine with pip's registry; carry `.whl`),
 # installed here into /tmp/site ahead of the image's own. Exit 1 if a check failed, 3 if one was left for lack of time.
+# REHEARSE=1 runs every check on this CPU with random:tiny and few repeats and tokens (the CUDA-only tile ladder
+# left out), the same commands and arguments, so a broken check fails here (tests/test_gpu_checks.py), not in a window.
 set -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-results}
 PY=${PYTHON:-python3}
 PROFILE=${PROFILE:-default}
+if [ -n "${REHEARSE:-}" ]; then
+  MODEL=tiny DEVICE=cpu SKIP_TILES=1
+  : "${REPEATS:=2}" "${OFFLOAD_REPEATS:=1}" "${ORACLE_TOKENS:=8}" "${ORACLE_ROUNDS:=1}" "${ORACLE_ACCEPTANCE:=0.8}"
+  : "${HEAD_REPEATS:=2}" "${MODELS=tiny}"
+else
+  MODEL=llama-3-8b DEVICE=cuda
+fi
 case "$PROFILE" in
   default) BUDGET_S=${BUDGET_S:-480} ;;
   long) BUDGET_S=${BUDGET_S:-100000} ;;
@@ -41,7 +50,7 @@ export PYTHONSAFEPATH=1 PYTHONPATH=/tmp/specmesh-shim$site${PYTHONPATH:+:$PYTHON
   TRITON_INTERPRET=0 HF_HUB_OFFLINE=1
 failed=()
 skipped=()
-nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv,noheader
+[ "$DEVICE" = cuda ] && nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 $PY -c "import torch, triton, transformers, grpc, google.protobuf, pydantic; print('torch', torch.__version__, 'triton', \
 triton.__version__, 'transformers', transformers.__version__, 'grpcio', grpc.__version__, 'protobuf', \
 google.protobuf.__version__)" || { echo "gpu-check: the image lacks a package specmesh imports (make gpu-wheels)"; exit 1; }
@@ -63,24 +72,24 @@ check() {
 
 if [ "$PROFILE" = long ]; then
   check tests 300 8 $PY -m pytest -q -p no:cacheprovider tests/test_paged_runtime.py tests/test_tree_attention_kernel.py
-  check tiles 300 4 $PY -m specmesh.bench.invariant_tiles --model llama-3-8b --json "$OUT/tiles-llama-3-8b.json"
-  check head 300 10 $PY -m specmesh.bench.head_cost --model random:llama-3-8b --device cuda \
-    --json "$OUT/head-cost-llama-3-8b.json"
+  check tiles 300 4 $PY -m specmesh.bench.invariant_tiles --model llama-3-8b --json "$OUT/tiles-$MODEL.json"
+  check head 300 10 $PY -m specmesh.bench.head_cost --model "random:$MODEL" --device $DEVICE \
+    --repeats "${HEAD_REPEATS:-40}" --json "$OUT/head-cost-$MODEL.json"
 fi
-check step 90 14 $PY -m specmesh bench --model random:llama-3-8b --device cuda --repeats "${REPEATS:-10}" \
-  --json "$OUT/llama-3-8b.json"
-check oracle 240 24 $PY -m specmesh bench --model random:llama-3-8b --device cuda \
+check step 90 14 $PY -m specmesh bench --model "random:$MODEL" --device $DEVICE --repeats "${REPEATS:-10}" \
+  --json "$OUT/$MODEL.json"
+check oracle 240 24 $PY -m specmesh bench --model "random:$MODEL" --device $DEVICE \
   --oracle-acceptance "${ORACLE_ACCEPTANCE:-0.8,0.6}" --concurrency 1,16,64 --max-tokens "${ORACLE_TOKENS:-64}" \
-  --sweep-rounds "${ORACLE_ROUNDS:-2}" --json "$OUT/oracle-llama-3-8b.json"
-check offload 60 10 $PY -m specmesh bench --model random:llama-3-8b --device cuda --offload \
-  --repeats "${OFFLOAD_REPEATS:-3}" --json "$OUT/offload-llama-3-8b.json"
-check offload-oracle 120 10 $PY -m specmesh bench --model random:llama-3-8b --device cuda --offload \
+  --sweep-rounds "${ORACLE_ROUNDS:-2}" --json "$OUT/oracle-$MODEL.json"
+check offload 60 10 $PY -m specmesh bench --model "random:$MODEL" --device $DEVICE --offload \
+  --repeats "${OFFLOAD_REPEATS:-3}" --json "$OUT/offload-$MODEL.json"
+check offload-oracle 120 10 $PY -m specmesh bench --model "random:$MODEL" --device $DEVICE --offload \
   --oracle-acceptance 0.8 --oracle-width 4 --concurrency 1 --max-tokens 32 --sweep-rounds 1 \
-  --max-tree-nodes 1024 --fixed-tree-nodes 256 --json "$OUT/offload-oracle-llama-3-8b.json"
+  --max-tree-nodes 1024 --fixed-tree-nodes 256 --json "$OUT/offload-oracle-$MODEL.json"
 check tp 90 4 $PY -m pytest -q -p no:cacheprovider tests/test_tensor_parallel.py -k two_ranks_is_their_plain
 if [ "$PROFILE" = long ] && [ -z "${SKIP_MODELS:-}" ]; then
   for model in ${MODELS-llama-3.2-1b qwen2.5-0.5b}; do
-    check "$model" 420 14 $PY -m specmesh bench --model "random:$model" --device cuda --repeats "${REPEATS:-30}" \
+    check "$model" 420 14 $PY -m specmesh bench --model "random:$model" --device $DEVICE --repeats "${REPEATS:-30}" \
       --json "$OUT/$model.json"
   done
 fi

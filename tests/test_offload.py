@@ -135,6 +135,22 @@ def test_the_runtime_bench_times_an_offloaded_step_against_the_link_and_its_big_
     assert rows["bitwise_equal"] == rows["rows"]
 
 
+def test_the_runtime_bench_times_a_step_on_the_device_against_its_copy_limit(tmp_path, monkeypatch):
+    import json
+
+    from specmesh.bench import runtime_speed
+    from specmesh.cli import main
+
+    monkeypatch.setattr(runtime_speed, "BATCHES", ((2, 4),))
+    monkeypatch.setattr(runtime_speed, "CURVE_NODES", (0, 3))
+    out = tmp_path / "step.json"
+    assert main(["bench", "--model", "random:tiny", "--repeats", "1", "--context", "32", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert "offload" not in report and report["copy_bandwidth_gbps"] > 0 and report["hf_step_ms"] > 0
+    assert report["step_vs_limit"] > 0 and report["tree16_vs_step"] > 0 and "tree256_vs_step" not in report
+    assert report["lossless"]["identical"]
+
+
 def test_a_pass_curve_is_measured_whole_where_every_pass_is_slow_but_flat(model):
     import time
 

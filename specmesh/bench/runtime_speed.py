@@ -205,7 +205,7 @@ def measure(runtime: PagedLlamaRuntime, contexts: list[torch.Tensor], device: to
         torch.cuda.synchronize()
     report["prefill_tokens_per_s"] = round(len(contexts) * (context_len - 1) / (time.perf_counter() - started))
     lasts = [int(c[-1]) for c in contexts]
-    longest = max(63, *big_trees)
+    longest = max((63, *big_trees))
     drafted = [(c.tolist() * (1 + longest // len(c)))[:longest] for c in contexts]  # a big tree's tokens repeat
 
     def one(nodes: int, shape: Callable[[list[int]], TokenTree] = TokenTree.chain) -> Callable[[], object]:
