@@ -150,6 +150,17 @@ def test_keep_rows_moves_the_accepted_rows_into_place():
     assert session.length == 17
 
 
+def test_pass_inputs_already_on_a_device_move_without_pinning():
+    from specmesh.runtime.paged_llama import PassInputs
+
+    # what a tensor-parallel follower receives is on its device already; only host memory can be pinned
+    on_device = PassInputs(*(torch.zeros(2, dtype=torch.long, device="meta") for _ in range(9)))
+    moved = on_device.to(torch.device("meta"))
+    assert all(t.device.type == "meta" for t in moved.tensors())
+    on_host = PassInputs(*(torch.zeros(2, dtype=torch.long) for _ in range(9)))
+    assert on_host.to(torch.device("cpu")) is on_host
+
+
 def test_buckets():
     assert [bucket_rows(n) for n in (1, 16, 17, 200, 257, 320, 321, 600)] == [16, 16, 32, 256, 320, 320, 384, 1024]
     assert [bucket_pow2(n) for n in (1, 2, 3, 9)] == [1, 2, 4, 16]

@@ -85,6 +85,8 @@ class PassInputs:
         return PassInputs(*fields)
 
     def to(self, device: torch.device) -> PassInputs:
+        if self.input_ids.device.type != "cpu":  # made on a device (a tensor-parallel follower's): only host memory pins
+            return PassInputs(*(t.to(device) for t in self.tensors()))
         if device.type == "cpu":
             return self
         return self.views(self.flat().pin_memory().to(device, non_blocking=True))
@@ -244,6 +246,8 @@ class PagedLlamaRuntime(LlamaRuntime):
         rows = batch.cu_rows[-1]
         if logits_rows is not None and logits_rows.numel() == 0:
             self.step(inputs.to(self.device), logits=False)  # a prefill: K/V only
+            if self.device.type == "cuda":  # nothing read back to wait on: its time is timed (prefill pace) once done
+                torch.cuda.synchronize(self.device)
             return torch.empty(0, self.vocab_size, device=self.device)
         if self.graphs and inputs.key[0] <= GRAPH_MAX_ROWS:
             logits = self._graph(inputs).run(inputs)[:rows].clone()
