@@ -120,8 +120,6 @@ def test_the_runtime_bench_times_an_offloaded_step_against_the_link_and_its_big_
     from specmesh.bench import runtime_speed
     from specmesh.cli import main
 
-    monkeypatch.setattr(runtime_speed, "BATCHES", ((2, 4),))  # the report's shape, not its figures: small passes
-    monkeypatch.setattr(runtime_speed, "CURVE_NODES", (0, 3))
     out = tmp_path / "offload.json"
     assert main(["bench", "--model", "random:tiny", "--offload", "--repeats", "1", "--context", "32",
                  "--json", str(out)]) == 0
@@ -130,9 +128,9 @@ def test_the_runtime_bench_times_an_offloaded_step_against_the_link_and_its_big_
     assert report["streamed_bytes"] < report["weight_bytes"]  # the layers stream; the head stays on the device
     assert report["streaming_limit_ms"] > 0 and report["step_vs_limit"] > 0
     assert report["tree256_vs_step"] > 0 and report["tree1024_vs_step"] > 0
-    assert report["lossless"]["identical"]
-    rows = report["batch_invariance"]
-    assert rows["bitwise_equal"] == rows["rows"]
+    # a streamed pass is slow (~0.26 s for an 8B over PCIe): two requests checked, no invariance batches
+    assert report["lossless"]["identical"] and set(report["lossless"]) == {"tokens", "identical", "batch1", "batch2"}
+    assert "batch_invariance" not in report and not any(key.startswith("batch") and key.endswith("_ms") for key in report)
 
 
 def test_the_runtime_bench_times_a_step_on_the_device_against_its_copy_limit(tmp_path, monkeypatch):

@@ -200,6 +200,7 @@ def test_a_wide_oracle_through_an_offloaded_cluster_keeps_more_than_any_chain_co
     assert code == 0
     report = json.loads(out.read_text())
     assert report["answers_unlike_plain"] == 0 and report["offload"] and report["oracle_width"] == 4
+    assert report["cluster_at_load"] == {}  # no second offloaded target in process: its passes would double
     # the verifier streamed: every pass copied every decoder layer from host memory (2 bytes a weight at least)
     layers = random_model("random:tiny", torch.float32, torch.device("cpu")).model.layers
     weights = sum(p.numel() for p in layers.parameters())
