@@ -166,6 +166,13 @@ class TensorParallelRuntime(PagedLlamaRuntime):
             raise InvalidArgument("tensor_parallel", f"the ranks would compute differently: {modes}")
         return modes
 
+    def _kv_budget_gb(self, kv_cache_gb: float | None) -> float:
+        budget = super()._kv_budget_gb(kv_cache_gb)
+        if kv_cache_gb is not None or self.device.type != "cuda":
+            return budget
+        # ranks sharing a GPU read its free memory at about the same time: each takes its part of the default
+        return budget / _group["sharing"]
+
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
         return _all_reduce(partial)
 
@@ -207,7 +214,8 @@ def group_plan(where: torch.device, world: int, gpus: int) -> tuple[str, list[to
     return ("nccl" if gpus >= world else "gloo"), devices
 
 
-_group: dict[str, torch.device] = {}  # this process's rank device, once it joined its group (one per process)
+# this process's rank device and how many ranks compute there, once it joined its group (one per process)
+_group: dict[str, torch.device | int] = {}
 
 
 def _group_device() -> torch.device:
@@ -297,6 +305,7 @@ def join_group(where: torch.device, init_method: str, rank: int, world: int) -> 
     made the process's current GPU on CUDA (NCCL's buffers and streams go there)."""
     backend, devices = group_plan(where, world, torch.cuda.device_count() if where.type == "cuda" else 0)
     device = _group["device"] = devices[rank]
+    _group["sharing"] = devices.count(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=IDLE)
