@@ -36,6 +36,7 @@ from specmesh.speculation.engine import Request, SpeculativeEngine
 
 CONTEXT = 150  # committed tokens before the timed proposals
 DRAFT_VOCAB = 32000  # the published Llama-3 heads' draft vocabulary
+WARMUP = 5  # proposals timed but not counted: the first compile kernels and fill caches
 
 
 def random_head(assembly: Assembly, directory: Path, draft_vocab: int = DRAFT_VOCAB, seed: int = 0) -> str:
@@ -70,7 +71,7 @@ def proposal_ms(drafter: FeatureDrafter, features: torch.Tensor, budget: int, re
         position = CONTEXT - 1 + i
         drafter.add_features("cost", Features(position, features[position : position + 1], drafter.feature_layers))
     drafter.end("cost")
-    ms, size = statistics.median(times[5:]) * 1e3, statistics.median(nodes)
+    ms, size = statistics.median(times[WARMUP:]) * 1e3, statistics.median(nodes)
     return {"budget": budget, "ms": round(ms, 3), "nodes": size, "ms_per_node": round(ms / max(size, 1), 3)}
 
 
@@ -114,10 +115,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m specmesh.bench.head_cost", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="random:llama-3-8b", help="the target (random:<architecture> or a model)")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda where there is one)")
-    parser.add_argument("--repeats", type=int, default=40, help="timed proposals at each budget")
+    parser.add_argument("--repeats", type=int, default=40,
+                        help=f"timed proposals at each budget, the first {WARMUP} not counted")
     parser.add_argument("--draft-vocab", type=int, default=DRAFT_VOCAB)
     parser.add_argument("--json", dest="json_out")
     args = parser.parse_args(argv)
+    if args.repeats <= WARMUP:
+        parser.error(f"--repeats must be more than {WARMUP} (the first {WARMUP} only warm up), got {args.repeats}")
     report = measure(args.model, args.device, args.repeats, args.draft_vocab, sys.argv[1:] if argv is None else argv)
     print(f"{report['target']} on {report['device']}: a one-token step {report['target_step_ms']:.3f} ms; "
           f"head in {report['head_dtype']}, draft vocabulary {report['draft_vocab']}")
