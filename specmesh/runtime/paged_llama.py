@@ -85,7 +85,7 @@ class PassInputs:
         return PassInputs(*fields)
 
     def to(self, device: torch.device) -> PassInputs:
-        if self.input_ids.device.type != "cpu":  # made on a device (a tensor-parallel follower's): only host memory pins
+        if self.input_ids.device.type != "cpu":  # made on a device (a tensor-parallel follower's): nothing to pin
             return PassInputs(*(t.to(device) for t in self.tensors()))
         if device.type == "cpu":
             return self
