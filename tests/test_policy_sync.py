@@ -11,6 +11,7 @@ import pytest
 from cluster_parts import EnginePool, plain_greedy
 from conftest import wait_until_async
 
+from specmesh.cancellation import cancel_all
 from specmesh.cluster.metrics import RouterMetrics, VerifierMetrics
 from specmesh.cluster.pipeline.engine_client import EngineClient
 from specmesh.cluster.pipeline.messages import ROUTING, QueueKeys, QueueSigner, new_key
@@ -251,7 +252,8 @@ def test_a_forged_snapshot_is_refused_and_counted_and_the_routers_next_one_appli
             worker = routed.pool.workers[0]
             await wait_until_async(lambda: routed.applied() == routed.published() > 0, timeout_s=20,
                                    what="the router's first snapshot applied")
-            routed.publishing.cancel()
+            # stopped for good before the forgery: a round after it would publish over it unread
+            await asyncio.wait_for(cancel_all(routed.publishing), timeout=5)
             first = routed.applied()
             forger = Expertise(DOMAINS, RoutingConfig(max_drafters=5))
             feed(forger, seed=4)

@@ -45,6 +45,7 @@ from typing import Callable
 from google.protobuf.message import DecodeError
 from redis.exceptions import NoPermissionError
 
+from specmesh.cancellation import raise_if_cancelled
 from specmesh.cluster.backoff import REDIS_DOWN
 from specmesh.cluster.metrics import RouterMetrics, VerifierMetrics
 from specmesh.cluster.pipeline.messages import ROUTING, QueueKeys, QueueSigner
@@ -250,6 +251,7 @@ class RoutingPublisher:
                 log.debug("routing snapshot round skipped: Redis unreachable (%s)", exc)
             except Exception:
                 log.exception("the routing snapshot round failed; carrying on")
+            raise_if_cancelled()  # redis-py may have swallowed it: a stopped publisher publishes no more rounds
             await asyncio.sleep(self.every_s)
 
     async def sync(self) -> bool:
